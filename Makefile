@@ -1,0 +1,36 @@
+# pdorch — the two commands a new user needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test lint check bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,ucx]'
+	touch $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check orchestrator transport tests
+	$(VENV)/bin/ruff format --check orchestrator transport tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: lint
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The main job: for now, the transport benchmark on both backends, side by side with
+# ucx_perftest (see README).
+demo: venv
+	$(VENV)/bin/pdorch demo
+
+bench: venv
+	$(VENV)/bin/pdorch bench transport --backend ucx --size 64MiB --iters 10
+	$(VENV)/bin/pdorch bench transport --backend tcp --size 64MiB --iters 10
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

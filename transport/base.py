@@ -1,0 +1,209 @@
+"""Transfer semantics every backend shares: settings, the data-plane seam, the receiver inbox.
+
+A *sender* opens a transfer to a receiver's address with a `KvHeader`, then sends layer *i*
+as soon as it exists (`OutgoingTransfer.send_layer`), then `finish()`es, which returns only
+when the receiver has verified every layer. A *receiver* checks each header against its
+`Expectation` before reserving memory, verifies every layer's checksum, and files the
+complete `KvCache` (or the transfer's error) in its `Inbox` under the request id, where the
+decode side `take`s it. A partial transfer is discarded and its memory released.
+
+Backends differ only in their `DataPlane`: where the layer payload bytes travel.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transport import errors
+from transport.wire import KvCache
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSettings:
+    """Deadlines and bounds. Every network wait in the transport uses one of these."""
+
+    connect_timeout_s: float = 2.0
+    """TCP connect plus HELLO exchange."""
+    idle_timeout_s: float = 5.0
+    """Longest wait for the peer's next message or payload progress inside a transfer."""
+    transfer_timeout_s: float = 120.0
+    """Whole transfer, open to done."""
+    max_kv_bytes: int = 1 << 30
+    """Largest single KV a receiver accepts (1 GiB)."""
+    memory_budget_bytes: int = 4 << 30
+    """Receiver: total bytes of KV held at once (in flight plus waiting in the inbox)."""
+    max_connections_per_peer: int = 64
+    """Sender: concurrent transfers to one receiver; more wait for a free slot."""
+    send_window: int = 2
+    """Layers a sender keeps in flight on the data plane while it checksums the next one."""
+    epoch_memory: int = 65536
+    """Receiver: request ids whose highest epoch is remembered (LRU)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The remote end of one control connection, as it introduced itself in HELLO."""
+
+    instance_id: bytes
+    data_address: bytes
+
+
+class DataPlane(abc.ABC):
+    """Where layer payloads travel. One instance per sender or receiver process."""
+
+    name: str
+    inline: bool
+    """True when payloads travel on the control connection itself (TCP)."""
+
+    @abc.abstractmethod
+    async def start(self) -> bytes:
+        """Start; return this side's data address (sent to peers in HELLO)."""
+
+    @abc.abstractmethod
+    async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
+        """Send one layer's buffers (K, V) under tags ``tag``, ``tag + 1`` (out-of-band only)."""
+
+    @abc.abstractmethod
+    async def recv(self, peer: Peer, tag: int, into: Sequence[memoryview]) -> None:
+        """Receive one layer's buffers into ``into``, matching `send` (out-of-band only)."""
+
+    @abc.abstractmethod
+    def fail_peer(self, peer: Peer) -> None:
+        """Cancel everything pending with ``peer`` and forget its endpoints (it broke)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Slot:
+    epoch: int
+    future: asyncio.Future[KvCache] = field(default_factory=asyncio.Future)
+    nbytes: int = 0
+
+
+class Inbox:
+    """Received KV caches by request id, the epoch fence, and the receiver's memory budget.
+
+    Not thread-safe; lives on the receiver's event loop.
+    """
+
+    def __init__(self, budget_bytes: int, epoch_memory: int) -> None:
+        self._budget = budget_bytes
+        self._in_use = 0
+        self._slots: dict[str, _Slot] = {}
+        self._epochs: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._epoch_memory = epoch_memory
+        self._arrival = asyncio.Event()  # set and replaced whenever a transfer is admitted
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._in_use
+
+    def min_epoch(self, request_id: str) -> int:
+        return self._epochs.get(request_id, 0)
+
+    def _see_epoch(self, request_id: str, epoch: int) -> None:
+        self._epochs[request_id] = max(epoch, self._epochs.get(request_id, 0))
+        self._epochs.move_to_end(request_id)
+        while len(self._epochs) > self._epoch_memory:
+            self._epochs.popitem(last=False)
+
+    def reserve(self, request_id: str, epoch: int, nbytes: int) -> None:
+        """Admit a transfer: fence its epoch, reserve its bytes. Raises before any alloc."""
+        if epoch < self.min_epoch(request_id):
+            raise errors.StaleEpochError(
+                f"request {request_id!r}: epoch {epoch} < {self.min_epoch(request_id)}"
+            )
+        old = self._slots.get(request_id)
+        if old is not None and old.epoch == epoch and not old.future.done():
+            raise errors.HeaderRejectedError(
+                f"request {request_id!r} epoch {epoch} is already being received"
+            )
+        if self._in_use + nbytes > self._budget:
+            raise errors.BudgetExceededError(
+                f"{nbytes} bytes requested, {self._budget - self._in_use} of "
+                f"{self._budget} free"
+            )
+        self._see_epoch(request_id, epoch)
+        if old is not None:  # superseded by a newer epoch: drop it
+            self._drop(request_id, old, errors.StaleEpochError("superseded by a newer epoch"))
+        self._slots[request_id] = _Slot(epoch=epoch, nbytes=nbytes)
+        self._in_use += nbytes
+        self._arrival.set()
+        self._arrival = asyncio.Event()
+
+    def complete(self, request_id: str, epoch: int, cache: KvCache) -> None:
+        slot = self._slots.get(request_id)
+        if slot is None or slot.epoch != epoch or slot.future.done():
+            raise errors.StaleEpochError(f"request {request_id!r} epoch {epoch} was superseded")
+        slot.future.set_result(cache)
+
+    def fail(self, request_id: str, epoch: int, exc: errors.TransportError) -> None:
+        """A transfer broke: release its memory; a waiting `take` sees ``exc``."""
+        slot = self._slots.get(request_id)
+        if slot is None or slot.epoch != epoch:
+            return
+        self._in_use -= slot.nbytes
+        slot.nbytes = 0
+        if not slot.future.done():
+            slot.future.set_exception(exc)
+            slot.future.exception()  # retrieved here: a take() may never come
+
+    async def take(self, request_id: str, epoch: int, timeout_s: float) -> KvCache:
+        """Wait for the KV of (request id, epoch) and hand it over (the inbox forgets it)."""
+        if epoch < self.min_epoch(request_id):
+            raise errors.StaleEpochError(f"request {request_id!r}: epoch {epoch} is stale")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            slot = self._slots.get(request_id)
+            if slot is not None and slot.epoch == epoch:
+                break
+            if slot is not None and slot.epoch > epoch:
+                raise errors.StaleEpochError(f"request {request_id!r}: epoch {epoch} is stale")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.TransferTimeoutError(
+                    f"no KV for request {request_id!r} epoch {epoch} within {timeout_s}s"
+                )
+            arrival = self._arrival
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arrival.wait(), remaining)
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot.future), deadline - time.monotonic())
+        except TimeoutError:
+            raise errors.TransferTimeoutError(
+                f"KV for request {request_id!r} epoch {epoch} incomplete after {timeout_s}s"
+            ) from None
+        finally:
+            if slot.future.done() and self._slots.get(request_id) is slot:
+                self._drop(request_id, slot, None)
+
+    def discard(self, request_id: str) -> bool:
+        """Free whatever is held or arriving for ``request_id`` (cancel). True if any."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            return False
+        self._drop(request_id, slot, errors.TransportClosedError("discarded"))
+        return True
+
+    def _drop(self, request_id: str, slot: _Slot, exc: errors.TransportError | None) -> None:
+        self._slots.pop(request_id, None)
+        self._in_use -= slot.nbytes
+        slot.nbytes = 0
+        if not slot.future.done() and exc is not None:
+            slot.future.set_exception(exc)
+            slot.future.exception()
+
+    def is_current(self, request_id: str, epoch: int) -> bool:
+        slot = self._slots.get(request_id)
+        return slot is not None and slot.epoch == epoch and not slot.future.done()
+
+    def held(self) -> list[str]:
+        return list(self._slots)

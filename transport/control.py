@@ -1,0 +1,152 @@
+"""Control messages between a KV sender and receiver, and their codec. Pure: no I/O here.
+
+Every backend runs the same small protocol over one TCP connection per transfer slot (the
+connection is pooled and reused); only where the layer *payload* travels differs (inline on
+that connection for TCP, over UCX tags for UCX). A message is ``type u8 | length u32 | body``.
+
+    sender                                   receiver
+      HELLO(id, data address)  ──────────▶
+                               ◀──────────   HELLO(id, data address)
+      OPEN(transfer tag, KV header) ─────▶   check header, reserve memory
+                               ◀──────────   ACCEPT | ERROR(code, message)
+      LAYER(frame) [+ payload] ──────────▶   (repeated, one per layer, any order)
+                               ◀──────────   DONE | ERROR(code, message)
+      ABORT(message) ────────────────────▶   (at any time: discard the partial KV)
+
+The transfer tag is random per transfer and keys payload messages on the data plane, so a
+late payload of an aborted transfer can never be matched by a later one.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import struct
+from dataclasses import dataclass
+
+from transport import errors
+from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES
+
+_HEAD = struct.Struct("<BI")
+HEAD_SIZE = _HEAD.size
+# The largest body: an OPEN (tag + a maximal KV header) or a HELLO carrying a UCX worker
+# address (a few KiB at most). Anything longer is a protocol violation, refused unread.
+MAX_BODY = MAX_HEADER_BYTES + 64 * 1024
+_U64 = struct.Struct("<Q")
+_ERR = struct.Struct("<B")
+INSTANCE_ID_BYTES = 16
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    OPEN = 2
+    ACCEPT = 3
+    LAYER = 4
+    DONE = 5
+    ERROR = 6
+    ABORT = 7
+
+
+class ErrorCode(enum.IntEnum):
+    """Errors that cross the wire, each mapped to one class of the transport's tree."""
+
+    WIRE_FORMAT = 1
+    CHECKSUM = 2
+    REJECTED = 3
+    STALE_EPOCH = 4
+    BUDGET = 5
+    CLOSED = 6
+    TIMEOUT = 7
+    INTERNAL = 8
+
+
+_CODE_TO_ERROR: dict[ErrorCode, type[errors.TransportError]] = {
+    ErrorCode.WIRE_FORMAT: errors.WireFormatError,
+    ErrorCode.CHECKSUM: errors.ChecksumMismatchError,
+    ErrorCode.REJECTED: errors.HeaderRejectedError,
+    ErrorCode.STALE_EPOCH: errors.StaleEpochError,
+    ErrorCode.BUDGET: errors.BudgetExceededError,
+    ErrorCode.CLOSED: errors.TransportClosedError,
+    ErrorCode.TIMEOUT: errors.TransferTimeoutError,
+    ErrorCode.INTERNAL: errors.PeerLostError,
+}
+
+
+def code_for(exc: BaseException) -> ErrorCode:
+    """The wire code for an error (most specific class first)."""
+    for code, cls in sorted(_CODE_TO_ERROR.items(), key=lambda kv: -len(kv[1].__mro__)):
+        if type(exc) is cls or isinstance(exc, cls):
+            return code
+    return ErrorCode.INTERNAL
+
+
+def new_transfer_tag() -> int:
+    """A random 48-bit transfer tag in the high bits; layer tags fill the low 16."""
+    return secrets.randbits(48) << 16
+
+
+def layer_tag(transfer_tag: int, index: int) -> int:
+    """Data-plane tag of layer ``index``: K travels under it, V under it + 1."""
+    return transfer_tag | (index << 1)
+
+
+def error_from(code: int, message: str) -> errors.TransportError:
+    try:
+        cls = _CODE_TO_ERROR[ErrorCode(code)]
+    except ValueError:
+        cls = errors.PeerLostError
+    return cls(f"peer: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: Kind
+    body: bytes
+
+
+def encode(kind: Kind, body: bytes = b"") -> bytes:
+    return _HEAD.pack(kind, len(body)) + body
+
+
+def decode_head(head: bytes) -> tuple[Kind, int]:
+    kind_code, length = _HEAD.unpack(head)
+    try:
+        kind = Kind(kind_code)
+    except ValueError:
+        raise errors.WireFormatError(f"unknown control message type {kind_code}") from None
+    if length > MAX_BODY:
+        raise errors.WireFormatError(f"control message of {length} bytes exceeds {MAX_BODY}")
+    if kind is Kind.LAYER and length != LAYER_FRAME_SIZE:
+        raise errors.WireFormatError(f"LAYER message of {length} bytes")
+    return kind, length
+
+
+def hello(instance_id: bytes, data_address: bytes) -> bytes:
+    return encode(Kind.HELLO, instance_id + data_address)
+
+
+def parse_hello(body: bytes) -> tuple[bytes, bytes]:
+    if len(body) < INSTANCE_ID_BYTES:
+        raise errors.WireFormatError("HELLO too short")
+    return body[:INSTANCE_ID_BYTES], body[INSTANCE_ID_BYTES:]
+
+
+def open_(tag: int, header: bytes) -> bytes:
+    return encode(Kind.OPEN, _U64.pack(tag) + header)
+
+
+def parse_open(body: bytes) -> tuple[int, bytes]:
+    if len(body) < _U64.size:
+        raise errors.WireFormatError("OPEN too short")
+    return _U64.unpack_from(body)[0], body[_U64.size :]
+
+
+def error(exc: BaseException) -> bytes:
+    text = str(exc)[:1000].encode(errors="replace")
+    return encode(Kind.ERROR, _ERR.pack(code_for(exc)) + text)
+
+
+def parse_error(body: bytes) -> errors.TransportError:
+    if not body:
+        return errors.PeerLostError("peer sent an empty ERROR")
+    return error_from(body[0], body[1:].decode(errors="replace"))

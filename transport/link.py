@@ -1,0 +1,188 @@
+"""The control connection shared by every backend: framing, deadlines, error translation.
+
+A `Link` is one TCP connection between a sender and a receiver, after HELLO. It keeps at
+most one *pending read* outstanding: while a side waits for payload progress it races that
+read, so a peer that dies (EOF/RST, seen by the kernel within milliseconds of SIGKILL) or
+reports an error is noticed at once, whichever backend carries the payload. A peer that
+stalls (SIGSTOP) is caught by the idle deadline instead.
+
+OSError, IncompleteReadError and TimeoutError are translated into the transport's tree here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Iterable
+
+from transport import control, errors
+from transport.base import Peer
+
+log = logging.getLogger(__name__)
+
+STREAM_LIMIT = 4 << 20
+"""asyncio stream buffer: large, so inline payloads move in few wakeups."""
+_CHUNK = 4 << 20
+
+
+class Link:
+    """One control connection (exclusively used by one transfer at a time)."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: Peer,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.peer = peer
+        self._pending: asyncio.Task[control.Message] | None = None
+        self._stash: control.Message | None = None  # read early while racing a payload
+        self.broken = False
+
+    # -------------------------------------------------------------------------- reading
+
+    def pending(self) -> asyncio.Task[control.Message]:
+        """The outstanding read of the next message (started if none is)."""
+        if self._pending is None:
+            self._pending = asyncio.create_task(read_message(self.reader), name="pdorch-kv-read")
+        return self._pending
+
+    def take_pending(self) -> control.Message:
+        """Consume the finished pending read (raises what it raised)."""
+        task = self._pending
+        if task is None or not task.done():
+            raise errors.TransportClosedError("link closed while reading")
+        self._pending = None
+        return task.result()
+
+    async def next_message(self, timeout_s: float | None) -> control.Message:
+        if self._stash is not None:
+            msg, self._stash = self._stash, None
+            return msg
+        task = self.pending()
+        await wait_first([task], timeout_s, what="the peer's next message")
+        return self.take_pending()
+
+    def is_stale(self) -> bool:
+        """An idle pooled link whose peer closed it or spoke out of turn."""
+        return (
+            self.broken
+            or self._stash is not None
+            or self.writer.is_closing()
+            or self.pending().done()
+        )
+
+    # -------------------------------------------------------------------------- writing
+
+    async def send(self, data: bytes, timeout_s: float) -> None:
+        try:
+            self.writer.write(data)
+            await asyncio.wait_for(self.writer.drain(), timeout_s)
+        except TimeoutError:
+            self.broken = True
+            raise errors.TransferTimeoutError(f"peer did not read for {timeout_s}s") from None
+        except OSError as exc:
+            self.broken = True
+            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+
+    async def send_payload(self, buffers: Iterable[memoryview], timeout_s: float) -> None:
+        """Write payload bytes inline (TCP backend), racing the pending read for errors."""
+        try:
+            for b in buffers:
+                self.writer.write(b)
+            drain = asyncio.ensure_future(self.writer.drain())
+            try:
+                await self.race(drain, timeout_s, what="the peer to read the payload")
+            finally:
+                drain.cancel()
+        except OSError as exc:
+            self.broken = True
+            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+
+    async def race(self, fut: Awaitable[object], timeout_s: float, *, what: str) -> None:
+        """Wait for ``fut`` while watching the peer: its EOF, ERROR or silence end the wait."""
+        task = asyncio.ensure_future(fut)
+        try:
+            while True:
+                watch: list[asyncio.Future[object]] = [task]
+                if self._stash is None:
+                    watch.append(self.pending())  # type: ignore[arg-type]
+                done = await wait_first(watch, timeout_s, what=what, on_timeout=self)
+                if task in done:
+                    task.result()
+                    return
+                msg = self.take_pending()  # raises PeerLostError on EOF
+                if msg.kind is control.Kind.ERROR:
+                    self.broken = True
+                    raise control.parse_error(msg.body)
+                if msg.kind is control.Kind.ABORT:
+                    self.broken = True
+                    raise errors.PeerLostError(
+                        f"peer aborted: {msg.body.decode(errors='replace')}"
+                    )
+                self._stash = msg  # e.g. DONE racing our last drain: keep it for later
+        except BaseException:
+            self.broken = True
+            raise
+
+    async def read_into(self, view: memoryview, timeout_s: float) -> None:
+        """Read exactly len(view) payload bytes from the connection (TCP backend)."""
+        pos, n = 0, len(view)
+        try:
+            while pos < n:
+                chunk = await asyncio.wait_for(self.reader.read(min(n - pos, _CHUNK)), timeout_s)
+                if not chunk:
+                    raise errors.PeerLostError(f"peer closed after {pos} of {n} payload bytes")
+                view[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        except TimeoutError:
+            self.broken = True
+            raise errors.TransferTimeoutError(
+                f"no payload progress for {timeout_s}s ({pos} of {n} bytes)"
+            ) from None
+        except OSError as exc:
+            self.broken = True
+            raise errors.PeerLostError(f"connection lost after {pos} of {n} bytes") from exc
+
+    async def close(self) -> None:
+        self.broken = True
+        if self._pending is not None:
+            self._pending.cancel()
+            with contextlib.suppress(BaseException):
+                await self._pending
+            self._pending = None
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+async def read_message(reader: asyncio.StreamReader) -> control.Message:
+    """Read one control message. EOF and resets become PeerLostError."""
+    try:
+        head = await reader.readexactly(control.HEAD_SIZE)
+        kind, length = control.decode_head(head)
+        body = await reader.readexactly(length) if length else b""
+    except asyncio.IncompleteReadError as exc:
+        raise errors.PeerLostError("peer closed the connection") from exc
+    except OSError as exc:
+        raise errors.PeerLostError(f"connection lost: {exc}") from exc
+    return control.Message(kind, body)
+
+
+async def wait_first(
+    tasks: list[asyncio.Future[object]] | list[asyncio.Task[control.Message]],
+    timeout_s: float | None,
+    *,
+    what: str,
+    on_timeout: Link | None = None,
+) -> set[asyncio.Future[object]]:
+    """asyncio.wait(FIRST_COMPLETED) with a deadline that raises TransferTimeoutError."""
+    done, _ = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if not done:
+        if on_timeout is not None:
+            on_timeout.broken = True
+        raise errors.TransferTimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+    return done  # type: ignore[return-value]

@@ -1,0 +1,233 @@
+"""The receiving side of KV transfers, for every backend.
+
+Per transfer: decode and check the header against the `Expectation` and the epoch fence
+*before* reserving memory; allocate one contiguous buffer; receive each layer straight into
+its slice (while the next layer's frame is read and earlier layers are verified in a thread);
+then file the `KvCache` in the `Inbox`. Any failure — checksum, protocol, peer death, deadline
+— discards the partial buffer, releases its reservation and files the error, so a decode
+waiting in `Inbox.take` learns of it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+
+from transport import control, errors, wire
+from transport.base import DataPlane, Inbox, Peer, TransportSettings
+from transport.link import STREAM_LIMIT, Link, wait_first
+
+log = logging.getLogger(__name__)
+
+
+class KvReceiver:
+    def __init__(
+        self,
+        data_plane: DataPlane,
+        settings: TransportSettings,
+        model: wire.ModelSpec | None = None,
+    ) -> None:
+        self._plane = data_plane
+        self.settings = settings
+        self.model = model
+        self.inbox = Inbox(settings.memory_budget_bytes, settings.epoch_memory)
+        self._instance = os.urandom(control.INSTANCE_ID_BYTES)
+        self._data_address = b""
+        self._server: asyncio.Server | None = None
+        self._links: set[Link] = set()
+        self._closed = False
+        self.address = ""
+
+    @property
+    def backend(self) -> str:
+        return self._plane.name
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen; returns the "host:port" senders connect to."""
+        self._data_address = await self._plane.start()
+        self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT)
+        sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
+        self.address = f"{sock_host}:{sock_port}"
+        return self.address
+
+    async def take(self, request_id: str, epoch: int, timeout_s: float) -> wire.KvCache:
+        return await self.inbox.take(request_id, epoch, timeout_s)
+
+    def discard(self, request_id: str) -> bool:
+        return self.inbox.discard(request_id)
+
+    async def close(self) -> None:
+        """Stop accepting, drop every connection, free held KV. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            await link.close()
+        for rid in self.inbox.held():
+            self.inbox.discard(rid)
+        await self._plane.close()
+
+    # ------------------------------------------------------------------------ connection
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = Link(reader, writer, Peer(b"", b""))
+        self._links.add(link)
+        try:
+            timeout = self.settings.connect_timeout_s
+            msg = await link.next_message(timeout)
+            if msg.kind is not control.Kind.HELLO:
+                raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
+            link.peer = Peer(*control.parse_hello(msg.body))
+            await link.send(control.hello(self._instance, self._data_address), timeout)
+            while not link.broken and not self._closed:
+                msg = await link.next_message(None)  # an idle pooled link may wait forever
+                if msg.kind is control.Kind.OPEN:
+                    await self._transfer(link, *control.parse_open(msg.body))
+                elif msg.kind is not control.Kind.ABORT:  # a late ABORT is harmless
+                    raise errors.WireFormatError(f"unexpected {msg.kind.name} between transfers")
+        except errors.TransportError as exc:
+            log.debug("KV connection closed: %s", exc)
+        except Exception:
+            log.exception("KV connection handler failed")
+        finally:
+            self._links.discard(link)
+            await link.close()
+
+    async def _transfer(self, link: Link, tag: int, header_bytes: bytes) -> None:
+        s = self.settings
+        try:
+            header = wire.decode_header(header_bytes, s.max_kv_bytes)
+            exp = wire.Expectation(
+                max_kv_bytes=s.max_kv_bytes,
+                model=self.model,
+                min_epoch=self.inbox.min_epoch(header.request_id),
+            )
+            wire.check_expected(header, exp)
+            self.inbox.reserve(header.request_id, header.epoch, header.payload_bytes)
+        except errors.TransportError as exc:
+            log.info("refused KV transfer: %s", exc)
+            await link.send(control.error(exc), s.idle_timeout_s)
+            return
+        rid, epoch = header.request_id, header.epoch
+        started = time.monotonic()
+        try:
+            payload = np.empty(header.payload_bytes, dtype=np.uint8)
+            await link.send(control.encode(control.Kind.ACCEPT), s.idle_timeout_s)
+            await _Receive(self._plane, link, header, tag, payload, s).run()
+            self.inbox.complete(rid, epoch, wire.assemble(header, payload))
+        except errors.TransportError as exc:
+            self.inbox.fail(rid, epoch, exc)
+            log.info("KV transfer of request %s epoch %s failed: %s", rid, epoch, exc)
+            if not isinstance(exc, errors.PeerLostError | errors.TransferTimeoutError):
+                with contextlib.suppress(errors.TransportError):
+                    await link.send(control.error(exc), 1.0)
+            link.broken = True
+            return
+        except BaseException:
+            self.inbox.fail(rid, epoch, errors.TransportClosedError("receiver stopped"))
+            link.broken = True
+            raise
+        log.debug(
+            "received KV of request %s epoch %s: %d bytes in %.1f ms",
+            rid,
+            epoch,
+            header.payload_bytes,
+            1000 * (time.monotonic() - started),
+        )
+        try:
+            await link.send(control.encode(control.Kind.DONE), s.idle_timeout_s)
+        except errors.TransportError:
+            link.broken = True  # the KV is complete and filed; only the ack was lost
+
+
+@dataclasses.dataclass
+class _Receive:
+    """The layer loop of one accepted transfer."""
+
+    plane: DataPlane
+    link: Link
+    header: wire.KvHeader
+    tag: int
+    payload: np.ndarray
+    settings: TransportSettings
+
+    async def run(self) -> None:
+        h, link, s = self.header, self.link, self.settings
+        deadline = time.monotonic() + s.transfer_timeout_s
+        offsets = h.layer_offsets()
+        seen: set[int] = set()
+        work: set[asyncio.Task[None]] = set()
+        verified = 0
+        try:
+            while verified < len(h.layers):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.TransferTimeoutError(
+                        f"transfer exceeded {s.transfer_timeout_s}s ({verified} layers)"
+                    )
+                watch: list[asyncio.Future[object]] = [*work]  # type: ignore[list-item]
+                reading = len(seen) < len(h.layers) or not self.plane.inline
+                if reading:
+                    watch.append(link.pending())  # type: ignore[arg-type]
+                done = await wait_first(
+                    watch, min(remaining, s.idle_timeout_s), what="layer data", on_timeout=link
+                )
+                for task in done:
+                    if task in work:
+                        work.discard(task)  # type: ignore[arg-type]
+                        task.result()
+                        verified += 1
+                if reading and link.pending().done():
+                    msg = link.take_pending()
+                    work.add(await self._on_message(msg, seen, offsets))
+        finally:
+            for task in work:
+                task.cancel()
+            for task in work:
+                with contextlib.suppress(BaseException):
+                    await task
+            if work and not self.plane.inline:
+                self.plane.fail_peer(link.peer)  # posted receives must not outlive the buffer
+
+    async def _on_message(
+        self, msg: control.Message, seen: set[int], offsets: list[int]
+    ) -> asyncio.Task[None]:
+        h = self.header
+        if msg.kind is control.Kind.ABORT:
+            raise errors.PeerLostError(f"sender aborted: {msg.body.decode(errors='replace')}")
+        if msg.kind is not control.Kind.LAYER:
+            raise errors.WireFormatError(f"unexpected {msg.kind.name} during a transfer")
+        frame = wire.decode_layer_frame(msg.body)
+        wire.check_layer_frame(h, frame, seen)
+        if len(seen) == len(h.layers):
+            raise errors.WireFormatError("more layers than declared")
+        seen.add(frame.index)
+        off = offsets[frame.index]
+        view = memoryview(self.payload[off : off + frame.nbytes])  # type: ignore[arg-type]
+        if self.plane.inline:
+            await self.link.read_into(view, self.settings.idle_timeout_s)
+            return asyncio.create_task(_verify(frame, view), name="pdorch-kv-verify")
+        return asyncio.create_task(
+            self._recv_and_verify(frame, view), name=f"pdorch-kv-recv-{frame.index}"
+        )
+
+    async def _recv_and_verify(self, frame: wire.LayerFrame, view: memoryview) -> None:
+        kn = self.header.layers[frame.index].k_nbytes(self.header.dtype)
+        parts = (view[:kn], view[kn:])
+        await self.plane.recv(self.link.peer, control.layer_tag(self.tag, frame.index), parts)
+        await _verify(frame, view)
+
+
+async def _verify(frame: wire.LayerFrame, view: memoryview) -> None:
+    if frame.nbytes >= 1 << 20:
+        await asyncio.to_thread(wire.verify_layer, frame, view)
+    else:
+        wire.verify_layer(frame, view)

@@ -1,0 +1,44 @@
+"""TCP backend: payloads travel inline on the control connection (asyncio streams).
+
+For hosts without UCX. Nothing to set up beyond the control connection, so the data plane
+is empty: `link.Link` writes and reads the payload bytes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transport.base import DataPlane, Peer, TransportSettings
+from transport.receiver import KvReceiver
+from transport.sender import KvSender
+from transport.wire import ModelSpec
+
+
+class TcpDataPlane(DataPlane):
+    name = "tcp"
+    inline = True
+
+    async def start(self) -> bytes:
+        return b""
+
+    async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
+        raise NotImplementedError("TCP payloads travel inline on the control link")
+
+    async def recv(self, peer: Peer, tag: int, into: Sequence[memoryview]) -> None:
+        raise NotImplementedError("TCP payloads travel inline on the control link")
+
+    def fail_peer(self, peer: Peer) -> None:
+        """Nothing is held outside the control link, which its owner closes."""
+
+    async def close(self) -> None:
+        """No resources beyond the links."""
+
+
+def tcp_sender(settings: TransportSettings | None = None) -> KvSender:
+    return KvSender(TcpDataPlane(), settings or TransportSettings())
+
+
+def tcp_receiver(
+    settings: TransportSettings | None = None, model: ModelSpec | None = None
+) -> KvReceiver:
+    return KvReceiver(TcpDataPlane(), settings or TransportSettings(), model)

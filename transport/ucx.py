@@ -1,0 +1,162 @@
+"""UCX backend: layer payloads over UCXX tag messages; control stays on the TCP link.
+
+The configuration, and why (figures measured on the 2-core CI kind of machine; see README):
+
+* Endpoints are created from **worker addresses** exchanged in HELLO, with UCX endpoint error
+  handling **off**. With error handling on, UCX only selects ``tcp`` lanes between processes
+  (0.5–1 GB/s at 64 MiB); off, it may use shared memory / CMA (~7 GB/s, on par with
+  ``ucx_perftest -t tag_bw``). UCXX's listener path (``create_listener``/``create_endpoint``)
+  cannot run without error handling, hence worker addresses.
+* Peer-death detection therefore does not come from UCX. It comes from the control link: a
+  killed peer's TCP connection is reset by its kernel within milliseconds, and a stalled peer
+  trips the transfer's idle deadline. Either way the transport cancels the posted UCX requests
+  by aborting the endpoint (`fail_peer`) before the receive buffer is released.
+* Endpoints are cached per peer *instance* (a random id in HELLO), so a restarted peer gets a
+  fresh endpoint and a stale one is never reused; the cache is bounded (LRU).
+
+``ucxx`` is imported lazily here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from transport import errors
+from transport.base import DataPlane, Peer, TransportSettings
+from transport.receiver import KvReceiver
+from transport.sender import KvSender
+from transport.wire import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class UcxConfig:
+    """UCX options passed to ``ucxx.init`` (keys without the ``UCX_`` prefix)."""
+
+    options: dict[str, str] = field(default_factory=dict)
+    """E.g. ``{"TLS": "tcp"}`` to force TCP lanes; empty lets UCX choose (shm/cma locally)."""
+    max_cached_endpoints: int = 256
+
+
+def _import_ucxx() -> Any:
+    try:
+        import ucxx  # noqa: PLC0415 - lazy on purpose: native, optional dependency
+    except Exception as exc:
+        raise errors.BackendUnavailableError(
+            f"the UCX backend needs ucxx (pip install 'pdorch[ucx]'): {exc}"
+        ) from exc
+    return ucxx
+
+
+def ucx_available() -> bool:
+    try:
+        _import_ucxx()
+    except errors.BackendUnavailableError:
+        return False
+    return True
+
+
+class UcxDataPlane(DataPlane):
+    name = "ucx"
+    inline = False
+
+    def __init__(self, config: UcxConfig | None = None) -> None:
+        self._config = config or UcxConfig()
+        self._ucxx: Any = None
+        self._send_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        self._recv_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        self._connecting: dict[tuple[bool, bytes], asyncio.Lock] = {}
+
+    async def start(self) -> bytes:
+        if self._ucxx is None:
+            ucxx = _import_ucxx()
+            try:
+                if self._config.options:
+                    ucxx.init(options=dict(self._config.options))
+                address = ucxx.get_worker_address().tobytes()
+            except Exception as exc:
+                raise errors.BackendUnavailableError(f"UCX failed to start: {exc}") from exc
+            self._ucxx = ucxx
+            return bytes(address)
+        return bytes(self._ucxx.get_worker_address().tobytes())
+
+    async def _endpoint(self, peer: Peer, sending: bool) -> Any:
+        cache = self._send_eps if sending else self._recv_eps
+        ep = cache.get(peer.instance_id)
+        if ep is not None:
+            cache.move_to_end(peer.instance_id)
+            return ep
+        lock = self._connecting.setdefault((sending, peer.instance_id), asyncio.Lock())
+        async with lock:
+            ep = cache.get(peer.instance_id)
+            if ep is None:
+                try:
+                    address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
+                    ep = await self._ucxx.create_endpoint_from_worker_address(
+                        address, endpoint_error_handling=False
+                    )
+                except Exception as exc:
+                    raise errors.PeerLostError(f"cannot reach peer over UCX: {exc}") from exc
+                cache[peer.instance_id] = ep
+                while len(cache) > self._config.max_cached_endpoints:
+                    _, old = cache.popitem(last=False)
+                    _abort(old)
+        self._connecting.pop((sending, peer.instance_id), None)
+        return ep
+
+    async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
+        ep = await self._endpoint(peer, sending=True)
+        try:
+            await asyncio.gather(
+                *(ep.send(b, tag=tag + i, force_tag=True) for i, b in enumerate(buffers))
+            )
+        except Exception as exc:
+            raise errors.PeerLostError(f"UCX send failed: {exc}") from exc
+
+    async def recv(self, peer: Peer, tag: int, into: Sequence[memoryview]) -> None:
+        ep = await self._endpoint(peer, sending=False)
+        try:
+            await asyncio.gather(
+                *(ep.recv(b, tag=tag + i, force_tag=True) for i, b in enumerate(into))
+            )
+        except Exception as exc:
+            raise errors.PeerLostError(f"UCX receive failed: {exc}") from exc
+
+    def fail_peer(self, peer: Peer) -> None:
+        for cache in (self._send_eps, self._recv_eps):
+            ep = cache.pop(peer.instance_id, None)
+            if ep is not None:
+                _abort(ep)
+
+    async def close(self) -> None:
+        for cache in (self._send_eps, self._recv_eps):
+            while cache:
+                _abort(cache.popitem()[1])
+
+
+def _abort(ep: Any) -> None:
+    """Abort an endpoint: cancels its posted sends/receives (they raise UCXCanceledError)."""
+    try:
+        ep.abort(period=10**9)  # wait at most 1 s for UCX's own close steps
+    except Exception:
+        log.warning("UCX endpoint abort failed", exc_info=True)
+
+
+def ucx_sender(
+    settings: TransportSettings | None = None, config: UcxConfig | None = None
+) -> KvSender:
+    return KvSender(UcxDataPlane(config), settings or TransportSettings())
+
+
+def ucx_receiver(
+    settings: TransportSettings | None = None,
+    model: ModelSpec | None = None,
+    config: UcxConfig | None = None,
+) -> KvReceiver:
+    return KvReceiver(UcxDataPlane(config), settings or TransportSettings(), model)

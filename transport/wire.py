@@ -1,0 +1,464 @@
+"""KV-cache wire format: a versioned header and per-layer frames. Pure: no I/O, no asyncio.
+
+A transfer is a *header* followed by one *layer frame* + payload per transformer layer. The
+header is sent first and declares everything the receiver must check before it allocates a
+byte for the payload: request id, epoch, model fingerprint, dtype, token count and every
+layer's K and V shapes. Layer frames may then follow one by one as the prefill computes them
+(layer-wise streaming): each carries its layer index, payload length and the checksum of its
+payload, so the checksum of layer *i* never depends on layer *i+1* existing.
+
+All integers are little-endian. Header (``HEADER_PREFIX`` is read first, on its own)::
+
+    magic        4s   b"PDKV"
+    version      u16  FORMAT_VERSION
+    flags        u16  0 (reserved; non-zero is refused)
+    header_len   u32  whole header in bytes, checksum included (<= MAX_HEADER_BYTES)
+    epoch        u64
+    token_count  u32
+    dtype        u8   DType
+    checksum     u8   ChecksumAlgo used for layers and this header
+    n_layers     u16
+    rid_len      u16  request id, UTF-8
+    fp_len       u16  model fingerprint, UTF-8
+    payload      u64  total payload bytes (sum of all layers' K+V)
+    request_id   rid_len bytes
+    fingerprint  fp_len bytes
+    per layer:   k_ndim u8, v_ndim u8, k dims u32 * k_ndim, v dims u32 * v_ndim
+    header_sum   u64  checksum of every header byte before it
+
+Layer frame (fixed ``LAYER_FRAME_SIZE`` bytes), then ``nbytes`` of payload: K then V, C order::
+
+    magic   4s  b"PDLY"
+    index   u16
+    flags   u16 0
+    nbytes  u64 must equal the header's K+V bytes for that layer
+    sum     u64 checksum of the payload
+
+`decode_kv` decodes a whole transfer held in one buffer (used by tests and tools); the streaming
+receivers in `link.py` use `header_length`/`decode_header`/`decode_layer_frame` piecewise.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from transport.errors import (
+    ChecksumMismatchError,
+    HeaderRejectedError,
+    StaleEpochError,
+    WireFormatError,
+)
+
+MAGIC = b"PDKV"
+LAYER_MAGIC = b"PDLY"
+FORMAT_VERSION = 1
+
+_PREFIX = struct.Struct("<4sHHI")
+_BODY = struct.Struct("<QIBBHHHQ")
+_LAYER = struct.Struct("<4sHHQQ")
+_SUM = struct.Struct("<Q")
+_DIM = struct.Struct("<I")
+
+HEADER_PREFIX = _PREFIX.size
+LAYER_FRAME_SIZE = _LAYER.size
+# A header describes at most MAX_LAYERS layers of at most MAX_NDIM dims each, plus two short
+# strings; 64 KiB bounds that with room to spare and is what a reader may allocate up front.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_LAYERS = 1024
+MAX_NDIM = 6
+MAX_ID_BYTES = 256
+_MIN_HEADER = _PREFIX.size + _BODY.size + _SUM.size
+
+
+class DType(enum.IntEnum):
+    """Element types a KV cache may travel in. bf16/fp8 travel as raw bits."""
+
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    FLOAT8_E4M3 = 4
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @property
+    def numpy_dtype(self) -> np.dtype[np.generic]:
+        """The numpy dtype the payload is viewed as (bit containers for bf16 and fp8)."""
+        return np.dtype(_NUMPY[self])
+
+
+_ITEMSIZE = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT8_E4M3: 1}
+_NUMPY = {
+    DType.FLOAT32: np.float32,
+    DType.FLOAT16: np.float16,
+    DType.BFLOAT16: np.uint16,
+    DType.FLOAT8_E4M3: np.uint8,
+}
+
+
+class ChecksumAlgo(enum.IntEnum):
+    XXH3_64 = 1
+
+
+def checksum(*buffers: memoryview | bytes | np.ndarray) -> int:
+    """xxh3-64 over the concatenation of ``buffers`` (no copy; releases the GIL)."""
+    if len(buffers) == 1:
+        return int(xxhash.xxh3_64_intdigest(buffers[0]))
+    h = xxhash.xxh3_64()
+    for b in buffers:
+        h.update(b)
+    return int(h.intdigest())
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+
+    def nbytes(self, dtype: DType) -> int:
+        return (math.prod(self.k) + math.prod(self.v)) * dtype.itemsize
+
+    def k_nbytes(self, dtype: DType) -> int:
+        return math.prod(self.k) * dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class KvHeader:
+    """Everything known about a KV transfer before its payload moves."""
+
+    request_id: str
+    epoch: int
+    fingerprint: str
+    dtype: DType
+    token_count: int
+    layers: tuple[LayerShape, ...]
+    checksum_algo: ChecksumAlgo = ChecksumAlgo.XXH3_64
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(layer.nbytes(self.dtype) for layer in self.layers)
+
+    def layer_nbytes(self, index: int) -> int:
+        return self.layers[index].nbytes(self.dtype)
+
+    def layer_offsets(self) -> list[int]:
+        """Byte offset of each layer in a contiguous payload buffer."""
+        offsets, pos = [], 0
+        for layer in self.layers:
+            offsets.append(pos)
+            pos += layer.nbytes(self.dtype)
+        return offsets
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFrame:
+    index: int
+    nbytes: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What a receiver knows of its model: KV must be (kv_heads, tokens, head_dim) per layer."""
+
+    fingerprint: str
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    max_tokens: int = 1 << 20
+
+    def layer_shape(self, tokens: int) -> LayerShape:
+        shape = (self.kv_heads, tokens, self.head_dim)
+        return LayerShape(k=shape, v=shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    """What a receiver checks a header against before accepting a byte of payload."""
+
+    max_kv_bytes: int
+    model: ModelSpec | None = None
+    request_id: str | None = None
+    min_epoch: int = 0
+    dtypes: frozenset[DType] = field(default_factory=lambda: frozenset(DType))
+
+
+@dataclass(frozen=True, slots=True)
+class KvCache:
+    """A complete, verified KV cache: per layer a (K, V) pair of arrays viewing the payload."""
+
+    header: KvHeader
+    layers: tuple[tuple[np.ndarray, np.ndarray], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.payload_bytes
+
+
+# ------------------------------------------------------------------------------------ encode
+
+
+def encode_header(h: KvHeader) -> bytes:
+    rid, fp = h.request_id.encode(), h.fingerprint.encode()
+    parts = [
+        _BODY.pack(
+            h.epoch,
+            h.token_count,
+            h.dtype,
+            h.checksum_algo,
+            len(h.layers),
+            len(rid),
+            len(fp),
+            h.payload_bytes,
+        ),
+        rid,
+        fp,
+    ]
+    for layer in h.layers:
+        parts.append(bytes((len(layer.k), len(layer.v))))
+        parts.extend(_DIM.pack(d) for d in (*layer.k, *layer.v))
+    body = b"".join(parts)
+    total = _PREFIX.size + len(body) + _SUM.size
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, total) + body
+    out = head + _SUM.pack(checksum(head))
+    if len(out) > MAX_HEADER_BYTES:
+        raise WireFormatError(f"header of {len(out)} bytes exceeds {MAX_HEADER_BYTES}")
+    return out
+
+
+def encode_layer_frame(frame: LayerFrame) -> bytes:
+    return _LAYER.pack(LAYER_MAGIC, frame.index, 0, frame.nbytes, frame.checksum)
+
+
+def layer_frame_for(index: int, k: np.ndarray, v: np.ndarray) -> LayerFrame:
+    """The frame announcing layer ``index`` with payload K then V."""
+    kb, vb = as_bytes_view(k), as_bytes_view(v)
+    return LayerFrame(index=index, nbytes=kb.nbytes + vb.nbytes, checksum=checksum(kb, vb))
+
+
+def as_bytes_view(a: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array, without copying."""
+    if not a.flags.c_contiguous:
+        raise WireFormatError("KV tensors must be C-contiguous host buffers")
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def header_for(
+    request_id: str,
+    epoch: int,
+    fingerprint: str,
+    dtype: DType,
+    layers: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> KvHeader:
+    """Build a header describing ``layers`` (token count taken from K's second-to-last dim)."""
+    shapes = tuple(LayerShape(k=tuple(k.shape), v=tuple(v.shape)) for k, v in layers)
+    tokens = shapes[0].k[-2] if shapes and len(shapes[0].k) >= 2 else 0
+    return KvHeader(request_id, epoch, fingerprint, dtype, tokens, shapes)
+
+
+def encode_kv(cache: KvCache) -> list[memoryview | bytes]:
+    """The whole transfer as a list of buffers (header, then frame + K + V per layer)."""
+    out: list[memoryview | bytes] = [encode_header(cache.header)]
+    for i, (k, v) in enumerate(cache.layers):
+        out.append(encode_layer_frame(layer_frame_for(i, k, v)))
+        out.extend((as_bytes_view(k), as_bytes_view(v)))
+    return out
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Check the fixed prefix and return the whole header's length (bounded)."""
+    if len(prefix) < _PREFIX.size:
+        raise WireFormatError(f"truncated header prefix: {len(prefix)} of {_PREFIX.size} bytes")
+    magic, version, flags, total = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise WireFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise WireFormatError(f"unsupported format version {version} (this is {FORMAT_VERSION})")
+    if flags:
+        raise WireFormatError(f"unknown header flags {flags:#x}")
+    if not _MIN_HEADER <= total <= MAX_HEADER_BYTES:
+        raise WireFormatError(
+            f"header length {total} outside [{_MIN_HEADER}, {MAX_HEADER_BYTES}] bytes"
+        )
+    return int(total)
+
+
+def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
+    """Decode exactly one header from ``buf`` (which must hold the header and nothing more)."""
+    total = header_length(buf)
+    if len(buf) != total:
+        kind = "truncated" if len(buf) < total else "trailing bytes after"
+        raise WireFormatError(f"{kind} header: have {len(buf)} bytes, header declares {total}")
+    (declared_sum,) = _SUM.unpack_from(buf, total - _SUM.size)
+    if checksum(memoryview(buf)[: total - _SUM.size]) != declared_sum:
+        raise ChecksumMismatchError("header checksum mismatch")
+    epoch, tokens, dtype_code, algo, n_layers, rid_len, fp_len, payload = _BODY.unpack_from(
+        buf, _PREFIX.size
+    )
+    try:
+        dtype = DType(dtype_code)
+    except ValueError:
+        raise WireFormatError(f"unknown dtype code {dtype_code}") from None
+    try:
+        algo_e = ChecksumAlgo(algo)
+    except ValueError:
+        raise WireFormatError(f"unknown checksum algorithm {algo}") from None
+    if not 1 <= n_layers <= MAX_LAYERS:
+        raise WireFormatError(f"layer count {n_layers} outside [1, {MAX_LAYERS}]")
+    if rid_len == 0 or rid_len > MAX_ID_BYTES or fp_len == 0 or fp_len > MAX_ID_BYTES:
+        raise WireFormatError("request id and fingerprint must be 1..256 bytes")
+    if payload > max_kv_bytes:
+        raise WireFormatError(f"payload of {payload} bytes exceeds the limit of {max_kv_bytes}")
+    end = total - _SUM.size
+    pos = _PREFIX.size + _BODY.size
+    if pos + rid_len + fp_len > end:
+        raise WireFormatError("header too short for its request id and fingerprint")
+    try:
+        rid = bytes(buf[pos : pos + rid_len]).decode()
+        fp = bytes(buf[pos + rid_len : pos + rid_len + fp_len]).decode()
+    except UnicodeDecodeError as exc:
+        raise WireFormatError("request id or fingerprint is not UTF-8") from exc
+    pos += rid_len + fp_len
+    layers: list[LayerShape] = []
+    for i in range(n_layers):
+        if pos + 2 > end:
+            raise WireFormatError(f"header truncated in layer {i}'s shape")
+        k_ndim, v_ndim = buf[pos], buf[pos + 1]
+        pos += 2
+        if not (1 <= k_ndim <= MAX_NDIM and 1 <= v_ndim <= MAX_NDIM):
+            raise WireFormatError(f"layer {i}: ndim outside [1, {MAX_NDIM}]")
+        n = k_ndim + v_ndim
+        if pos + 4 * n > end:
+            raise WireFormatError(f"header truncated in layer {i}'s dims")
+        dims = struct.unpack_from(f"<{n}I", buf, pos)
+        pos += 4 * n
+        layers.append(LayerShape(k=tuple(dims[:k_ndim]), v=tuple(dims[k_ndim:])))
+    if pos != end:
+        raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
+    header = KvHeader(rid, epoch, fp, dtype, tokens, tuple(layers), algo_e)
+    if header.payload_bytes != payload:
+        raise WireFormatError(
+            f"declared payload {payload} bytes but layer shapes add up to {header.payload_bytes}"
+        )
+    return header
+
+
+def check_expected(h: KvHeader, exp: Expectation) -> None:
+    """Refuse a decoded header that this receiver must not accept. Raises before any alloc."""
+    if h.payload_bytes > exp.max_kv_bytes:
+        raise WireFormatError(f"payload of {h.payload_bytes} bytes exceeds {exp.max_kv_bytes}")
+    if h.dtype not in exp.dtypes:
+        raise HeaderRejectedError(f"dtype {h.dtype.name} not accepted here")
+    if exp.request_id is not None and h.request_id != exp.request_id:
+        raise HeaderRejectedError(
+            f"transfer is for request {h.request_id!r}, expected {exp.request_id!r}"
+        )
+    if h.epoch < exp.min_epoch:
+        raise StaleEpochError(
+            f"request {h.request_id!r}: epoch {h.epoch} is older than {exp.min_epoch}"
+        )
+    m = exp.model
+    if m is None:
+        return
+    if h.fingerprint != m.fingerprint:
+        raise HeaderRejectedError(
+            f"model fingerprint {h.fingerprint!r} does not match {m.fingerprint!r}"
+        )
+    if len(h.layers) != m.n_layers:
+        raise HeaderRejectedError(f"{len(h.layers)} layers declared, the model has {m.n_layers}")
+    if not 0 < h.token_count <= m.max_tokens:
+        raise HeaderRejectedError(f"token count {h.token_count} outside [1, {m.max_tokens}]")
+    want = m.layer_shape(h.token_count)
+    for i, layer in enumerate(h.layers):
+        if layer != want:
+            raise HeaderRejectedError(
+                f"layer {i} shapes K{layer.k} V{layer.v} do not match the model's {want.k}"
+            )
+
+
+def decode_layer_frame(buf: bytes | memoryview) -> LayerFrame:
+    if len(buf) != LAYER_FRAME_SIZE:
+        raise WireFormatError(f"layer frame must be {LAYER_FRAME_SIZE} bytes, got {len(buf)}")
+    magic, index, flags, nbytes, csum = _LAYER.unpack_from(buf)
+    if magic != LAYER_MAGIC:
+        raise WireFormatError(f"bad layer frame magic {bytes(magic)!r}")
+    if flags:
+        raise WireFormatError(f"unknown layer frame flags {flags:#x}")
+    return LayerFrame(index=index, nbytes=nbytes, checksum=csum)
+
+
+def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: set[int]) -> None:
+    """A frame must name a declared, not yet received layer, with the declared length."""
+    if frame.index >= len(h.layers):
+        raise WireFormatError(f"layer index {frame.index} beyond {len(h.layers)} layers")
+    if frame.index in seen:
+        raise WireFormatError(f"duplicate layer {frame.index}")
+    want = h.layer_nbytes(frame.index)
+    if frame.nbytes != want:
+        raise WireFormatError(
+            f"layer {frame.index} carries {frame.nbytes} bytes, header declares {want}"
+        )
+
+
+def verify_layer(frame: LayerFrame, payload: memoryview | np.ndarray) -> None:
+    if checksum(payload) != frame.checksum:
+        raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
+
+
+def layer_views(
+    h: KvHeader, payload: np.ndarray
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(index, K, V) views into a contiguous uint8 payload buffer laid out as on the wire."""
+    np_dtype = h.dtype.numpy_dtype
+    for i, (layer, off) in enumerate(zip(h.layers, h.layer_offsets(), strict=True)):
+        kn = layer.k_nbytes(h.dtype)
+        vn = layer.nbytes(h.dtype) - kn
+        k = payload[off : off + kn].view(np_dtype).reshape(layer.k)
+        v = payload[off + kn : off + kn + vn].view(np_dtype).reshape(layer.v)
+        yield i, k, v
+
+
+def assemble(h: KvHeader, payload: np.ndarray) -> KvCache:
+    """Wrap a fully received and verified payload buffer as a KvCache (no copy)."""
+    return KvCache(h, tuple((k, v) for _, k, v in layer_views(h, payload)))
+
+
+def decode_kv(buf: bytes | memoryview, exp: Expectation) -> KvCache:
+    """Strictly decode one whole transfer held in ``buf``; nothing may trail it."""
+    mv = memoryview(buf).cast("B")
+    total = header_length(mv[:_PREFIX.size])
+    if len(mv) < total:
+        raise WireFormatError(f"truncated: {len(mv)} bytes, header alone declares {total}")
+    header = decode_header(mv[:total], exp.max_kv_bytes)
+    check_expected(header, exp)
+    expected_len = total + len(header.layers) * LAYER_FRAME_SIZE + header.payload_bytes
+    if len(mv) < expected_len:
+        raise WireFormatError(f"truncated: {len(mv)} bytes of {expected_len}")
+    if len(mv) > expected_len:
+        raise WireFormatError(f"{len(mv) - expected_len} trailing bytes after the transfer")
+    payload = np.empty(header.payload_bytes, dtype=np.uint8)
+    offsets = header.layer_offsets()
+    seen: set[int] = set()
+    pos = total
+    for _ in header.layers:
+        frame = decode_layer_frame(mv[pos : pos + LAYER_FRAME_SIZE])
+        check_layer_frame(header, frame, seen)
+        pos += LAYER_FRAME_SIZE
+        body = mv[pos : pos + frame.nbytes]
+        verify_layer(frame, body)
+        off = offsets[frame.index]
+        payload[off : off + frame.nbytes] = np.frombuffer(body, dtype=np.uint8)
+        seen.add(frame.index)
+        pos += frame.nbytes
+    return assemble(header, payload)
