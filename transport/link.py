@@ -148,15 +148,19 @@ class Link:
             raise errors.PeerLostError(f"connection lost after {pos} of {n} bytes") from exc
 
     async def close(self) -> None:
-        self.broken = True
+        """Close the connection; a broken one is aborted (unsent bytes dropped, no waiting)."""
+        broken, self.broken = self.broken, True
         if self._pending is not None:
             self._pending.cancel()
             with contextlib.suppress(BaseException):
                 await self._pending
             self._pending = None
+        if broken:
+            self.writer.transport.abort()
+            return
         self.writer.close()
-        with contextlib.suppress(OSError):
-            await self.writer.wait_closed()
+        with contextlib.suppress(OSError, TimeoutError):
+            await asyncio.wait_for(self.writer.wait_closed(), 1.0)
 
 
 async def read_message(reader: asyncio.StreamReader) -> control.Message:

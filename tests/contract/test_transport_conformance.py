@@ -1,0 +1,31 @@
+"""The transport conformance suite (`transport.testing`), run against every backend."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from transport import testing
+from transport.ucx import ucx_available
+
+BACKENDS = [
+    pytest.param(
+        "ucx",
+        marks=[
+            pytest.mark.ucx,
+            pytest.mark.skipif(not ucx_available(), reason="ucxx not installed"),
+        ],
+    ),
+    "tcp",
+]
+
+Check = Callable[[str], Coroutine[Any, Any, None]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("check", testing.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_conformance(check: Check, backend: str) -> None:
+    asyncio.run(check(backend))

@@ -1,0 +1,420 @@
+"""Conformance suite every transport backend passes, a peer process, and fault injection.
+
+Run from ``tests/contract``: each ``check_*`` coroutine takes a backend name, starts the other
+end of the transfer as a separate process (`PeerProcess`, driven by JSON lines over its
+stdin/stdout) and raises AssertionError on a violation. The local end runs in the caller's
+event loop, so the test sees typed errors and timings first-hand.
+
+`FaultInjector` is the fault-injecting wrapper: attached to a `KvSender`, it corrupts or
+delays a chosen layer's payload *after* its checksum was taken, for any backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from transport import errors, wire
+from transport.backends import make_receiver, make_sender
+from transport.base import TransportSettings
+from transport.receiver import KvReceiver
+from transport.sender import KvSender
+
+FINGERPRINT = "conformance-model"
+KIB, MIB = 1 << 10, 1 << 20
+
+
+# ------------------------------------------------------------------------ synthetic caches
+
+
+def synthetic_layers(size: int, n_layers: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n_layers`` (K, V) float32 pairs adding up to about ``size`` bytes, cheap to fill."""
+    per_tensor = max(1, size // (2 * n_layers * 4))
+    layers = []
+    for i in range(n_layers):
+        base = np.arange(per_tensor, dtype=np.uint32)
+        k = (base * 2654435761 + (seed * 1000 + i)).view(np.float32).reshape(1, per_tensor, 1)
+        v = (base * 40503 + (seed * 1000 + i + 7)).view(np.float32).reshape(1, per_tensor, 1)
+        layers.append((k, v))
+    return layers
+
+
+def synthetic_cache(
+    request_id: str, epoch: int, size: int, n_layers: int = 4, seed: int = 0
+) -> wire.KvCache:
+    layers = synthetic_layers(size, n_layers, seed)
+    header = wire.header_for(request_id, epoch, FINGERPRINT, wire.DType.FLOAT32, layers)
+    return wire.KvCache(header, tuple(layers))
+
+
+def digest(cache: wire.KvCache) -> int:
+    return wire.checksum(*(b for k, v in cache.layers for b in (k, v)))
+
+
+# ------------------------------------------------------------------------ fault injection
+
+
+@dataclass
+class FaultInjector:
+    """Corrupts one byte of, or delays, a chosen layer on its way out of a sender."""
+
+    layer: int = 0
+    corrupt_offset: int | None = None
+    delay_s: float = 0.0
+
+    def attach(self, sender: KvSender) -> None:
+        sender.payload_hook = self._hook
+
+    def _hook(self, index: int, k: memoryview, v: memoryview) -> tuple[memoryview, memoryview]:
+        if index != self.layer:
+            return k, v
+        if self.delay_s:
+            time.sleep(self.delay_s)  # blocking on purpose: a stalled sender
+        if self.corrupt_offset is None:
+            return k, v
+        both = bytearray(k) + bytearray(v)
+        both[self.corrupt_offset % len(both)] ^= 0xFF
+        mv = memoryview(both)
+        return mv[: len(k)], mv[len(k) :]
+
+
+# ------------------------------------------------------------------------ peer process
+
+
+class PeerProcess:
+    """The other end of a transfer, in its own process; commands and replies are JSON lines."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    @classmethod
+    async def start(cls, backend: str, settings: TransportSettings) -> PeerProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "transport.testing",
+            backend,
+            json.dumps(asdict(settings)),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        return cls(proc)
+
+    def command(self, **command: Any) -> None:
+        """Send a command without waiting for its reply (read it with `reply`)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command).encode() + b"\n")
+
+    async def call(self, timeout_s: float = 30.0, **command: Any) -> dict[str, Any]:
+        self.command(**command)
+        return await self.reply(timeout_s)
+
+    async def reply(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if not line:
+            raise AssertionError(f"peer process {self.pid} exited ({self.proc.returncode})")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(self.pid, sig)
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.kill()
+            await self.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def peer(backend: str, settings: TransportSettings) -> AsyncIterator[PeerProcess]:
+    p = await PeerProcess.start(backend, settings)
+    try:
+        yield p
+    finally:
+        await p.stop()
+
+
+async def _peer_main(backend: str, settings: TransportSettings) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    receiver: KvReceiver | None = None
+    sender: KvSender | None = None
+
+    def out(**reply: Any) -> None:
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            if op == "listen":
+                receiver = make_receiver(backend, settings)
+                out(address=await receiver.start(port=cmd.get("port", 0)))
+            elif op == "take":
+                assert receiver is not None
+                started = time.monotonic()
+                try:
+                    cache = await receiver.take(cmd["rid"], cmd["epoch"], cmd["timeout"])
+                except errors.TransportError as exc:
+                    out(ok=False, error=type(exc).__name__, elapsed=time.monotonic() - started)
+                else:
+                    out(ok=True, digest=digest(cache), nbytes=cache.nbytes)
+            elif op == "stats":
+                assert receiver is not None
+                out(bytes_in_use=receiver.inbox.bytes_in_use)
+            elif op == "send":
+                sender = sender or make_sender(backend, settings)
+                cache = synthetic_cache(cmd["rid"], cmd["epoch"], cmd["size"], cmd["layers"])
+                try:
+                    async with await sender.open(cmd["address"], cache.header) as transfer:
+                        for i, (k, v) in enumerate(cache.layers):
+                            await transfer.send_layer(i, k, v)
+                            out(event="layer", index=i)
+                            await asyncio.sleep(cmd.get("layer_delay_s", 0.0))
+                        await transfer.finish()
+                except errors.TransportError as exc:
+                    out(ok=False, error=type(exc).__name__)
+                else:
+                    out(ok=True, digest=digest(cache))
+            else:
+                out(ok=False, error=f"unknown op {op}")
+        except Exception as exc:
+            out(ok=False, error=f"{type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------------ the suite
+
+SIZES = (1 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)
+
+
+async def check_sizes(backend: str, sizes: tuple[int, ...] = SIZES) -> None:
+    """Local sender → peer receiver: every size arrives intact."""
+    settings = TransportSettings()
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        try:
+            for n, size in enumerate(sizes):
+                cache = synthetic_cache(f"size-{n}", 1, size, n_layers=8, seed=n)
+                await sender.send(address, cache)
+                got = await p.call(op="take", rid=f"size-{n}", epoch=1, timeout=30)
+                assert got == {"ok": True, "digest": digest(cache), "nbytes": cache.nbytes}, got
+                del cache
+        finally:
+            await sender.close()
+        assert (await p.call(op="stats"))["bytes_in_use"] == 0
+
+
+async def check_concurrent(backend: str, transfers: int = 32) -> None:
+    """``transfers`` concurrent transfers between one pair, all intact."""
+    settings = TransportSettings()
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        caches = [synthetic_cache(f"c{i}", 1, 256 * KIB, seed=i) for i in range(transfers)]
+        try:
+            await asyncio.gather(*(sender.send(address, c) for c in caches))
+        finally:
+            await sender.close()
+        for c in caches:
+            got = await p.call(op="take", rid=c.header.request_id, epoch=1, timeout=10)
+            assert got.get("digest") == digest(c), got
+
+
+async def check_sender_killed(backend: str) -> None:
+    """Peer sender SIGKILLed mid-transfer: the local receiver errs within 2 s, frees memory."""
+    settings = TransportSettings(idle_timeout_s=10.0)
+    receiver = make_receiver(backend, settings)
+    address = await receiver.start()
+    try:
+        async with peer(backend, settings) as p:
+            p.command(
+                op="send", address=address, rid="k", epoch=1, size=32 * MIB, layers=8,
+                layer_delay_s=0.5,
+            )
+            assert (await p.reply())["event"] == "layer"
+            assert receiver.inbox.bytes_in_use > 0
+            p.signal(signal.SIGKILL)
+            killed = time.monotonic()
+            try:
+                await receiver.take("k", 1, timeout_s=10)
+            except errors.PeerLostError:
+                pass
+            else:
+                raise AssertionError("a half-sent KV was handed over")
+            assert time.monotonic() - killed < 2.0, time.monotonic() - killed
+            assert receiver.inbox.bytes_in_use == 0
+    finally:
+        await receiver.close()
+
+
+async def check_receiver_killed(backend: str) -> None:
+    """Peer receiver SIGKILLed mid-transfer: the local sender errs within 2 s."""
+    settings = TransportSettings(idle_timeout_s=10.0)
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        cache = synthetic_cache("rk", 1, 64 * MIB, n_layers=16)
+        try:
+            with contextlib.suppress(errors.PeerLostError):  # either step may see it
+                async with await sender.open(address, cache.header) as transfer:
+                    await transfer.send_layer(0, *cache.layers[0])
+                    p.signal(signal.SIGKILL)
+                    killed = time.monotonic()
+                    for i, (k, v) in enumerate(cache.layers[1:], start=1):
+                        await transfer.send_layer(i, k, v)
+                    await transfer.finish()
+                raise AssertionError("transfer to a killed receiver reported success")
+            assert time.monotonic() - killed < 2.0, time.monotonic() - killed
+        finally:
+            await sender.close()
+
+
+async def check_stalled_receiver(backend: str) -> None:
+    """Peer receiver SIGSTOPped mid-transfer: the sender's deadline fires."""
+    settings = TransportSettings(idle_timeout_s=1.0)
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        cache = synthetic_cache("st", 1, 64 * MIB, n_layers=4)
+        started = 0.0
+        try:
+            async with await sender.open(address, cache.header) as transfer:
+                p.signal(signal.SIGSTOP)
+                started = time.monotonic()
+                for i, (k, v) in enumerate(cache.layers):
+                    await transfer.send_layer(i, k, v)
+                await transfer.finish()
+            raise AssertionError("transfer to a stopped receiver reported success")
+        except errors.TransferTimeoutError:
+            assert time.monotonic() - started < 5.0
+        finally:
+            p.signal(signal.SIGCONT)
+            await sender.close()
+
+
+async def check_stalled_sender(backend: str) -> None:
+    """Peer sender SIGSTOPped mid-transfer: the local receiver's deadline fires, memory freed."""
+    settings = TransportSettings(idle_timeout_s=1.0)
+    receiver = make_receiver(backend, settings)
+    address = await receiver.start()
+    try:
+        async with peer(backend, settings) as p:
+            p.command(
+                op="send", address=address, rid="ss", epoch=1, size=4 * MIB, layers=4,
+                layer_delay_s=0.3,
+            )
+            assert (await p.reply())["event"] == "layer"
+            p.signal(signal.SIGSTOP)
+            try:
+                await receiver.take("ss", 1, timeout_s=10)
+            except errors.TransferTimeoutError:
+                pass
+            else:
+                raise AssertionError("a stalled transfer was handed over")
+            assert receiver.inbox.bytes_in_use == 0
+    finally:
+        await receiver.close()
+
+
+async def check_corruption(backend: str) -> None:
+    """One flipped payload byte: both ends see ChecksumMismatchError; nothing is handed over."""
+    settings = TransportSettings()
+    receiver = make_receiver(backend, settings)
+    address = await receiver.start()
+    sender = make_sender(backend, settings)
+    FaultInjector(layer=2, corrupt_offset=12345).attach(sender)
+    cache = synthetic_cache("bad", 1, 1 * MIB, n_layers=4)
+    try:
+        try:
+            await sender.send(address, cache)
+        except errors.ChecksumMismatchError:
+            pass
+        else:
+            raise AssertionError("corrupted transfer reported success")
+        try:
+            await receiver.take("bad", 1, timeout_s=5)
+        except errors.ChecksumMismatchError:
+            pass
+        else:
+            raise AssertionError("a corrupted KV was handed over")
+        assert receiver.inbox.bytes_in_use == 0
+        sender.payload_hook = None  # the link recovers: the next transfer goes through
+        await sender.send(address, synthetic_cache("good", 1, 1 * MIB))
+        assert digest(await receiver.take("good", 1, 5)) == digest(synthetic_cache("good", 1, MIB))
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def check_stale_epoch(backend: str) -> None:
+    """An epoch older than one seen for the request is refused before any payload moves."""
+    settings = TransportSettings()
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        try:
+            await sender.send(address, synthetic_cache("e", 3, 64 * KIB))
+            try:
+                await sender.open(address, synthetic_cache("e", 2, 64 * KIB).header)
+            except errors.StaleEpochError:
+                pass
+            else:
+                raise AssertionError("stale epoch accepted")
+            assert (await p.call(op="take", rid="e", epoch=3, timeout=5))["ok"]
+            assert (await p.call(op="take", rid="e", epoch=2, timeout=1))["error"] == (
+                "StaleEpochError"
+            )
+        finally:
+            await sender.close()
+
+
+async def check_peer_restart(backend: str) -> None:
+    """After the receiver restarts on the same address, the next transfer reconnects."""
+    settings = TransportSettings()
+    sender = make_sender(backend, settings)
+    try:
+        async with peer(backend, settings) as p:
+            address = (await p.call(op="listen"))["address"]
+            await sender.send(address, synthetic_cache("a", 1, 1 * MIB))
+            assert (await p.call(op="take", rid="a", epoch=1, timeout=5))["ok"]
+        port = int(address.rpartition(":")[2])
+        async with peer(backend, settings) as p2:
+            assert (await p2.call(op="listen", port=port))["address"] == address
+            await sender.send(address, synthetic_cache("b", 1, 1 * MIB))
+            assert (await p2.call(op="take", rid="b", epoch=1, timeout=5))["ok"]
+    finally:
+        await sender.close()
+
+
+CHECKS = (
+    check_sizes,
+    check_concurrent,
+    check_sender_killed,
+    check_receiver_killed,
+    check_stalled_receiver,
+    check_stalled_sender,
+    check_corruption,
+    check_stale_epoch,
+    check_peer_restart,
+)
+
+
+if __name__ == "__main__":
+    asyncio.run(_peer_main(sys.argv[1], TransportSettings(**json.loads(sys.argv[2]))))
