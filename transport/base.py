@@ -38,10 +38,12 @@ class TransportSettings:
     """Largest single KV a receiver accepts (1 GiB)."""
     memory_budget_bytes: int = 4 << 30
     """Receiver: total bytes of KV held at once (in flight plus waiting in the inbox)."""
+    pooled_buffer_bytes: int = 1 << 30
+    """Receiver: released KV buffers kept for reuse (fresh pages are slow to fill)."""
     max_connections_per_peer: int = 64
     """Sender: concurrent transfers to one receiver; more wait for a free slot."""
-    send_window: int = 2
-    """Layers a sender keeps in flight on the data plane while it checksums the next one."""
+    send_window: int = 8
+    """Layers a sender keeps in flight on an out-of-band data plane."""
     epoch_memory: int = 65536
     """Receiver: request ids whose highest epoch is remembered (LRU)."""
 
@@ -67,11 +69,11 @@ class DataPlane(abc.ABC):
 
     @abc.abstractmethod
     async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
-        """Send one layer's buffers (K, V) under tags ``tag``, ``tag + 1`` (out-of-band only)."""
+        """Send one layer's payload, the concatenation of ``buffers`` (out-of-band only)."""
 
     @abc.abstractmethod
-    async def recv(self, peer: Peer, tag: int, into: Sequence[memoryview]) -> None:
-        """Receive one layer's buffers into ``into``, matching `send` (out-of-band only)."""
+    async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
+        """Receive one layer's payload into ``into``, matching `send` (out-of-band only)."""
 
     @abc.abstractmethod
     def fail_peer(self, peer: Peer) -> None:
@@ -107,7 +109,10 @@ class Inbox:
         return self._in_use
 
     def min_epoch(self, request_id: str) -> int:
-        return self._epochs.get(request_id, 0)
+        # A held slot fences its request even after the LRU has forgotten the epoch.
+        slot = self._slots.get(request_id)
+        seen = self._epochs.get(request_id, 0)
+        return seen if slot is None else max(seen, slot.epoch)
 
     def _see_epoch(self, request_id: str, epoch: int) -> None:
         self._epochs[request_id] = max(epoch, self._epochs.get(request_id, 0))
@@ -128,8 +133,7 @@ class Inbox:
             )
         if self._in_use + nbytes > self._budget:
             raise errors.BudgetExceededError(
-                f"{nbytes} bytes requested, {self._budget - self._in_use} of "
-                f"{self._budget} free"
+                f"{nbytes} bytes requested, {self._budget - self._in_use} of {self._budget} free"
             )
         self._see_epoch(request_id, epoch)
         if old is not None:  # superseded by a newer epoch: drop it

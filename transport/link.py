@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any
 
 from transport import control, errors
 from transport.base import Peer
@@ -107,9 +108,9 @@ class Link:
         task = asyncio.ensure_future(fut)
         try:
             while True:
-                watch: list[asyncio.Future[object]] = [task]
+                watch: list[asyncio.Future[Any]] = [task]
                 if self._stash is None:
-                    watch.append(self.pending())  # type: ignore[arg-type]
+                    watch.append(self.pending())
                 done = await wait_first(watch, timeout_s, what=what, on_timeout=self)
                 if task in done:
                     task.result()
@@ -120,9 +121,7 @@ class Link:
                     raise control.parse_error(msg.body)
                 if msg.kind is control.Kind.ABORT:
                     self.broken = True
-                    raise errors.PeerLostError(
-                        f"peer aborted: {msg.body.decode(errors='replace')}"
-                    )
+                    raise errors.PeerLostError(f"peer aborted: {msg.body.decode(errors='replace')}")
                 self._stash = msg  # e.g. DONE racing our last drain: keep it for later
         except BaseException:
             self.broken = True
@@ -177,16 +176,16 @@ async def read_message(reader: asyncio.StreamReader) -> control.Message:
 
 
 async def wait_first(
-    tasks: list[asyncio.Future[object]] | list[asyncio.Task[control.Message]],
+    tasks: Sequence[asyncio.Future[Any]],
     timeout_s: float | None,
     *,
     what: str,
     on_timeout: Link | None = None,
-) -> set[asyncio.Future[object]]:
+) -> set[asyncio.Future[Any]]:
     """asyncio.wait(FIRST_COMPLETED) with a deadline that raises TransferTimeoutError."""
     done, _ = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     if not done:
         if on_timeout is not None:
             on_timeout.broken = True
         raise errors.TransferTimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-    return done  # type: ignore[return-value]
+    return done

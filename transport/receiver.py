@@ -16,11 +16,14 @@ import dataclasses
 import logging
 import os
 import time
+from functools import partial
+from typing import Any
 
 import numpy as np
 
 from transport import control, errors, wire
 from transport.base import DataPlane, Inbox, Peer, TransportSettings
+from transport.buffers import BufferPool
 from transport.link import STREAM_LIMIT, Link, wait_first
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ class KvReceiver:
         self.settings = settings
         self.model = model
         self.inbox = Inbox(settings.memory_budget_bytes, settings.epoch_memory)
+        self._buffers = BufferPool(settings.pooled_buffer_bytes)
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._data_address = b""
         self._server: asyncio.Server | None = None
@@ -119,10 +123,15 @@ class KvReceiver:
         rid, epoch = header.request_id, header.epoch
         started = time.monotonic()
         try:
-            payload = np.empty(header.payload_bytes, dtype=np.uint8)
+            payload = self._buffers.acquire(header.payload_bytes)
+            receive = _Receive(self._plane, link, header, tag, payload, s)
+            if not self._plane.inline:
+                receive.post_receives()
             await link.send(control.encode(control.Kind.ACCEPT), s.idle_timeout_s)
-            await _Receive(self._plane, link, header, tag, payload, s).run()
-            self.inbox.complete(rid, epoch, wire.assemble(header, payload))
+            await receive.run()
+            self.inbox.complete(
+                rid, epoch, wire.assemble(header, payload, partial(self._buffers.release, payload))
+            )
         except errors.TransportError as exc:
             self.inbox.fail(rid, epoch, exc)
             log.info("KV transfer of request %s epoch %s failed: %s", rid, epoch, exc)
@@ -150,7 +159,14 @@ class KvReceiver:
 
 @dataclasses.dataclass
 class _Receive:
-    """The layer loop of one accepted transfer."""
+    """The layer loop of one accepted transfer.
+
+    Inline (TCP): each LAYER frame is followed by its payload on the link; verification of
+    layer *i* runs in a thread while layer *i+1* is read. Out-of-band (UCX): the receives of
+    every layer are posted before ACCEPT goes out (tags and sizes follow from the header), so
+    payloads land as soon as the sender starts them; a layer is verified once both its
+    payload and its frame (which carries the checksum, and may come later) are in.
+    """
 
     plane: DataPlane
     link: Link
@@ -158,13 +174,28 @@ class _Receive:
     tag: int
     payload: np.ndarray
     settings: TransportSettings
+    frames: dict[int, wire.LayerFrame] = dataclasses.field(default_factory=dict)
+    landed: set[int] = dataclasses.field(default_factory=set)
+    receiving: dict[asyncio.Task[None], int] = dataclasses.field(default_factory=dict)
+    verifying: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.offsets = self.header.layer_offsets()
+
+    def view(self, index: int) -> memoryview:
+        off = self.offsets[index]
+        return self.payload[off : off + self.header.layer_nbytes(index)].data
+
+    def post_receives(self) -> None:
+        """Out-of-band only: post every layer's receive into its slice of the payload."""
+        h = self.header
+        for i in range(len(h.layers)):
+            coro = self.plane.recv(self.link.peer, control.layer_tag(self.tag, i), self.view(i))
+            self.receiving[asyncio.create_task(coro, name=f"pdorch-kv-recv-{i}")] = i
 
     async def run(self) -> None:
         h, link, s = self.header, self.link, self.settings
         deadline = time.monotonic() + s.transfer_timeout_s
-        offsets = h.layer_offsets()
-        seen: set[int] = set()
-        work: set[asyncio.Task[None]] = set()
         verified = 0
         try:
             while verified < len(h.layers):
@@ -173,57 +204,55 @@ class _Receive:
                     raise errors.TransferTimeoutError(
                         f"transfer exceeded {s.transfer_timeout_s}s ({verified} layers)"
                     )
-                watch: list[asyncio.Future[object]] = [*work]  # type: ignore[list-item]
-                reading = len(seen) < len(h.layers) or not self.plane.inline
+                watch: list[asyncio.Future[Any]] = [*self.receiving, *self.verifying]
+                # Keep a read outstanding even when all frames are in: it sees the peer's EOF.
+                reading = len(self.frames) < len(h.layers) or not self.plane.inline
                 if reading:
-                    watch.append(link.pending())  # type: ignore[arg-type]
-                done = await wait_first(
+                    watch.append(link.pending())
+                await wait_first(
                     watch, min(remaining, s.idle_timeout_s), what="layer data", on_timeout=link
                 )
-                for task in done:
-                    if task in work:
-                        work.discard(task)  # type: ignore[arg-type]
-                        task.result()
-                        verified += 1
+                for task in [t for t in self.verifying if t.done()]:
+                    self.verifying.discard(task)
+                    task.result()
+                    verified += 1
+                for task in [t for t in self.receiving if t.done()]:
+                    index = self.receiving.pop(task)
+                    task.result()
+                    self.landed.add(index)
+                    self._maybe_verify(index)
                 if reading and link.pending().done():
-                    msg = link.take_pending()
-                    work.add(await self._on_message(msg, seen, offsets))
+                    await self._on_message(link.take_pending())
         finally:
-            for task in work:
+            unfinished = [*self.receiving, *self.verifying]
+            if self.receiving:  # posted receives must not outlive the buffer: cancel them
+                self.plane.fail_peer(link.peer)
+            for task in unfinished:
                 task.cancel()
-            for task in work:
+            for task in unfinished:
                 with contextlib.suppress(BaseException):
                     await task
-            if work and not self.plane.inline:
-                self.plane.fail_peer(link.peer)  # posted receives must not outlive the buffer
 
-    async def _on_message(
-        self, msg: control.Message, seen: set[int], offsets: list[int]
-    ) -> asyncio.Task[None]:
+    def _maybe_verify(self, index: int) -> None:
+        frame = self.frames.get(index)
+        if frame is not None and index in self.landed:
+            self.verifying.add(
+                asyncio.create_task(_verify(frame, self.view(index)), name="pdorch-kv-verify")
+            )
+
+    async def _on_message(self, msg: control.Message) -> None:
         h = self.header
         if msg.kind is control.Kind.ABORT:
             raise errors.PeerLostError(f"sender aborted: {msg.body.decode(errors='replace')}")
         if msg.kind is not control.Kind.LAYER:
             raise errors.WireFormatError(f"unexpected {msg.kind.name} during a transfer")
         frame = wire.decode_layer_frame(msg.body)
-        wire.check_layer_frame(h, frame, seen)
-        if len(seen) == len(h.layers):
-            raise errors.WireFormatError("more layers than declared")
-        seen.add(frame.index)
-        off = offsets[frame.index]
-        view = memoryview(self.payload[off : off + frame.nbytes])  # type: ignore[arg-type]
+        wire.check_layer_frame(h, frame, set(self.frames))
+        self.frames[frame.index] = frame
         if self.plane.inline:
-            await self.link.read_into(view, self.settings.idle_timeout_s)
-            return asyncio.create_task(_verify(frame, view), name="pdorch-kv-verify")
-        return asyncio.create_task(
-            self._recv_and_verify(frame, view), name=f"pdorch-kv-recv-{frame.index}"
-        )
-
-    async def _recv_and_verify(self, frame: wire.LayerFrame, view: memoryview) -> None:
-        kn = self.header.layers[frame.index].k_nbytes(self.header.dtype)
-        parts = (view[:kn], view[kn:])
-        await self.plane.recv(self.link.peer, control.layer_tag(self.tag, frame.index), parts)
-        await _verify(frame, view)
+            await self.link.read_into(self.view(frame.index), self.settings.idle_timeout_s)
+            self.landed.add(frame.index)
+        self._maybe_verify(frame.index)
 
 
 async def _verify(frame: wire.LayerFrame, view: memoryview) -> None:

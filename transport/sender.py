@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -166,6 +165,12 @@ class KvSender:
         await self._plane.close()
 
 
+async def _checksum(k: memoryview, v: memoryview) -> int:
+    if k.nbytes + v.nbytes >= _THREAD_CHECKSUM_BYTES:
+        return await asyncio.to_thread(wire.checksum, k, v)
+    return wire.checksum(k, v)
+
+
 class OutgoingTransfer:
     """One transfer in progress. Use as ``async with``: leaving on an error aborts it."""
 
@@ -205,27 +210,22 @@ class OutgoingTransfer:
         if k.dtype.itemsize != h.dtype.itemsize or v.dtype.itemsize != h.dtype.itemsize:
             raise errors.WireFormatError(f"layer {index} dtype differs from {h.dtype.name}")
         kb, vb = wire.as_bytes_view(k), wire.as_bytes_view(v)
+        out_k, out_v = kb, vb
+        if self._sender.payload_hook is not None:  # fault injection, after the checksum
+            out_k, out_v = self._sender.payload_hook(index, kb, vb)
+        plane = self._sender._plane
         try:
-            if kb.nbytes + vb.nbytes >= _THREAD_CHECKSUM_BYTES:
-                csum = await asyncio.to_thread(wire.checksum, kb, vb)
+            if plane.inline:
+                csum = await _checksum(kb, vb)
+                await self._send_frame(wire.LayerFrame(index, kb.nbytes + vb.nbytes, csum))
+                await self._link.send_payload((out_k, out_v), self._wait_s())
             else:
-                csum = wire.checksum(kb, vb)
-            frame = wire.LayerFrame(index, kb.nbytes + vb.nbytes, csum)
-            if self._sender.payload_hook is not None:
-                kb, vb = self._sender.payload_hook(index, kb, vb)
-            await self._link.send(
-                control.encode(control.Kind.LAYER, wire.encode_layer_frame(frame)), self._wait_s()
-            )
-            if self._sender._plane.inline:
-                await self._link.send_payload((kb, vb), self._wait_s())
-            else:
-                task = asyncio.create_task(
-                    self._sender._plane.send(
-                        self._link.peer, control.layer_tag(self._tag, index), (kb, vb)
-                    ),
-                    name=f"pdorch-kv-send-{h.request_id}-{index}",
+                self._in_flight.append(
+                    asyncio.create_task(
+                        self._send_out_of_band(index, kb, vb, (out_k, out_v)),
+                        name=f"pdorch-kv-send-{h.request_id}-{index}",
+                    )
                 )
-                self._in_flight.append(task)
                 while len(self._in_flight) > self._settings.send_window:
                     await self._link.race(
                         self._in_flight.pop(0), self._wait_s(), what="a layer send"
@@ -235,6 +235,29 @@ class OutgoingTransfer:
             raise
         self._sent.add(index)
         self.bytes_sent += kb.nbytes + vb.nbytes
+
+    async def _send_frame(self, frame: wire.LayerFrame) -> None:
+        msg = control.encode(control.Kind.LAYER, wire.encode_layer_frame(frame))
+        await self._link.send(msg, self._wait_s())
+
+    async def _send_out_of_band(
+        self, index: int, k: memoryview, v: memoryview, out: tuple[memoryview, memoryview]
+    ) -> None:
+        """Start the payload (the receiver has posted its receive), checksum it meanwhile,
+        then send the frame that carries the checksum. send_layer returns before this ends,
+        so the next layer's payload can start at once."""
+        plane = self._sender._plane
+        payload = asyncio.create_task(
+            plane.send(self._link.peer, control.layer_tag(self._tag, index), out),
+            name=f"pdorch-kv-payload-{index}",
+        )
+        try:
+            csum = await _checksum(k, v)
+            await self._send_frame(wire.LayerFrame(index, k.nbytes + v.nbytes, csum))
+            await payload
+        finally:
+            if not payload.done():
+                payload.cancel()
 
     async def finish(self) -> None:
         """Wait until the receiver verified every layer; then the link returns to the pool."""
@@ -301,4 +324,3 @@ class OutgoingTransfer:
             await self.abort(f"sender error: {type(exc).__name__}")
         elif self._state == "open":
             await self.abort("transfer left without finish()")
-

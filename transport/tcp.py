@@ -24,7 +24,7 @@ class TcpDataPlane(DataPlane):
     async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
         raise NotImplementedError("TCP payloads travel inline on the control link")
 
-    async def recv(self, peer: Peer, tag: int, into: Sequence[memoryview]) -> None:
+    async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
         raise NotImplementedError("TCP payloads travel inline on the control link")
 
     def fail_peer(self, peer: Peer) -> None:

@@ -41,10 +41,12 @@ def synthetic_layers(size: int, n_layers: int, seed: int) -> list[tuple[np.ndarr
     """``n_layers`` (K, V) float32 pairs adding up to about ``size`` bytes, cheap to fill."""
     per_tensor = max(1, size // (2 * n_layers * 4))
     layers = []
+    base = np.arange(2 * per_tensor, dtype=np.uint32)
     for i in range(n_layers):
-        base = np.arange(per_tensor, dtype=np.uint32)
-        k = (base * 2654435761 + (seed * 1000 + i)).view(np.float32).reshape(1, per_tensor, 1)
-        v = (base * 40503 + (seed * 1000 + i + 7)).view(np.float32).reshape(1, per_tensor, 1)
+        # One block per layer, K then V, as an engine's KV allocator lays a layer out.
+        block = (base * 2654435761 + (seed * 1000 + i)).view(np.float32)
+        k = block[:per_tensor].reshape(1, per_tensor, 1)
+        v = block[per_tensor:].reshape(1, per_tensor, 1)
         layers.append((k, v))
     return layers
 
@@ -58,7 +60,7 @@ def synthetic_cache(
 
 
 def digest(cache: wire.KvCache) -> int:
-    return wire.checksum(*(b for k, v in cache.layers for b in (k, v)))
+    return wire.checksum(*(wire.as_bytes_view(t) for k, v in cache.layers for t in (k, v)))
 
 
 # ------------------------------------------------------------------------ fault injection
@@ -122,11 +124,13 @@ class PeerProcess:
 
     async def reply(self, timeout_s: float = 30.0) -> dict[str, Any]:
         assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
-        if not line:
-            raise AssertionError(f"peer process {self.pid} exited ({self.proc.returncode})")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
+        while True:  # native libraries may print lines of their own: skip them
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+            if not line:
+                raise AssertionError(f"peer process {self.pid} exited ({self.proc.returncode})")
+            if line.startswith(b"{"):
+                reply: dict[str, Any] = json.loads(line)
+                return reply
 
     def signal(self, sig: signal.Signals) -> None:
         os.kill(self.pid, sig)
@@ -194,7 +198,7 @@ async def _peer_main(backend: str, settings: TransportSettings) -> None:
                     out(ok=True, digest=digest(cache))
             else:
                 out(ok=False, error=f"unknown op {op}")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the harness reports every failure to the test
             out(ok=False, error=f"{type(exc).__name__}: {exc}")
 
 
@@ -245,7 +249,12 @@ async def check_sender_killed(backend: str) -> None:
     try:
         async with peer(backend, settings) as p:
             p.command(
-                op="send", address=address, rid="k", epoch=1, size=32 * MIB, layers=8,
+                op="send",
+                address=address,
+                rid="k",
+                epoch=1,
+                size=32 * MIB,
+                layers=8,
                 layer_delay_s=0.5,
             )
             assert (await p.reply())["event"] == "layer"
@@ -317,7 +326,12 @@ async def check_stalled_sender(backend: str) -> None:
     try:
         async with peer(backend, settings) as p:
             p.command(
-                op="send", address=address, rid="ss", epoch=1, size=4 * MIB, layers=4,
+                op="send",
+                address=address,
+                rid="ss",
+                epoch=1,
+                size=4 * MIB,
+                layers=4,
                 layer_delay_s=0.3,
             )
             assert (await p.reply())["event"] == "layer"

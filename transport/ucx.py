@@ -22,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from transport import errors
 from transport.base import DataPlane, Peer, TransportSettings
@@ -41,10 +44,19 @@ class UcxConfig:
 
     options: dict[str, str] = field(default_factory=dict)
     """E.g. ``{"TLS": "tcp"}`` to force TCP lanes; empty lets UCX choose (shm/cma locally)."""
+    progress_mode: str = "thread"
+    """UCXX progress. "thread" (a progress thread per process) is the one mode in which
+    aborting an endpoint to a *stalled* peer returns: without a progress thread UCXX closes
+    a no-error-handling endpoint by progressing until the peer acknowledges, which a
+    SIGSTOPped peer never does, and the event loop hangs. "blocking" is faster on 2 cores
+    (no extra threads) but is only safe where peers are trusted never to stall."""
     max_cached_endpoints: int = 256
 
 
 def _import_ucxx() -> Any:
+    # `import ucxx` sets UCX_MEMTYPE_CACHE, which libucx 1.21 no longer knows, and UCX then
+    # prints an "unused environment variable" warning to *stdout* in every process.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     try:
         import ucxx  # noqa: PLC0415 - lazy on purpose: native, optional dependency
     except Exception as exc:
@@ -77,8 +89,11 @@ class UcxDataPlane(DataPlane):
         if self._ucxx is None:
             ucxx = _import_ucxx()
             try:
-                if self._config.options:
-                    ucxx.init(options=dict(self._config.options))
+                if not _initialised(ucxx):
+                    ucxx.init(
+                        options=dict(self._config.options),
+                        progress_mode=self._config.progress_mode,
+                    )
                 address = ucxx.get_worker_address().tobytes()
             except Exception as exc:
                 raise errors.BackendUnavailableError(f"UCX failed to start: {exc}") from exc
@@ -113,18 +128,14 @@ class UcxDataPlane(DataPlane):
     async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
         ep = await self._endpoint(peer, sending=True)
         try:
-            await asyncio.gather(
-                *(ep.send(b, tag=tag + i, force_tag=True) for i, b in enumerate(buffers))
-            )
+            await ep.send(_one_buffer(buffers), tag=tag, force_tag=True)
         except Exception as exc:
             raise errors.PeerLostError(f"UCX send failed: {exc}") from exc
 
-    async def recv(self, peer: Peer, tag: int, into: Sequence[memoryview]) -> None:
+    async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
         ep = await self._endpoint(peer, sending=False)
         try:
-            await asyncio.gather(
-                *(ep.recv(b, tag=tag + i, force_tag=True) for i, b in enumerate(into))
-            )
+            await ep.recv(into, tag=tag, force_tag=True)
         except Exception as exc:
             raise errors.PeerLostError(f"UCX receive failed: {exc}") from exc
 
@@ -138,6 +149,30 @@ class UcxDataPlane(DataPlane):
         for cache in (self._send_eps, self._recv_eps):
             while cache:
                 _abort(cache.popitem()[1])
+
+
+def _initialised(ucxx: Any) -> bool:
+    """Whether UCXX's process-wide context exists (a second data plane in one process)."""
+    from ucxx import core  # noqa: PLC0415 - lazy like every ucxx import
+
+    return core._ctx is not None
+
+
+def _one_buffer(buffers: Sequence[memoryview]) -> memoryview | np.ndarray:
+    """One message per layer: each message costs a rendezvous round trip (~0.3 ms here), so
+    K and V travel together. Adjacent in memory (as an engine that allocates a layer's KV
+    as one block lays them out) they go zero-copy; otherwise they are staged into one buffer.
+    """
+    if len(buffers) == 1:
+        return buffers[0]
+    arrays = [np.frombuffer(b, dtype=np.uint8) for b in buffers]
+    start = arrays[0].ctypes.data
+    end = start
+    for a in arrays:
+        if a.ctypes.data != end:
+            return np.concatenate(arrays)
+        end += a.nbytes
+    return np.lib.stride_tricks.as_strided(arrays[0], shape=(end - start,), strides=(1,))
 
 
 def _abort(ep: Any) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +75,8 @@ MAX_LAYERS = 1024
 MAX_NDIM = 6
 MAX_ID_BYTES = 256
 _MIN_HEADER = _PREFIX.size + _BODY.size + _SUM.size
+# numpy's bound on any array's extent in bytes (zero dims counted as 1), even an empty one's.
+_MAX_EXTENT = int(np.iinfo(np.intp).max)
 
 
 class DType(enum.IntEnum):
@@ -108,7 +110,7 @@ class ChecksumAlgo(enum.IntEnum):
     XXH3_64 = 1
 
 
-def checksum(*buffers: memoryview | bytes | np.ndarray) -> int:
+def checksum(*buffers: memoryview | bytes) -> int:
     """xxh3-64 over the concatenation of ``buffers`` (no copy; releases the GIL)."""
     if len(buffers) == 1:
         return int(xxhash.xxh3_64_intdigest(buffers[0]))
@@ -193,14 +195,24 @@ class Expectation:
 
 @dataclass(frozen=True, slots=True)
 class KvCache:
-    """A complete, verified KV cache: per layer a (K, V) pair of arrays viewing the payload."""
+    """A complete, verified KV cache: per layer a (K, V) pair of arrays viewing the payload.
+
+    A receiver's cache views a pooled buffer: ``release()`` hands it back for reuse once the
+    consumer has adopted the KV (the arrays must not be used after that).
+    """
 
     header: KvHeader
     layers: tuple[tuple[np.ndarray, np.ndarray], ...]
+    on_release: list[Callable[[], None]] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return self.header.payload_bytes
+
+    def release(self) -> None:
+        """Return the payload buffer to its pool, if any. Idempotent."""
+        while self.on_release:
+            self.on_release.pop()()
 
 
 # ------------------------------------------------------------------------------------ encode
@@ -248,7 +260,7 @@ def as_bytes_view(a: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array, without copying."""
     if not a.flags.c_contiguous:
         raise WireFormatError("KV tensors must be C-contiguous host buffers")
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return a.reshape(-1).view(np.uint8).data
 
 
 def header_for(
@@ -343,6 +355,11 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
             raise WireFormatError(f"header truncated in layer {i}'s dims")
         dims = struct.unpack_from(f"<{n}I", buf, pos)
         pos += 4 * n
+        # A zero dim makes a tensor empty, but numpy still refuses to view shapes whose other
+        # dims multiply past its address space (ValueError): refuse them here instead.
+        for part in (dims[:k_ndim], dims[k_ndim:]):
+            if math.prod(max(d, 1) for d in part) * dtype.itemsize > _MAX_EXTENT:
+                raise WireFormatError(f"layer {i}: shape {part} is too large to address")
         layers.append(LayerShape(k=tuple(dims[:k_ndim]), v=tuple(dims[k_ndim:])))
     if pos != end:
         raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
@@ -411,14 +428,12 @@ def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: set[int]) -> None:
         )
 
 
-def verify_layer(frame: LayerFrame, payload: memoryview | np.ndarray) -> None:
+def verify_layer(frame: LayerFrame, payload: memoryview) -> None:
     if checksum(payload) != frame.checksum:
         raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
 
 
-def layer_views(
-    h: KvHeader, payload: np.ndarray
-) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+def layer_views(h: KvHeader, payload: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(index, K, V) views into a contiguous uint8 payload buffer laid out as on the wire."""
     np_dtype = h.dtype.numpy_dtype
     for i, (layer, off) in enumerate(zip(h.layers, h.layer_offsets(), strict=True)):
@@ -429,15 +444,18 @@ def layer_views(
         yield i, k, v
 
 
-def assemble(h: KvHeader, payload: np.ndarray) -> KvCache:
+def assemble(
+    h: KvHeader, payload: np.ndarray, on_release: Callable[[], None] | None = None
+) -> KvCache:
     """Wrap a fully received and verified payload buffer as a KvCache (no copy)."""
-    return KvCache(h, tuple((k, v) for _, k, v in layer_views(h, payload)))
+    layers = tuple((k, v) for _, k, v in layer_views(h, payload))
+    return KvCache(h, layers, [on_release] if on_release else [])
 
 
 def decode_kv(buf: bytes | memoryview, exp: Expectation) -> KvCache:
     """Strictly decode one whole transfer held in ``buf``; nothing may trail it."""
     mv = memoryview(buf).cast("B")
-    total = header_length(mv[:_PREFIX.size])
+    total = header_length(mv[: _PREFIX.size])
     if len(mv) < total:
         raise WireFormatError(f"truncated: {len(mv)} bytes, header alone declares {total}")
     header = decode_header(mv[:total], exp.max_kv_bytes)

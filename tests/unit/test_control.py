@@ -1,0 +1,295 @@
+"""The control-message codec (`transport.control`) and its error-code mapping."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transport import control, errors
+from transport.control import (
+    HEAD_SIZE,
+    INSTANCE_ID_BYTES,
+    MAX_BODY,
+    ErrorCode,
+    Kind,
+)
+from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES, MAX_LAYERS
+
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+HEAD = struct.Struct("<BI")
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+
+# Every class of the transport's tree that crosses the wire as itself, with its code.
+MAPPED: list[tuple[type[errors.TransportError], ErrorCode]] = [
+    (errors.WireFormatError, ErrorCode.WIRE_FORMAT),
+    (errors.ChecksumMismatchError, ErrorCode.CHECKSUM),
+    (errors.HeaderRejectedError, ErrorCode.REJECTED),
+    (errors.StaleEpochError, ErrorCode.STALE_EPOCH),
+    (errors.BudgetExceededError, ErrorCode.BUDGET),
+    (errors.TransportClosedError, ErrorCode.CLOSED),
+    (errors.TransferTimeoutError, ErrorCode.TIMEOUT),
+    (errors.PeerLostError, ErrorCode.INTERNAL),
+]
+
+
+def split(message: bytes) -> tuple[Kind, bytes]:
+    """Decode one encoded message the way a reader does: fixed head, then the body."""
+    kind, length = control.decode_head(message[:HEAD_SIZE])
+    body = message[HEAD_SIZE:]
+    assert len(body) == length
+    return kind, body
+
+
+# ------------------------------------------------------------------ framing
+
+
+def test_head_layout() -> None:
+    assert HEAD_SIZE == HEAD.size == 5
+    assert control.encode(Kind.DONE) == HEAD.pack(Kind.DONE, 0)
+    assert control.encode(Kind.ABORT, b"why") == HEAD.pack(Kind.ABORT, 3) + b"why"
+
+
+def test_body_limit_fits_the_largest_open() -> None:
+    assert MAX_BODY >= 8 + MAX_HEADER_BYTES
+
+
+@FUZZ
+@given(kind=st.sampled_from(Kind), body=st.binary(max_size=2048))
+def test_encode_decode_round_trip(kind: Kind, body: bytes) -> None:
+    if kind is Kind.LAYER:
+        body = (body * LAYER_FRAME_SIZE)[:LAYER_FRAME_SIZE].ljust(LAYER_FRAME_SIZE, b"\0")
+    assert split(control.encode(kind, body)) == (kind, body)
+
+
+@FUZZ
+@given(head=st.binary(min_size=HEAD_SIZE, max_size=HEAD_SIZE))
+def test_random_heads_are_decoded_or_refused_as_wire_format_errors(head: bytes) -> None:
+    try:
+        kind, length = control.decode_head(head)
+    except errors.WireFormatError:
+        return
+    assert kind in set(Kind)
+    assert 0 <= length <= MAX_BODY
+    assert kind is not Kind.LAYER or length == LAYER_FRAME_SIZE
+
+
+@pytest.mark.parametrize("code", [0, max(Kind) + 1, 0x80, 255])
+def test_unknown_message_type(code: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="unknown control message type"):
+        control.decode_head(HEAD.pack(code, 0))
+
+
+@pytest.mark.parametrize("length", [MAX_BODY + 1, 1 << 31, U32_MAX])
+@pytest.mark.parametrize("kind", [Kind.HELLO, Kind.OPEN, Kind.ERROR, Kind.ABORT])
+def test_a_body_over_the_limit_is_refused_unread(kind: Kind, length: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="exceeds"):
+        control.decode_head(HEAD.pack(kind, length))
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_a_body_at_the_limit_is_accepted(kind: Kind) -> None:
+    length = LAYER_FRAME_SIZE if kind is Kind.LAYER else MAX_BODY
+    assert control.decode_head(HEAD.pack(kind, length)) == (kind, length)
+
+
+@pytest.mark.parametrize("length", [0, 1, LAYER_FRAME_SIZE - 1, LAYER_FRAME_SIZE + 1, MAX_BODY])
+def test_a_layer_message_must_carry_exactly_one_frame(length: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="LAYER message"):
+        control.decode_head(HEAD.pack(Kind.LAYER, length))
+
+
+# ------------------------------------------------------------------ HELLO / OPEN
+
+
+@FUZZ
+@given(
+    instance_id=st.binary(min_size=INSTANCE_ID_BYTES, max_size=INSTANCE_ID_BYTES),
+    address=st.binary(max_size=4096),
+)
+def test_hello_round_trip(instance_id: bytes, address: bytes) -> None:
+    kind, body = split(control.hello(instance_id, address))
+    assert kind is Kind.HELLO
+    assert control.parse_hello(body) == (instance_id, address)
+
+
+@pytest.mark.parametrize("size", [0, 1, INSTANCE_ID_BYTES - 1])
+def test_a_short_hello_is_refused(size: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="HELLO too short"):
+        control.parse_hello(b"i" * size)
+
+
+def test_a_hello_without_a_data_address_is_valid() -> None:
+    assert control.parse_hello(b"i" * INSTANCE_ID_BYTES) == (b"i" * INSTANCE_ID_BYTES, b"")
+
+
+@FUZZ
+@given(tag=st.integers(0, U64_MAX), header=st.binary(max_size=1024))
+def test_open_round_trip(tag: int, header: bytes) -> None:
+    kind, body = split(control.open_(tag, header))
+    assert kind is Kind.OPEN
+    assert control.parse_open(body) == (tag, header)
+
+
+@pytest.mark.parametrize("size", range(8))
+def test_a_short_open_is_refused(size: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="OPEN too short"):
+        control.parse_open(b"\xff" * size)
+
+
+@FUZZ
+@given(body=st.binary(max_size=64))
+def test_random_hello_and_open_bodies_only_raise_wire_format_errors(body: bytes) -> None:
+    for parse in (control.parse_hello, control.parse_open):
+        try:
+            parse(body)
+        except errors.WireFormatError:
+            assert len(body) < max(INSTANCE_ID_BYTES, 8)
+
+
+# ------------------------------------------------------------------ tags
+
+
+@FUZZ
+@given(index=st.integers(0, MAX_LAYERS - 1))
+def test_layer_tags_stay_inside_their_transfer(index: int) -> None:
+    tag = control.new_transfer_tag()
+    assert tag & 0xFFFF == 0
+    assert 0 <= tag < 1 << 64
+    k_tag = control.layer_tag(tag, index)
+    assert k_tag >> 16 == tag >> 16  # K and V stay within this transfer's tag space
+    assert (k_tag + 1) >> 16 == tag >> 16
+    assert k_tag & 1 == 0  # so V's tag (k_tag + 1) never collides with another layer's K
+
+
+def test_layer_tags_are_distinct_for_every_layer_and_tensor() -> None:
+    tag = control.new_transfer_tag()
+    tags = [control.layer_tag(tag, i) + t for i in range(MAX_LAYERS) for t in (0, 1)]
+    assert len(set(tags)) == len(tags)
+
+
+def test_transfer_tags_are_random() -> None:
+    # 48 random bits: a repeat among 64 draws would be a 1-in-2^36 event.
+    assert len({control.new_transfer_tag() for _ in range(64)}) == 64
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(("cls", "code"), MAPPED, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_error_code_round_trip(cls: type[errors.TransportError], code: ErrorCode) -> None:
+    exc = cls("it broke")
+    assert control.code_for(exc) is code
+    kind, body = split(control.error(exc))
+    assert kind is Kind.ERROR
+    assert body[0] == code
+    back = control.parse_error(body)
+    assert type(back) is cls
+    assert str(back) == "peer: it broke"
+    assert back.retryable is cls.retryable
+    assert type(control.error_from(code, "x")) is cls
+
+
+def test_every_error_code_is_mapped_to_a_distinct_class() -> None:
+    assert {code for _, code in MAPPED} == set(ErrorCode)
+    assert len({cls for cls, _ in MAPPED}) == len(ErrorCode)
+    for code in ErrorCode:
+        assert control.code_for(control.error_from(code, "m")) is code
+
+
+def test_the_most_specific_class_wins() -> None:
+    class MyStale(errors.StaleEpochError):
+        pass
+
+    class MyChecksum(errors.ChecksumMismatchError):
+        pass
+
+    assert control.code_for(MyStale("x")) is ErrorCode.STALE_EPOCH
+    assert control.code_for(MyChecksum("x")) is ErrorCode.CHECKSUM
+    assert type(control.parse_error(split(control.error(MyStale("x")))[1])) is (
+        errors.StaleEpochError
+    )
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        errors.BackendUnavailableError("no ucxx"),
+        errors.TransportError("root"),
+        ValueError("foreign"),
+        RuntimeError("foreign"),
+        KeyboardInterrupt(),
+        OSError(104, "reset"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_errors_without_a_code_travel_as_internal(exc: BaseException) -> None:
+    assert control.code_for(exc) is ErrorCode.INTERNAL
+    back = control.parse_error(split(control.error(exc))[1])
+    assert type(back) is errors.PeerLostError
+    assert back.retryable
+
+
+@pytest.mark.parametrize("code", [0, max(ErrorCode) + 1, 200, 255])
+def test_unknown_error_codes_become_peer_lost(code: int) -> None:
+    back = control.parse_error(bytes((code,)) + b"mystery")
+    assert type(back) is errors.PeerLostError
+    assert str(back) == "peer: mystery"
+    assert type(control.error_from(code, "m")) is errors.PeerLostError
+
+
+def test_an_empty_error_body_is_peer_lost() -> None:
+    assert type(control.parse_error(b"")) is errors.PeerLostError
+
+
+@FUZZ
+@given(body=st.binary(max_size=256))
+def test_any_error_body_parses_to_a_transport_error(body: bytes) -> None:
+    exc = control.parse_error(body)
+    assert isinstance(exc, errors.TransportError)
+    assert type(exc) in {cls for cls, _ in MAPPED}
+
+
+@FUZZ
+@given(
+    cls=st.sampled_from([cls for cls, _ in MAPPED]),
+    text=st.text(st.characters(exclude_categories=[]), max_size=1500),
+)
+def test_error_messages_survive_any_text(cls: type[errors.TransportError], text: str) -> None:
+    """Any text, lone surrogates included, is carried (the first 1000 characters of it)."""
+    message = control.error(cls(text))
+    assert len(message) <= HEAD_SIZE + 1 + 4 * 1000
+    kind, body = split(message)
+    assert kind is Kind.ERROR
+    back = control.parse_error(body)
+    assert type(back) is cls
+    want = text[:1000].encode(errors="replace").decode()
+    assert str(back) == "peer: " + want
+
+
+def test_error_text_is_truncated_to_1000_characters() -> None:
+    body = split(control.error(errors.WireFormatError("x" * 5000)))[1]
+    assert body[1:] == b"x" * 1000
+
+
+def test_control_messages_built_by_helpers_all_decode() -> None:
+    messages = [
+        control.hello(b"i" * INSTANCE_ID_BYTES, b"addr"),
+        control.open_(control.new_transfer_tag(), b"header"),
+        control.encode(Kind.ACCEPT),
+        control.encode(Kind.LAYER, b"\0" * LAYER_FRAME_SIZE),
+        control.encode(Kind.DONE),
+        control.error(errors.BudgetExceededError("full")),
+        control.encode(Kind.ABORT, b"cancelled"),
+    ]
+    assert [split(m)[0] for m in messages] == list(Kind)

@@ -1,0 +1,66 @@
+"""Recycled receive buffers.
+
+A fresh 64 MiB numpy array is fresh pages: every first touch is a page fault, and when UCX
+writes into it from another process (CMA) that cost dominates — 1.5 GB/s into new buffers
+against 6 GB/s into reused ones, measured here. Receivers therefore take payload buffers from
+this pool, and a consumer that is done with a `KvCache` calls ``release()`` to return its
+buffer. A cache never released is simply garbage-collected; the pool only loses a reuse.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+_MIN_POOLED = 1 << 20
+"""Smaller buffers are cheap to allocate (malloc arenas, no mmap): not pooled."""
+
+
+def size_class(nbytes: int) -> int:
+    """Round up to 1/8 of the enclosing power of two: at most 12.5 % slack per buffer."""
+    if nbytes <= _MIN_POOLED:
+        return nbytes
+    step = 1 << max(16, nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
+class BufferPool:
+    def __init__(self, max_idle_bytes: int) -> None:
+        self._max_idle = max_idle_bytes
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self._idle_bytes = 0
+        self._lock = threading.Lock()  # release() may come from any thread
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of exactly ``nbytes`` (its contents are garbage)."""
+        if nbytes <= _MIN_POOLED:
+            return np.empty(nbytes, dtype=np.uint8)
+        cap = size_class(nbytes)
+        with self._lock:
+            free = self._idle.get(cap)
+            if free:
+                self._idle_bytes -= cap
+                return free.pop()[:nbytes]
+        return np.empty(cap, dtype=np.uint8)[:nbytes]
+
+    def release(self, buf: np.ndarray) -> None:
+        """Return a buffer from `acquire` (drop every view of it first)."""
+        base = buf.base if isinstance(buf.base, np.ndarray) else buf
+        cap = base.nbytes
+        if cap <= _MIN_POOLED or size_class(cap) != cap:
+            return
+        with self._lock:
+            if self._idle_bytes + cap > self._max_idle:
+                return
+            self._idle.setdefault(cap, []).append(base)
+            self._idle_bytes += cap
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
