@@ -4,14 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test lint check bench clean
+.PHONY: venv demo test lint check bench clean proto
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,ucx]'
+	$(PY) -m pip install --quiet -e '.[test,ucx,engine]'
 	touch $(STAMP)
 
 lint: venv
@@ -31,6 +31,10 @@ demo: venv
 bench: venv
 	$(VENV)/bin/pdorch bench transport --backend ucx --size 64MiB --iters 10
 	$(VENV)/bin/pdorch bench transport --backend tcp --size 64MiB --iters 10
+
+# Regenerate the committed gRPC code from proto/ (a test fails if it is stale).
+proto: venv
+	$(PY) proto/generate.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

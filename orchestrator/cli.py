@@ -1,18 +1,159 @@
-"""`pdorch` command line: the composition root (the only place that reads the environment)."""
+"""`pdorch` command line: the composition root.
+
+The only module that reads the environment and picks concrete parts (the Redis store, the
+UCX or TCP transport, the engine) and wires them together.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from transport import bench
-from transport.backends import BACKENDS
+log = logging.getLogger("pdorch")
+
+
+# ------------------------------------------------------------------------------ servers
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _run_worker(args: argparse.Namespace) -> int:
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
+    from orchestrator.workers.server import Worker, WorkerSettings  # noqa: PLC0415
+    from transport.backends import make_receiver, make_sender  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
+
+    engine = await asyncio.to_thread(
+        load_engine, args.model, Path(args.model_cache) if args.model_cache else None
+    )
+    store = RedisStore(StoreSettings(url=args.redis))
+    tsettings = TransportSettings()
+    settings = WorkerSettings(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        worker_id=args.worker_id,
+        kv_capacity_bytes=args.kv_capacity_mib << 20,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        heartbeat_interval_s=args.heartbeat_ttl / 3,
+    )
+    sender = make_sender(args.transport, tsettings)
+    receiver = (
+        make_receiver(args.transport, tsettings, engine.info.model_spec())
+        if args.role == "decode"
+        else None
+    )
+
+    async def publish(info: object) -> None:
+        await store.heartbeat(info, settings.heartbeat_ttl_s)  # type: ignore[arg-type]
+
+    worker = Worker(engine, settings, publish, sender=sender, receiver=receiver)
+    await worker.start()
+    print(f"worker {worker.worker_id} ready on {worker.address} kv={worker.kv_address}",
+          flush=True)
+    try:
+        await _until_signalled()
+    finally:
+        log.info("worker %s draining", worker.worker_id)
+        with contextlib.suppress(Exception):
+            await store.deregister(worker.worker_id)
+        await worker.stop()
+        await store.close()
+    return 0
+
+
+async def _run_orchestrator(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+    from grpc_health.v1 import _async as health_aio  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    from orchestrator.api import orchestrator_pb2_grpc  # noqa: PLC0415
+    from orchestrator.control.clients import WorkerClients  # noqa: PLC0415
+    from orchestrator.control.orchestrator import ControlSettings, Orchestrator  # noqa: PLC0415
+    from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+
+    store = RedisStore(StoreSettings(url=args.redis))
+    clients = WorkerClients()
+    control = Orchestrator(
+        store, clients, ControlSettings(fallback=args.fallback), owner=args.replica_id
+    )
+    server = grpc.aio.server()
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"orchestrator {args.replica_id} ready on {args.host}:{port}", flush=True)
+    try:
+        await _until_signalled()
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(args.drain_grace)
+        await clients.close()
+        await store.close()
+    return 0
+
+
+# ------------------------------------------------------------------------------ clients
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+
+    from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc  # noqa: PLC0415
+
+    req = orchestrator_pb2.GenerateRequest(
+        request_id=args.request_id,
+        max_tokens=args.max_tokens,
+        sampling=common_pb2.SamplingParams(temperature=args.temperature, seed=args.seed),
+        stop=args.stop,
+    )
+    if args.chat:
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.text = args.prompt
+    async with grpc.aio.insecure_channel(args.orchestrator) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        try:
+            async for chunk in stub.Generate(req, timeout=args.timeout):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    t = chunk.timings
+                    print(
+                        f"\n[{common_pb2.FinishReason.Name(chunk.finish_reason)}] "
+                        f"ttft {t.ttft_ms:.0f} ms, tpot {t.tpot_ms:.1f} ms, "
+                        f"kv {chunk.kv_bytes} bytes, {chunk.prefill_worker or '-'} -> "
+                        f"{chunk.decode_worker}",
+                        file=sys.stderr,
+                    )
+        except grpc.aio.AioRpcError as exc:
+            print(f"\npdorch generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
 
 
 def _bench_transport(args: argparse.Namespace) -> int:
+    from transport import bench  # noqa: PLC0415
+
     try:
         size = bench.parse_size(args.size)
         result = bench.run(args.backend, size, args.iters, args.layers, args.rounds)
@@ -24,44 +165,111 @@ def _bench_transport(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Until the end-to-end demo lands: the transport on both backends vs ucx_perftest."""
-    status = 0
-    for backend in BACKENDS:
-        for size in ("16MiB", "64MiB"):
-            ns = argparse.Namespace(
-                backend=backend, size=size, iters=args.iters, layers=32, rounds=3, json=False
-            )
-            status |= _bench_transport(ns)
-    return status
+    from orchestrator.demo import run_demo  # noqa: PLC0415
+
+    return run_demo(
+        model=args.model,
+        transport=args.transport,
+        as_json=args.json,
+        model_cache=Path(args.model_cache) if args.model_cache else None,
+        max_tokens=args.max_tokens,
+    )
+
+
+# ------------------------------------------------------------------------------- parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    env = os.environ
     p = argparse.ArgumentParser(prog="pdorch", description=__doc__)
-    p.add_argument("--log-level", default=os.environ.get("PDORCH_LOG_LEVEL", "WARNING"))
+    p.add_argument("--log-level", default=env.get("PDORCH_LOG_LEVEL", "WARNING"))
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
     sub = p.add_subparsers(dest="command", required=True)
+    redis_default = env.get("PDORCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    cache_default = env.get("PDORCH_MODEL_CACHE", "")
+
+    o = sub.add_parser("orchestrator", help="run an orchestrator replica")
+    o.add_argument("--redis", default=redis_default)
+    o.add_argument("--host", default="127.0.0.1")
+    o.add_argument("--port", type=int, default=50051)
+    o.add_argument("--replica-id", default=env.get("HOSTNAME", "orchestrator"))
+    o.add_argument("--fallback", choices=("local", "fail"), default="local")
+    o.add_argument("--drain-grace", type=float, default=10.0)
+    o.set_defaults(run=_run_orchestrator)
+
+    w = sub.add_parser("worker", help="run a prefill or decode worker")
+    w.add_argument("--role", choices=("prefill", "decode"), required=True)
+    w.add_argument("--redis", default=redis_default)
+    w.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
+    w.add_argument("--model-cache", default=cache_default)
+    w.add_argument("--transport", choices=("ucx", "tcp"), default="ucx")
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=0)
+    w.add_argument("--kv-port", type=int, default=0)
+    w.add_argument("--worker-id", default="")
+    w.add_argument("--kv-capacity-mib", type=int, default=2048)
+    w.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    w.set_defaults(run=_run_worker)
+
+    g = sub.add_parser("generate", help="stream a completion from an orchestrator")
+    g.add_argument("prompt")
+    g.add_argument("--orchestrator", default="127.0.0.1:50051")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--request-id", default="")
+    g.add_argument("--timeout", type=float, default=300.0)
+    g.set_defaults(run=_generate)
+
+    d = sub.add_parser("demo", help="start a local cluster and run prompts through it")
+    d.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
+    d.add_argument("--model-cache", default=cache_default)
+    d.add_argument("--transport", choices=("ucx", "tcp"), default="ucx")
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(call=_demo)
 
     b = sub.add_parser("bench", help="benchmarks (ratios against a reference in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bt = bsub.add_parser("transport", help="KV transfer throughput vs ucx_perftest tag_bw")
-    bt.add_argument("--backend", choices=BACKENDS, default="ucx")
+    bt.add_argument("--backend", choices=("ucx", "tcp"), default="ucx")
     bt.add_argument("--size", default="64MiB", help="KV bytes per transfer (e.g. 64MiB)")
     bt.add_argument("--iters", type=int, default=10)
     bt.add_argument("--layers", type=int, default=32, help="layers the KV is split into")
     bt.add_argument("--rounds", type=int, default=3, help="alternations of ours/reference")
     bt.add_argument("--json", action="store_true", help="print one JSON object")
-    bt.set_defaults(func=_bench_transport)
-
-    d = sub.add_parser("demo", help="run the demo")
-    d.add_argument("--iters", type=int, default=5)
-    d.set_defaults(func=_demo)
+    bt.set_defaults(call=_bench_transport)
     return p
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "ts": record.created,
+                "level": record.levelname,
+                "logger": record.name,
+                "msg": record.getMessage(),
+            }
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler = logging.StreamHandler()
+    if args.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+        )
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    return int(args.func(args))
+    if getattr(args, "call", None) is not None:
+        return int(args.call(args))
+    return int(asyncio.run(args.run(args)))
 
 
 if __name__ == "__main__":

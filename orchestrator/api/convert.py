@@ -1,0 +1,47 @@
+"""The only place that converts between protobuf messages and core types."""
+
+from __future__ import annotations
+
+from orchestrator.api import common_pb2
+from orchestrator.core.sampling import SamplingParams
+
+_FINISH = {
+    "": common_pb2.FINISH_REASON_UNSPECIFIED,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "eos": common_pb2.FINISH_REASON_EOS,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_BACK = {v: k for k, v in _FINISH.items()}
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
+        seed=int(msg.seed),
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+
+
+def finish_to_pb(reason: str) -> common_pb2.FinishReason.ValueType:
+    return _FINISH.get(reason, common_pb2.FINISH_REASON_ERROR)
+
+
+def finish_from_pb(value: common_pb2.FinishReason.ValueType) -> str:
+    return _FINISH_BACK.get(value, "error")
+
+
+def timings_to_pb(t: dict[str, float]) -> common_pb2.Timings:
+    return common_pb2.Timings(
+        queue_ms=t.get("queue_ms", 0.0),
+        prefill_ms=t.get("prefill_ms", 0.0),
+        transfer_ms=t.get("transfer_ms", 0.0),
+        ttft_ms=t.get("ttft_ms", 0.0),
+        tpot_ms=t.get("tpot_ms", 0.0),
+        total_ms=t.get("total_ms", 0.0),
+    )

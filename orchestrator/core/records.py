@@ -1,0 +1,115 @@
+"""Plain records shared by the store, control and rpc layers. Pure."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from orchestrator.core.state import State
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker publishes in its heartbeat."""
+
+    worker_id: str
+    role: str
+    """"prefill" or "decode" (every worker can also run a request aggregated)."""
+    address: str
+    """gRPC host:port."""
+    kv_address: str
+    """KV transport receiver host:port ("" for a pure prefill worker)."""
+    transport: str
+    model: str
+    fingerprint: str
+    max_context: int
+    vocab_size: int
+    kv_bytes_per_token: int
+    kv_capacity_bytes: int
+    kv_used_bytes: int = 0
+    active: int = 0
+    gpu_kind: str = "cpu"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerInfo:
+        return cls(**json.loads(text))
+
+    @property
+    def kv_free_bytes(self) -> int:
+        return max(0, self.kv_capacity_bytes - self.kv_used_bytes)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """A request as stored. Timings are milliseconds."""
+
+    request_id: str
+    state: State
+    epoch: int
+    body_hash: str
+    prompt_tokens: int
+    max_tokens: int
+    created_at: float
+    owner: str = ""
+    mode: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    output_tokens: int = 0
+    kv_bytes: int = 0
+    finish_reason: str = ""
+    error: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_fields(self) -> dict[str, str]:
+        d = asdict(self)
+        d["state"] = str(self.state)
+        d["timings"] = json.dumps(self.timings, sort_keys=True)
+        return {k: str(v) for k, v in d.items()}
+
+    @classmethod
+    def from_fields(cls, f: dict[str, str]) -> RequestRecord:
+        return cls(
+            request_id=f["request_id"],
+            state=State(f["state"]),
+            epoch=int(f["epoch"]),
+            body_hash=f["body_hash"],
+            prompt_tokens=int(f["prompt_tokens"]),
+            max_tokens=int(f["max_tokens"]),
+            created_at=float(f["created_at"]),
+            owner=f.get("owner", ""),
+            mode=f.get("mode", ""),
+            prefill_worker=f.get("prefill_worker", ""),
+            decode_worker=f.get("decode_worker", ""),
+            output_tokens=int(f.get("output_tokens", "0")),
+            kv_bytes=int(f.get("kv_bytes", "0")),
+            finish_reason=f.get("finish_reason", ""),
+            error=f.get("error", ""),
+            timings=json.loads(f.get("timings", "{}")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """One relayed chunk of output, as journalled: tokens [index, index + len)."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+
+    def to_json(self) -> str:
+        return json.dumps([self.index, list(self.token_ids), self.text])
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JournalEntry:
+        index, ids, delta = json.loads(text)
+        return cls(int(index), tuple(int(i) for i in ids), str(delta))
+
+
+def body_hash(payload: object) -> str:
+    """Stable hash of a request body, for idempotent resubmission checks."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -1,0 +1,66 @@
+"""Placement: which workers run a request. Pure.
+
+Prefill goes to the least-loaded prefill worker; decode to the decode worker with the most
+KV headroom that can hold this request's KV (prompt + max output), ties broken by fewer
+active sequences. When a whole pool is missing the request runs *aggregated* on a worker of
+the other pool (``fallback="local"``) or is refused (``fallback="fail"``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from orchestrator.core.records import WorkerInfo
+from orchestrator.errors import OverloadedError, UnavailableError
+
+
+class Mode(enum.StrEnum):
+    DISAGGREGATED = "disaggregated"
+    AGGREGATED = "aggregated"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    mode: Mode
+    prefill: WorkerInfo | None
+    """None when aggregated."""
+    decode: WorkerInfo
+    """The worker that decodes (and, aggregated, also prefills)."""
+    reason: str
+
+
+def _kv_need(w: WorkerInfo, tokens: int) -> int:
+    return tokens * w.kv_bytes_per_token
+
+
+def place(
+    workers: Sequence[WorkerInfo],
+    total_tokens: int,
+    *,
+    fallback: str = "local",
+    exclude: Iterable[str] = (),
+) -> Placement:
+    """Pick workers for a request needing KV for ``total_tokens`` (prompt + max output)."""
+    banned = set(exclude)
+    alive = [w for w in workers if w.worker_id not in banned]
+    prefills = [w for w in alive if w.role == "prefill"]
+    decodes = [w for w in alive if w.role == "decode"]
+    if not prefills and not decodes:
+        raise UnavailableError("no workers available")
+    if decodes:
+        fitting = [w for w in decodes if w.kv_free_bytes >= _kv_need(w, total_tokens)]
+        if not fitting:
+            raise OverloadedError("no decode worker has KV room for this request", 1.0)
+        decode = max(fitting, key=lambda w: (w.kv_free_bytes, -w.active, w.worker_id))
+        if prefills:
+            prefill = min(prefills, key=lambda w: (w.active, w.worker_id))
+            return Placement(Mode.DISAGGREGATED, prefill, decode, "both pools up")
+        if fallback != "local":
+            raise UnavailableError("prefill pool is down and fallback is 'fail'")
+        return Placement(Mode.AGGREGATED, None, decode, "prefill pool down: aggregated")
+    if fallback != "local":
+        raise UnavailableError("decode pool is down and fallback is 'fail'")
+    worker = min(prefills, key=lambda w: (w.active, w.worker_id))
+    return Placement(Mode.AGGREGATED, None, worker, "decode pool down: aggregated on prefill")

@@ -1,0 +1,188 @@
+"""`pdorch demo`: a local cluster, prompts disaggregated, checked against aggregated runs.
+
+Starts Redis, one prefill and two decode workers and an orchestrator as separate processes
+on loopback; sends the prompts concurrently through the orchestrator (prefill on one worker,
+KV over the transport, decode on another), and runs each prompt again *aggregated* on a
+single worker as the reference. Prints, per request, TTFT, TPOT, KV bytes, transfer time and
+rate, and whether the disaggregated text equals the aggregated one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import redis
+
+from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
+from orchestrator.api import worker_pb2_grpc
+from orchestrator.cluster import ClusterError, LocalCluster
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about GPUs.",
+    "Explain the difference between prefill and decode in one sentence.",
+    "List three prime numbers.",
+    "What does a KV cache store?",
+    "Say hello in Spanish.",
+)
+
+
+@dataclass
+class DemoResult:
+    id: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+    kv_bytes: int
+    transfer_ms: float
+    matches_aggregated: bool
+    text: str = ""
+
+
+async def _one(
+    stub: orchestrator_pb2_grpc.OrchestratorStub, rid: str, prompt: str, max_tokens: int,
+    chat: bool, progress: dict[str, int],
+) -> tuple[list[int], str, orchestrator_pb2.GenerateChunk]:
+    req = orchestrator_pb2.GenerateRequest(
+        request_id=rid, max_tokens=max_tokens, sampling=common_pb2.SamplingParams(temperature=0)
+    )
+    if chat:
+        req.chat.messages.add(role="user", content=prompt)
+    else:
+        req.text = prompt
+    ids: list[int] = []
+    text = ""
+    final = orchestrator_pb2.GenerateChunk()
+    async for chunk in stub.Generate(req, timeout=600):
+        ids.extend(chunk.token_ids)
+        text += chunk.text
+        progress[rid] = len(ids)
+        if chunk.finish_reason:
+            final = chunk
+    return ids, text, final
+
+
+async def _reference(address: str, rid: str, tokens: list[int], max_tokens: int) -> list[int]:
+    """The same prompt run aggregated on one worker (prefill and decode in one process)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        out: list[int] = []
+        async for chunk in stub.Generate(
+            worker_pb2.AggregatedRequest(
+                request_id=f"{rid}-ref", epoch=1, token_ids=tokens,
+                sampling=common_pb2.SamplingParams(temperature=0), max_tokens=max_tokens,
+                prompt_tokens=len(tokens),
+            ),
+            timeout=600,
+        ):
+            out.extend(chunk.token_ids)
+        return out
+
+
+async def _tokens(address: str, prompt: str, chat: bool) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        req = worker_pb2.TokenizeRequest()
+        if chat:
+            req.chat.messages.add(role="user", content=prompt)
+        else:
+            req.text = prompt
+        return list((await stub.Tokenize(req, timeout=60)).ids)
+
+
+async def _run(cluster: LocalCluster, max_tokens: int, live: bool) -> list[DemoResult]:
+    chat = cluster.model != "tiny"
+    progress: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(cluster.orchestrator_addresses[0]) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        stamp = int(time.time())
+        rids = [f"demo-{stamp}-{i}" for i in range(len(PROMPTS))]
+        tasks = [
+            asyncio.create_task(_one(stub, rid, p, max_tokens, chat, progress), name=rid)
+            for rid, p in zip(rids, PROMPTS, strict=True)
+        ]
+        while not all(t.done() for t in tasks):
+            if live:
+                done = sum(t.done() for t in tasks)
+                line = " ".join(f"{progress.get(r, 0):>3}" for r in rids)
+                sys.stderr.write(f"\r  tokens per request: {line}   ({done}/{len(tasks)} done)")
+                sys.stderr.flush()
+            await asyncio.wait(tasks, timeout=0.2)
+        if live:
+            sys.stderr.write("\n")
+        outcomes = [t.result() for t in tasks]
+    worker = _a_decode_worker(cluster)
+    results = []
+    for rid, prompt, (ids, text, final) in zip(rids, PROMPTS, outcomes, strict=True):
+        tokens = await _tokens(worker, prompt, chat)
+        ref = await _reference(worker, rid, tokens, max_tokens)
+        results.append(
+            DemoResult(
+                id=rid,
+                prompt_tokens=final.prompt_tokens,
+                output_tokens=len(ids),
+                ttft_ms=round(final.timings.ttft_ms, 1),
+                tpot_ms=round(final.timings.tpot_ms, 2),
+                kv_bytes=final.kv_bytes,
+                transfer_ms=round(final.timings.transfer_ms, 2),
+                matches_aggregated=ids == ref,
+                text=text,
+            )
+        )
+    return results
+
+
+def _a_decode_worker(cluster: LocalCluster) -> str:
+    client = redis.Redis(port=cluster.redis_port, decode_responses=True)
+    try:
+        raw = client.get("pdorch:worker:decode-0")
+    finally:
+        client.close()
+    if raw is None:
+        raise ClusterError("decode-0 is not registered")
+    return str(json.loads(raw)["address"])
+
+
+def run_demo(
+    *, model: str, transport: str, as_json: bool, model_cache: Path | None, max_tokens: int
+) -> int:
+    say = (lambda *a: None) if as_json else (lambda *a: print(*a, file=sys.stderr))
+    say(f"starting Redis, 1 prefill + 2 decode workers ({model}, KV over {transport}) "
+        "and an orchestrator ...")
+    cluster = LocalCluster(model=model, transport=transport, model_cache=model_cache)
+    try:
+        with cluster:
+            say(f"cluster up (logs in {cluster.workdir}); sending {len(PROMPTS)} prompts")
+            results = asyncio.run(_run(cluster, max_tokens, live=not as_json))
+    except (ClusterError, grpc.RpcError) as exc:
+        print(f"pdorch demo: {exc}", file=sys.stderr)
+        for name, tail in cluster.logs():
+            print(f"--- {name} ---\n{tail}", file=sys.stderr)
+        return 1
+    all_match = all(r.matches_aggregated for r in results)
+    if as_json:
+        keys = ("id", "prompt_tokens", "output_tokens", "ttft_ms", "tpot_ms", "kv_bytes",
+                "transfer_ms", "matches_aggregated")
+        print(json.dumps({
+            "requests": [{k: asdict(r)[k] for k in keys} for r in results],
+            "all_match": all_match,
+        }))
+    else:
+        print(f"{'request':<18}{'prompt':>7}{'out':>5}{'TTFT ms':>9}{'TPOT ms':>9}"
+              f"{'KV bytes':>11}{'xfer ms':>9}{'GB/s':>7}  match")
+        for r in results:
+            rate = r.kv_bytes / (r.transfer_ms / 1000) / 1e9 if r.transfer_ms else 0.0
+            print(f"{r.id[-18:]:<18}{r.prompt_tokens:>7}{r.output_tokens:>5}{r.ttft_ms:>9.1f}"
+                  f"{r.tpot_ms:>9.2f}{r.kv_bytes:>11}{r.transfer_ms:>9.2f}{rate:>7.2f}  "
+                  f"{'yes' if r.matches_aggregated else 'NO'}")
+            print(f"    {r.text.strip()[:100]!r}")
+        print("all outputs identical to aggregated runs" if all_match
+              else "SOME OUTPUTS DIFFER from the aggregated runs")
+    return 0 if all_match else 1

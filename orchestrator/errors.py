@@ -1,0 +1,75 @@
+"""The orchestrator's exception tree (the transport has its own, `transport.errors`).
+
+    PdorchError                       root; ``retryable`` says whether trying again may help
+    ├── InvalidRequestError           bad input; names the field (→ INVALID_ARGUMENT)
+    ├── ConflictError                 same request id, different body (→ ALREADY_EXISTS)
+    ├── NotFoundError                 unknown request id (→ NOT_FOUND)
+    ├── OverloadedError               backpressure: rejected early (→ RESOURCE_EXHAUSTED)
+    ├── UnavailableError              no worker / store unreachable (→ UNAVAILABLE)
+    ├── StaleEpochError               a write from a superseded epoch (fencing)
+    ├── InvalidTransitionError        a state change the state machine forbids
+    │   └── RequestEndedError         the request already ended (e.g. cancelled elsewhere)
+    ├── WorkerError                   a worker call failed (retryable per ``retryable``)
+    └── DeadlineExceededError         a request ran past its deadline (→ DEADLINE_EXCEEDED)
+
+gRPC status codes come from one table, `orchestrator.rpc.status`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class PdorchError(Exception):
+    retryable: ClassVar[bool] = False
+
+
+class InvalidRequestError(PdorchError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ConflictError(PdorchError):
+    """A request id reused with a different body."""
+
+
+class NotFoundError(PdorchError):
+    """No request with that id."""
+
+
+class OverloadedError(PdorchError):
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UnavailableError(PdorchError):
+    retryable = True
+
+
+class StaleEpochError(PdorchError):
+    """A write carried an epoch older than the request's current one."""
+
+
+class InvalidTransitionError(PdorchError):
+    """The request is not in a state that allows this transition."""
+
+
+class RequestEndedError(InvalidTransitionError):
+    """The request reached a terminal state (cancelled, failed) while this was running."""
+
+
+class WorkerError(PdorchError):
+    """A worker call failed. ``retryable`` is set per instance from the cause."""
+
+    def __init__(self, worker: str, message: str, *, retryable: bool) -> None:
+        super().__init__(f"worker {worker}: {message}")
+        self.worker = worker
+        self.retryable_instance = retryable
+
+
+class DeadlineExceededError(PdorchError):
+    """A request outlived its deadline."""

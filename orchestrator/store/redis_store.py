@@ -1,0 +1,263 @@
+"""Request state in Redis: records, atomic transitions, the token journal, worker heartbeats.
+
+Every state change is ONE Lua script that checks the expected state(s) and epoch before it
+writes — no read-modify-write from Python — so two orchestrators, or an orchestrator and a
+reaper, can never both win. redis-py's `Script` re-loads a script on NOSCRIPT (the script
+cache is lost when Redis restarts or fails over).
+
+Keys (``P`` is the configured prefix, ``pdorch`` by default):
+
+    P:req:{id}            hash   the `RequestRecord`
+    P:req:{id}:journal    list   `JournalEntry` JSON, contiguous token indices from 0
+    P:workers             set    worker ids that have registered
+    P:worker:{id}         string `WorkerInfo` JSON, with a TTL: the heartbeat
+
+Redis errors are translated here: connection problems and timeouts become
+`UnavailableError`; script refusals become `StaleEpochError`/`InvalidTransitionError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+
+from orchestrator import errors
+from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
+from orchestrator.core.state import State, sources_for
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] record. ARGV[1] body hash, ARGV[2] ttl seconds, ARGV[3..] field/value pairs.
+# Returns {1} when created, {0, body_hash, state} when the id exists already.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local got = redis.call('HMGET', KEYS[1], 'body_hash', 'state')
+  return {0, got[1], got[2]}
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+return {1}
+"""
+
+# KEYS[1] record. ARGV[1] expected epoch, ARGV[2] new state, ARGV[3] new epoch,
+# ARGV[4] allowed source states separated by ',', ARGV[5..] field/value pairs to set.
+# Returns {1, state, epoch} on success; {-1} missing; {-2, state, epoch} epoch mismatch;
+# {-3, state, epoch} state not an allowed source.
+_TRANSITION = """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
+if not cur[1] then return {-1} end
+if cur[2] ~= ARGV[1] then return {-2, cur[1], cur[2]} end
+local ok = false
+for s in string.gmatch(ARGV[4], '[^,]+') do
+  if s == cur[1] then ok = true end
+end
+if not ok then return {-3, cur[1], cur[2]} end
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'epoch', ARGV[3])
+if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
+return {1, ARGV[2], ARGV[3]}
+"""
+
+# KEYS[1] record, KEYS[2] journal. ARGV[1] epoch, ARGV[2] first index, ARGV[3] token count,
+# ARGV[4] entry JSON, ARGV[5] ttl. Appends only at the current end (no gap, no duplicate)
+# and only for the current epoch of a live request.
+# Returns {1, new_count}; {-1} missing; {-2, epoch} stale; {-3, state} ended; {-4, count} gap.
+_APPEND = """
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'output_tokens', 'state')
+if not cur[1] then return {-1} end
+if cur[1] ~= ARGV[1] then return {-2, cur[1]} end
+if cur[3] == 'done' or cur[3] == 'failed' or cur[3] == 'cancelled' then return {-3, cur[3]} end
+if cur[2] ~= ARGV[2] then return {-4, cur[2]} end
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
+local n = redis.call('HINCRBY', KEYS[1], 'output_tokens', tonumber(ARGV[3]))
+return {1, n}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "pdorch"
+    socket_timeout_s: float = 2.0
+    """Every Redis call; a hung Redis surfaces as UnavailableError, not a hang."""
+    connect_timeout_s: float = 1.0
+    record_ttl_s: int = 24 * 3600
+    """How long finished requests stay queryable (and resubmittable idempotently)."""
+
+
+@contextlib.asynccontextmanager
+async def _translated(what: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+        raise errors.UnavailableError(f"request store unreachable during {what}: {exc}") from exc
+    except rexc.RedisError as exc:
+        raise errors.UnavailableError(f"request store error during {what}: {exc}") from exc
+
+
+class RedisStore:
+    def __init__(self, settings: StoreSettings) -> None:
+        self.settings = settings
+        # redis-py's asyncio API is only partly typed: Any at this one boundary.
+        self._redis: Any = aioredis.Redis.from_url(
+            settings.url,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.connect_timeout_s,
+            decode_responses=True,
+            health_check_interval=5,
+        )
+        self._create: Any = self._redis.register_script(_CREATE)
+        self._transition: Any = self._redis.register_script(_TRANSITION)
+        self._append: Any = self._redis.register_script(_APPEND)
+        self._workers = f"{settings.prefix}:workers"
+
+    def _req(self, rid: str) -> str:
+        return f"{self.settings.prefix}:req:{rid}"
+
+    def _journal(self, rid: str) -> str:
+        return f"{self.settings.prefix}:req:{rid}:journal"
+
+    def _worker(self, wid: str) -> str:
+        return f"{self.settings.prefix}:worker:{wid}"
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def ping(self) -> None:
+        async with _translated("ping"):
+            await self._redis.ping()
+
+    # ------------------------------------------------------------------------ requests
+
+    async def create(self, record: RequestRecord) -> RequestRecord | None:
+        """Create ``record``; if its id exists, return the existing record instead."""
+        fields = record.to_fields()
+        flat = [x for kv in fields.items() for x in kv]
+        async with _translated("create"):
+            res = await self._create(
+                keys=[self._req(record.request_id)],
+                args=[record.body_hash, self.settings.record_ttl_s, *flat],
+            )
+        if int(res[0]) == 1:
+            return None
+        existing = await self.get(record.request_id)
+        if existing is None:  # expired between the two calls: treat as a fresh conflict
+            raise errors.ConflictError(f"request {record.request_id!r} is being replaced")
+        return existing
+
+    async def get(self, request_id: str) -> RequestRecord | None:
+        async with _translated("get"):
+            fields = await self._redis.hgetall(self._req(request_id))
+        return RequestRecord.from_fields(fields) if fields else None
+
+    async def transition(
+        self,
+        request_id: str,
+        *,
+        epoch: int,
+        target: State,
+        new_epoch: int | None = None,
+        sources: frozenset[State] | None = None,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Atomically move the request to ``target`` if it is at ``epoch`` in an allowed state."""
+        allowed = sources if sources is not None else sources_for(target)
+        flat = [str(x) for kv in (fields or {}).items() for x in kv]
+        async with _translated("transition"):
+            res = await self._transition(
+                keys=[self._req(request_id)],
+                args=[
+                    epoch,
+                    str(target),
+                    epoch if new_epoch is None else new_epoch,
+                    ",".join(sorted(str(s) for s in allowed)),
+                    *flat,
+                ],
+            )
+        code = int(res[0])
+        if code == 1:
+            return
+        if code == -1:
+            raise errors.NotFoundError(f"no request {request_id!r}")
+        state, cur_epoch = res[1], res[2]
+        if code == -2:
+            raise errors.StaleEpochError(
+                f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
+            )
+        raise errors.InvalidTransitionError(
+            f"request {request_id!r} is {state}; cannot move to {target}"
+        )
+
+    async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
+        """Informational fields only (timings, workers); never state or epoch."""
+        if {"state", "epoch"} & set(fields):
+            raise ValueError("state and epoch change only through transition()")
+        async with _translated("set_fields"):
+            await self._redis.hset(
+                self._req(request_id), mapping={k: str(v) for k, v in fields.items()}
+            )
+
+    async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
+        """Journal a relayed chunk; returns the new output token count."""
+        async with _translated("journal append"):
+            res = await self._append(
+                keys=[self._req(request_id), self._journal(request_id)],
+                args=[
+                    epoch,
+                    entry.index,
+                    len(entry.token_ids),
+                    entry.to_json(),
+                    self.settings.record_ttl_s,
+                ],
+            )
+        code = int(res[0])
+        if code == 1:
+            return int(res[1])
+        if code == -1:
+            raise errors.NotFoundError(f"no request {request_id!r}")
+        if code == -2:
+            raise errors.StaleEpochError(f"request {request_id!r}: journal epoch {epoch} is stale")
+        if code == -3:
+            raise errors.RequestEndedError(f"request {request_id!r} is {res[1]}")
+        raise errors.InvalidTransitionError(
+            f"request {request_id!r}: chunk at {entry.index} but journal ends at {res[1]}"
+        )
+
+    async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
+        async with _translated("journal read"):
+            raw = await self._redis.lrange(self._journal(request_id), start, -1)
+        return [JournalEntry.from_json(r) for r in raw]
+
+    # ------------------------------------------------------------------------- workers
+
+    async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        async with _translated("heartbeat"):
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.set(self._worker(info.worker_id), info.to_json(), px=int(ttl_s * 1000))
+            pipe.sadd(self._workers, info.worker_id)
+            await pipe.execute()
+
+    async def deregister(self, worker_id: str) -> None:
+        async with _translated("deregister"):
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(self._worker(worker_id))
+            pipe.srem(self._workers, worker_id)
+            await pipe.execute()
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Workers whose heartbeat is alive (expired ones are pruned from the index)."""
+        async with _translated("list workers"):
+            ids = sorted(await self._redis.smembers(self._workers))
+            if not ids:
+                return []
+            values = await self._redis.mget([self._worker(i) for i in ids])
+            dead = [i for i, v in zip(ids, values, strict=True) if v is None]
+            if dead:
+                await self._redis.srem(self._workers, *dead)
+        return [WorkerInfo.from_json(v) for v in values if v is not None]

@@ -1,0 +1,36 @@
+"""Incremental detokenisation: text deltas that concatenate to the full output's text."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class TextDeltas:
+    """Turns a growing list of output token ids into text deltas.
+
+    Text ending in U+FFFD (a multi-byte character split across tokens) is held back until
+    the next token completes it, so deltas never carry half a character.
+    """
+
+    def __init__(self, detokenize: Callable[[Sequence[int]], str], tokens: Sequence[int] = ()):
+        self._detok = detokenize
+        self.tokens: list[int] = list(tokens)
+        self._emitted = len(self._safe(detokenize(self.tokens))) if self.tokens else 0
+
+    @staticmethod
+    def _safe(text: str) -> str:
+        return text.rstrip("\ufffd")
+
+    def push(self, new: Sequence[int]) -> str:
+        self.tokens.extend(new)
+        text = self._safe(self._detok(self.tokens))
+        delta = text[self._emitted :]
+        self._emitted = max(self._emitted, len(text))
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is left, replacement characters included."""
+        text = self._detok(self.tokens)
+        delta = text[self._emitted :]
+        self._emitted = len(text)
+        return delta

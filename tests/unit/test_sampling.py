@@ -1,0 +1,107 @@
+"""`orchestrator.core.sampling`: greedy, nucleus, and the (seed, index) determinism that lets
+any worker continue a request exactly where another left it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.core.sampling import SamplingParams, sample
+
+# Probabilities 0.5, 0.3, 0.15, 0.05: nucleus boundaries at 0.5, 0.8, 0.95, 1.0.
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+LOGITS = np.log(PROBS).astype(np.float32)
+
+
+def _draws(params: SamplingParams, logits: np.ndarray = LOGITS, n: int = 400) -> list[int]:
+    return [sample(logits, params, i) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("logits", "expected"),
+    [
+        ([0.1, 3.0, -1.0], 1),
+        ([-5.0, -4.0, -4.5], 1),
+        ([2.0, 2.0, 1.0], 0),  # ties go to the lowest id
+        ([np.float32(1e-7), 0.0], 0),
+    ],
+)
+def test_greedy_is_argmax(logits: list[float], expected: int) -> None:
+    assert sample(np.array(logits, dtype=np.float32), SamplingParams(), 0) == expected
+
+
+def test_greedy_ignores_seed_and_index() -> None:
+    logits = np.random.default_rng(7).standard_normal(1000).astype(np.float32)
+    expected = int(np.argmax(logits))
+    for seed in (0, 1, 2**62):
+        for index in (0, 1, 999):
+            assert sample(logits, SamplingParams(seed=seed, top_p=0.5), index) == expected
+
+
+@pytest.mark.parametrize(
+    ("top_p", "allowed"),
+    [(0.3, {0}), (0.5, {0}), (0.7, {0, 1}), (0.9, {0, 1, 2}), (1.0, {0, 1, 2, 3})],
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, allowed: set[int]) -> None:
+    draws = _draws(SamplingParams(temperature=1.0, top_p=top_p, seed=3))
+    assert set(draws) == allowed  # 400 draws: every allowed token shows up, nothing else
+
+
+def test_unfiltered_frequencies_follow_the_distribution() -> None:
+    draws = np.array(_draws(SamplingParams(temperature=1.0, seed=11), n=4000))
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, PROBS, atol=0.03)
+
+
+def test_low_temperature_concentrates_on_the_mode() -> None:
+    draws = _draws(SamplingParams(temperature=0.05, seed=5))
+    assert draws.count(0) == len(draws)
+
+
+def test_same_seed_and_index_give_the_same_token() -> None:
+    params = SamplingParams(temperature=1.0, seed=42)
+    assert _draws(params) == _draws(params)
+
+
+def test_different_seeds_give_different_streams() -> None:
+    a = _draws(SamplingParams(temperature=1.0, seed=1))
+    b = _draws(SamplingParams(temperature=1.0, seed=2))
+    assert a != b
+
+
+def test_draw_depends_on_index_not_on_draw_order_or_global_state() -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=9)
+    in_order = {i: sample(LOGITS, params, i) for i in range(200)}
+    order = np.random.default_rng(0).permutation(200)
+    np.random.seed(123)  # the global numpy RNG must play no part
+    shuffled = {}
+    for i in order:
+        sample(LOGITS, SamplingParams(temperature=1.0, seed=int(i)), int(i))  # unrelated draws
+        shuffled[int(i)] = sample(LOGITS, params, int(i))
+    assert shuffled == in_order
+
+
+def test_float32_and_float64_logits_agree() -> None:
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=4)
+    assert _draws(params, LOGITS) == _draws(params, LOGITS.astype(np.float64))
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(temperature=-0.1), "temperature"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(seed=-1), "seed"),
+        (SamplingParams(seed=2**63), "seed"),
+    ],
+)
+def test_problems_name_the_invalid_field(params: SamplingParams, field: str) -> None:
+    assert [f for f, _ in params.problems()] == [field]
+
+
+def test_valid_params_have_no_problems() -> None:
+    assert SamplingParams(temperature=1.3, top_p=0.2, seed=2**63 - 1).problems() == []
+    assert SamplingParams().greedy
+    assert not SamplingParams(temperature=0.1).greedy
