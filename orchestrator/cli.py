@@ -65,8 +65,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
 
     worker = Worker(engine, settings, publish, sender=sender, receiver=receiver)
     await worker.start()
-    print(f"worker {worker.worker_id} ready on {worker.address} kv={worker.kv_address}",
-          flush=True)
+    print(f"worker {worker.worker_id} ready on {worker.address} kv={worker.kv_address}", flush=True)
     try:
         await _until_signalled()
     finally:
@@ -262,9 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_format == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
-        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if getattr(args, "call", None) is not None:

@@ -185,7 +185,7 @@ class LocalCluster:
     def registered(self) -> dict[str, int]:
         client = redis.Redis(port=self.redis_port, socket_timeout=1, decode_responses=True)
         try:
-            ids = client.smembers("pdorch:workers")
+            ids = [str(i) for i in client.smembers("pdorch:workers")]
             alive = [i for i in ids if client.exists(f"pdorch:worker:{i}")]
         except redis.RedisError:
             return {}
@@ -193,7 +193,7 @@ class LocalCluster:
             client.close()
         counts = {"prefill": 0, "decode": 0}
         for wid in alive:
-            role = str(wid).split("-", 1)[0]
+            role = wid.split("-", 1)[0]
             counts[role] = counts.get(role, 0) + 1
         return counts
 
@@ -208,15 +208,13 @@ class LocalCluster:
 
     def start_orchestrator(self, index: int, port: int = 0) -> str:
         port = port or free_port()
-        proc = self._spawn(
-            f"orchestrator-{index}",
-            self._pdorch(
-                "orchestrator",
-                "--redis", self.redis_url,
-                "--port", str(port),
-                "--replica-id", f"orchestrator-{index}",
-            ),  # fmt: skip
-        )
+        args = self._pdorch(
+            "orchestrator",
+            "--redis", self.redis_url,
+            "--port", str(port),
+            "--replica-id", f"orchestrator-{index}",
+        )  # fmt: skip
+        proc = self._spawn(f"orchestrator-{index}", args)
         address = f"127.0.0.1:{port}"
         _wait(lambda: _serving(address), 30, f"orchestrator {address}", [proc])
         if index < len(self.orchestrator_addresses):

@@ -19,8 +19,13 @@ from pathlib import Path
 import grpc
 import redis
 
-from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, worker_pb2
-from orchestrator.api import worker_pb2_grpc
+from orchestrator.api import (
+    common_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from orchestrator.cluster import ClusterError, LocalCluster
 
 PROMPTS = (
@@ -47,8 +52,12 @@ class DemoResult:
 
 
 async def _one(
-    stub: orchestrator_pb2_grpc.OrchestratorStub, rid: str, prompt: str, max_tokens: int,
-    chat: bool, progress: dict[str, int],
+    stub: orchestrator_pb2_grpc.OrchestratorAsyncStub,
+    rid: str,
+    prompt: str,
+    max_tokens: int,
+    chat: bool,
+    progress: dict[str, int],
 ) -> tuple[list[int], str, orchestrator_pb2.GenerateChunk]:
     req = orchestrator_pb2.GenerateRequest(
         request_id=rid, max_tokens=max_tokens, sampling=common_pb2.SamplingParams(temperature=0)
@@ -76,8 +85,11 @@ async def _reference(address: str, rid: str, tokens: list[int], max_tokens: int)
         out: list[int] = []
         async for chunk in stub.Generate(
             worker_pb2.AggregatedRequest(
-                request_id=f"{rid}-ref", epoch=1, token_ids=tokens,
-                sampling=common_pb2.SamplingParams(temperature=0), max_tokens=max_tokens,
+                request_id=f"{rid}-ref",
+                epoch=1,
+                token_ids=tokens,
+                sampling=common_pb2.SamplingParams(temperature=0),
+                max_tokens=max_tokens,
                 prompt_tokens=len(tokens),
             ),
             timeout=600,
@@ -153,9 +165,14 @@ def _a_decode_worker(cluster: LocalCluster) -> str:
 def run_demo(
     *, model: str, transport: str, as_json: bool, model_cache: Path | None, max_tokens: int
 ) -> int:
-    say = (lambda *a: None) if as_json else (lambda *a: print(*a, file=sys.stderr))
-    say(f"starting Redis, 1 prefill + 2 decode workers ({model}, KV over {transport}) "
-        "and an orchestrator ...")
+    def say(text: str) -> None:
+        if not as_json:
+            print(text, file=sys.stderr)
+
+    say(
+        f"starting Redis, 1 prefill + 2 decode workers ({model}, KV over {transport}) "
+        "and an orchestrator ..."
+    )
     cluster = LocalCluster(model=model, transport=transport, model_cache=model_cache)
     try:
         with cluster:
@@ -168,21 +185,40 @@ def run_demo(
         return 1
     all_match = all(r.matches_aggregated for r in results)
     if as_json:
-        keys = ("id", "prompt_tokens", "output_tokens", "ttft_ms", "tpot_ms", "kv_bytes",
-                "transfer_ms", "matches_aggregated")
-        print(json.dumps({
-            "requests": [{k: asdict(r)[k] for k in keys} for r in results],
-            "all_match": all_match,
-        }))
+        keys = (
+            "id",
+            "prompt_tokens",
+            "output_tokens",
+            "ttft_ms",
+            "tpot_ms",
+            "kv_bytes",
+            "transfer_ms",
+            "matches_aggregated",
+        )
+        print(
+            json.dumps(
+                {
+                    "requests": [{k: asdict(r)[k] for k in keys} for r in results],
+                    "all_match": all_match,
+                }
+            )
+        )
     else:
-        print(f"{'request':<18}{'prompt':>7}{'out':>5}{'TTFT ms':>9}{'TPOT ms':>9}"
-              f"{'KV bytes':>11}{'xfer ms':>9}{'GB/s':>7}  match")
+        print(
+            f"{'request':<18}{'prompt':>7}{'out':>5}{'TTFT ms':>9}{'TPOT ms':>9}"
+            f"{'KV bytes':>11}{'xfer ms':>9}{'GB/s':>7}  match"
+        )
         for r in results:
             rate = r.kv_bytes / (r.transfer_ms / 1000) / 1e9 if r.transfer_ms else 0.0
-            print(f"{r.id[-18:]:<18}{r.prompt_tokens:>7}{r.output_tokens:>5}{r.ttft_ms:>9.1f}"
-                  f"{r.tpot_ms:>9.2f}{r.kv_bytes:>11}{r.transfer_ms:>9.2f}{rate:>7.2f}  "
-                  f"{'yes' if r.matches_aggregated else 'NO'}")
+            print(
+                f"{r.id[-18:]:<18}{r.prompt_tokens:>7}{r.output_tokens:>5}{r.ttft_ms:>9.1f}"
+                f"{r.tpot_ms:>9.2f}{r.kv_bytes:>11}{r.transfer_ms:>9.2f}{rate:>7.2f}  "
+                f"{'yes' if r.matches_aggregated else 'NO'}"
+            )
             print(f"    {r.text.strip()[:100]!r}")
-        print("all outputs identical to aggregated runs" if all_match
-              else "SOME OUTPUTS DIFFER from the aggregated runs")
+        print(
+            "all outputs identical to aggregated runs"
+            if all_match
+            else "SOME OUTPUTS DIFFER from the aggregated runs"
+        )
     return 0 if all_match else 1

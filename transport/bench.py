@@ -119,7 +119,8 @@ class _Ours:
     async def round(self, iters: int) -> float:
         """GB/s over ``iters`` transfers, each timed from open to verified."""
         proc = self.proc
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout is not None
         total = 0.0
         for _ in range(iters):
             self.count += 1

@@ -54,7 +54,7 @@ class GenerateInput:
     chat: tuple[tuple[str, str], ...] | None = None
     token_ids: tuple[int, ...] | None = None
     max_tokens: int = 64
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     resume_from: int = 0
 
@@ -198,9 +198,7 @@ class Orchestrator:
         epoch = record.epoch
         timings: dict[str, float] = {}
         try:
-            placement = place(
-                workers, len(ids) + inp.max_tokens, fallback=self.settings.fallback
-            )
+            placement = place(workers, len(ids) + inp.max_tokens, fallback=self.settings.fallback)
         except errors.PdorchError as exc:
             await self._fail(rid, epoch, State.QUEUED, exc)
             raise
@@ -352,7 +350,9 @@ class Orchestrator:
                 if ids or delta:
                     if chunk.index != produced:
                         raise errors.WorkerError(
-                            "decode", f"token index {chunk.index}, expected {produced}", retryable=True
+                            "decode",
+                            f"token index {chunk.index}, expected {produced}",
+                            retryable=True,
                         )
                     entry = JournalEntry(chunk.index, tuple(ids), delta)
                     try:
@@ -444,13 +444,13 @@ class Orchestrator:
         task = self._driving.get(rid)
         if task is not None:  # driven here: cancelling it cancels the worker calls too
             task.cancel()
-        try:
+        with contextlib.suppress(errors.StaleEpochError, errors.InvalidTransitionError):
             await self.store.transition(
-                rid, epoch=record.epoch, target=State.CANCELLED,
+                rid,
+                epoch=record.epoch,
+                target=State.CANCELLED,
                 fields={"finish_reason": "cancelled"},
             )
-        except (errors.StaleEpochError, errors.InvalidTransitionError):
-            pass
         got = await self.store.get(rid)
         return got.state if got else State.CANCELLED
 

@@ -69,7 +69,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.o = orchestrator
 
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
         try:
@@ -79,7 +79,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
             log.info("request %s failed: %s", request.request_id or "-", exc)
             await context.abort(status_for(exc), str(exc))
 
-    async def Cancel(  # noqa: N802 - gRPC method name
+    async def Cancel(
         self, request: orchestrator_pb2.CancelRequest, context: Context
     ) -> orchestrator_pb2.CancelResponse:
         try:
@@ -88,7 +88,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(status_for(exc), str(exc))
         return orchestrator_pb2.CancelResponse(state=str(state))
 
-    async def GetRequest(  # noqa: N802 - gRPC method name
+    async def GetRequest(
         self, request: orchestrator_pb2.GetRequestRequest, context: Context
     ) -> orchestrator_pb2.RequestInfo:
         try:

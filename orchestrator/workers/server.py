@@ -220,8 +220,12 @@ class Worker:
             self._kv_used = max(0, self._kv_used - self.engine.kv_bytes(state))
 
     async def start_state(
-        self, kv: wire.KvCache | list[tuple[Any, Any]], token_ids: list[int], last: int,
-        generated: int, sampling: SamplingParams,
+        self,
+        kv: wire.KvCache | list[tuple[Any, Any]],
+        token_ids: list[int],
+        last: int,
+        generated: int,
+        sampling: SamplingParams,
     ) -> DecodeState:
         layers = kv.layers if isinstance(kv, wire.KvCache) else kv
         state = await self._runner.call(
@@ -248,7 +252,7 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
     def __init__(self, worker: Worker) -> None:
         self.w = worker
 
-    async def Prefill(  # noqa: N802 - gRPC method name
+    async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> worker_pb2.PrefillResponse:
         w = self.w
@@ -275,8 +279,9 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
                     await transfer.send_layer(i, k, v)
                 await transfer.finish()
         except terr.TransportError as exc:
-            log.warning("KV transfer of %s to %s failed: %s", request.request_id,
-                        request.kv_target, exc)
+            log.warning(
+                "KV transfer of %s to %s failed: %s", request.request_id, request.kv_target, exc
+            )
             await context.abort(_status_for(exc), f"KV transfer failed: {exc}")
         return worker_pb2.PrefillResponse(
             first_token=result.first_token,
@@ -290,7 +295,7 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
     def __init__(self, worker: Worker) -> None:
         self.w = worker
 
-    async def Decode(  # noqa: N802 - gRPC method name
+    async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
         w = self.w
@@ -310,7 +315,10 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
                 f"KV covers {kv.header.token_count} tokens, request has {len(ids)}",
             )
         state = await w.start_state(
-            kv, ids, int(request.last_token), int(request.generated),
+            kv,
+            ids,
+            int(request.last_token),
+            int(request.generated),
             convert.sampling_from_pb(request.sampling),
         )
         async for chunk in w.stream(
@@ -318,7 +326,7 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
         ):
             yield chunk
 
-    async def Release(  # noqa: N802 - gRPC method name
+    async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ReleaseResponse:
         released = self.w._receiver.discard(request.request_id) if self.w._receiver else False
@@ -329,7 +337,7 @@ class _General(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, worker: Worker) -> None:
         self.w = worker
 
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(
         self, request: worker_pb2.AggregatedRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
         w = self.w
@@ -341,12 +349,15 @@ class _General(worker_pb2_grpc.WorkerServiceServicer):
         result = await w._runner.call(w.engine.prefill, ids, sampling, first_index, None)
         state = await w.start_state(result.kv, ids, result.first_token, first_index + 1, sampling)
         async for chunk in w.stream(
-            request.request_id, state, int(request.max_tokens), int(request.prompt_tokens),
+            request.request_id,
+            state,
+            int(request.max_tokens),
+            int(request.prompt_tokens),
             context,
         ):
             yield chunk
 
-    async def Tokenize(  # noqa: N802 - gRPC method name
+    async def Tokenize(
         self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> worker_pb2.TokenizeResponse:
         engine = self.w.engine

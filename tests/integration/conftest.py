@@ -1,0 +1,84 @@
+"""A real local cluster (Redis, orchestrator, 1 prefill + 2 decode workers) for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+import redis
+
+from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.cluster import LocalCluster
+from orchestrator.core.records import WorkerInfo
+from transport.ucx import ucx_available
+
+
+@pytest.fixture(scope="package")
+def cluster() -> Iterator[LocalCluster]:
+    transport = "ucx" if ucx_available() else "tcp"
+    c = LocalCluster(model="tiny", transport=transport)
+    with c:
+        yield c
+
+
+def workers(cluster: LocalCluster) -> list[WorkerInfo]:
+    client = redis.Redis(port=cluster.redis_port, decode_responses=True)
+    try:
+        out = []
+        for wid in client.smembers("pdorch:workers"):
+            raw = client.get(f"pdorch:worker:{wid}")
+            if raw is not None:
+                out.append(WorkerInfo(**json.loads(raw)))
+        return out
+    finally:
+        client.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll a condition until it holds (with a deadline); never a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def request(
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 16,
+    request_id: str = "",
+    temperature: float = 0.0,
+    seed: int = 0,
+    top_p: float | None = None,
+    stop: tuple[str, ...] = (),
+) -> orchestrator_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=temperature, seed=seed)
+    if top_p is not None:
+        sampling.top_p = top_p
+    req = orchestrator_pb2.GenerateRequest(
+        request_id=request_id, max_tokens=max_tokens, sampling=sampling, stop=list(stop)
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.tokens.ids.extend(prompt)
+    return req
+
+
+async def collect(
+    address: str, req: orchestrator_pb2.GenerateRequest
+) -> tuple[list[int], str, list[orchestrator_pb2.GenerateChunk]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        chunks = [c async for c in stub.Generate(req, timeout=120)]
+    ids = [t for c in chunks for t in c.token_ids]
+    return ids, "".join(c.text for c in chunks), chunks
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
