@@ -86,7 +86,8 @@ def test_twenty_prompts_disaggregated_equal_aggregated(cluster: LocalCluster) ->
             assert chunks[-1].decode_worker.startswith("decode")
             assert chunks[-1].kv_bytes > 0
             indices = [c.index for c in chunks if c.token_ids]
-            assert indices == sorted(indices) and indices[0] == 0
+            assert indices == sorted(indices)
+            assert indices[0] == 0
             tokens = await _tokenize(decode.address, prompt)
             ref = await _aggregated(
                 decode.address, tokens, 16, common_pb2.SamplingParams(temperature=0)
@@ -128,8 +129,10 @@ def test_get_request_reports_state_workers_and_timings(cluster: LocalCluster) ->
     assert info.mode == "disaggregated"
     assert info.output_tokens == 16
     assert info.kv_bytes > 0
-    assert info.timings.ttft_ms > 0 and info.timings.prefill_ms > 0
-    assert info.timings.transfer_ms > 0 and info.timings.tpot_ms > 0
+    assert info.timings.ttft_ms > 0
+    assert info.timings.prefill_ms > 0
+    assert info.timings.transfer_ms > 0
+    assert info.timings.tpot_ms > 0
 
 
 def test_resubmitting_a_request_id_returns_the_same_stream(cluster: LocalCluster) -> None:
@@ -139,7 +142,8 @@ def test_resubmitting_a_request_id_returns_the_same_stream(cluster: LocalCluster
         req = request("idempotent please", request_id="idem-1", max_tokens=12)
         first = await collect(address, req)
         second = await collect(address, req)
-        assert first[0] == second[0] and first[1] == second[1]
+        assert first[0] == second[0]
+        assert first[1] == second[1]
         async with grpc.aio.insecure_channel(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             info = await stub.GetRequest(
@@ -160,7 +164,8 @@ def test_resubmission_while_running_follows_the_live_request(cluster: LocalClust
     async def main() -> None:
         req = request("follow me", request_id="idem-live", max_tokens=40)
         a, b = await asyncio.gather(collect(address, req), collect(address, req))
-        assert a[0] == b[0] and len(a[0]) == 40
+        assert a[0] == b[0]
+        assert len(a[0]) == 40
 
     run(main())
 
@@ -169,7 +174,7 @@ def test_stop_strings_end_the_stream(cluster: LocalCluster) -> None:
     address = cluster.orchestrator_addresses[0]
 
     async def main() -> None:
-        ids, text, _ = await collect(address, request("stop test", max_tokens=40))
+        _ids, text, _ = await collect(address, request("stop test", max_tokens=40))
         stop = text[5:7]
         assert stop
         _, cut, chunks = await collect(address, request("stop test", max_tokens=40, stop=(stop,)))
