@@ -20,8 +20,10 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from orchestrator import errors
-from orchestrator.api import convert, worker_pb2
+from orchestrator.api import common_pb2, convert, worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
@@ -240,6 +242,36 @@ class Orchestrator:
             },
         )
         sampling = convert.sampling_to_pb(inp.sampling)
+        adopted = False
+        inner = self._prefill_then_decode(rid, epoch, ids, inp, prefill, decode, sampling, timings)
+        try:
+            async with contextlib.aclosing(inner):
+                async for chunk in inner:
+                    adopted = True
+                    yield chunk
+        finally:
+            if not adopted:  # the KV may have reached the decode worker: don't leave it held
+                await self._release(decode, rid, epoch)
+
+    async def _release(self, decode: WorkerInfo, rid: str, epoch: int) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+            await asyncio.shield(
+                self.clients.get(decode.address).decode.Release(
+                    worker_pb2.ReleaseRequest(request_id=rid, epoch=epoch), timeout=2.0
+                )
+            )
+
+    async def _prefill_then_decode(
+        self,
+        rid: str,
+        epoch: int,
+        ids: list[int],
+        inp: GenerateInput,
+        prefill: WorkerInfo,
+        decode: WorkerInfo,
+        sampling: common_pb2.SamplingParams,
+        timings: dict[str, float],
+    ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
         async with translated(prefill.worker_id, "prefill"):
             resp = await self.clients.get(prefill.address).prefill.Prefill(
                 worker_pb2.PrefillRequest(

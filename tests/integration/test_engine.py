@@ -249,7 +249,7 @@ def test_failed_step_rolls_back_every_state(
 ) -> None:
     sampling = SamplingParams()
     chosen = prompts[4:7]
-    expected = [_generate(engine, engine, ids, sampling, n=4) for ids in chosen]
+    expected = [_generate(engine, engine, ids, sampling, n=3) for ids in chosen]
     states = []
     for ids in chosen:
         r = engine.prefill(ids, sampling)
