@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -106,6 +107,8 @@ class LocalCluster:
     procs: dict[str, Proc] = field(default_factory=dict)
     orchestrator_addresses: list[str] = field(default_factory=list)
     log_level: str = "INFO"
+    expected: dict[str, str] = field(default_factory=dict)
+    """Worker name -> the gRPC address its current process listens on."""
 
     @property
     def redis_url(self) -> str:
@@ -180,21 +183,27 @@ class LocalCluster:
         return args
 
     def start_worker(self, role: str, index: int) -> Proc:
-        return self._spawn(f"{role}-{index}", self.worker_args(role, index))
+        """Start (or restart) a worker on fresh ports; it counts as registered only once its
+        own heartbeat — with these ports — is in Redis, not a dead predecessor's."""
+        name = f"{role}-{index}"
+        port = free_port()
+        self.expected[name] = f"127.0.0.1:{port}"
+        args = [*self.worker_args(role, index), "--port", str(port)]
+        return self._spawn(name, args)
 
     def registered(self) -> dict[str, int]:
         client = redis.Redis(port=self.redis_port, socket_timeout=1, decode_responses=True)
+        counts = {"prefill": 0, "decode": 0}
         try:
-            ids = [str(i) for i in client.smembers("pdorch:workers")]
-            alive = [i for i in ids if client.exists(f"pdorch:worker:{i}")]
+            for name, address in self.expected.items():
+                raw = client.get(f"pdorch:worker:{name}")
+                if raw is not None and json.loads(str(raw)).get("address") == address:
+                    role = name.split("-", 1)[0]
+                    counts[role] = counts.get(role, 0) + 1
         except redis.RedisError:
             return {}
         finally:
             client.close()
-        counts = {"prefill": 0, "decode": 0}
-        for wid in alive:
-            role = wid.split("-", 1)[0]
-            counts[role] = counts.get(role, 0) + 1
         return counts
 
     def wait_workers(self, prefill: int, decode: int, timeout_s: float | None = None) -> None:

@@ -19,11 +19,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+import tenacity
 
 from orchestrator import errors
-from orchestrator.api import common_pb2, convert, worker_pb2
+from orchestrator.api import convert, worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
@@ -46,6 +48,12 @@ class ControlSettings:
     token_timeout_s: float = 60.0
     """Longest silence from a decode stream before the request fails."""
     follow_poll_s: float = 0.05
+    watch_interval_s: float = 0.5
+    """How often a wait on a worker checks that its heartbeat is still alive."""
+    max_attempts: int = 4
+    """Attempts per request (the first plus failovers) before it fails."""
+    retry_initial_s: float = 0.05
+    retry_max_s: float = 1.0
     """How often a follower (resubmission) polls the journal of a request it does not own."""
 
 
@@ -70,6 +78,30 @@ class OutChunk:
     finish_reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     record: RequestRecord | None = None
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request being driven: what the client has been sent so far survives failovers."""
+
+    rid: str
+    epoch: int
+    prompt: list[int]
+    inp: GenerateInput
+    started: float
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    first_token_at: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    excluded: set[str] = field(default_factory=set)
+    failovers: int = 0
+    last_error: str = ""
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, errors.WorkerError):
+        return exc.retryable_instance
+    return isinstance(exc, errors.PdorchError) and exc.retryable
 
 
 class Orchestrator:
@@ -118,15 +150,13 @@ class Orchestrator:
                 )
             ids = list(inp.token_ids)
         else:
-            worker = min(workers, key=lambda w: (w.active, w.worker_id))
             req = worker_pb2.TokenizeRequest()
             if inp.text is not None:
                 req.text = inp.text
             else:
                 for role, content in inp.chat or ():
                     req.chat.messages.add(role=role, content=content)
-            async with translated(worker.worker_id, "tokenize"):
-                resp = await self.clients.get(worker.address).general.Tokenize(req, timeout=30)
+            resp = await self._tokenize(req, workers)
             ids = list(resp.ids)
         if not ids:
             raise errors.InvalidRequestError("prompt", "tokenizes to nothing")
@@ -137,6 +167,21 @@ class Orchestrator:
                 f"context of {model.max_context}",
             )
         return ids
+
+    async def _tokenize(
+        self, req: worker_pb2.TokenizeRequest, workers: Sequence[WorkerInfo]
+    ) -> worker_pb2.TokenizeResponse:
+        """Tokenize on the least-loaded worker that answers (a dead one is skipped)."""
+        last: errors.WorkerError | None = None
+        for worker in sorted(workers, key=lambda w: (w.active, w.worker_id)):
+            try:
+                async with translated(worker.worker_id, "tokenize"):
+                    return await self.clients.get(worker.address).general.Tokenize(req, timeout=30)
+            except errors.WorkerError as exc:
+                if not exc.retryable_instance:
+                    raise
+                last = exc
+        raise errors.UnavailableError(f"no worker could tokenize: {last}")
 
     # ------------------------------------------------------------------------ generate
 
@@ -196,43 +241,91 @@ class Orchestrator:
         workers: Sequence[WorkerInfo],
         started: float,
     ) -> AsyncIterator[OutChunk]:
-        rid = record.request_id
-        epoch = record.epoch
-        timings: dict[str, float] = {}
+        """Run the request to its end, failing over to other workers on retryable errors.
+
+        Each retry bumps the epoch (the store, the decode worker's KV inbox and the journal
+        refuse the old one) and resumes from the tokens already relayed: prompt + generated
+        tokens are re-prefilled and decoding continues at the next index, so the client sees
+        contiguous indices — no duplicate, no gap.
+        """
+        run = _Run(record.request_id, record.epoch, ids, inp, started)
+        s = self.settings
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(s.max_attempts),
+            wait=tenacity.wait_exponential_jitter(initial=s.retry_initial_s, max=s.retry_max_s),
+            retry=tenacity.retry_if_exception(_retryable),
+            reraise=True,
+        )
         try:
-            placement = place(workers, len(ids) + inp.max_tokens, fallback=self.settings.fallback)
-        except errors.PdorchError as exc:
-            await self._fail(rid, epoch, State.QUEUED, exc)
-            raise
-        timings["queue_ms"] = (time.monotonic() - started) * 1000
-        try:
-            if placement.mode is Mode.DISAGGREGATED:
-                stream = self._disaggregated(rid, epoch, ids, inp, placement, timings)
-            else:
-                stream = self._aggregated(rid, epoch, ids, inp, placement, timings)
-            async for chunk in self._relay(rid, epoch, inp, stream, timings, started):
-                yield chunk
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        await self._reassign(run)
+                        workers = await self.store.workers()
+                    async for chunk in self._attempt(run, workers):
+                        yield chunk
         except asyncio.CancelledError:
-            await self._finish(rid, epoch, State.CANCELLED, "cancelled", timings, "")
+            await self._finish(run, State.CANCELLED, "cancelled", "")
             raise
         except errors.PdorchError as exc:
-            await self._fail(rid, epoch, None, exc)
+            await self._finish(run, State.FAILED, "error", str(exc))
+            raise
+
+    async def _reassign(self, run: _Run) -> None:
+        """Fence the failed attempt off: epoch + 1, back to a placing state."""
+        record = await self.store.get(run.rid)
+        if record is None:
+            raise errors.NotFoundError(f"request {run.rid!r} vanished")
+        if record.state.terminal:
+            raise errors.RequestEndedError(f"request {run.rid!r} is {record.state}")
+        new_epoch = record.epoch + 1
+        await self.store.transition(
+            run.rid,
+            epoch=record.epoch,
+            target=State.QUEUED,
+            new_epoch=new_epoch,
+            sources=frozenset({record.state}),
+            fields={"failovers": run.failovers},
+        )
+        log.warning(
+            "request %s: failover %d after %s; epoch %d -> %d, resuming at token %d",
+            run.rid, run.failovers, run.last_error, record.epoch, new_epoch, len(run.output),
+        )  # fmt: skip
+        run.epoch = new_epoch
+
+    async def _attempt(self, run: _Run, workers: Sequence[WorkerInfo]) -> AsyncIterator[OutChunk]:
+        if not workers:
+            raise errors.UnavailableError("no workers registered")
+        remaining = run.inp.max_tokens - len(run.output)
+        placement = place(
+            workers,
+            len(run.prompt) + run.inp.max_tokens,
+            fallback=self.settings.fallback,
+            exclude=run.excluded,
+        )
+        run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
+        if placement.mode is Mode.DISAGGREGATED:
+            stream = self._disaggregated(run, placement)
+        else:
+            stream = self._aggregated(run, placement)
+        assert remaining > 0
+        try:
+            async for chunk in self._relay(run, stream):
+                yield chunk
+        except errors.WorkerError as exc:
+            run.failovers += 1
+            run.last_error = str(exc)
+            run.excluded.add(exc.worker)
             raise
 
     async def _disaggregated(
-        self,
-        rid: str,
-        epoch: int,
-        ids: list[int],
-        inp: GenerateInput,
-        placement: Placement,
-        timings: dict[str, float],
+        self, run: _Run, placement: Placement
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
         assert placement.prefill is not None
         prefill, decode = placement.prefill, placement.decode
         await self.store.transition(
-            rid,
-            epoch=epoch,
+            run.rid,
+            epoch=run.epoch,
             target=State.PREFILLING,
             sources=frozenset({State.QUEUED}),
             fields={
@@ -241,9 +334,8 @@ class Orchestrator:
                 "decode_worker": decode.worker_id,
             },
         )
-        sampling = convert.sampling_to_pb(inp.sampling)
         adopted = False
-        inner = self._prefill_then_decode(rid, epoch, ids, inp, prefill, decode, sampling, timings)
+        inner = self._prefill_then_decode(run, prefill, decode)
         try:
             async with contextlib.aclosing(inner):
                 async for chunk in inner:
@@ -251,7 +343,7 @@ class Orchestrator:
                     yield chunk
         finally:
             if not adopted:  # the KV may have reached the decode worker: don't leave it held
-                await self._release(decode, rid, epoch)
+                await self._release(decode, run.rid, run.epoch)
 
     async def _release(self, decode: WorkerInfo, rid: str, epoch: int) -> None:
         with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
@@ -262,124 +354,164 @@ class Orchestrator:
             )
 
     async def _prefill_then_decode(
-        self,
-        rid: str,
-        epoch: int,
-        ids: list[int],
-        inp: GenerateInput,
-        prefill: WorkerInfo,
-        decode: WorkerInfo,
-        sampling: common_pb2.SamplingParams,
-        timings: dict[str, float],
+        self, run: _Run, prefill: WorkerInfo, decode: WorkerInfo
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
+        tokens = run.prompt + run.output  # after a failover: prompt + what the client has
+        sampling = convert.sampling_to_pb(run.inp.sampling)
+        call = self.clients.get(prefill.address).prefill.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=run.rid,
+                epoch=run.epoch,
+                token_ids=tokens,
+                sampling=sampling,
+                first_index=len(run.output),
+                kv_target=decode.kv_address,
+            ),
+            timeout=self.settings.prefill_timeout_s,
+        )
         async with translated(prefill.worker_id, "prefill"):
-            resp = await self.clients.get(prefill.address).prefill.Prefill(
-                worker_pb2.PrefillRequest(
-                    request_id=rid,
-                    epoch=epoch,
-                    token_ids=ids,
-                    sampling=sampling,
-                    first_index=0,
-                    kv_target=decode.kv_address,
-                ),
-                timeout=self.settings.prefill_timeout_s,
-            )
-        timings["prefill_ms"] = resp.prefill_ms
-        timings["transfer_ms"] = resp.transfer_ms
+            resp = await self._watch(call, prefill)
+        run.timings["prefill_ms"] = resp.prefill_ms
+        run.timings["transfer_ms"] = resp.transfer_ms
         await self.store.transition(
-            rid,
-            epoch=epoch,
+            run.rid,
+            epoch=run.epoch,
             target=State.TRANSFERRING,
             sources=frozenset({State.PREFILLING}),
-            fields={"kv_bytes": resp.kv_bytes, "timings": _json(timings)},
+            fields={"kv_bytes": resp.kv_bytes, "timings": _json(run.timings)},
         )
-        call = self.clients.get(decode.address).decode.Decode(
+        stream = self.clients.get(decode.address).decode.Decode(
             worker_pb2.DecodeRequest(
-                request_id=rid,
-                epoch=epoch,
-                token_ids=ids,
+                request_id=run.rid,
+                epoch=run.epoch,
+                token_ids=tokens,
                 last_token=resp.first_token,
-                generated=1,
+                generated=len(run.output) + 1,
                 sampling=sampling,
-                max_tokens=inp.max_tokens,
+                max_tokens=run.inp.max_tokens,
                 kv_timeout_s=self.settings.kv_timeout_s,
-                prompt_tokens=len(ids),
+                prompt_tokens=len(run.prompt),
             )
         )
         first = True
         try:
             async with translated(decode.worker_id, "decode"):
-                async for chunk in call:
+                async for chunk in self._watched(stream, decode):
                     if first:  # the decode worker adopted the KV
                         first = False
                         await self.store.transition(
-                            rid,
-                            epoch=epoch,
+                            run.rid,
+                            epoch=run.epoch,
                             target=State.DECODING,
                             sources=frozenset({State.TRANSFERRING}),
                         )
                     yield chunk
         finally:
-            call.cancel()  # a stop string or a cancelled client ends the decode early
+            stream.cancel()  # a stop string, a failover or a cancelled client ends it early
 
     async def _aggregated(
-        self,
-        rid: str,
-        epoch: int,
-        ids: list[int],
-        inp: GenerateInput,
-        placement: Placement,
-        timings: dict[str, float],
+        self, run: _Run, placement: Placement
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
         worker = placement.decode
         await self.store.transition(
-            rid,
-            epoch=epoch,
+            run.rid,
+            epoch=run.epoch,
             target=State.DECODING,
             sources=frozenset({State.QUEUED}),
-            fields={"mode": Mode.AGGREGATED, "decode_worker": worker.worker_id},
+            fields={
+                "mode": Mode.AGGREGATED,
+                "decode_worker": worker.worker_id,
+                "prefill_worker": "",
+            },
         )
-        call = self.clients.get(worker.address).general.Generate(
+        stream = self.clients.get(worker.address).general.Generate(
             worker_pb2.AggregatedRequest(
-                request_id=rid,
-                epoch=epoch,
-                token_ids=ids,
-                sampling=convert.sampling_to_pb(inp.sampling),
-                max_tokens=inp.max_tokens,
-                first_index=0,
-                prompt_tokens=len(ids),
+                request_id=run.rid,
+                epoch=run.epoch,
+                token_ids=run.prompt + run.output,
+                sampling=convert.sampling_to_pb(run.inp.sampling),
+                max_tokens=run.inp.max_tokens,
+                first_index=len(run.output),
+                prompt_tokens=len(run.prompt),
             )
         )
         try:
             async with translated(worker.worker_id, "generate"):
-                async for chunk in call:
+                async for chunk in self._watched(stream, worker):
                     yield chunk
         finally:
-            call.cancel()
+            stream.cancel()
+
+    async def _alive(self, worker: WorkerInfo) -> bool:
+        try:
+            return await self.store.worker_alive(worker.worker_id)
+        except errors.UnavailableError:
+            return True  # the store is down, not the worker: keep going
+
+    async def _watch(self, call: Any, worker: WorkerInfo) -> Any:
+        """Await a unary call, failing fast when the worker's heartbeat disappears."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.settings.watch_interval_s)
+                if done:
+                    return task.result()
+                if not await self._alive(worker):
+                    raise errors.WorkerError(
+                        worker.worker_id, "missed its heartbeats", retryable=True
+                    )
+        finally:
+            if not task.done():
+                call.cancel()
+
+    async def _watched(self, stream: Any, worker: WorkerInfo) -> AsyncIterator[Any]:
+        """Iterate a worker's token stream; a worker whose heartbeat expired, or a stream
+        silent for ``token_timeout_s``, raises a retryable WorkerError."""
+        it = aiter(stream)
+        silent = 0.0
+        step = self.settings.watch_interval_s
+        while True:
+            nxt = asyncio.ensure_future(anext(it))
+            try:
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=step)
+                    if done:
+                        break
+                    silent += step
+                    if silent >= self.settings.token_timeout_s:
+                        raise errors.WorkerError(
+                            worker.worker_id, f"no token for {silent:.0f}s", retryable=True
+                        )
+                    if not await self._alive(worker):
+                        raise errors.WorkerError(
+                            worker.worker_id, "missed its heartbeats", retryable=True
+                        )
+            finally:
+                if not nxt.done():
+                    nxt.cancel()
+            try:
+                chunk = nxt.result()
+            except StopAsyncIteration:
+                return
+            silent = 0.0
+            yield chunk
 
     async def _relay(
-        self,
-        rid: str,
-        epoch: int,
-        inp: GenerateInput,
-        stream: AsyncGenerator[worker_pb2.TokenChunk, None],
-        timings: dict[str, float],
-        started: float,
+        self, run: _Run, stream: AsyncGenerator[worker_pb2.TokenChunk, None]
     ) -> AsyncIterator[OutChunk]:
-        text_so_far = ""
-        produced = 0
-        first_token_at: float | None = None
+        inp, rid = run.inp, run.rid
         finish = ""
         async with contextlib.aclosing(stream):
-            async for chunk in _with_timeout(stream, self.settings.token_timeout_s):
+            async for chunk in stream:
                 ids = list(chunk.token_ids)
                 delta = chunk.text
                 reason = convert.finish_from_pb(chunk.finish_reason)
                 if inp.stop and delta:
-                    cut = _stop_cut(text_so_far, delta, inp.stop)
+                    cut = _stop_cut(run.text, delta, inp.stop)
                     if cut is not None:
                         delta, reason = delta[:cut], "stop"
                 if ids or delta:
+                    produced = len(run.output)
                     if chunk.index != produced:
                         raise errors.WorkerError(
                             "decode",
@@ -388,15 +520,15 @@ class Orchestrator:
                         )
                     entry = JournalEntry(chunk.index, tuple(ids), delta)
                     try:
-                        await self.store.append(rid, epoch, entry)
+                        await self.store.append(rid, run.epoch, entry)
                     except errors.RequestEndedError:  # cancelled through another replica
-                        yield OutChunk(rid, produced, [], "", "cancelled", timings)
+                        yield OutChunk(rid, produced, [], "", "cancelled", run.timings)
                         return
-                    if first_token_at is None and ids:
-                        first_token_at = time.monotonic()
-                        timings["ttft_ms"] = (first_token_at - started) * 1000
-                    produced += len(ids)
-                    text_so_far += delta
+                    if run.first_token_at is None and ids:
+                        run.first_token_at = time.monotonic()
+                        run.timings["ttft_ms"] = (run.first_token_at - run.started) * 1000
+                    run.output.extend(ids)
+                    run.text += delta
                     yield OutChunk(rid, chunk.index, ids, delta)
                 if reason:
                     finish = reason
@@ -404,35 +536,31 @@ class Orchestrator:
         if not finish:
             raise errors.WorkerError("decode", "stream ended without a finish", retryable=True)
         now = time.monotonic()
-        timings["total_ms"] = (now - started) * 1000
-        if first_token_at is not None and produced > 1:
-            timings["tpot_ms"] = (now - first_token_at) * 1000 / (produced - 1)
-        record = await self._finish(rid, epoch, State.DONE, finish, timings, "")
-        yield OutChunk(rid, produced, [], "", finish, timings, record)
+        run.timings["total_ms"] = (now - run.started) * 1000
+        produced = len(run.output)
+        if run.first_token_at is not None and produced > 1:
+            run.timings["tpot_ms"] = (now - run.first_token_at) * 1000 / (produced - 1)
+        record = await self._finish(run, State.DONE, finish, "")
+        yield OutChunk(rid, produced, [], "", finish, run.timings, record)
 
     async def _finish(
-        self,
-        rid: str,
-        epoch: int,
-        state: State,
-        reason: str,
-        timings: dict[str, float],
-        error: str,
+        self, run: _Run, state: State, reason: str, error: str
     ) -> RequestRecord | None:
         try:
             await self.store.transition(
-                rid,
-                epoch=epoch,
+                run.rid,
+                epoch=run.epoch,
                 target=state,
-                fields={"finish_reason": reason, "timings": _json(timings), "error": error},
+                fields={
+                    "finish_reason": reason,
+                    "timings": _json(run.timings),
+                    "error": error,
+                },
             )
-            return await self.store.get(rid)
+            return await self.store.get(run.rid)
         except errors.PdorchError as exc:
-            log.warning("request %s: could not record %s: %s", rid, state, exc)
+            log.warning("request %s: could not record %s: %s", run.rid, state, exc)
             return None
-
-    async def _fail(self, rid: str, epoch: int, _from: State | None, exc: Exception) -> None:
-        await self._finish(rid, epoch, State.FAILED, "error", {}, str(exc))
 
     # ---------------------------------------------------------------------- following
 
@@ -506,19 +634,3 @@ def _stop_cut(before: str, delta: str, stops: Sequence[str]) -> int | None:
         if pos != -1 and (best is None or pos < best):
             best = pos
     return None if best is None else max(0, best - len(before))
-
-
-async def _with_timeout(
-    stream: AsyncIterator[worker_pb2.TokenChunk], timeout_s: float
-) -> AsyncIterator[worker_pb2.TokenChunk]:
-    it = aiter(stream)
-    while True:
-        try:
-            chunk = await asyncio.wait_for(anext(it), timeout_s)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise errors.WorkerError(
-                "decode", f"no token for {timeout_s}s", retryable=True
-            ) from None
-        yield chunk

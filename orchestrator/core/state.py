@@ -1,9 +1,9 @@
 """The request state machine. Pure: the store executes these rules atomically (Lua).
 
     queued ──▶ prefilling ──▶ transferring ──▶ decoding ──▶ done
-       │            │  ▲             │             │
-       │            │  └─────────────┴─────────────┘  re-prefill, epoch + 1 (failover)
-       └──▶ decoding (aggregated: one worker runs the whole request)
+      ▲ │           │                 │             │
+      │ └──▶ decoding (aggregated: one worker runs the whole request)
+      └─────────────┴─────────────────┴─────────────┘  requeued for failover, epoch + 1
     any non-terminal ──▶ failed | cancelled
 
 *transferring* means the prefill worker has sent the KV and the decode worker has not yet
@@ -37,18 +37,16 @@ TERMINAL = frozenset({State.DONE, State.FAILED, State.CANCELLED})
 
 _ALLOWED: dict[State, frozenset[State]] = {
     State.QUEUED: frozenset({State.PREFILLING, State.DECODING}),
-    State.PREFILLING: frozenset({State.TRANSFERRING, State.PREFILLING, State.DECODING}),
-    State.TRANSFERRING: frozenset({State.DECODING, State.PREFILLING}),
-    State.DECODING: frozenset({State.DONE, State.PREFILLING, State.DECODING}),
+    State.PREFILLING: frozenset({State.TRANSFERRING, State.QUEUED}),
+    State.TRANSFERRING: frozenset({State.DECODING, State.QUEUED}),
+    State.DECODING: frozenset({State.DONE, State.QUEUED}),
 }
-# Moves that reassign the request to other workers: they must bump the epoch.
+# Moves that take the request away from its workers (failover): they must bump the epoch.
 _REASSIGN = frozenset(
     {
-        (State.PREFILLING, State.PREFILLING),
-        (State.TRANSFERRING, State.PREFILLING),
-        (State.DECODING, State.PREFILLING),
-        (State.DECODING, State.DECODING),
-        (State.PREFILLING, State.DECODING),
+        (State.PREFILLING, State.QUEUED),
+        (State.TRANSFERRING, State.QUEUED),
+        (State.DECODING, State.QUEUED),
     }
 )
 

@@ -79,6 +79,14 @@ local n = redis.call('HINCRBY', KEYS[1], 'output_tokens', tonumber(ARGV[3]))
 return {1, n}
 """
 
+# KEYS[1] record. ARGV field/value pairs. Only an existing record is updated (a bare HSET
+# would create a partial record without a TTL). Returns 1, or 0 when missing.
+_SET = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
@@ -115,6 +123,7 @@ class RedisStore:
         self._create: Any = self._redis.register_script(_CREATE)
         self._transition: Any = self._redis.register_script(_TRANSITION)
         self._append: Any = self._redis.register_script(_APPEND)
+        self._set: Any = self._redis.register_script(_SET)
         self._workers = f"{settings.prefix}:workers"
 
     def _req(self, rid: str) -> str:
@@ -167,6 +176,8 @@ class RedisStore:
         fields: Mapping[str, Any] | None = None,
     ) -> None:
         """Atomically move the request to ``target`` if it is at ``epoch`` in an allowed state."""
+        if fields and {"state", "epoch"} & set(fields):
+            raise ValueError("state and epoch are set by the transition itself")
         allowed = sources if sources is not None else sources_for(target)
         flat = [str(x) for kv in (fields or {}).items() for x in kv]
         async with _translated("transition"):
@@ -198,10 +209,11 @@ class RedisStore:
         """Informational fields only (timings, workers); never state or epoch."""
         if {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch change only through transition()")
+        flat = [str(x) for kv in fields.items() for x in kv]
         async with _translated("set_fields"):
-            await self._redis.hset(
-                self._req(request_id), mapping={k: str(v) for k, v in fields.items()}
-            )
+            found = await self._set(keys=[self._req(request_id)], args=flat)
+        if not int(found):
+            raise errors.NotFoundError(f"no request {request_id!r}")
 
     async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
         """Journal a relayed chunk; returns the new output token count."""
@@ -249,6 +261,10 @@ class RedisStore:
             pipe.delete(self._worker(worker_id))
             pipe.srem(self._workers, worker_id)
             await pipe.execute()
+
+    async def worker_alive(self, worker_id: str) -> bool:
+        async with _translated("worker heartbeat"):
+            return bool(await self._redis.exists(self._worker(worker_id)))
 
     async def workers(self) -> list[WorkerInfo]:
         """Workers whose heartbeat is alive (expired ones are pruned from the index)."""

@@ -231,6 +231,7 @@ class HfEngine(Engine):
         n = len(token_ids)
         if not 0 < n <= self.info.max_context:
             raise ValueError(f"prompt of {n} tokens; this model takes 1..{self.info.max_context}")
+        self._check_ids(token_ids)
         layers = [
             _BlockLayer(_kv_block(self._heads, n, self._head_dim)) for _ in range(self._n_layers)
         ]
@@ -253,6 +254,7 @@ class HfEngine(Engine):
     ) -> HfDecodeState:
         n = len(token_ids)
         self._check_kv(kv, n)
+        self._check_ids([*token_ids, last_token])
         if generated < 1:
             raise ValueError("generated must be >= 1: last_token is output token generated - 1")
         layers = []
@@ -321,6 +323,11 @@ class HfEngine(Engine):
         if not isinstance(state, HfDecodeState) or state.owner is not self:
             raise ValueError("decode state was not started by this engine")
         return state
+
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.info.vocab_size
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+            raise ValueError(f"token id outside the vocabulary [0, {vocab})")
 
     def _check_kv(self, kv: KvLayers, tokens: int) -> None:
         if len(kv) != self._n_layers:

@@ -122,7 +122,7 @@ def test_sampled_outputs_vary_with_seed(engine: HfEngine, prompts: list[list[int
 
 def test_greedy_matches_transformers_generate(engine: HfEngine, prompts: list[list[int]]) -> None:
     """Our cache (blocks with headroom that grow) against transformers' own DynamicCache,
-    long enough (150 tokens) for the decode blocks to be reallocated twice."""
+    long enough (150 tokens) for the decode blocks to outgrow their headroom and be reallocated."""
     for ids in (prompts[1], prompts[12]):
         ours = _generate(engine, engine, ids, SamplingParams(), n=150)
         ref = engine.model.generate(
@@ -304,8 +304,14 @@ def test_bad_inputs_are_refused(engine: HfEngine, other: HfEngine) -> None:
     sampling = SamplingParams()
     with pytest.raises(ValueError, match="prompt of 0 tokens"):
         engine.prefill([], sampling)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.prefill([1, engine.info.vocab_size], sampling)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.prefill([-1, 2], sampling)
     ids = engine.tokenize("abc")
     r = engine.prefill(ids, sampling)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.start_decode(r.kv, ids, engine.info.vocab_size, 1, sampling)
     with pytest.raises(ValueError, match="layers"):
         engine.start_decode(r.kv[:-1], ids, r.first_token, 1, sampling)
     with pytest.raises(ValueError, match="expected float32"):

@@ -1,0 +1,686 @@
+"""`RedisStore` against a real `redis-server` on loopback, started by this module.
+
+Each test runs its scenario under `asyncio.run` with a hard deadline and works under its own
+key prefix, so the tests share one server without seeing each other's keys. Nothing waits on
+a fixed sleep: readiness and TTL expiry are polled with deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator import errors
+from orchestrator.cluster import free_port, redis_server_binary
+from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
+from orchestrator.core.state import State
+from orchestrator.store.redis_store import RedisStore, StoreSettings
+
+pytestmark = pytest.mark.timeout(60)
+
+T = TypeVar("T")
+
+SOCKET_TIMEOUT_S = 0.5
+"""Short, so a hung or dead server is noticed fast; a healthy loopback call takes ~0.1 ms."""
+STARTUP_DEADLINE_S = 10.0
+
+
+# ------------------------------------------------------------------ a real redis-server
+
+
+@dataclass
+class RedisServer:
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def start_redis(workdir: Path, port: int = 0) -> RedisServer:
+    """Start redis-server on loopback (no persistence) and wait until it answers PING."""
+    port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"redis-{port}.log"
+    argv = [
+        redis_server_binary(),
+        *("--port", str(port), "--bind", "127.0.0.1"),
+        *("--save", "", "--appendonly", "no"),
+        *("--dir", str(workdir), "--logfile", str(log)),
+    ]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    server = RedisServer(port, proc, log)
+    try:
+        wait_for_ping(server)
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+def wait_for_ping(server: RedisServer) -> None:
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    client = redis.Redis(port=server.port, socket_connect_timeout=0.2, socket_timeout=0.2)
+    try:
+        while True:
+            if server.proc.poll() is not None:
+                tail = server.log.read_text() if server.log.exists() else ""
+                raise RuntimeError(f"redis-server exited {server.proc.returncode}: {tail[-2000:]}")
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server not answering PING on {server.port}")
+            time.sleep(0.01)  # poll interval while waiting on a condition with a deadline
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    s = start_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield s
+    finally:
+        s.kill()
+
+
+@pytest.fixture
+def doomed(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own, which the test may kill or stop."""
+    s = start_redis(tmp_path)
+    try:
+        yield s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(s.proc.pid, signal.SIGCONT)
+        s.kill()
+
+
+@pytest.fixture
+def settings(server: RedisServer, request: pytest.FixtureRequest) -> StoreSettings:
+    return StoreSettings(
+        url=server.url,
+        prefix=f"test:{request.node.name}",
+        socket_timeout_s=SOCKET_TIMEOUT_S,
+        connect_timeout_s=SOCKET_TIMEOUT_S,
+        record_ttl_s=600,
+    )
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, T]], limit_s: float = 10.0) -> T:
+    async def main() -> T:
+        return await asyncio.wait_for(scenario(), limit_s)
+
+    return asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def opened(settings: StoreSettings) -> AsyncIterator[RedisStore]:
+    store = RedisStore(settings)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+@contextlib.asynccontextmanager
+async def raw(url: str) -> AsyncIterator[Any]:
+    """A plain client, to look at keys and poke the server behind the store's back."""
+    client: Any = aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=2)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def record(rid: str = "r1", *, body: str = "b" * 32, epoch: int = 0) -> RequestRecord:
+    return RequestRecord(
+        request_id=rid,
+        state=State.QUEUED,
+        epoch=epoch,
+        body_hash=body,
+        prompt_tokens=5,
+        max_tokens=16,
+        created_at=1_700_000_000.5,
+        owner="orch-1",
+    )
+
+
+def info(wid: str, *, active: int = 0) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=wid,
+        role="decode",
+        address=f"127.0.0.1:{5000 + len(wid)}",
+        kv_address="127.0.0.1:6000",
+        transport="tcp",
+        model="tiny",
+        fingerprint="f",
+        max_context=2048,
+        vocab_size=1000,
+        kv_bytes_per_token=64,
+        kv_capacity_bytes=1 << 20,
+        active=active,
+    )
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)  # poll interval, not a wait for the thing itself
+
+
+# ------------------------------------------------------------------ records
+
+
+def test_create_then_get_round_trips(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.create(record()) is None
+            assert await store.get("r1") == record()
+
+    run(scenario)
+
+
+def test_get_unknown_is_none(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.get("nobody") is None
+
+    run(scenario)
+
+
+def test_duplicate_create_returns_the_existing_record(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            first = record(body="1" * 32)
+            assert await store.create(first) is None
+            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            again = await store.create(record(body="2" * 32))
+            assert again == replace(first, state=State.PREFILLING)  # untouched by the retry
+
+    run(scenario)
+
+
+def test_create_sets_the_record_ttl(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            await store.create(record())
+            ttl = await client.ttl(f"{settings.prefix}:req:r1")
+            assert 0 < ttl <= settings.record_ttl_s
+
+    run(scenario)
+
+
+# ------------------------------------------------------------------ transitions
+
+
+def test_transition_from_an_allowed_source(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            await store.transition(
+                "r1",
+                epoch=0,
+                target=State.PREFILLING,
+                sources=frozenset({State.QUEUED}),
+                fields={"prefill_worker": "p1", "kv_bytes": 42},
+            )
+            got = await store.get("r1")
+            assert got is not None
+            assert (got.state, got.epoch) == (State.PREFILLING, 0)
+            assert (got.prefill_worker, got.kv_bytes) == ("p1", 42)
+
+    run(scenario)
+
+
+def test_transition_walks_the_happy_path(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            for target in (State.PREFILLING, State.TRANSFERRING, State.DECODING, State.DONE):
+                await store.transition("r1", epoch=0, target=target)
+            got = await store.get("r1")
+            assert got is not None
+            assert got.state is State.DONE
+
+    run(scenario)
+
+
+def test_stale_epoch_is_refused(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record(epoch=2))
+            for wrong in (1, 3):
+                with pytest.raises(errors.StaleEpochError):
+                    await store.transition("r1", epoch=wrong, target=State.PREFILLING)
+            got = await store.get("r1")
+            assert got is not None
+            assert (got.state, got.epoch) == (State.QUEUED, 2)
+
+    run(scenario)
+
+
+def test_wrong_state_is_refused(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            with pytest.raises(errors.InvalidTransitionError, match="prefilling") as info:
+                await store.transition(
+                    "r1",
+                    epoch=0,
+                    target=State.DECODING,
+                    sources=frozenset({State.QUEUED}),
+                    fields={"decode_worker": "d9"},
+                )
+            assert info.type is errors.InvalidTransitionError
+            got = await store.get("r1")
+            assert got is not None
+            assert (got.state, got.decode_worker) == (State.PREFILLING, "")  # nothing written
+
+    run(scenario)
+
+
+def test_default_sources_follow_the_state_machine(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            with pytest.raises(errors.InvalidTransitionError):
+                await store.transition("r1", epoch=0, target=State.DONE)  # queued -> done
+            await store.transition("r1", epoch=0, target=State.DECODING)  # aggregated
+            await store.transition("r1", epoch=0, target=State.CANCELLED)
+            with pytest.raises(errors.InvalidTransitionError):
+                await store.transition("r1", epoch=0, target=State.FAILED)  # already ended
+
+    run(scenario)
+
+
+def test_transition_of_unknown_request_is_not_found(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            with pytest.raises(errors.NotFoundError):
+                await store.transition("nobody", epoch=0, target=State.PREFILLING)
+
+    run(scenario)
+
+
+def test_new_epoch_fences_the_old_one(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            await store.transition("r1", epoch=0, target=State.QUEUED, new_epoch=1)
+            got = await store.get("r1")
+            assert got is not None
+            assert (got.state, got.epoch) == (State.QUEUED, 1)
+            with pytest.raises(errors.StaleEpochError):
+                await store.transition("r1", epoch=0, target=State.PREFILLING)
+            await store.transition("r1", epoch=1, target=State.PREFILLING)
+
+    run(scenario)
+
+
+def test_set_fields_writes_informational_fields(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            await store.set_fields("r1", {"decode_worker": "d1", "kv_bytes": 7})
+            got = await store.get("r1")
+            assert got is not None
+            assert (got.decode_worker, got.kv_bytes, got.state) == ("d1", 7, State.QUEUED)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("field", ["state", "epoch"])
+def test_set_fields_refuses_state_and_epoch(settings: StoreSettings, field: str) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            with pytest.raises(ValueError, match="transition"):
+                await store.set_fields("r1", {field: "1", "owner": "x"})
+            assert await store.get("r1") == record()  # nothing written, not even "owner"
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("bump", [True, False], ids=["new-epoch", "same-epoch"])
+def test_concurrent_transitions_have_exactly_one_winner(
+    settings: StoreSettings, bump: bool
+) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as a, opened(settings) as b:  # two orchestrators
+            await a.create(record())
+
+            async def attempt(i: int) -> None:
+                await (a if i % 2 else b).transition(
+                    "r1",
+                    epoch=0,
+                    target=State.PREFILLING,
+                    new_epoch=1 if bump else None,
+                    sources=frozenset({State.QUEUED}),
+                    fields={"owner": f"o{i}"},
+                )
+
+            results = await asyncio.gather(*(attempt(i) for i in range(20)), return_exceptions=True)
+            winners = [i for i, r in enumerate(results) if r is None]
+            assert len(winners) == 1, results
+            loser = errors.StaleEpochError if bump else errors.InvalidTransitionError
+            assert all(type(r) is loser for r in results if r is not None), results
+            got = await a.get("r1")
+            assert got is not None
+            assert (got.state, got.epoch, got.owner) == (
+                State.PREFILLING,
+                1 if bump else 0,
+                f"o{winners[0]}",
+            )
+
+    run(scenario)
+
+
+# ------------------------------------------------------------------ journal
+
+
+def test_journal_appends_contiguously_and_reads_from_an_offset(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            first = JournalEntry(0, (10, 11, 12), "abc")
+            second = JournalEntry(3, (13,), "d")
+            third = JournalEntry(4, (14, 15), "é")
+            assert await store.append("r1", 0, first) == 3
+            assert await store.append("r1", 0, second) == 4
+            assert await store.append("r1", 0, third) == 6
+            got = await store.get("r1")
+            assert got is not None
+            assert got.output_tokens == 6
+            assert await store.journal("r1") == [first, second, third]
+            assert await store.journal("r1", 1) == [second, third]  # offset counts entries
+            assert await store.journal("r1", 3) == []
+
+    run(scenario)
+
+
+def test_journal_of_unknown_request_is_empty(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.journal("nobody") == []
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("index", "what"), [(0, "duplicate"), (1, "overlap"), (3, "gap")])
+def test_journal_refuses_out_of_place_chunks(
+    settings: StoreSettings, index: int, what: str
+) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            await store.append("r1", 0, JournalEntry(0, (1, 2), "ab"))
+            with pytest.raises(errors.InvalidTransitionError, match="journal ends at 2") as info:
+                await store.append("r1", 0, JournalEntry(index, (9,), what))
+            assert info.type is errors.InvalidTransitionError
+            assert await store.journal("r1") == [JournalEntry(0, (1, 2), "ab")]
+            got = await store.get("r1")
+            assert got is not None
+            assert got.output_tokens == 2
+
+    run(scenario)
+
+
+def test_journal_is_epoch_checked(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            await store.transition("r1", epoch=0, target=State.QUEUED, new_epoch=1)
+            for wrong in (0, 2):
+                with pytest.raises(errors.StaleEpochError):
+                    await store.append("r1", wrong, JournalEntry(0, (1,), "a"))
+            assert await store.journal("r1") == []
+            assert await store.append("r1", 1, JournalEntry(0, (1,), "a")) == 1
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("end", [State.DONE, State.FAILED, State.CANCELLED])
+def test_journal_is_refused_after_the_request_ended(settings: StoreSettings, end: State) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(record())
+            await store.transition("r1", epoch=0, target=State.DECODING)
+            await store.append("r1", 0, JournalEntry(0, (1,), "a"))
+            await store.transition("r1", epoch=0, target=end)
+            with pytest.raises(errors.RequestEndedError, match=str(end)):
+                await store.append("r1", 0, JournalEntry(1, (2,), "b"))
+            assert await store.journal("r1") == [JournalEntry(0, (1,), "a")]
+
+    run(scenario)
+
+
+def test_journal_of_unknown_request_is_not_found(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            with pytest.raises(errors.NotFoundError):
+                await store.append("nobody", 0, JournalEntry(0, (1,), "a"))
+
+    run(scenario)
+
+
+def test_journal_expires_with_the_record(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            await store.create(record())
+            await store.append("r1", 0, JournalEntry(0, (1,), "a"))
+            ttl = await client.ttl(f"{settings.prefix}:req:r1:journal")
+            assert 0 < ttl <= settings.record_ttl_s
+
+    run(scenario)
+
+
+# ------------------------------------------------------------------ workers
+
+
+def test_heartbeat_lists_workers(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.workers() == []
+            await store.heartbeat(info("w2"), ttl_s=30)
+            await store.heartbeat(info("w1"), ttl_s=30)
+            assert await store.workers() == [info("w1"), info("w2")]
+            await store.heartbeat(info("w1", active=5), ttl_s=30)  # a refresh replaces it
+            assert await store.workers() == [info("w1", active=5), info("w2")]
+
+    run(scenario)
+
+
+def test_deregister_removes_a_worker(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            await store.heartbeat(info("w1"), ttl_s=30)
+            await store.heartbeat(info("w2"), ttl_s=30)
+            await store.deregister("w1")
+            await store.deregister("never-registered")
+            assert await store.workers() == [info("w2")]
+            assert await client.smembers(f"{settings.prefix}:workers") == {"w2"}
+
+    run(scenario)
+
+
+def test_expired_heartbeat_drops_the_worker(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            await store.heartbeat(info("short"), ttl_s=0.3)
+            await store.heartbeat(info("long"), ttl_s=30)
+            assert [w.worker_id for w in await store.workers()] == ["long", "short"]
+
+            async def short_gone() -> bool:
+                return [w.worker_id for w in await store.workers()] == ["long"]
+
+            await eventually(short_gone, 5.0, "the 0.3 s heartbeat to expire")
+            # The index is pruned too, not just filtered.
+            assert await client.smembers(f"{settings.prefix}:workers") == {"long"}
+
+    run(scenario)
+
+
+def test_worker_alive_follows_the_heartbeat(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert not await store.worker_alive("w1")
+            await store.heartbeat(info("w1"), ttl_s=30)
+            await store.heartbeat(info("w2"), ttl_s=0.3)
+            assert await store.worker_alive("w1")
+            await store.deregister("w1")
+            assert not await store.worker_alive("w1")
+
+            async def w2_dead() -> bool:
+                return not await store.worker_alive("w2")
+
+            await eventually(w2_dead, 5.0, "the 0.3 s heartbeat to expire")
+
+    run(scenario)
+
+
+# ------------------------------------------------------------------ failures
+
+
+async def script_loads(client: Any) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_script|load", {}).get("calls", 0))
+
+
+def test_scripts_survive_a_script_cache_flush(settings: StoreSettings) -> None:
+    # NOSCRIPT (as after a restart or failover): the store must reload its Lua and carry on.
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            await store.create(record("r1"))
+            await store.transition("r1", epoch=0, target=State.DECODING)
+            await store.append("r1", 0, JournalEntry(0, (1,), "a"))
+            loads_before = await script_loads(client)
+            assert await client.script_flush() is True
+            await store.transition("r1", epoch=0, target=State.DONE)
+            assert await client.script_flush() is True
+            assert await store.create(record("r2")) is None
+            assert await client.script_flush() is True
+            await store.transition("r2", epoch=0, target=State.DECODING)
+            assert await client.script_flush() is True
+            assert await store.append("r2", 0, JournalEntry(0, (1,), "a")) == 1
+            got = await store.get("r1")
+            assert got is not None
+            assert got.state is State.DONE
+            # Each flush really cost a NOSCRIPT and a reload (the test exercised the path).
+            assert await script_loads(client) - loads_before == 4
+
+    run(scenario)
+
+
+def doomed_settings(url: str) -> StoreSettings:
+    return StoreSettings(
+        url=url,
+        socket_timeout_s=SOCKET_TIMEOUT_S,
+        connect_timeout_s=SOCKET_TIMEOUT_S,
+    )
+
+
+def every_call(store: RedisStore) -> list[Callable[[], Awaitable[object]]]:
+    return [
+        store.ping,
+        lambda: store.create(record("r2")),
+        lambda: store.get("r1"),
+        lambda: store.transition("r1", epoch=0, target=State.PREFILLING),
+        lambda: store.set_fields("r1", {"owner": "x"}),
+        lambda: store.append("r1", 0, JournalEntry(0, (1,), "a")),
+        lambda: store.journal("r1"),
+        lambda: store.heartbeat(info("w1"), ttl_s=30),
+        lambda: store.deregister("w1"),
+        store.workers,
+        lambda: store.worker_alive("w1"),
+    ]
+
+
+async def assert_unavailable_fast(store: RedisStore) -> None:
+    for call in every_call(store):
+        started = time.monotonic()
+        with pytest.raises(errors.UnavailableError, match="unreachable"):
+            await call()
+        assert time.monotonic() - started < SOCKET_TIMEOUT_S, call
+
+
+def test_killed_redis_is_unavailable_not_a_hang(doomed: RedisServer) -> None:
+    async def scenario() -> None:
+        async with opened(doomed_settings(doomed.url)) as store:
+            await store.create(record("r1"))  # connected and working
+            doomed.kill()
+            await assert_unavailable_fast(store)
+
+    run(scenario)
+
+
+def test_store_recovers_when_redis_comes_back(doomed: RedisServer, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with opened(doomed_settings(doomed.url)) as store:
+            await store.ping()
+            doomed.kill()
+            with pytest.raises(errors.UnavailableError):
+                await store.ping()
+            revived = start_redis(tmp_path / "again", port=doomed.port)
+            try:
+                await store.ping()
+                assert await store.create(record("r1")) is None
+            finally:
+                revived.kill()
+
+    run(scenario)
+
+
+def test_never_started_redis_is_unavailable() -> None:
+    nobody = f"redis://127.0.0.1:{free_port()}/0"  # a free port: connections are refused
+
+    async def scenario() -> None:
+        async with opened(doomed_settings(nobody)) as store:
+            await assert_unavailable_fast(store)
+
+    run(scenario)
+
+
+def test_hung_redis_times_out_as_unavailable(doomed: RedisServer) -> None:
+    async def scenario() -> None:
+        async with opened(doomed_settings(doomed.url)) as store:
+            await store.ping()
+            os.kill(doomed.proc.pid, signal.SIGSTOP)  # the fixture resumes and kills it
+            started = time.monotonic()
+            with pytest.raises(errors.UnavailableError) as info:
+                await store.get("r1")
+            elapsed = time.monotonic() - started
+            assert isinstance(info.value.__cause__, redis.TimeoutError)
+            assert SOCKET_TIMEOUT_S * 0.9 <= elapsed < SOCKET_TIMEOUT_S * 3
+
+    run(scenario)

@@ -1,0 +1,216 @@
+"""Placement (`orchestrator.core.scheduler.place`) on small, hand-computed worker sets.
+
+KV need is ``total_tokens * kv_bytes_per_token`` of the candidate worker; headroom is
+``kv_capacity_bytes - kv_used_bytes`` (never below zero).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.core.records import WorkerInfo
+from orchestrator.core.scheduler import Mode, place
+from orchestrator.errors import OverloadedError, UnavailableError
+
+
+def worker(
+    worker_id: str,
+    role: str,
+    *,
+    active: int = 0,
+    capacity: int = 10_000,
+    used: int = 0,
+    per_token: int = 10,
+) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        address=f"{worker_id}:50051",
+        kv_address=f"{worker_id}:6000" if role == "decode" else "",
+        transport="tcp",
+        model="tiny",
+        fingerprint="f",
+        max_context=4096,
+        vocab_size=32_000,
+        kv_bytes_per_token=per_token,
+        kv_capacity_bytes=capacity,
+        kv_used_bytes=used,
+        active=active,
+    )
+
+
+def prefill(worker_id: str, active: int = 0) -> WorkerInfo:
+    return worker(worker_id, "prefill", active=active)
+
+
+def decode(
+    worker_id: str, *, free: int = 10_000, active: int = 0, per_token: int = 10
+) -> WorkerInfo:
+    return worker(worker_id, "decode", active=active, capacity=free, per_token=per_token)
+
+
+# ------------------------------------------------------------------ disaggregated
+
+
+def test_both_pools_up_is_disaggregated() -> None:
+    p, d = prefill("p1"), decode("d1")
+    got = place([p, d], 100)
+    assert got.mode is Mode.DISAGGREGATED
+    assert got.prefill == p
+    assert got.decode == d
+
+
+def test_prefill_goes_to_the_least_loaded() -> None:
+    workers = [prefill("p1", active=3), prefill("p2", active=1), prefill("p3", active=2)]
+    got = place([*workers, decode("d1")], 10)
+    assert got.prefill is not None
+    assert got.prefill.worker_id == "p2"
+
+
+def test_prefill_tie_goes_to_the_smallest_id() -> None:
+    got = place([prefill("p-b", active=1), prefill("p-a", active=1), decode("d1")], 10)
+    assert got.prefill is not None
+    assert got.prefill.worker_id == "p-a"
+
+
+def test_decode_goes_to_the_most_kv_headroom() -> None:
+    decodes = [decode("d1", free=1_000), decode("d2", free=5_000), decode("d3", free=3_000)]
+    assert place([prefill("p1"), *decodes], 10).decode.worker_id == "d2"
+
+
+def test_headroom_counts_used_bytes() -> None:
+    # d1: 10 000 - 7 000 = 3 000 free; d2: 6 000 - 2 000 = 4 000 free.
+    d1 = worker("d1", "decode", capacity=10_000, used=7_000)
+    d2 = worker("d2", "decode", capacity=6_000, used=2_000)
+    assert place([prefill("p1"), d1, d2], 10).decode.worker_id == "d2"
+
+
+def test_overcommitted_worker_has_zero_headroom() -> None:
+    # used > capacity clamps to 0 free, so even a 1-token request cannot go there.
+    full = worker("d1", "decode", capacity=1_000, used=1_500)
+    assert full.kv_free_bytes == 0
+    with pytest.raises(OverloadedError):
+        place([prefill("p1"), full], 1)
+
+
+def test_decode_tie_on_headroom_goes_to_fewer_active() -> None:
+    decodes = [decode("d1", free=4_000, active=3), decode("d2", free=4_000, active=1)]
+    assert place([prefill("p1"), *decodes], 10).decode.worker_id == "d2"
+
+
+def test_headroom_beats_fewer_active() -> None:
+    decodes = [decode("d1", free=9_000, active=10), decode("d2", free=4_000, active=0)]
+    assert place([prefill("p1"), *decodes], 10).decode.worker_id == "d1"
+
+
+def test_kv_need_uses_each_workers_bytes_per_token() -> None:
+    # 50 tokens: d1 needs 50 * 200 = 10 000 > 9 000 free (no room, despite most headroom);
+    # d2 needs 50 * 100 = 5 000 == 5 000 free (exactly fits); d3 has less headroom.
+    decodes = [
+        decode("d1", free=9_000, per_token=200),
+        decode("d2", free=5_000, per_token=100),
+        decode("d3", free=4_000, per_token=1),
+    ]
+    assert place([prefill("p1"), *decodes], 50).decode.worker_id == "d2"
+
+
+@pytest.mark.parametrize(("tokens", "fits"), [(100, True), (101, False)])
+def test_kv_need_boundary(tokens: int, fits: bool) -> None:
+    workers = [prefill("p1"), decode("d1", free=1_000, per_token=10)]
+    if fits:
+        assert place(workers, tokens).decode.worker_id == "d1"
+    else:
+        with pytest.raises(OverloadedError):
+            place(workers, tokens)
+
+
+def test_no_decode_worker_with_room_is_overloaded() -> None:
+    workers = [prefill("p1"), decode("d1", free=999), decode("d2", free=500)]
+    with pytest.raises(OverloadedError) as info:
+        place(workers, 100)  # needs 1 000 bytes on either
+    assert info.value.retryable
+    assert info.value.retry_after_s == 1.0
+
+
+# ------------------------------------------------------------------ missing pools
+
+
+def test_prefill_pool_down_runs_aggregated_on_decode() -> None:
+    decodes = [decode("d1", free=2_000), decode("d2", free=8_000)]
+    got = place(decodes, 100, fallback="local")
+    assert got.mode is Mode.AGGREGATED
+    assert got.prefill is None
+    assert got.decode.worker_id == "d2"
+
+
+def test_prefill_pool_down_with_fail_fallback_is_unavailable() -> None:
+    with pytest.raises(UnavailableError, match="prefill pool"):
+        place([decode("d1")], 100, fallback="fail")
+
+
+def test_decode_pool_down_runs_aggregated_on_least_loaded_prefill() -> None:
+    prefills = [prefill("p1", active=4), prefill("p2", active=0), prefill("p3", active=2)]
+    got = place(prefills, 100, fallback="local")
+    assert got.mode is Mode.AGGREGATED
+    assert got.prefill is None
+    assert got.decode.worker_id == "p2"
+
+
+def test_decode_pool_down_with_fail_fallback_is_unavailable() -> None:
+    with pytest.raises(UnavailableError, match="decode pool"):
+        place([prefill("p1")], 100, fallback="fail")
+
+
+@pytest.mark.parametrize("fallback", ["local", "fail"])
+def test_no_workers_is_unavailable(fallback: str) -> None:
+    with pytest.raises(UnavailableError, match="no workers"):
+        place([], 100, fallback=fallback)
+
+
+def test_workers_of_unknown_role_are_not_candidates() -> None:
+    with pytest.raises(UnavailableError, match="no workers"):
+        place([worker("x1", "router")], 10)
+
+
+def test_default_fallback_is_local() -> None:
+    assert place([decode("d1")], 10).mode is Mode.AGGREGATED
+
+
+# ------------------------------------------------------------------ exclude
+
+
+def test_exclude_skips_the_best_decode() -> None:
+    decodes = [decode("d1", free=9_000), decode("d2", free=5_000)]
+    got = place([prefill("p1"), *decodes], 10, exclude=["d1"])
+    assert got.decode.worker_id == "d2"
+
+
+def test_exclude_skips_the_least_loaded_prefill() -> None:
+    workers = [prefill("p1", active=0), prefill("p2", active=5), decode("d1")]
+    got = place(workers, 10, exclude={"p1"})
+    assert got.prefill is not None
+    assert got.prefill.worker_id == "p2"
+
+
+def test_excluding_every_prefill_falls_back_to_aggregated() -> None:
+    workers = [prefill("p1"), prefill("p2"), decode("d1")]
+    got = place(workers, 10, exclude=(w for w in ["p1", "p2"]))  # any iterable, even one-shot
+    assert got.mode is Mode.AGGREGATED
+    assert got.decode.worker_id == "d1"
+
+
+def test_excluding_every_decode_falls_back_to_aggregated_on_prefill() -> None:
+    got = place([prefill("p1"), decode("d1")], 10, exclude=["d1"])
+    assert got.mode is Mode.AGGREGATED
+    assert got.decode.worker_id == "p1"
+
+
+def test_excluding_everyone_is_unavailable() -> None:
+    with pytest.raises(UnavailableError):
+        place([prefill("p1"), decode("d1")], 10, exclude=["p1", "d1"])
+
+
+def test_excluding_the_only_decode_with_room_is_overloaded() -> None:
+    decodes = [decode("d1", free=5_000), decode("d2", free=100)]
+    with pytest.raises(OverloadedError):
+        place([prefill("p1"), *decodes], 100, exclude=["d1"])  # d2 needs 1 000, has 100
