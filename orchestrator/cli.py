@@ -99,6 +99,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
+    await control.start()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"orchestrator {args.replica_id} ready on {args.host}:{port}", flush=True)
     try:
@@ -106,6 +107,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     finally:
         await health.enter_graceful_shutdown()
         await server.stop(args.drain_grace)
+        await control.stop()
         await clients.close()
         await store.close()
     return 0

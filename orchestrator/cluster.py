@@ -115,6 +115,9 @@ class LocalCluster:
         return f"redis://127.0.0.1:{self.redis_port}/0"
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
+        old = self.procs.get(name)
+        if old is not None:
+            old.stop()  # reap a killed predecessor before replacing it
         log_path = self.workdir / f"{name}.log"
         env = dict(os.environ)
         env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -216,6 +219,8 @@ class LocalCluster:
         _wait(ready, timeout_s or self.ready_timeout_s, "workers to register", workers)
 
     def start_orchestrator(self, index: int, port: int = 0) -> str:
+        if not port and index < len(self.orchestrator_addresses):
+            port = int(self.orchestrator_addresses[index].rpartition(":")[2])  # restart
         port = port or free_port()
         args = self._pdorch(
             "orchestrator",

@@ -44,6 +44,8 @@ class TransportSettings:
     """Sender: concurrent transfers to one receiver; more wait for a free slot."""
     send_window: int = 8
     """Layers a sender keeps in flight on an out-of-band data plane."""
+    kv_hold_s: float = 30.0
+    """Receiver: a received KV nobody takes within this lease is freed."""
     epoch_memory: int = 65536
     """Receiver: request ids whose highest epoch is remembered (LRU)."""
 
@@ -88,6 +90,8 @@ class _Slot:
     epoch: int
     future: asyncio.Future[KvCache] = field(default_factory=asyncio.Future)
     nbytes: int = 0
+    done_at: float | None = None
+    """When the transfer completed or failed (monotonic); the hold lease starts then."""
 
 
 class Inbox:
@@ -148,6 +152,7 @@ class Inbox:
         if slot is None or slot.epoch != epoch or slot.future.done():
             raise errors.StaleEpochError(f"request {request_id!r} epoch {epoch} was superseded")
         slot.future.set_result(cache)
+        slot.done_at = time.monotonic()
 
     def fail(self, request_id: str, epoch: int, exc: errors.TransportError) -> None:
         """A transfer broke: release its memory; a waiting `take` sees ``exc``."""
@@ -156,6 +161,7 @@ class Inbox:
             return
         self._in_use -= slot.nbytes
         slot.nbytes = 0
+        slot.done_at = time.monotonic()
         if not slot.future.done():
             slot.future.set_exception(exc)
             slot.future.exception()  # retrieved here: a take() may never come
@@ -204,6 +210,21 @@ class Inbox:
         if not slot.future.done() and exc is not None:
             slot.future.set_exception(exc)
             slot.future.exception()
+
+    def reap(self, now: float, hold_s: float) -> list[str]:
+        """Drop what no decode call came for within ``hold_s`` of arriving (the orchestrator
+        died, the client went away): the KV's memory and a failed transfer's error alike."""
+        expired = [
+            rid
+            for rid, slot in self._slots.items()
+            if slot.done_at is not None and now - slot.done_at > hold_s
+        ]
+        for rid in expired:
+            slot = self._slots[rid]
+            if slot.future.done() and slot.future.exception() is None:
+                slot.future.result().release()
+            self._drop(rid, slot, None)
+        return expired
 
     def is_current(self, request_id: str, epoch: int) -> bool:
         slot = self._slots.get(request_id)

@@ -46,6 +46,7 @@ class KvReceiver:
         self._server: asyncio.Server | None = None
         self._links: set[Link] = set()
         self._closed = False
+        self._reaper: asyncio.Task[None] | None = None
         self.address = ""
 
     @property
@@ -58,7 +59,15 @@ class KvReceiver:
         self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT)
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
         self.address = f"{sock_host}:{sock_port}"
+        self._reaper = asyncio.create_task(self._reap(), name="pdorch-kv-reaper")
         return self.address
+
+    async def _reap(self) -> None:
+        interval = min(1.0, self.settings.kv_hold_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for rid in self.inbox.reap(time.monotonic(), self.settings.kv_hold_s):
+                log.info("freed the KV of request %s: no decode call within its lease", rid)
 
     async def take(self, request_id: str, epoch: int, timeout_s: float) -> wire.KvCache:
         return await self.inbox.take(request_id, epoch, timeout_s)
@@ -71,6 +80,10 @@ class KvReceiver:
         if self._closed:
             return
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
         if self._server is not None:
             self._server.close()
         for link in list(self._links):

@@ -54,6 +54,8 @@ class ControlSettings:
     """Attempts per request (the first plus failovers) before it fails."""
     retry_initial_s: float = 0.05
     retry_max_s: float = 1.0
+    reap_interval_s: float = 1.0
+    """How often a replica looks for requests whose owner's lease expired."""
     """How often a follower (resubmission) polls the journal of a request it does not own."""
 
 
@@ -96,6 +98,8 @@ class _Run:
     excluded: set[str] = field(default_factory=set)
     failovers: int = 0
     last_error: str = ""
+    lease_lost: bool = False
+    task: asyncio.Task[Any] | None = None
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -113,6 +117,9 @@ class Orchestrator:
         self.settings = settings
         self.owner = owner
         self._driving: dict[str, asyncio.Task[object]] = {}
+        self._resuming: set[str] = set()
+        self._resumed: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
 
     # --------------------------------------------------------------------- validation
 
@@ -213,6 +220,9 @@ class Orchestrator:
             max_tokens=inp.max_tokens,
             created_at=time.time(),
             owner=self.owner,
+            prompt_ids=ids,
+            sampling=[inp.sampling.temperature, inp.sampling.top_p, inp.sampling.seed],
+            stop=list(inp.stop),
         )
         existing = await self.store.create(record)
         if existing is not None:
@@ -226,21 +236,15 @@ class Orchestrator:
         task = asyncio.current_task()
         if task is not None:
             self._driving[rid] = task  # so Cancel can stop it
+        run = _Run(record.request_id, record.epoch, ids, inp, started)
         try:
-            async for chunk in self._drive(record, ids, inp, workers, started):
+            async for chunk in self._drive(run, workers):
                 if chunk.index + len(chunk.token_ids) > inp.resume_from or chunk.finish_reason:
                     yield chunk
         finally:
             self._driving.pop(rid, None)
 
-    async def _drive(
-        self,
-        record: RequestRecord,
-        ids: list[int],
-        inp: GenerateInput,
-        workers: Sequence[WorkerInfo],
-        started: float,
-    ) -> AsyncIterator[OutChunk]:
+    async def _drive(self, run: _Run, workers: Sequence[WorkerInfo]) -> AsyncIterator[OutChunk]:
         """Run the request to its end, failing over to other workers on retryable errors.
 
         Each retry bumps the epoch (the store, the decode worker's KV inbox and the journal
@@ -248,8 +252,8 @@ class Orchestrator:
         tokens are re-prefilled and decoding continues at the next index, so the client sees
         contiguous indices — no duplicate, no gap.
         """
-        run = _Run(record.request_id, record.epoch, ids, inp, started)
         s = self.settings
+        keeper = asyncio.create_task(self._keep_lease(run), name=f"pdorch-lease-{run.rid}")
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(s.max_attempts),
             wait=tenacity.wait_exponential_jitter(initial=s.retry_initial_s, max=s.retry_max_s),
@@ -265,11 +269,100 @@ class Orchestrator:
                     async for chunk in self._attempt(run, workers):
                         yield chunk
         except asyncio.CancelledError:
-            await self._finish(run, State.CANCELLED, "cancelled", "")
+            if not run.lease_lost:
+                await self._finish(run, State.CANCELLED, "cancelled", "")
             raise
         except errors.PdorchError as exc:
             await self._finish(run, State.FAILED, "error", str(exc))
             raise
+        finally:
+            keeper.cancel()
+
+    async def _keep_lease(self, run: _Run) -> None:
+        """Refresh this replica's lease on the request while driving it. If the lease is
+        lost (this replica stalled and another took over), stop: the new owner continues."""
+        driver = asyncio.current_task()
+        interval = self.store.settings.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                held = await self.store.refresh_lease(run.rid, self.owner)
+            except errors.UnavailableError:
+                continue  # the store is down: keep generating, journal writes will tell
+            if not held:
+                log.warning("request %s: lease lost to another replica; stopping", run.rid)
+                run.lease_lost = True
+                task = self._driving.get(run.rid) or run.task
+                if task is not None and task is not driver:
+                    task.cancel()
+                return
+
+    # ------------------------------------------------------------------- takeover
+
+    async def start(self) -> None:
+        """Start the reaper that takes over requests whose owner's lease expired."""
+        self._reaper = asyncio.create_task(self._reap(), name="pdorch-takeover-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for task in list(self._resumed):
+            task.cancel()
+        if self._resumed:
+            await asyncio.gather(*self._resumed, return_exceptions=True)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reap_interval_s)
+            try:
+                for rid in await self.store.active():
+                    if rid in self._driving or rid in self._resuming:
+                        continue
+                    epoch = await self.store.take_over(rid, self.owner)
+                    if epoch is not None:
+                        task = asyncio.create_task(
+                            self._resume(rid, epoch), name=f"pdorch-resume-{rid}"
+                        )
+                        self._resumed.add(task)
+                        task.add_done_callback(self._resumed.discard)
+            except errors.UnavailableError as exc:
+                log.warning("takeover scan skipped: %s", exc)
+            except Exception:
+                log.exception("takeover scan failed")
+
+    async def _resume(self, rid: str, epoch: int) -> None:
+        """Finish a request taken over from a dead replica, from its journal."""
+        self._resuming.add(rid)
+        try:
+            record = await self.store.get(rid)
+            if record is None or not record.prompt_ids:
+                return
+            entries = await self.store.journal(rid)
+            temperature, top_p, seed = record.sampling or [0.0, 1.0, 0]
+            inp = GenerateInput(
+                request_id=rid,
+                token_ids=tuple(record.prompt_ids),
+                max_tokens=record.max_tokens,
+                sampling=SamplingParams(float(temperature), float(top_p), int(seed)),
+                stop=tuple(record.stop),
+            )
+            run = _Run(rid, epoch, list(record.prompt_ids), inp, time.monotonic())
+            run.output = [t for e in entries for t in e.token_ids]
+            run.text = "".join(e.text for e in entries)
+            run.timings = dict(record.timings)
+            log.warning(
+                "request %s: taken over at epoch %d from token %d", rid, epoch, len(run.output)
+            )
+            workers = await self.store.workers()
+            run.task = asyncio.current_task()
+            async for _ in self._drive(run, workers):
+                pass  # clients follow the journal
+        except (errors.PdorchError, asyncio.CancelledError) as exc:
+            log.warning("request %s: resumed run ended: %r", rid, exc)
+        finally:
+            self._resuming.discard(rid)
 
     async def _reassign(self, run: _Run) -> None:
         """Fence the failed attempt off: epoch + 1, back to a placing state."""

@@ -63,11 +63,17 @@ class RequestRecord:
     finish_reason: str = ""
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)
+    """What another orchestrator needs to resume the request after a takeover."""
+    sampling: list[float] = field(default_factory=list)
+    """[temperature, top_p, seed]."""
+    stop: list[str] = field(default_factory=list)
 
     def to_fields(self) -> dict[str, str]:
         d = asdict(self)
         d["state"] = str(self.state)
-        d["timings"] = json.dumps(self.timings, sort_keys=True)
+        for name in ("timings", "prompt_ids", "sampling", "stop"):
+            d[name] = json.dumps(d[name], sort_keys=True)
         return {k: str(v) for k, v in d.items()}
 
     @classmethod
@@ -89,6 +95,9 @@ class RequestRecord:
             finish_reason=f.get("finish_reason", ""),
             error=f.get("error", ""),
             timings=json.loads(f.get("timings", "{}")),
+            prompt_ids=json.loads(f.get("prompt_ids", "[]")),
+            sampling=json.loads(f.get("sampling", "[]")),
+            stop=json.loads(f.get("stop", "[]")),
         )
 
 

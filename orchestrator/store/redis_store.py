@@ -33,19 +33,52 @@ from orchestrator.core.state import State, sources_for
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] record. ARGV[1] body hash, ARGV[2] ttl seconds, ARGV[3..] field/value pairs.
+# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease. ARGV[1] body hash, ARGV[2] ttl
+# seconds, ARGV[3] owner, ARGV[4] lease ms, ARGV[5..] field/value pairs.
 # Returns {1} when created, {0, body_hash, state} when the id exists already.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local got = redis.call('HMGET', KEYS[1], 'body_hash', 'state')
   return {0, got[1], got[2]}
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+redis.call('SADD', KEYS[2], KEYS[1])
+redis.call('SET', KEYS[3], ARGV[3], 'PX', tonumber(ARGV[4]))
 return {1}
 """
 
-# KEYS[1] record. ARGV[1] expected epoch, ARGV[2] new state, ARGV[3] new epoch,
+# KEYS[1] lease. ARGV[1] owner, ARGV[2] lease ms. Extends the lease only for its holder.
+_REFRESH = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] record, KEYS[2] lease, KEYS[3] active set. ARGV[1] new owner, ARGV[2] lease ms.
+# Takes over a live request whose owner's lease expired: epoch + 1, back to queued.
+# Returns {1, new_epoch}; {0} lease still held; {-1} missing; {-3, state} already ended.
+_TAKEOVER = """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
+if not cur[1] then
+  redis.call('SREM', KEYS[3], KEYS[1])
+  return {-1}
+end
+if cur[1] == 'done' or cur[1] == 'failed' or cur[1] == 'cancelled' then
+  redis.call('SREM', KEYS[3], KEYS[1])
+  return {-3, cur[1]}
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {0} end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
+local epoch = tonumber(cur[2]) + 1
+redis.call('HSET', KEYS[1], 'state', 'queued', 'epoch', tostring(epoch), 'owner', ARGV[1])
+return {1, epoch}
+"""
+
+# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease (both cleared on a terminal state).
+# ARGV[1] expected epoch, ARGV[2] new state, ARGV[3] new epoch,
 # ARGV[4] allowed source states separated by ',', ARGV[5..] field/value pairs to set.
 # Returns {1, state, epoch} on success; {-1} missing; {-2, state, epoch} epoch mismatch;
 # {-3, state, epoch} state not an allowed source.
@@ -60,6 +93,10 @@ end
 if not ok then return {-3, cur[1], cur[2]} end
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'epoch', ARGV[3])
 if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
+if ARGV[2] == 'done' or ARGV[2] == 'failed' or ARGV[2] == 'cancelled' then
+  redis.call('SREM', KEYS[2], KEYS[1])
+  redis.call('DEL', KEYS[3])
+end
 return {1, ARGV[2], ARGV[3]}
 """
 
@@ -95,6 +132,8 @@ class StoreSettings:
     socket_timeout_s: float = 2.0
     """Every Redis call; a hung Redis surfaces as UnavailableError, not a hang."""
     connect_timeout_s: float = 1.0
+    lease_ttl_s: float = 3.0
+    """An orchestrator owns a request while it refreshes this lease; then others take over."""
     record_ttl_s: int = 24 * 3600
     """How long finished requests stay queryable (and resubmittable idempotently)."""
 
@@ -125,6 +164,12 @@ class RedisStore:
         self._append: Any = self._redis.register_script(_APPEND)
         self._set: Any = self._redis.register_script(_SET)
         self._workers = f"{settings.prefix}:workers"
+        self._active = f"{settings.prefix}:active"
+        self._refresh: Any = self._redis.register_script(_REFRESH)
+        self._takeover: Any = self._redis.register_script(_TAKEOVER)
+
+    def _lease(self, rid: str) -> str:
+        return f"{self.settings.prefix}:req:{rid}:owner"
 
     def _req(self, rid: str) -> str:
         return f"{self.settings.prefix}:req:{rid}"
@@ -150,8 +195,14 @@ class RedisStore:
         flat = [x for kv in fields.items() for x in kv]
         async with _translated("create"):
             res = await self._create(
-                keys=[self._req(record.request_id)],
-                args=[record.body_hash, self.settings.record_ttl_s, *flat],
+                keys=[self._req(record.request_id), self._active, self._lease(record.request_id)],
+                args=[
+                    record.body_hash,
+                    self.settings.record_ttl_s,
+                    record.owner,
+                    int(self.settings.lease_ttl_s * 1000),
+                    *flat,
+                ],
             )
         if int(res[0]) == 1:
             return None
@@ -182,7 +233,7 @@ class RedisStore:
         flat = [str(x) for kv in (fields or {}).items() for x in kv]
         async with _translated("transition"):
             res = await self._transition(
-                keys=[self._req(request_id)],
+                keys=[self._req(request_id), self._active, self._lease(request_id)],
                 args=[
                     epoch,
                     str(target),
@@ -245,6 +296,33 @@ class RedisStore:
         async with _translated("journal read"):
             raw = await self._redis.lrange(self._journal(request_id), start, -1)
         return [JournalEntry.from_json(r) for r in raw]
+
+    # ------------------------------------------------------------------ ownership
+
+    async def refresh_lease(self, request_id: str, owner: str) -> bool:
+        """Extend ``owner``'s lease on the request; False if it is no longer the owner."""
+        async with _translated("lease refresh"):
+            held = await self._refresh(
+                keys=[self._lease(request_id)],
+                args=[owner, int(self.settings.lease_ttl_s * 1000)],
+            )
+        return bool(int(held))
+
+    async def take_over(self, request_id: str, owner: str) -> int | None:
+        """Become the owner of a live request whose lease expired; returns the new epoch."""
+        async with _translated("take over"):
+            res = await self._takeover(
+                keys=[self._req(request_id), self._lease(request_id), self._active],
+                args=[owner, int(self.settings.lease_ttl_s * 1000)],
+            )
+        return int(res[1]) if int(res[0]) == 1 else None
+
+    async def active(self) -> list[str]:
+        """Ids of requests not yet in a terminal state."""
+        prefix = f"{self.settings.prefix}:req:"
+        async with _translated("active requests"):
+            keys = await self._redis.smembers(self._active)
+        return sorted(k[len(prefix) :] for k in keys if k.startswith(prefix))
 
     # ------------------------------------------------------------------------- workers
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ def cluster() -> Iterator[LocalCluster]:
         transport="ucx" if ucx_available() else "tcp",
         prefill_workers=2,
         decode_workers=2,
+        orchestrators=2,
     )
     with c:
         yield c
@@ -175,3 +177,46 @@ def test_concurrent_requests_survive_a_decode_kill(cluster: LocalCluster) -> Non
         assert all(len(o) == 1500 for o in outputs)
     finally:
         _restore(cluster)
+
+
+def test_orchestrator_killed_client_resumes_on_the_other_replica(cluster: LocalCluster) -> None:
+    first, second = cluster.orchestrator_addresses[:2]
+    req = request("resume me elsewhere", max_tokens=1500, request_id="fo-orch-kill")
+
+    async def main() -> tuple[list[orchestrator_pb2.GenerateChunk], float]:
+        received: list[orchestrator_pb2.GenerateChunk] = []
+        async with grpc.aio.insecure_channel(first) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for chunk in stub.Generate(req, timeout=120):
+                    received.append(chunk)
+                    if sum(len(c.token_ids) for c in received) >= 30:
+                        cluster.procs["orchestrator-0"].signal(signal.SIGKILL)
+                        killed = time.monotonic()
+        have = sum(len(c.token_ids) for c in received)
+        req.resume_from_index = have
+        recovery = 0.0
+        async with grpc.aio.insecure_channel(second) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            async for chunk in stub.Generate(req, timeout=120):
+                if chunk.token_ids and not recovery:
+                    recovery = time.monotonic() - killed
+                received.append(chunk)
+        return received, recovery
+
+    try:
+        chunks, recovery = run(main())  # type: ignore[misc]
+        with_tokens = [c for c in chunks if c.token_ids]
+        starts = [c.index for c in with_tokens]
+        lengths = [len(c.token_ids) for c in with_tokens]
+        assert starts == [sum(lengths[:i]) for i in range(len(lengths))]  # no dup, no gap
+        assert sum(lengths) == 1500
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        info = run(_info(second, "fo-orch-kill"))
+        assert isinstance(info, orchestrator_pb2.RequestInfo)
+        assert info.state == "done"
+        assert info.epoch >= 2
+        assert recovery < 10.0
+        print(f"orchestrator takeover: next token {recovery * 1000:.0f} ms after the kill")
+    finally:
+        cluster.start_orchestrator(0)

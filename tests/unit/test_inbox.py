@@ -685,3 +685,24 @@ def test_the_inbox_follows_the_model(script: list[tuple[str, str, int, int]]) ->
                     assert inbox.is_current(r, e) == current
 
     run(scenario, collect=False)
+
+
+def test_reap_frees_a_held_kv_after_its_lease_and_keeps_fresh_ones() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=1 << 20, epoch_memory=16)
+        released: list[str] = []
+        for rid in ("old", "new"):
+            inbox.reserve(rid, 1, 64)
+            layers = [(np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 4), np.float32))]
+            header = header_for(rid, 1, "fp", DType.FLOAT32, layers)
+            cache = KvCache(header, tuple(layers), [lambda r=rid: released.append(r)])
+            inbox.complete(rid, 1, cache)
+        slots = inbox._slots
+        slots["old"].done_at = 100.0
+        slots["new"].done_at = 129.0
+        assert inbox.reap(now=131.0, hold_s=30.0) == ["old"]
+        assert released == ["old"]
+        assert inbox.held() == ["new"]
+        assert inbox.bytes_in_use == 64
+
+    asyncio.run(scenario())
