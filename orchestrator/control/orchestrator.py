@@ -27,6 +27,7 @@ import tenacity
 from orchestrator import errors
 from orchestrator.api import convert, worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
+from orchestrator.core.breaker import Breakers
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement, place
@@ -54,6 +55,8 @@ class ControlSettings:
     """Attempts per request (the first plus failovers) before it fails."""
     retry_initial_s: float = 0.05
     retry_max_s: float = 1.0
+    breaker_cooldown_s: float = 2.0
+    """A worker whose call failed is skipped this long, then probed by one request."""
     reap_interval_s: float = 1.0
     """How often a replica looks for requests whose owner's lease expired."""
     """How often a follower (resubmission) polls the journal of a request it does not own."""
@@ -120,6 +123,7 @@ class Orchestrator:
         self._resuming: set[str] = set()
         self._resumed: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self.breakers = Breakers(settings.breaker_cooldown_s)
 
     # --------------------------------------------------------------------- validation
 
@@ -390,12 +394,16 @@ class Orchestrator:
         if not workers:
             raise errors.UnavailableError("no workers registered")
         remaining = run.inp.max_tokens - len(run.output)
+        now = time.monotonic()
         placement = place(
             workers,
             len(run.prompt) + run.inp.max_tokens,
             fallback=self.settings.fallback,
-            exclude=run.excluded,
+            exclude=run.excluded | self.breakers.blocked(now),
         )
+        used = [w.worker_id for w in (placement.prefill, placement.decode) if w is not None]
+        for wid in used:
+            self.breakers.placed(wid, now)
         run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
         if placement.mode is Mode.DISAGGREGATED:
             stream = self._disaggregated(run, placement)
@@ -409,7 +417,10 @@ class Orchestrator:
             run.failovers += 1
             run.last_error = str(exc)
             run.excluded.add(exc.worker)
+            self.breakers.failure(exc.worker, time.monotonic())
             raise
+        for wid in used:
+            self.breakers.success(wid)
 
     async def _disaggregated(
         self, run: _Run, placement: Placement
