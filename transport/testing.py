@@ -241,9 +241,12 @@ async def check_concurrent(backend: str, transfers: int = 32) -> None:
             assert got.get("digest") == digest(c), got
 
 
-async def check_sender_killed(backend: str) -> None:
-    """Peer sender SIGKILLed mid-transfer: the local receiver errs within 2 s, frees memory."""
-    settings = TransportSettings(idle_timeout_s=10.0)
+@contextlib.asynccontextmanager
+async def _peer_sending(
+    backend: str, settings: TransportSettings, rid: str, size: int, layers: int, delay_s: float
+) -> AsyncIterator[tuple[KvReceiver, PeerProcess]]:
+    """A local receiver and a peer process that has sent the first of ``layers`` layers of
+    request ``rid`` to it and pauses ``delay_s`` between layers: a transfer mid-way."""
     receiver = make_receiver(backend, settings)
     address = await receiver.start()
     try:
@@ -251,26 +254,33 @@ async def check_sender_killed(backend: str) -> None:
             p.command(
                 op="send",
                 address=address,
-                rid="k",
+                rid=rid,
                 epoch=1,
-                size=32 * MIB,
-                layers=8,
-                layer_delay_s=0.5,
+                size=size,
+                layers=layers,
+                layer_delay_s=delay_s,
             )
             assert (await p.reply())["event"] == "layer"
-            assert receiver.inbox.bytes_in_use > 0
-            p.signal(signal.SIGKILL)
-            killed = time.monotonic()
-            try:
-                await receiver.take("k", 1, timeout_s=10)
-            except errors.PeerLostError:
-                pass
-            else:
-                raise AssertionError("a half-sent KV was handed over")
-            assert time.monotonic() - killed < 2.0, time.monotonic() - killed
-            assert receiver.inbox.bytes_in_use == 0
+            yield receiver, p
     finally:
         await receiver.close()
+
+
+async def check_sender_killed(backend: str) -> None:
+    """Peer sender SIGKILLed mid-transfer: the local receiver errs within 2 s, frees memory."""
+    settings = TransportSettings(idle_timeout_s=10.0)
+    async with _peer_sending(backend, settings, "k", 32 * MIB, 8, 0.5) as (receiver, p):
+        assert receiver.inbox.bytes_in_use > 0
+        p.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            await receiver.take("k", 1, timeout_s=10)
+        except errors.PeerLostError:
+            pass
+        else:
+            raise AssertionError("a half-sent KV was handed over")
+        assert time.monotonic() - killed < 2.0, time.monotonic() - killed
+        assert receiver.inbox.bytes_in_use == 0
 
 
 async def check_receiver_killed(backend: str) -> None:
@@ -321,30 +331,15 @@ async def check_stalled_receiver(backend: str) -> None:
 async def check_stalled_sender(backend: str) -> None:
     """Peer sender SIGSTOPped mid-transfer: the local receiver's deadline fires, memory freed."""
     settings = TransportSettings(idle_timeout_s=1.0)
-    receiver = make_receiver(backend, settings)
-    address = await receiver.start()
-    try:
-        async with peer(backend, settings) as p:
-            p.command(
-                op="send",
-                address=address,
-                rid="ss",
-                epoch=1,
-                size=4 * MIB,
-                layers=4,
-                layer_delay_s=0.3,
-            )
-            assert (await p.reply())["event"] == "layer"
-            p.signal(signal.SIGSTOP)
-            try:
-                await receiver.take("ss", 1, timeout_s=10)
-            except errors.TransferTimeoutError:
-                pass
-            else:
-                raise AssertionError("a stalled transfer was handed over")
-            assert receiver.inbox.bytes_in_use == 0
-    finally:
-        await receiver.close()
+    async with _peer_sending(backend, settings, "ss", 4 * MIB, 4, 0.3) as (receiver, p):
+        p.signal(signal.SIGSTOP)
+        try:
+            await receiver.take("ss", 1, timeout_s=10)
+        except errors.TransferTimeoutError:
+            pass
+        else:
+            raise AssertionError("a stalled transfer was handed over")
+        assert receiver.inbox.bytes_in_use == 0
 
 
 async def check_corruption(backend: str) -> None:
