@@ -7,14 +7,18 @@ that connection for TCP, over UCX tags for UCX). A message is ``type u8 | length
     sender                                   receiver
       HELLO(id, data address)  ──────────▶
                                ◀──────────   HELLO(id, data address)
-      OPEN(transfer tag, KV header) ─────▶   check header, reserve memory
+      OPEN(tag, segment size, KV header) ▶   check header, reserve memory
                                ◀──────────   ACCEPT | ERROR(code, message)
-      LAYER(frame) [+ payload] ──────────▶   (repeated, one per layer, any order)
+      LAYER(frame) [+ payload] ──────────▶   (repeated, one per layer, any order;
+      LAYERS(frames)                          out of band, a segment's frames in one message)
                                ◀──────────   DONE | ERROR(code, message)
       ABORT(message) ────────────────────▶   (at any time: discard the partial KV)
 
 The transfer tag is random per transfer and keys payload messages on the data plane, so a
-late payload of an aborted transfer can never be matched by a later one.
+late payload of an aborted transfer can never be matched by a later one. Out of band, the
+payload moves in *segments* — runs of consecutive layers of about ``segment size`` bytes,
+computed by both sides from the header (`wire.segments`) — one message each; LAYER frames
+(with each layer's checksum) still come one per layer.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Kind(enum.IntEnum):
     DONE = 5
     ERROR = 6
     ABORT = 7
+    LAYERS = 8
+    """Several LAYER frames in one message (out of band: a segment's frames at once)."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -86,8 +92,8 @@ def new_transfer_tag() -> int:
 
 
 def layer_tag(transfer_tag: int, index: int) -> int:
-    """Data-plane tag of layer ``index``: K travels under it, V under it + 1."""
-    return transfer_tag | (index << 1)
+    """Data-plane tag of segment (or layer) ``index`` of a transfer."""
+    return transfer_tag | index
 
 
 def error_from(code: int, message: str) -> errors.TransportError:
@@ -118,6 +124,8 @@ def decode_head(head: bytes) -> tuple[Kind, int]:
         raise errors.WireFormatError(f"control message of {length} bytes exceeds {MAX_BODY}")
     if kind is Kind.LAYER and length != LAYER_FRAME_SIZE:
         raise errors.WireFormatError(f"LAYER message of {length} bytes")
+    if kind is Kind.LAYERS and (length == 0 or length % LAYER_FRAME_SIZE):
+        raise errors.WireFormatError(f"LAYERS message of {length} bytes")
     return kind, length
 
 
@@ -131,14 +139,22 @@ def parse_hello(body: bytes) -> tuple[bytes, bytes]:
     return body[:INSTANCE_ID_BYTES], body[INSTANCE_ID_BYTES:]
 
 
-def open_(tag: int, header: bytes) -> bytes:
-    return encode(Kind.OPEN, _U64.pack(tag) + header)
+_OPEN = struct.Struct("<QQ")
+MIN_SEGMENT_BYTES = 64 * 1024
 
 
-def parse_open(body: bytes) -> tuple[int, bytes]:
-    if len(body) < _U64.size:
+def open_(tag: int, segment_bytes: int, header: bytes) -> bytes:
+    """OPEN: transfer tag, segment size (out-of-band payload grouping), KV header."""
+    return encode(Kind.OPEN, _OPEN.pack(tag, segment_bytes) + header)
+
+
+def parse_open(body: bytes) -> tuple[int, int, bytes]:
+    if len(body) < _OPEN.size:
         raise errors.WireFormatError("OPEN too short")
-    return _U64.unpack_from(body)[0], body[_U64.size :]
+    tag, segment_bytes = _OPEN.unpack_from(body)
+    if segment_bytes < MIN_SEGMENT_BYTES:
+        raise errors.WireFormatError(f"segment size {segment_bytes} below {MIN_SEGMENT_BYTES}")
+    return tag, segment_bytes, body[_OPEN.size :]
 
 
 def error(exc: BaseException) -> bytes:

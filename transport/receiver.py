@@ -118,7 +118,9 @@ class KvReceiver:
             self._links.discard(link)
             await link.close()
 
-    async def _transfer(self, link: Link, tag: int, header_bytes: bytes) -> None:
+    async def _transfer(
+        self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes
+    ) -> None:
         s = self.settings
         try:
             header = wire.decode_header(header_bytes, s.max_kv_bytes)
@@ -137,7 +139,7 @@ class KvReceiver:
         started = time.monotonic()
         try:
             payload = self._buffers.acquire(header.payload_bytes)
-            receive = _Receive(self._plane, link, header, tag, payload, s)
+            receive = _Receive(self._plane, link, header, tag, payload, s, segment_bytes)
             if not self._plane.inline:
                 receive.post_receives()
             await link.send(control.encode(control.Kind.ACCEPT), s.idle_timeout_s)
@@ -175,10 +177,10 @@ class _Receive:
     """The layer loop of one accepted transfer.
 
     Inline (TCP): each LAYER frame is followed by its payload on the link; verification of
-    layer *i* runs in a thread while layer *i+1* is read. Out-of-band (UCX): the receives of
-    every layer are posted before ACCEPT goes out (tags and sizes follow from the header), so
-    payloads land as soon as the sender starts them; a layer is verified once both its
-    payload and its frame (which carries the checksum, and may come later) are in.
+    layer *i* runs in a thread while layer *i+1* is read. Out-of-band (UCX): the receive of
+    every segment is posted before ACCEPT goes out (tags and sizes follow from the header),
+    so payloads land as soon as the sender starts them; a layer is verified once both its
+    segment and its frame (which carries the checksum, and may come later) are in.
     """
 
     plane: DataPlane
@@ -187,10 +189,12 @@ class _Receive:
     tag: int
     payload: np.ndarray
     settings: TransportSettings
+    segment_bytes: int
     frames: dict[int, wire.LayerFrame] = dataclasses.field(default_factory=dict)
     landed: set[int] = dataclasses.field(default_factory=set)
-    receiving: dict[asyncio.Task[None], int] = dataclasses.field(default_factory=dict)
-    verifying: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+    receiving: dict[asyncio.Task[None], range] = dataclasses.field(default_factory=dict)
+    verifying: dict[asyncio.Task[None], int] = dataclasses.field(default_factory=dict)
+    ready: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.offsets = self.header.layer_offsets()
@@ -200,11 +204,14 @@ class _Receive:
         return self.payload[off : off + self.header.layer_nbytes(index)].data
 
     def post_receives(self) -> None:
-        """Out-of-band only: post every layer's receive into its slice of the payload."""
+        """Out-of-band only: post every segment's receive into its slice of the payload."""
         h = self.header
-        for i in range(len(h.layers)):
-            coro = self.plane.recv(self.link.peer, control.layer_tag(self.tag, i), self.view(i))
-            self.receiving[asyncio.create_task(coro, name=f"pdorch-kv-recv-{i}")] = i
+        for n, seg in enumerate(wire.segments(h, self.segment_bytes)):
+            start = self.offsets[seg.start]
+            end = self.offsets[seg.stop - 1] + h.layer_nbytes(seg.stop - 1)
+            view = self.payload[start:end].data
+            coro = self.plane.recv(self.link.peer, control.layer_tag(self.tag, n), view)
+            self.receiving[asyncio.create_task(coro, name=f"pdorch-kv-recv-{n}")] = seg
 
     async def run(self) -> None:
         h, link, s = self.header, self.link, self.settings
@@ -226,16 +233,17 @@ class _Receive:
                     watch, min(remaining, s.idle_timeout_s), what="layer data", on_timeout=link
                 )
                 for task in [t for t in self.verifying if t.done()]:
-                    self.verifying.discard(task)
+                    verified += self.verifying.pop(task)
                     task.result()
-                    verified += 1
                 for task in [t for t in self.receiving if t.done()]:
-                    index = self.receiving.pop(task)
+                    seg = self.receiving.pop(task)
                     task.result()
-                    self.landed.add(index)
-                    self._maybe_verify(index)
+                    for index in seg:
+                        self.landed.add(index)
+                        self._maybe_verify(index)
                 if reading and link.pending().done():
                     await self._on_message(link.take_pending())
+                self._start_verifying()
         finally:
             unfinished = [*self.receiving, *self.verifying]
             if self.receiving:  # posted receives must not outlive the buffer: cancel them
@@ -247,29 +255,49 @@ class _Receive:
                     await task
 
     def _maybe_verify(self, index: int) -> None:
-        frame = self.frames.get(index)
-        if frame is not None and index in self.landed:
-            self.verifying.add(
-                asyncio.create_task(_verify(frame, self.view(index)), name="pdorch-kv-verify")
-            )
+        if index in self.frames and index in self.landed:
+            self.ready.append(index)
+
+    def _start_verifying(self) -> None:
+        """Verify every layer that is ready, in one thread hop (a segment's layers land
+        together; a hop per layer cost more than the checksums themselves)."""
+        if not self.ready:
+            return
+        batch = [(self.frames[i], self.view(i)) for i in self.ready]
+        task = asyncio.create_task(_verify(batch), name="pdorch-kv-verify")
+        self.verifying[task] = len(batch)
+        self.ready = []
 
     async def _on_message(self, msg: control.Message) -> None:
-        h = self.header
         if msg.kind is control.Kind.ABORT:
             raise errors.PeerLostError(f"sender aborted: {msg.body.decode(errors='replace')}")
+        if msg.kind is control.Kind.LAYERS and not self.plane.inline:
+            size = wire.LAYER_FRAME_SIZE
+            for pos in range(0, len(msg.body), size):
+                self._on_frame(wire.decode_layer_frame(msg.body[pos : pos + size]))
+            return
         if msg.kind is not control.Kind.LAYER:
             raise errors.WireFormatError(f"unexpected {msg.kind.name} during a transfer")
-        frame = wire.decode_layer_frame(msg.body)
-        wire.check_layer_frame(h, frame, set(self.frames))
-        self.frames[frame.index] = frame
+        frame = self._on_frame(wire.decode_layer_frame(msg.body))
         if self.plane.inline:
             await self.link.read_into(self.view(frame.index), self.settings.idle_timeout_s)
             self.landed.add(frame.index)
+            self._maybe_verify(frame.index)
+
+    def _on_frame(self, frame: wire.LayerFrame) -> wire.LayerFrame:
+        wire.check_layer_frame(self.header, frame, set(self.frames))
+        self.frames[frame.index] = frame
         self._maybe_verify(frame.index)
+        return frame
 
 
-async def _verify(frame: wire.LayerFrame, view: memoryview) -> None:
-    if frame.nbytes >= 1 << 20:
-        await asyncio.to_thread(wire.verify_layer, frame, view)
+async def _verify(batch: list[tuple[wire.LayerFrame, memoryview]]) -> None:
+    if sum(frame.nbytes for frame, _ in batch) >= 1 << 20:
+        await asyncio.to_thread(_verify_all, batch)
     else:
+        _verify_all(batch)
+
+
+def _verify_all(batch: list[tuple[wire.LayerFrame, memoryview]]) -> None:
+    for frame, view in batch:
         wire.verify_layer(frame, view)

@@ -1,10 +1,11 @@
 """The sending side of KV transfers, for every backend (the payload path is the `DataPlane`).
 
 Layer-wise streaming: `KvSender.open()` sends the header and waits for the receiver to accept
-it; `OutgoingTransfer.send_layer(i, k, v)` may be called as soon as layer *i* exists; the
-checksum of the next layer is computed (in a thread, it releases the GIL) while up to
-``send_window`` earlier layers are still moving; `finish()` returns once the receiver has
-verified every layer. Connections and data-plane endpoints to a receiver are pooled and
+it; `OutgoingTransfer.send_layer(i, k, v)` may be called as soon as layer *i* exists and
+returns at once. Out of band, a *segment* (a run of consecutive layers, `wire.segments`)
+starts moving as soon as its last layer is given, while each layer's checksum is computed in
+a thread (xxh3 releases the GIL) and its frame follows; `finish()` returns once the receiver
+has verified every layer. Connections and data-plane endpoints to a receiver are pooled and
 reused; a pooled connection whose peer went away is noticed before reuse and replaced, so
 the first transfer after a receiver restarts connects afresh.
 """
@@ -16,8 +17,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +90,10 @@ class KvSender:
                 link, reused = await self._acquire(pool, address)
                 tag = control.new_transfer_tag()
                 try:
-                    await link.send(control.open_(tag, encoded), self.settings.idle_timeout_s)
+                    await link.send(
+                        control.open_(tag, self.settings.segment_bytes, encoded),
+                        self.settings.idle_timeout_s,
+                    )
                     msg = await link.next_message(self.settings.idle_timeout_s)
                 except errors.PeerLostError:
                     await link.close()
@@ -165,6 +170,10 @@ class KvSender:
         await self._plane.close()
 
 
+def _checksums(views: list[tuple[memoryview, memoryview]]) -> list[int]:
+    return [wire.checksum(k, v) for k, v in views]
+
+
 async def _checksum(k: memoryview, v: memoryview) -> int:
     if k.nbytes + v.nbytes >= _THREAD_CHECKSUM_BYTES:
         return await asyncio.to_thread(wire.checksum, k, v)
@@ -185,6 +194,11 @@ class OutgoingTransfer:
         self._sent: set[int] = set()
         self._in_flight: list[asyncio.Task[None]] = []
         self._settings = sender.settings
+        self._segments = wire.segments(header, self._settings.segment_bytes)
+        self._segment_of = {i: n for n, seg in enumerate(self._segments) for i in seg}
+        self._missing = [len(seg) for seg in self._segments]
+        self._outgoing: dict[int, tuple[memoryview, memoryview, memoryview, memoryview]] = {}
+        """Layers of incomplete segments: (K, V) as checksummed, (K, V) as sent."""
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
@@ -220,40 +234,49 @@ class OutgoingTransfer:
                 await self._send_frame(wire.LayerFrame(index, kb.nbytes + vb.nbytes, csum))
                 await self._link.send_payload((out_k, out_v), self._wait_s())
             else:
-                self._in_flight.append(
-                    asyncio.create_task(
-                        self._send_out_of_band(index, kb, vb, (out_k, out_v)),
-                        name=f"pdorch-kv-send-{h.request_id}-{index}",
-                    )
-                )
-                while len(self._in_flight) > self._settings.send_window:
-                    await self._link.race(
-                        self._in_flight.pop(0), self._wait_s(), what="a layer send"
-                    )
+                seg = self._segment_of[index]
+                self._outgoing[index] = (kb, vb, out_k, out_v)
+                self._missing[seg] -= 1
+                if self._missing[seg] == 0:  # the segment is complete: move it
+                    parts = [(i, *self._outgoing.pop(i)) for i in self._segments[seg]]
+                    self._start(self._segment(seg, parts), f"segment-{seg}")
         except BaseException:
             await self._fail()
             raise
         self._sent.add(index)
         self.bytes_sent += kb.nbytes + vb.nbytes
 
+    def _start(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        name = f"pdorch-kv-{self.header.request_id}-{what}"
+        self._in_flight.append(asyncio.create_task(coro, name=name))
+
     async def _send_frame(self, frame: wire.LayerFrame) -> None:
         msg = control.encode(control.Kind.LAYER, wire.encode_layer_frame(frame))
         await self._link.send(msg, self._wait_s())
 
-    async def _send_out_of_band(
-        self, index: int, k: memoryview, v: memoryview, out: tuple[memoryview, memoryview]
+    async def _segment(
+        self, seg: int, parts: list[tuple[int, memoryview, memoryview, memoryview, memoryview]]
     ) -> None:
-        """Start the payload (the receiver has posted its receive), checksum it meanwhile,
-        then send the frame that carries the checksum. send_layer returns before this ends,
-        so the next layer's payload can start at once."""
+        """Start the segment's payload (the receiver posted its receive already), checksum
+        its layers meanwhile in one thread hop, send their frames in one write, then wait
+        for the payload to be delivered."""
         plane = self._sender._plane
+        tag = control.layer_tag(self._tag, seg)
+        bufs = [b for _, _, _, ok, ov in parts for b in (ok, ov)]
         payload = asyncio.create_task(
-            plane.send(self._link.peer, control.layer_tag(self._tag, index), out),
-            name=f"pdorch-kv-payload-{index}",
+            plane.send(self._link.peer, tag, bufs), name=f"pdorch-kv-payload-{seg}"
         )
         try:
-            csum = await _checksum(k, v)
-            await self._send_frame(wire.LayerFrame(index, k.nbytes + v.nbytes, csum))
+            views = [(k, v) for _, k, v, _, _ in parts]
+            if sum(k.nbytes + v.nbytes for k, v in views) >= _THREAD_CHECKSUM_BYTES:
+                sums = await asyncio.to_thread(_checksums, views)
+            else:
+                sums = _checksums(views)
+            frames = b"".join(
+                wire.encode_layer_frame(wire.LayerFrame(i, k.nbytes + v.nbytes, c))
+                for (i, k, v, _, _), c in zip(parts, sums, strict=True)
+            )
+            await self._link.send(control.encode(control.Kind.LAYERS, frames), self._wait_s())
             await payload
         finally:
             if not payload.done():

@@ -40,14 +40,11 @@ KIB, MIB = 1 << 10, 1 << 20
 def synthetic_layers(size: int, n_layers: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """``n_layers`` (K, V) float32 pairs adding up to about ``size`` bytes, cheap to fill."""
     per_tensor = max(1, size // (2 * n_layers * 4))
-    layers = []
-    base = np.arange(2 * per_tensor, dtype=np.uint32)
-    for i in range(n_layers):
-        # One block per layer, K then V, as an engine's KV allocator lays a layer out.
-        block = (base * 2654435761 + (seed * 1000 + i)).view(np.float32)
-        k = block[:per_tensor].reshape(1, per_tensor, 1)
-        v = block[per_tensor:].reshape(1, per_tensor, 1)
-        layers.append((k, v))
+    # One block for all layers, K then V per layer, as the reference engine lays out a
+    # prefill's KV: runs of consecutive layers then travel as single zero-copy messages.
+    base = np.arange(2 * per_tensor * n_layers, dtype=np.uint32)
+    block = (base * 2654435761 + seed).view(np.float32).reshape(n_layers, 2, 1, per_tensor, 1)
+    layers = [(block[i, 0], block[i, 1]) for i in range(n_layers)]
     return layers
 
 

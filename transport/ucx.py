@@ -159,10 +159,10 @@ def _initialised(ucxx: Any) -> bool:
 
 
 def _one_buffer(buffers: Sequence[memoryview]) -> memoryview | np.ndarray:
-    """One message per layer: each message costs a rendezvous round trip (~0.3 ms here), so
-    K and V travel together. Adjacent in memory (as an engine that allocates a layer's KV
-    as one block lays them out) they go zero-copy; otherwise they are staged into one buffer.
-    """
+    """One message per segment (K and V of consecutive layers): each message costs a
+    rendezvous round trip and Python overhead (~0.3 ms here). Adjacent in memory, as the
+    reference engine lays out a prefill's KV, they go zero-copy; otherwise they are staged
+    into one buffer (a memcpy)."""
     if len(buffers) == 1:
         return buffers[0]
     arrays = [np.frombuffer(b, dtype=np.uint8) for b in buffers]

@@ -433,6 +433,22 @@ def verify_layer(frame: LayerFrame, payload: memoryview) -> None:
         raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
 
 
+def segments(h: KvHeader, target_bytes: int) -> list[range]:
+    """Group consecutive layers into segments of at least ``target_bytes`` (the last may be
+    smaller). Out-of-band backends move one message per segment: per-message costs (a
+    rendezvous round trip, Python overhead) dominate with many small layers."""
+    out: list[range] = []
+    start, acc = 0, 0
+    for i in range(len(h.layers)):
+        acc += h.layer_nbytes(i)
+        if acc >= target_bytes:
+            out.append(range(start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(h.layers):
+        out.append(range(start, len(h.layers)))
+    return out
+
+
 def layer_views(h: KvHeader, payload: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(index, K, V) views into a contiguous uint8 payload buffer laid out as on the wire."""
     np_dtype = h.dtype.numpy_dtype

@@ -232,9 +232,10 @@ class HfEngine(Engine):
         if not 0 < n <= self.info.max_context:
             raise ValueError(f"prompt of {n} tokens; this model takes 1..{self.info.max_context}")
         self._check_ids(token_ids)
-        layers = [
-            _BlockLayer(_kv_block(self._heads, n, self._head_dim)) for _ in range(self._n_layers)
-        ]
+        # All layers in one allocation, layer after layer (K then V): the transport can then
+        # send a run of consecutive layers as one zero-copy message.
+        whole = np.empty((self._n_layers, 2, self._heads, n, self._head_dim), dtype=np.float32)
+        layers = [_BlockLayer(whole[i]) for i in range(self._n_layers)]
         if on_layer is not None:
             for i, layer in enumerate(layers):
                 layer.on_update = _emitter(on_layer, i, layer)

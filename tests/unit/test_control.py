@@ -69,7 +69,17 @@ def test_body_limit_fits_the_largest_open() -> None:
 def test_encode_decode_round_trip(kind: Kind, body: bytes) -> None:
     if kind is Kind.LAYER:
         body = (body * LAYER_FRAME_SIZE)[:LAYER_FRAME_SIZE].ljust(LAYER_FRAME_SIZE, b"\0")
+    if kind is Kind.LAYERS:  # a whole number of frames, at least one
+        n = max(1, len(body) // LAYER_FRAME_SIZE)
+        body = body[: n * LAYER_FRAME_SIZE].ljust(n * LAYER_FRAME_SIZE, b"\0")
     assert split(control.encode(kind, body)) == (kind, body)
+
+
+@pytest.mark.parametrize("length", [0, 1, LAYER_FRAME_SIZE - 1, LAYER_FRAME_SIZE + 1])
+def test_a_layers_message_must_hold_whole_frames(length: int) -> None:
+    head = control.encode(Kind.LAYERS, b"\0" * length)[:HEAD_SIZE]
+    with pytest.raises(errors.WireFormatError, match="LAYERS message"):
+        control.decode_head(head)
 
 
 @FUZZ
@@ -99,7 +109,10 @@ def test_a_body_over_the_limit_is_refused_unread(kind: Kind, length: int) -> Non
 
 @pytest.mark.parametrize("kind", list(Kind))
 def test_a_body_at_the_limit_is_accepted(kind: Kind) -> None:
-    length = LAYER_FRAME_SIZE if kind is Kind.LAYER else MAX_BODY
+    length = {
+        Kind.LAYER: LAYER_FRAME_SIZE,
+        Kind.LAYERS: MAX_BODY - MAX_BODY % LAYER_FRAME_SIZE,
+    }.get(kind, MAX_BODY)
     assert control.decode_head(HEAD.pack(kind, length)) == (kind, length)
 
 
@@ -134,14 +147,24 @@ def test_a_hello_without_a_data_address_is_valid() -> None:
 
 
 @FUZZ
-@given(tag=st.integers(0, U64_MAX), header=st.binary(max_size=1024))
-def test_open_round_trip(tag: int, header: bytes) -> None:
-    kind, body = split(control.open_(tag, header))
+@given(
+    tag=st.integers(0, U64_MAX),
+    segment=st.integers(control.MIN_SEGMENT_BYTES, U64_MAX),
+    header=st.binary(max_size=1024),
+)
+def test_open_round_trip(tag: int, segment: int, header: bytes) -> None:
+    kind, body = split(control.open_(tag, segment, header))
     assert kind is Kind.OPEN
-    assert control.parse_open(body) == (tag, header)
+    assert control.parse_open(body) == (tag, segment, header)
 
 
-@pytest.mark.parametrize("size", range(8))
+def test_an_open_with_a_tiny_segment_size_is_refused() -> None:
+    _, body = split(control.open_(1, control.MIN_SEGMENT_BYTES - 1, b"h"))
+    with pytest.raises(errors.WireFormatError, match="segment size"):
+        control.parse_open(body)
+
+
+@pytest.mark.parametrize("size", range(16))
 def test_a_short_open_is_refused(size: int) -> None:
     with pytest.raises(errors.WireFormatError, match="OPEN too short"):
         control.parse_open(b"\xff" * size)
@@ -166,15 +189,13 @@ def test_layer_tags_stay_inside_their_transfer(index: int) -> None:
     tag = control.new_transfer_tag()
     assert tag & 0xFFFF == 0
     assert 0 <= tag < 1 << 64
-    k_tag = control.layer_tag(tag, index)
-    assert k_tag >> 16 == tag >> 16  # K and V stay within this transfer's tag space
-    assert (k_tag + 1) >> 16 == tag >> 16
-    assert k_tag & 1 == 0  # so V's tag (k_tag + 1) never collides with another layer's K
+    seg_tag = control.layer_tag(tag, index)
+    assert seg_tag >> 16 == tag >> 16  # segments stay within this transfer's tag space
 
 
-def test_layer_tags_are_distinct_for_every_layer_and_tensor() -> None:
+def test_layer_tags_are_distinct_for_every_segment() -> None:
     tag = control.new_transfer_tag()
-    tags = [control.layer_tag(tag, i) + t for i in range(MAX_LAYERS) for t in (0, 1)]
+    tags = [control.layer_tag(tag, i) for i in range(MAX_LAYERS)]
     assert len(set(tags)) == len(tags)
 
 
@@ -285,11 +306,12 @@ def test_error_text_is_truncated_to_1000_characters() -> None:
 def test_control_messages_built_by_helpers_all_decode() -> None:
     messages = [
         control.hello(b"i" * INSTANCE_ID_BYTES, b"addr"),
-        control.open_(control.new_transfer_tag(), b"header"),
+        control.open_(control.new_transfer_tag(), 1 << 20, b"header"),
         control.encode(Kind.ACCEPT),
         control.encode(Kind.LAYER, b"\0" * LAYER_FRAME_SIZE),
         control.encode(Kind.DONE),
         control.error(errors.BudgetExceededError("full")),
         control.encode(Kind.ABORT, b"cancelled"),
+        control.encode(Kind.LAYERS, b"\0" * (3 * LAYER_FRAME_SIZE)),
     ]
     assert [split(m)[0] for m in messages] == list(Kind)

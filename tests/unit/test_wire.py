@@ -62,6 +62,7 @@ from transport.wire import (
     layer_frame_for,
     verify_layer,
 )
+from transport.wire import segments as wire_segments
 
 # ------------------------------------------------------------------ the format, restated
 
@@ -1136,3 +1137,21 @@ def test_shapes_that_do_not_match_the_model_spec(header: KvHeader, match: str) -
 def test_check_expected_without_a_model_only_checks_limits_ids_and_epochs() -> None:
     odd = model_header([((9,), (1, 1, 1, 1, 1, 1))], tokens=0, fp="whatever")
     check_expected(odd, Expectation(max_kv_bytes=odd.payload_bytes))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "target", "expected"),
+    [
+        ([4, 4, 4, 4], 8, [range(0, 2), range(2, 4)]),
+        ([4, 4, 4], 8, [range(0, 2), range(2, 3)]),
+        ([16, 1, 1], 8, [range(0, 1), range(1, 3)]),
+        ([1, 1, 1], 1000, [range(0, 3)]),
+        ([8], 8, [range(0, 1)]),
+    ],
+)
+def test_segments_group_consecutive_layers(
+    sizes: list[int], target: int, expected: list[range]
+) -> None:
+    layers = tuple(LayerShape(k=(n,), v=(n,)) for n in sizes)  # float32: 8 * n bytes
+    header = KvHeader("r", 1, "fp", DType.FLOAT32, 1, layers)
+    assert wire_segments(header, target * 8) == expected
