@@ -107,6 +107,8 @@ class LocalCluster:
     procs: dict[str, Proc] = field(default_factory=dict)
     orchestrator_addresses: list[str] = field(default_factory=list)
     log_level: str = "INFO"
+    redis_aof: bool = False
+    """Redis with an append-only file (fsync always), so it can be restarted without loss."""
     expected: dict[str, str] = field(default_factory=dict)
     """Worker name -> the gRPC address its current process listens on."""
 
@@ -134,7 +136,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         try:
-            self.start_redis()
+            self.start_redis(self.redis_aof)
             for i in range(self.prefill_workers):
                 self.start_worker("prefill", i)
             for i in range(self.decode_workers):
@@ -156,6 +158,7 @@ class LocalCluster:
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "yes" if appendonly else "no",
+            "--appendfsync", "always",
             "--dir", str(self.workdir),
         ]  # fmt: skip
         proc = self._spawn("redis", args)

@@ -8,7 +8,8 @@
     ├── UnavailableError              no worker / store unreachable (→ UNAVAILABLE)
     ├── StaleEpochError               a write from a superseded epoch (fencing)
     ├── InvalidTransitionError        a state change the state machine forbids
-    │   └── RequestEndedError         the request already ended (e.g. cancelled elsewhere)
+    │   ├── RequestEndedError         the request already ended (e.g. cancelled elsewhere)
+    │   └── JournalGapError           a journal append not at the journal's end
     ├── WorkerError                   a worker call failed (retryable per ``retryable``)
     └── DeadlineExceededError         a request ran past its deadline (→ DEADLINE_EXCEEDED)
 
@@ -60,6 +61,14 @@ class InvalidTransitionError(PdorchError):
 
 class RequestEndedError(InvalidTransitionError):
     """The request reached a terminal state (cancelled, failed) while this was running."""
+
+
+class JournalGapError(InvalidTransitionError):
+    """A journal append did not start where the journal ends (``journal_end``)."""
+
+    def __init__(self, message: str, journal_end: int) -> None:
+        super().__init__(message)
+        self.journal_end = journal_end
 
 
 class WorkerError(PdorchError):

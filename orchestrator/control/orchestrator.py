@@ -57,6 +57,8 @@ class ControlSettings:
     retry_max_s: float = 1.0
     breaker_cooldown_s: float = 2.0
     """A worker whose call failed is skipped this long, then probed by one request."""
+    store_outage_s: float = 30.0
+    """How long a finishing request waits for an unreachable store before giving up."""
     reap_interval_s: float = 1.0
     """How often a replica looks for requests whose owner's lease expired."""
     """How often a follower (resubmission) polls the journal of a request it does not own."""
@@ -103,6 +105,10 @@ class _Run:
     last_error: str = ""
     lease_lost: bool = False
     task: asyncio.Task[Any] | None = None
+    entries: list[JournalEntry] = field(default_factory=list)
+    """Every chunk relayed by this run, to re-journal what a restarted Redis lost."""
+    unjournalled: int = 0
+    """How many of the last ``entries`` are not in the journal yet (Redis unreachable)."""
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -624,7 +630,7 @@ class Orchestrator:
                         )
                     entry = JournalEntry(chunk.index, tuple(ids), delta)
                     try:
-                        await self.store.append(rid, run.epoch, entry)
+                        await self._journal(run, entry)
                     except errors.RequestEndedError:  # cancelled through another replica
                         yield OutChunk(rid, produced, [], "", "cancelled", run.timings)
                         return
@@ -647,10 +653,55 @@ class Orchestrator:
         record = await self._finish(run, State.DONE, finish, "")
         yield OutChunk(rid, produced, [], "", finish, run.timings, record)
 
+    async def _journal(self, run: _Run, entry: JournalEntry) -> None:
+        """Journal a chunk before the client sees it — or, while Redis is unreachable, keep it
+        to journal later and let the stream go on (the worker does not need Redis)."""
+        run.entries.append(entry)
+        run.unjournalled += 1
+        try:
+            await self._flush(run)
+        except errors.UnavailableError as exc:
+            if run.unjournalled == 1:
+                log.warning("request %s: journal unreachable, buffering: %s", run.rid, exc)
+
+    async def _flush(self, run: _Run) -> None:
+        while run.unjournalled:
+            entry = run.entries[-run.unjournalled]
+            try:
+                await self.store.append(run.rid, run.epoch, entry)
+            except errors.JournalGapError as gap:
+                # Redis came back without its last writes (AOF fsync window): journal again
+                # what it lost, from where its journal now ends.
+                lost = [e for e in run.entries if e.index >= gap.journal_end]
+                if not lost or lost[0].index != gap.journal_end:
+                    raise
+                log.warning(
+                    "request %s: re-journalling %d chunks lost by the store", run.rid, len(lost)
+                )
+                run.unjournalled = len(lost)
+                continue
+            run.unjournalled -= 1
+
+    async def _settle(self, run: _Run) -> None:
+        """Before a final transition: wait (bounded) for the store and flush the journal."""
+        deadline = time.monotonic() + self.settings.store_outage_s
+        delay = 0.05
+        while True:
+            try:
+                await self._flush(run)
+            except errors.UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(delay)  # backoff while the store is down
+                delay = min(delay * 2, 1.0)
+            else:
+                return
+
     async def _finish(
         self, run: _Run, state: State, reason: str, error: str
     ) -> RequestRecord | None:
         try:
+            await self._settle(run)
             await self.store.transition(
                 run.rid,
                 epoch=run.epoch,

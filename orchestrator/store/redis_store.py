@@ -288,8 +288,9 @@ class RedisStore:
             raise errors.StaleEpochError(f"request {request_id!r}: journal epoch {epoch} is stale")
         if code == -3:
             raise errors.RequestEndedError(f"request {request_id!r} is {res[1]}")
-        raise errors.InvalidTransitionError(
-            f"request {request_id!r}: chunk at {entry.index} but journal ends at {res[1]}"
+        raise errors.JournalGapError(
+            f"request {request_id!r}: chunk at {entry.index} but journal ends at {res[1]}",
+            int(res[1]),
         )
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:

@@ -27,6 +27,7 @@ def cluster() -> Iterator[LocalCluster]:
         prefill_workers=2,
         decode_workers=2,
         orchestrators=2,
+        redis_aof=True,
     )
     with c:
         yield c
@@ -220,3 +221,44 @@ def test_orchestrator_killed_client_resumes_on_the_other_replica(cluster: LocalC
         print(f"orchestrator takeover: next token {recovery * 1000:.0f} ms after the kill")
     finally:
         cluster.start_orchestrator(0)
+
+
+def test_redis_restart_in_flight_stream_survives_and_admissions_fail_fast(
+    cluster: LocalCluster,
+) -> None:
+    address = cluster.orchestrator_addresses[1]
+    req = request("through a redis restart", max_tokens=1500, request_id="fo-redis")
+
+    async def main() -> tuple[list[orchestrator_pb2.GenerateChunk], grpc.StatusCode, float]:
+        chunks: list[orchestrator_pb2.GenerateChunk] = []
+        refused = grpc.StatusCode.OK
+        refused_in = 0.0
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            async for chunk in stub.Generate(req, timeout=120):
+                chunks.append(chunk)
+                if sum(len(c.token_ids) for c in chunks) >= 30 and refused == grpc.StatusCode.OK:
+                    cluster.procs["redis"].signal(signal.SIGKILL)
+                    cluster.procs["redis"].popen.wait()
+                    started = time.monotonic()
+                    try:
+                        await collect(address, request("admit me during the outage"))
+                    except grpc.aio.AioRpcError as exc:
+                        refused = exc.code()
+                    refused_in = time.monotonic() - started
+                    cluster.start_redis(appendonly=True)
+        return chunks, refused, refused_in
+
+    chunks, refused, refused_in = run(main())  # type: ignore[misc]
+    with_tokens = [c for c in chunks if c.token_ids]
+    lengths = [len(c.token_ids) for c in with_tokens]
+    assert [c.index for c in with_tokens] == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert sum(lengths) == 1500
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert refused == grpc.StatusCode.UNAVAILABLE
+    assert refused_in < 3.0
+    info = run(_info(address, "fo-redis"))
+    assert isinstance(info, orchestrator_pb2.RequestInfo)
+    assert info.state == "done"
+    assert info.output_tokens == 1500  # the journal caught up after the restart
+    cluster.wait_workers(2, 2, timeout_s=30)
