@@ -54,6 +54,10 @@ async def _run_worker(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_ttl / 3,
     )
     sender = make_sender(args.transport, tsettings)
+    if args.inject_kv_stall > 0:  # chaos/testing: stall while sending layer 1 of every KV
+        from transport.testing import FaultInjector  # noqa: PLC0415
+
+        FaultInjector(layer=1, delay_s=args.inject_kv_stall).attach(sender)
     receiver = (
         make_receiver(args.transport, tsettings, engine.info.model_spec())
         if args.role == "decode"
@@ -210,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default="")
     w.add_argument("--kv-capacity-mib", type=int, default=2048)
     w.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    w.add_argument(
+        "--inject-kv-stall",
+        type=float,
+        default=0.0,
+        help="fault injection: stall this many seconds in the middle of every KV send",
+    )
     w.set_defaults(run=_run_worker)
 
     g = sub.add_parser("generate", help="stream a completion from an orchestrator")

@@ -188,13 +188,13 @@ class LocalCluster:
             args += ["--model-cache", str(self.model_cache)]
         return args
 
-    def start_worker(self, role: str, index: int) -> Proc:
+    def start_worker(self, role: str, index: int, *extra: str) -> Proc:
         """Start (or restart) a worker on fresh ports; it counts as registered only once its
         own heartbeat — with these ports — is in Redis, not a dead predecessor's."""
         name = f"{role}-{index}"
         port = free_port()
         self.expected[name] = f"127.0.0.1:{port}"
-        args = [*self.worker_args(role, index), "--port", str(port)]
+        args = [*self.worker_args(role, index), "--port", str(port), *extra]
         return self._spawn(name, args)
 
     def registered(self) -> dict[str, int]:

@@ -129,7 +129,8 @@ class Worker:
             vocab_size=m.vocab_size,
             kv_bytes_per_token=m.kv_bytes_per_token(),
             kv_capacity_bytes=self.settings.kv_capacity_bytes,
-            kv_used_bytes=self._kv_used,
+            kv_used_bytes=self._kv_used
+            + (self._receiver.inbox.bytes_in_use if self._receiver else 0),
             active=self._batcher.active,
             gpu_kind=self.settings.gpu_kind,
         )

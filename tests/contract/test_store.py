@@ -444,9 +444,9 @@ def test_journal_refuses_out_of_place_chunks(
         async with opened(settings) as store:
             await store.create(record())
             await store.append("r1", 0, JournalEntry(0, (1, 2), "ab"))
-            with pytest.raises(errors.InvalidTransitionError, match="journal ends at 2") as info:
+            with pytest.raises(errors.JournalGapError, match="journal ends at 2") as info:
                 await store.append("r1", 0, JournalEntry(index, (9,), what))
-            assert info.type is errors.InvalidTransitionError
+            assert info.value.journal_end == 2  # where a writer must continue
             assert await store.journal("r1") == [JournalEntry(0, (1, 2), "ab")]
             got = await store.get("r1")
             assert got is not None

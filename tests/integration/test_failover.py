@@ -262,3 +262,58 @@ def test_redis_restart_in_flight_stream_survives_and_admissions_fail_fast(
     assert info.state == "done"
     assert info.output_tokens == 1500  # the journal caught up after the restart
     cluster.wait_workers(2, 2, timeout_s=30)
+
+
+def test_prefill_worker_killed_during_the_kv_transfer_is_re_prefilled(
+    cluster: LocalCluster,
+) -> None:
+    address = cluster.orchestrator_addresses[0]
+    # prefill-0 stalls (for 30 s) in the middle of every KV it sends; prefill-1 is stopped
+    # so that the request surely starts on prefill-0.
+    cluster.start_worker("prefill", 0, "--inject-kv-stall", "30")
+    cluster.wait_workers(2, 2, timeout_s=60)
+    cluster.procs["prefill-1"].signal(signal.SIGSTOP)
+    wait_for(lambda: cluster.registered().get("prefill", 0) == 1, 10, "prefill-1 to drop out")
+
+    async def main() -> list[int]:
+        task = asyncio.create_task(
+            collect(address, request("mid-transfer", max_tokens=8, request_id="fo-xfer"))
+        )
+        deadline = time.monotonic() + 20
+        while not (
+            await _exists(address, "fo-xfer")
+            and (await _info(address, "fo-xfer")).state == "prefilling"
+        ):
+            assert time.monotonic() < deadline, "the request never reached prefill"
+            await asyncio.sleep(0.05)  # polling a condition while the request runs
+        cluster.procs["prefill-1"].signal(signal.SIGCONT)
+        await asyncio.sleep(0.5)  # well inside the 30 s stall: the KV is half-sent
+        cluster.procs["prefill-0"].signal(signal.SIGKILL)
+        ids, _, _ = await task
+        return ids
+
+    try:
+        ids = run(main())
+        assert isinstance(ids, list)
+        assert len(ids) == 8
+        info = run(_info(address, "fo-xfer"))
+        assert isinstance(info, orchestrator_pb2.RequestInfo)
+        assert info.state == "done"
+        assert info.epoch >= 2
+        assert info.prefill_worker == "prefill-1"
+        wait_for(
+            lambda: all(w.kv_used_bytes == 0 for w in workers(cluster) if w.role == "decode"),
+            15,
+            "the decode workers to hold no KV (the partial transfer discarded)",
+        )
+    finally:
+        cluster.start_worker("prefill", 0)  # without the fault
+        _restore(cluster)
+
+
+async def _exists(address: str, rid: str) -> bool:
+    try:
+        await _info(address, rid)
+    except grpc.aio.AioRpcError:
+        return False
+    return True
