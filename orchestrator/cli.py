@@ -38,6 +38,10 @@ async def _run_worker(args: argparse.Namespace) -> int:
     from transport.backends import make_receiver, make_sender  # noqa: PLC0415
     from transport.base import TransportSettings  # noqa: PLC0415
 
+    if args.torch_threads > 0:
+        import torch  # noqa: PLC0415 - only workers need torch
+
+        torch.set_num_threads(args.torch_threads)
     engine = await asyncio.to_thread(
         load_engine, args.model, Path(args.model_cache) if args.model_cache else None
     )
@@ -214,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default="")
     w.add_argument("--kv-capacity-mib", type=int, default=2048)
     w.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    w.add_argument(
+        "--torch-threads", type=int, default=0, help="CPU threads for the engine (0: torch's)"
+    )
     w.add_argument(
         "--inject-kv-stall",
         type=float,

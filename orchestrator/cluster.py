@@ -108,7 +108,9 @@ class LocalCluster:
     orchestrator_addresses: list[str] = field(default_factory=list)
     log_level: str = "INFO"
     redis_aof: bool = False
-    """Redis with an append-only file (fsync always), so it can be restarted without loss."""
+    """Redis with an append-only file, so a killed redis-server restarts without loss (the
+    AOF is written before replies; ``everysec`` only defers the fsync, which matters for a
+    machine crash, not a process kill)."""
     expected: dict[str, str] = field(default_factory=dict)
     """Worker name -> the gRPC address its current process listens on."""
 
@@ -158,7 +160,7 @@ class LocalCluster:
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "yes" if appendonly else "no",
-            "--appendfsync", "always",
+            "--appendfsync", "everysec",  # a killed redis-server loses nothing written
             "--dir", str(self.workdir),
         ]  # fmt: skip
         proc = self._spawn("redis", args)
@@ -183,6 +185,8 @@ class LocalCluster:
             "--model", self.model,
             "--transport", self.transport,
             "--worker-id", f"{role}-{index}",
+            # several workers share this machine's cores: one engine thread each
+            "--torch-threads", "1",
         )  # fmt: skip
         if self.model_cache is not None:
             args += ["--model-cache", str(self.model_cache)]

@@ -10,6 +10,7 @@
     ├── InvalidTransitionError        a state change the state machine forbids
     │   ├── RequestEndedError         the request already ended (e.g. cancelled elsewhere)
     │   └── JournalGapError           a journal append not at the journal's end
+    ├── LeaseLostError                another replica took the request over (we follow it)
     ├── WorkerError                   a worker call failed (retryable per ``retryable``)
     └── DeadlineExceededError         a request ran past its deadline (→ DEADLINE_EXCEEDED)
 
@@ -69,6 +70,10 @@ class JournalGapError(InvalidTransitionError):
     def __init__(self, message: str, journal_end: int) -> None:
         super().__init__(message)
         self.journal_end = journal_end
+
+
+class LeaseLostError(PdorchError):
+    """This replica lost its lease on a request (it stalled); another one drives it now."""
 
 
 class WorkerError(PdorchError):

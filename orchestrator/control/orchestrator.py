@@ -104,7 +104,6 @@ class _Run:
     failovers: int = 0
     last_error: str = ""
     lease_lost: bool = False
-    task: asyncio.Task[Any] | None = None
     entries: list[JournalEntry] = field(default_factory=list)
     """Every chunk relayed by this run, to re-journal what a restarted Redis lost."""
     unjournalled: int = 0
@@ -251,6 +250,11 @@ class Orchestrator:
             async for chunk in self._drive(run, workers):
                 if chunk.index + len(chunk.token_ids) > inp.resume_from or chunk.finish_reason:
                     yield chunk
+        except errors.LeaseLostError:
+            # Another replica took the request over: keep this client's stream going from
+            # the journal the new owner writes, after the tokens the client already has.
+            async for chunk in self.follow(rid, max(len(run.output), inp.resume_from)):
+                yield chunk
         finally:
             self._driving.pop(rid, None)
 
@@ -282,6 +286,8 @@ class Orchestrator:
             if not run.lease_lost:
                 await self._finish(run, State.CANCELLED, "cancelled", "")
             raise
+        except errors.LeaseLostError:
+            raise  # the new owner records the end
         except errors.PdorchError as exc:
             await self._finish(run, State.FAILED, "error", str(exc))
             raise
@@ -291,7 +297,6 @@ class Orchestrator:
     async def _keep_lease(self, run: _Run) -> None:
         """Refresh this replica's lease on the request while driving it. If the lease is
         lost (this replica stalled and another took over), stop: the new owner continues."""
-        driver = asyncio.current_task()
         interval = self.store.settings.lease_ttl_s / 3
         while True:
             await asyncio.sleep(interval)
@@ -301,10 +306,7 @@ class Orchestrator:
                 continue  # the store is down: keep generating, journal writes will tell
             if not held:
                 log.warning("request %s: lease lost to another replica; stopping", run.rid)
-                run.lease_lost = True
-                task = self._driving.get(run.rid) or run.task
-                if task is not None and task is not driver:
-                    task.cancel()
+                run.lease_lost = True  # the driver notices within a watch interval
                 return
 
     # ------------------------------------------------------------------- takeover
@@ -366,7 +368,6 @@ class Orchestrator:
                 "request %s: taken over at epoch %d from token %d", rid, epoch, len(run.output)
             )
             workers = await self.store.workers()
-            run.task = asyncio.current_task()
             async for _ in self._drive(run, workers):
                 pass  # clients follow the journal
         except (errors.PdorchError, asyncio.CancelledError) as exc:
@@ -480,7 +481,7 @@ class Orchestrator:
             timeout=self.settings.prefill_timeout_s,
         )
         async with translated(prefill.worker_id, "prefill"):
-            resp = await self._watch(call, prefill)
+            resp = await self._watch(call, prefill, run)
         run.timings["prefill_ms"] = resp.prefill_ms
         run.timings["transfer_ms"] = resp.transfer_ms
         await self.store.transition(
@@ -506,7 +507,7 @@ class Orchestrator:
         first = True
         try:
             async with translated(decode.worker_id, "decode"):
-                async for chunk in self._watched(stream, decode):
+                async for chunk in self._watched(stream, decode, run):
                     if first:  # the decode worker adopted the KV
                         first = False
                         await self.store.transition(
@@ -547,7 +548,7 @@ class Orchestrator:
         )
         try:
             async with translated(worker.worker_id, "generate"):
-                async for chunk in self._watched(stream, worker):
+                async for chunk in self._watched(stream, worker, run):
                     yield chunk
         finally:
             stream.cancel()
@@ -558,7 +559,7 @@ class Orchestrator:
         except errors.UnavailableError:
             return True  # the store is down, not the worker: keep going
 
-    async def _watch(self, call: Any, worker: WorkerInfo) -> Any:
+    async def _watch(self, call: Any, worker: WorkerInfo, run: _Run) -> Any:
         """Await a unary call, failing fast when the worker's heartbeat disappears."""
         task = asyncio.ensure_future(call)
         try:
@@ -566,6 +567,8 @@ class Orchestrator:
                 done, _ = await asyncio.wait({task}, timeout=self.settings.watch_interval_s)
                 if done:
                     return task.result()
+                if run.lease_lost:
+                    raise errors.LeaseLostError(f"request {run.rid!r} taken over")
                 if not await self._alive(worker):
                     raise errors.WorkerError(
                         worker.worker_id, "missed its heartbeats", retryable=True
@@ -574,7 +577,7 @@ class Orchestrator:
             if not task.done():
                 call.cancel()
 
-    async def _watched(self, stream: Any, worker: WorkerInfo) -> AsyncIterator[Any]:
+    async def _watched(self, stream: Any, worker: WorkerInfo, run: _Run) -> AsyncIterator[Any]:
         """Iterate a worker's token stream; a worker whose heartbeat expired, or a stream
         silent for ``token_timeout_s``, raises a retryable WorkerError."""
         it = aiter(stream)
@@ -587,6 +590,8 @@ class Orchestrator:
                     done, _ = await asyncio.wait({nxt}, timeout=step)
                     if done:
                         break
+                    if run.lease_lost:
+                        raise errors.LeaseLostError(f"request {run.rid!r} taken over")
                     silent += step
                     if silent >= self.settings.token_timeout_s:
                         raise errors.WorkerError(
@@ -613,6 +618,8 @@ class Orchestrator:
         finish = ""
         async with contextlib.aclosing(stream):
             async for chunk in stream:
+                if run.lease_lost:
+                    raise errors.LeaseLostError(f"request {run.rid!r} taken over")
                 ids = list(chunk.token_ids)
                 delta = chunk.text
                 reason = convert.finish_from_pb(chunk.finish_reason)
