@@ -177,7 +177,9 @@ def run_demo(
     try:
         with cluster:
             say(f"cluster up (logs in {cluster.workdir}); sending {len(PROMPTS)} prompts")
-            results = asyncio.run(_run(cluster, max_tokens, live=not as_json))
+            results = asyncio.run(
+                _run(cluster, max_tokens, live=not as_json and sys.stderr.isatty())
+            )
     except (ClusterError, grpc.RpcError) as exc:
         print(f"pdorch demo: {exc}", file=sys.stderr)
         for name, tail in cluster.logs():

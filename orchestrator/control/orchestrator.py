@@ -402,15 +402,19 @@ class Orchestrator:
             raise errors.UnavailableError("no workers registered")
         remaining = run.inp.max_tokens - len(run.output)
         now = time.monotonic()
-        placement = place(
-            workers,
-            len(run.prompt) + run.inp.max_tokens,
-            fallback=self.settings.fallback,
-            exclude=run.excluded | self.breakers.blocked(now),
-        )
-        used = [w.worker_id for w in (placement.prefill, placement.decode) if w is not None]
-        for wid in used:
-            self.breakers.placed(wid, now)
+        need = len(run.prompt) + run.inp.max_tokens
+        fallback = self.settings.fallback
+        blocked = self.breakers.blocked(now)
+        held_back = {w.worker_id for w in workers if _breaker_key(w) in blocked}
+        try:
+            placement = place(workers, need, fallback=fallback, exclude=run.excluded | held_back)
+        except (errors.UnavailableError, errors.OverloadedError):
+            # Breakers are advice: with nothing else left, try the workers they hold back.
+            placement = place(workers, need, fallback=fallback, exclude=run.excluded)
+        chosen = {w.worker_id: w for w in (placement.prefill, placement.decode) if w}
+        used = [_breaker_key(w) for w in chosen.values()]
+        for key in used:
+            self.breakers.placed(key, now)
         run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
         if placement.mode is Mode.DISAGGREGATED:
             stream = self._disaggregated(run, placement)
@@ -424,7 +428,8 @@ class Orchestrator:
             run.failovers += 1
             run.last_error = str(exc)
             run.excluded.add(exc.worker)
-            self.breakers.failure(exc.worker, time.monotonic())
+            if exc.worker in chosen:
+                self.breakers.failure(_breaker_key(chosen[exc.worker]), time.monotonic())
             raise
         for wid in used:
             self.breakers.success(wid)
@@ -781,6 +786,11 @@ class Orchestrator:
         if record is None:
             raise errors.NotFoundError(f"no request {rid!r}")
         return record
+
+
+def _breaker_key(w: WorkerInfo) -> str:
+    """Breakers follow a worker *process*: a restarted worker (new address) starts closed."""
+    return f"{w.worker_id}@{w.address}"
 
 
 def _json(d: dict[str, float]) -> str:
