@@ -113,6 +113,17 @@ def test_stalled_prefill_worker_is_detected_and_bypassed(cluster: LocalCluster) 
         assert info.epoch >= 2
         assert info.prefill_worker != chosen
         assert elapsed < 10.0  # heartbeat TTL (3 s) + watch interval, not a 120 s timeout
+        # The zombie wakes up: whatever it still sends carries epoch 1 and must not be used.
+        cluster.procs[chosen].signal(signal.SIGCONT)
+        wait_for(lambda: cluster.registered().get("prefill", 0) == 2, 15, "the zombie's return")
+        wait_for(
+            lambda: all(w.kv_used_bytes == 0 for w in workers(cluster) if w.role == "decode"),
+            10,
+            "no decode worker to hold the zombie's KV",
+        )
+        after = run(_info(address, "fo-prefill-stop"))
+        assert isinstance(after, orchestrator_pb2.RequestInfo)
+        assert (after.state, after.epoch, after.output_tokens) == ("done", info.epoch, 8)
     finally:
         _restore(cluster)
 
@@ -317,3 +328,19 @@ async def _exists(address: str, rid: str) -> bool:
     except grpc.aio.AioRpcError:
         return False
     return True
+
+
+def test_decode_pool_down_runs_aggregated_on_the_prefill_pool(cluster: LocalCluster) -> None:
+    address = cluster.orchestrator_addresses[0]
+    try:
+        for name in ("decode-0", "decode-1"):
+            cluster.procs[name].signal(signal.SIGKILL)
+        wait_for(lambda: cluster.registered().get("decode", 0) == 0, 10, "decode pool gone")
+        ids, _, _ = run(collect(address, request("no decoders", request_id="fo-agg-p")))  # type: ignore[misc]
+        assert len(ids) == 16
+        info = run(_info(address, "fo-agg-p"))
+        assert isinstance(info, orchestrator_pb2.RequestInfo)
+        assert info.mode == "aggregated"
+        assert info.decode_worker.startswith("prefill")  # the prefill worker ran it all
+    finally:
+        _restore(cluster)
