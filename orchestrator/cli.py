@@ -46,7 +46,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
         load_engine, args.model, Path(args.model_cache) if args.model_cache else None
     )
     store = RedisStore(StoreSettings(url=args.redis))
-    tsettings = TransportSettings()
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
     settings = WorkerSettings(
         role=args.role,
         host=args.host,
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default="")
     w.add_argument("--kv-capacity-mib", type=int, default=2048)
     w.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    w.add_argument(
+        "--kv-hold", type=float, default=30.0, help="free a received KV nobody claims after S"
+    )
     w.add_argument(
         "--torch-threads", type=int, default=0, help="CPU threads for the engine (0: torch's)"
     )

@@ -11,7 +11,13 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api import (
+    common_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from orchestrator.cluster import LocalCluster
 from tests.integration.conftest import collect, request, run, wait_for, workers
 from transport.ucx import ucx_available
@@ -343,4 +349,41 @@ def test_decode_pool_down_runs_aggregated_on_the_prefill_pool(cluster: LocalClus
         assert info.mode == "aggregated"
         assert info.decode_worker.startswith("prefill")  # the prefill worker ran it all
     finally:
+        _restore(cluster)
+
+
+def test_kv_nobody_decodes_is_freed_after_its_hold_lease(cluster: LocalCluster) -> None:
+    """The orchestrator died (or the client left) between prefill and decode: the KV sent
+    to the decode worker is freed after its hold lease, not kept forever."""
+    cluster.start_worker("decode", 1, "--kv-hold", "2")
+    cluster.wait_workers(2, 2, timeout_s=60)
+    by_id = {w.worker_id: w for w in workers(cluster)}
+    decode, prefill = by_id["decode-1"], by_id["prefill-0"]
+
+    async def prefill_only() -> int:
+        async with grpc.aio.insecure_channel(prefill.address) as channel:
+            stub = worker_pb2_grpc.PrefillServiceStub(channel)
+            resp = await stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="orphan",
+                    epoch=1,
+                    token_ids=list(range(1, 200)),
+                    sampling=common_pb2.SamplingParams(),
+                    kv_target=decode.kv_address,
+                ),
+                timeout=30,
+            )
+        return int(resp.kv_bytes)
+
+    try:
+        kv_bytes = run(prefill_only())
+        assert isinstance(kv_bytes, int)
+        assert kv_bytes > 0
+        held = lambda: next(  # noqa: E731
+            w.kv_used_bytes for w in workers(cluster) if w.worker_id == "decode-1"
+        )
+        wait_for(lambda: held() >= kv_bytes, 5, "the decode worker to report the held KV")
+        wait_for(lambda: held() == 0, 10, "the hold lease to free the orphaned KV")
+    finally:
+        cluster.start_worker("decode", 1)
         _restore(cluster)
