@@ -285,7 +285,7 @@ class _Receive:
             self._maybe_verify(frame.index)
 
     def _on_frame(self, frame: wire.LayerFrame) -> wire.LayerFrame:
-        wire.check_layer_frame(self.header, frame, set(self.frames))
+        wire.check_layer_frame(self.header, frame, self.frames)  # no per-frame set copy
         self.frames[frame.index] = frame
         self._maybe_verify(frame.index)
         return frame

@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -415,7 +415,7 @@ def decode_layer_frame(buf: bytes | memoryview) -> LayerFrame:
     return LayerFrame(index=index, nbytes=nbytes, checksum=csum)
 
 
-def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: set[int]) -> None:
+def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> None:
     """A frame must name a declared, not yet received layer, with the declared length."""
     if frame.index >= len(h.layers):
         raise WireFormatError(f"layer index {frame.index} beyond {len(h.layers)} layers")
