@@ -129,6 +129,8 @@ class Orchestrator:
         self._resumed: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self.breakers = Breakers(settings.breaker_cooldown_s)
+        self._load: dict[str, tuple[int, int]] = {}
+        """Worker id -> (sequences, KV bytes) this replica placed there and has not finished."""
 
     # --------------------------------------------------------------------- validation
 
@@ -406,12 +408,45 @@ class Orchestrator:
         fallback = self.settings.fallback
         blocked = self.breakers.blocked(now)
         held_back = {w.worker_id for w in workers if _breaker_key(w) in blocked}
+        load = self._load
         try:
-            placement = place(workers, need, fallback=fallback, exclude=run.excluded | held_back)
+            placement = place(
+                workers, need, fallback=fallback, exclude=run.excluded | held_back, load=load
+            )
         except (errors.UnavailableError, errors.OverloadedError):
             # Breakers are advice: with nothing else left, try the workers they hold back.
-            placement = place(workers, need, fallback=fallback, exclude=run.excluded)
+            placement = place(workers, need, fallback=fallback, exclude=run.excluded, load=load)
         chosen = {w.worker_id: w for w in (placement.prefill, placement.decode) if w}
+        kv_need = need * placement.decode.kv_bytes_per_token
+        self._count(placement.decode.worker_id, 1, kv_need)
+        if placement.prefill is not None:
+            self._count(placement.prefill.worker_id, 1, 0)
+        try:
+            placed = self._placed(run, placement, chosen, now, remaining)
+            async with contextlib.aclosing(placed):
+                async for chunk in placed:
+                    yield chunk
+        finally:
+            self._count(placement.decode.worker_id, -1, -kv_need)
+            if placement.prefill is not None:
+                self._count(placement.prefill.worker_id, -1, 0)
+
+    def _count(self, worker_id: str, sequences: int, kv_bytes: int) -> None:
+        active, kv = self._load.get(worker_id, (0, 0))
+        active, kv = active + sequences, kv + kv_bytes
+        if active <= 0:
+            self._load.pop(worker_id, None)
+        else:
+            self._load[worker_id] = (active, kv)
+
+    async def _placed(
+        self,
+        run: _Run,
+        placement: Placement,
+        chosen: dict[str, WorkerInfo],
+        now: float,
+        remaining: int,
+    ) -> AsyncIterator[OutChunk]:
         used = [_breaker_key(w) for w in chosen.values()]
         for key in used:
             self.breakers.placed(key, now)

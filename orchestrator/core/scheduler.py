@@ -9,8 +9,8 @@ the other pool (``fallback="local"``) or is refused (``fallback="fail"``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from orchestrator.core.records import WorkerInfo
 from orchestrator.errors import OverloadedError, UnavailableError
@@ -35,16 +35,30 @@ def _kv_need(w: WorkerInfo, tokens: int) -> int:
     return tokens * w.kv_bytes_per_token
 
 
+def with_local_load(w: WorkerInfo, load: Mapping[str, tuple[int, int]]) -> WorkerInfo:
+    """``w`` as this replica knows it: heartbeats lag (one a second), so requests this replica
+    placed since may be missing from them. Its own (sequences, KV bytes) on ``w`` are a lower
+    bound of the worker's load; without this, a burst of admissions all lands on one worker."""
+    active, kv = load.get(w.worker_id, (0, 0))
+    if active <= w.active and kv <= w.kv_used_bytes:
+        return w
+    return replace(w, active=max(w.active, active), kv_used_bytes=max(w.kv_used_bytes, kv))
+
+
 def place(
     workers: Sequence[WorkerInfo],
     total_tokens: int,
     *,
     fallback: str = "local",
     exclude: Iterable[str] = (),
+    load: Mapping[str, tuple[int, int]] | None = None,
 ) -> Placement:
-    """Pick workers for a request needing KV for ``total_tokens`` (prompt + max output)."""
+    """Pick workers for a request needing KV for ``total_tokens`` (prompt + max output).
+
+    ``load``: worker id → (sequences, KV bytes) this replica has placed there and not yet
+    finished (see `with_local_load`)."""
     banned = set(exclude)
-    alive = [w for w in workers if w.worker_id not in banned]
+    alive = [with_local_load(w, load or {}) for w in workers if w.worker_id not in banned]
     prefills = [w for w in alive if w.role == "prefill"]
     decodes = [w for w in alive if w.role == "decode"]
     if not prefills and not decodes:

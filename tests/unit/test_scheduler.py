@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.core.records import WorkerInfo
-from orchestrator.core.scheduler import Mode, place
+from orchestrator.core.scheduler import Mode, place, with_local_load
 from orchestrator.errors import OverloadedError, UnavailableError
 
 
@@ -214,3 +214,22 @@ def test_excluding_the_only_decode_with_room_is_overloaded() -> None:
     decodes = [decode("d1", free=5_000), decode("d2", free=100)]
     with pytest.raises(OverloadedError):
         place([prefill("p1"), *decodes], 100, exclude=["d1"])  # d2 needs 1 000, has 100
+
+
+def test_local_load_spreads_a_burst_the_heartbeats_have_not_seen() -> None:
+    """Heartbeats lag: two identical decode workers, and this replica already placed a
+    request on decode-b. The next goes to decode-a, though heartbeats still show both idle."""
+    workers = [prefill("p"), decode("decode-a"), decode("decode-b")]
+    first = place(workers, 100)
+    assert first.decode.worker_id == "decode-b"  # tie on headroom and active: larger id
+    need = 100 * first.decode.kv_bytes_per_token
+    second = place(workers, 100, load={"decode-b": (1, need)})
+    assert second.decode.worker_id == "decode-a"
+
+
+def test_local_load_is_a_lower_bound_not_added_to_heartbeats() -> None:
+    """When the heartbeat already shows more than this replica placed, it is used as is."""
+    busy = worker("decode-a", "decode", used=5000, active=2)
+    assert with_local_load(busy, {"decode-a": (1, 100)}) is busy
+    raised = with_local_load(busy, {"decode-a": (3, 9000)})
+    assert (raised.active, raised.kv_used_bytes) == (3, 9000)
