@@ -30,6 +30,7 @@ from transport.link import STREAM_LIMIT, Link
 log = logging.getLogger(__name__)
 
 PayloadHook = Callable[[int, memoryview, memoryview], tuple[memoryview, memoryview]]
+DelayHook = Callable[[int], float]
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
@@ -62,6 +63,9 @@ class KvSender:
         self.payload_hook: PayloadHook | None = None
         """Fault injection (`transport.testing.FaultInjector`): sees each layer's buffers after
         its checksum was taken and returns the buffers to send instead."""
+        self.delay_hook: DelayHook | None = None
+        """Fault injection: seconds the link holds a layer back before it goes out (awaited,
+        so the sender's event loop keeps running — a slow link, not a stalled process)."""
 
     @property
     def backend(self) -> str:
@@ -227,6 +231,8 @@ class OutgoingTransfer:
         out_k, out_v = kb, vb
         if self._sender.payload_hook is not None:  # fault injection, after the checksum
             out_k, out_v = self._sender.payload_hook(index, kb, vb)
+        if self._sender.delay_hook is not None and (held := self._sender.delay_hook(index)) > 0:
+            await asyncio.sleep(min(held, self._wait_s()))  # a slow link, within the deadline
         plane = self._sender._plane
         try:
             if plane.inline:

@@ -15,11 +15,12 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,17 +66,78 @@ def digest(cache: wire.KvCache) -> int:
 
 @dataclass
 class FaultInjector:
-    """Corrupts one byte of, or delays, a chosen layer on its way out of a sender."""
+    """Corrupts one byte of, delays, or stalls a chosen layer on its way out of a sender.
+
+    ``delay_s`` stalls the sending process (blocking: a hung prefill worker); ``link_delay_s``
+    holds the layer back without blocking (a slow link). ``probability`` draws, per transfer,
+    whether the fault hits it (seeded, so a chaos run repeats); ``armed`` switches the whole
+    injector on and off at run time (the worker CLI maps SIGUSR1/SIGUSR2 onto it).
+    """
 
     layer: int = 0
     corrupt_offset: int | None = None
     delay_s: float = 0.0
+    link_delay_s: float = 0.0
+    probability: float = 1.0
+    armed: bool = True
+    seed: int = 0
+    hits: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+    _last_hit: int = field(default=-1, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)  # noqa: S311 - reproducible faults, not secrets
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultInjector:
+        """From ``key=value,...`` — keys: layer, corrupt (byte offset), stall (s), delay (s),
+        p (probability), seed, armed (0/1). Raises ValueError naming the bad key."""
+        keys = {
+            "layer": "layer",
+            "corrupt": "corrupt_offset",
+            "stall": "delay_s",
+            "delay": "link_delay_s",
+            "p": "probability",
+            "seed": "seed",
+            "armed": "armed",
+        }
+        values: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            key, sep, raw = item.partition("=")
+            if not sep or key not in keys:
+                raise ValueError(f"fault spec {spec!r}: unknown item {item!r}")
+            try:
+                number = float(raw)
+            except ValueError:
+                raise ValueError(f"fault spec {spec!r}: {key} needs a number") from None
+            if key in {"layer", "corrupt", "seed"}:
+                values[keys[key]] = int(number)
+            elif key == "armed":
+                values[keys[key]] = bool(number)
+            else:
+                values[keys[key]] = number
+        injector = cls(**values)
+        if not 0.0 <= injector.probability <= 1.0 or injector.layer < 0:
+            raise ValueError(f"fault spec {spec!r}: p must be in [0, 1] and layer >= 0")
+        return injector
 
     def attach(self, sender: KvSender) -> None:
         sender.payload_hook = self._hook
+        sender.delay_hook = self._delay
+
+    def _hits(self, index: int) -> bool:
+        if index != self.layer or not self.armed:
+            return False
+        hit = self.probability >= 1.0 or self._rng.random() < self.probability
+        self.hits += hit
+        return hit
+
+    def _delay(self, index: int) -> float:
+        return self.link_delay_s if self._last_hit == index else 0.0
 
     def _hook(self, index: int, k: memoryview, v: memoryview) -> tuple[memoryview, memoryview]:
-        if index != self.layer:
+        self._last_hit = index if self._hits(index) else -1
+        if self._last_hit != index:
             return k, v
         if self.delay_s:
             time.sleep(self.delay_s)  # blocking on purpose: a stalled sender

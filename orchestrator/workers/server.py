@@ -55,6 +55,11 @@ class WorkerSettings:
     max_tokens_limit: int = 4096
     gpu_kind: str = "cpu"
     drain_grace_s: float = 10.0
+    advertise: str = ""
+    """host:port others use to reach the gRPC port, when not the listening one (a proxy, a
+    Service); empty: the listening address."""
+    kv_advertise: str = ""
+    """The same for the KV receiver (decode workers)."""
 
 
 def _status_for(exc: terr.TransportError) -> grpc.StatusCode:
@@ -120,8 +125,8 @@ class Worker:
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.settings.role,
-            address=self.address,
-            kv_address=self.kv_address,
+            address=self.settings.advertise or self.address,
+            kv_address=(self.settings.kv_advertise or self.kv_address) if self.kv_address else "",
             transport=self._receiver.backend if self._receiver else "",
             model=m.name,
             fingerprint=m.fingerprint,
