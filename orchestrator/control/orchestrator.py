@@ -446,7 +446,7 @@ class Orchestrator:
         chosen: dict[str, WorkerInfo],
         now: float,
         remaining: int,
-    ) -> AsyncIterator[OutChunk]:
+    ) -> AsyncGenerator[OutChunk, None]:
         used = [_breaker_key(w) for w in chosen.values()]
         for key in used:
             self.breakers.placed(key, now)
