@@ -12,6 +12,7 @@
     │   └── JournalGapError           a journal append not at the journal's end
     ├── LeaseLostError                another replica took the request over (we follow it)
     ├── WorkerError                   a worker call failed (retryable per ``retryable``)
+    ├── RequestFailedError            the request already ended in failure (→ ABORTED)
     └── DeadlineExceededError         a request ran past its deadline (→ DEADLINE_EXCEEDED)
 
 gRPC status codes come from one table, `orchestrator.rpc.status`.
@@ -83,6 +84,11 @@ class WorkerError(PdorchError):
         super().__init__(f"worker {worker}: {message}")
         self.worker = worker
         self.retryable_instance = retryable
+
+
+class RequestFailedError(PdorchError):
+    """The request ended in failure earlier (its record says FAILED); attaching to it again
+    returns this, not the transient code of the original cause, so clients stop retrying."""
 
 
 class DeadlineExceededError(PdorchError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -45,14 +46,23 @@ class WorkerClients:
 
 
 @contextlib.asynccontextmanager
-async def translated(worker: str, what: str) -> AsyncIterator[None]:
-    """Map a worker call's gRPC error to WorkerError (or InvalidRequestError)."""
+async def translated(worker: str, what: str, kv_target: str = "") -> AsyncIterator[None]:
+    """Map a worker call's gRPC error to WorkerError (or InvalidRequestError).
+
+    A prefill worker marks a failure of the KV's *receiver* (trailing metadata
+    ``pdorch-blame: kv-target``); the error then names ``kv_target`` — the decode worker —
+    so that failover avoids the worker that actually failed."""
     try:
         yield
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise errors.InvalidRequestError("prompt", exc.details() or "rejected") from exc
+        blamed = worker
+        # grpc.aio.Metadata at run time: (key, value) pairs (the stubs say otherwise)
+        metadata: Any = exc.trailing_metadata() or ()
+        if kv_target and ("pdorch-blame", "kv-target") in [tuple(m) for m in metadata]:
+            blamed = kv_target
         raise errors.WorkerError(
-            worker, f"{what}: {code.name}: {exc.details()}", retryable=code in _RETRYABLE
+            blamed, f"{what}: {code.name}: {exc.details()}", retryable=code in _RETRYABLE
         ) from exc

@@ -49,6 +49,7 @@ class ControlSettings:
     token_timeout_s: float = 60.0
     """Longest silence from a decode stream before the request fails."""
     follow_poll_s: float = 0.05
+    """How often a follower (resubmission, resume) polls the journal of a request."""
     watch_interval_s: float = 0.5
     """How often a wait on a worker checks that its heartbeat is still alive."""
     max_attempts: int = 4
@@ -61,7 +62,11 @@ class ControlSettings:
     """How long a finishing request waits for an unreachable store before giving up."""
     reap_interval_s: float = 1.0
     """How often a replica looks for requests whose owner's lease expired."""
-    """How often a follower (resubmission) polls the journal of a request it does not own."""
+    detach_grace_s: float = 10.0
+    """A request whose client went away keeps running this long, so the client can reconnect
+    (to any replica) and resume; with no client attached by then it is cancelled."""
+    attach_refresh_s: float = 1.0
+    """How often a client following a request from the journal says it is still there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,8 @@ class _Run:
     """Every chunk relayed by this run, to re-journal what a restarted Redis lost."""
     unjournalled: int = 0
     """How many of the last ``entries`` are not in the journal yet (Redis unreachable)."""
+    clients: set[asyncio.Queue[OutChunk | BaseException | None]] = field(default_factory=set)
+    """The streams of the clients attached on this replica (the drive outlives them)."""
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -129,6 +136,7 @@ class Orchestrator:
         self._resumed: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self.breakers = Breakers(settings.breaker_cooldown_s)
+        self._stopping = False
         self._load: dict[str, tuple[int, int]] = {}
         """Worker id -> (sequences, KV bytes) this replica placed there and has not finished."""
 
@@ -244,21 +252,81 @@ class Orchestrator:
             async for chunk in self.follow(rid, inp.resume_from):
                 yield chunk
             return
-        task = asyncio.current_task()
-        if task is not None:
-            self._driving[rid] = task  # so Cancel can stop it
         run = _Run(record.request_id, record.epoch, ids, inp, started)
+        feed: asyncio.Queue[OutChunk | BaseException | None] = asyncio.Queue()
+        run.clients.add(feed)
+        # The drive is its own task: a client that disconnects does not stop it, so the
+        # client can reconnect (to any replica) and resume; see `_detached`.
+        task = asyncio.create_task(self._drive_detached(run, workers), name=f"pdorch-drive-{rid}")
+        self._driving[rid] = task  # so Cancel can stop it
+        try:
+            while (item := await feed.get()) is not None:
+                if isinstance(item, errors.LeaseLostError):
+                    # Another replica took the request over: keep this client's stream going
+                    # from the journal the new owner writes, after what the client has.
+                    async for chunk in self.follow(rid, max(len(run.output), inp.resume_from)):
+                        yield chunk
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item.index + len(item.token_ids) > inp.resume_from or item.finish_reason:
+                    yield item
+        finally:
+            run.clients.discard(feed)
+            if not task.done() and not run.clients:
+                self._detached(run, task)
+
+    async def _drive_detached(self, run: _Run, workers: Sequence[WorkerInfo]) -> None:
+        """Drive the request to its end, handing chunks (and the end) to attached clients."""
+
+        def deliver(item: OutChunk | BaseException | None) -> None:
+            for client in list(run.clients):
+                client.put_nowait(item)  # bounded: at most one chunk per output token
+
         try:
             async for chunk in self._drive(run, workers):
-                if chunk.index + len(chunk.token_ids) > inp.resume_from or chunk.finish_reason:
-                    yield chunk
-        except errors.LeaseLostError:
-            # Another replica took the request over: keep this client's stream going from
-            # the journal the new owner writes, after the tokens the client already has.
-            async for chunk in self.follow(rid, max(len(run.output), inp.resume_from)):
-                yield chunk
+                deliver(chunk)
+        except asyncio.CancelledError:
+            if self._stopping:  # handed off: the client resumes on another replica
+                deliver(errors.UnavailableError("orchestrator shutting down; resume elsewhere"))
+            else:
+                deliver(OutChunk(run.rid, len(run.output), [], "", "cancelled", run.timings))
+            raise
+        except errors.PdorchError as exc:
+            deliver(exc)  # the client sees it; the record already says how the request ended
+        except Exception as exc:
+            log.exception("request %s: drive failed", run.rid)
+            deliver(errors.UnavailableError(f"request {run.rid} failed: {exc}"))
+        else:
+            deliver(None)
         finally:
-            self._driving.pop(rid, None)
+            self._driving.pop(run.rid, None)
+
+    def _detached(self, run: _Run, task: asyncio.Task[None]) -> None:
+        """The last local client left: give it ``detach_grace_s`` to come back (here, or on
+        another replica — followers mark the request attached in the store), else cancel."""
+
+        async def watch() -> None:
+            grace = self.settings.detach_grace_s
+            deadline = time.monotonic() + grace
+            while not task.done():
+                await asyncio.sleep(min(0.5, grace))  # polling attachment with a deadline
+                if run.clients:
+                    return  # cannot happen today (resumes follow the journal), but cheap
+                try:
+                    attached = await self.store.client_attached(run.rid)
+                except errors.UnavailableError:
+                    attached = True  # can't tell while Redis is away: keep generating
+                if attached:
+                    deadline = time.monotonic() + grace
+                elif time.monotonic() > deadline:
+                    log.info("request %s: no client for %.0fs, cancelling", run.rid, grace)
+                    task.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch(), name=f"pdorch-detached-{run.rid}")
+        self._resumed.add(watcher)
+        watcher.add_done_callback(self._resumed.discard)
 
     async def _drive(self, run: _Run, workers: Sequence[WorkerInfo]) -> AsyncIterator[OutChunk]:
         """Run the request to its end, failing over to other workers on retryable errors.
@@ -285,7 +353,12 @@ class Orchestrator:
                     async for chunk in self._attempt(run, workers):
                         yield chunk
         except asyncio.CancelledError:
-            if not run.lease_lost:
+            if self._stopping and not run.lease_lost:
+                # Shutting down (drain): hand the request off — another replica takes it
+                # over at once (epoch + 1) and its clients resume there.
+                with contextlib.suppress(errors.PdorchError):
+                    await self.store.release_lease(run.rid, self.owner)
+            elif not run.lease_lost:
                 await self._finish(run, State.CANCELLED, "cancelled", "")
             raise
         except errors.LeaseLostError:
@@ -318,14 +391,18 @@ class Orchestrator:
         self._reaper = asyncio.create_task(self._reap(), name="pdorch-takeover-reaper")
 
     async def stop(self) -> None:
+        """Stop reaping and hand every request this replica drives to the others (their
+        leases are released, so a peer takes each over at once, epoch + 1)."""
+        self._stopping = True
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        for task in list(self._resumed):
+        tasks = [*self._resumed, *self._driving.values()]
+        for task in tasks:
             task.cancel()
-        if self._resumed:
-            await asyncio.gather(*self._resumed, return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _reap(self) -> None:
         while True:
@@ -520,7 +597,7 @@ class Orchestrator:
             ),
             timeout=self.settings.prefill_timeout_s,
         )
-        async with translated(prefill.worker_id, "prefill"):
+        async with translated(prefill.worker_id, "prefill", kv_target=decode.worker_id):
             resp = await self._watch(call, prefill, run)
         run.timings["prefill_ms"] = resp.prefill_ms
         run.timings["transfer_ms"] = resp.transfer_ms
@@ -769,7 +846,12 @@ class Orchestrator:
     async def follow(self, rid: str, start: int = 0) -> AsyncIterator[OutChunk]:
         """Stream a request this call does not drive, from its journal (resubmit, resume)."""
         entries_seen = 0
+        touched = 0.0
         while True:
+            if time.monotonic() - touched > self.settings.attach_refresh_s:
+                with contextlib.suppress(errors.UnavailableError):
+                    await self.store.touch_client(rid, 3 * self.settings.attach_refresh_s)
+                touched = time.monotonic()
             record = await self.store.get(rid)
             if record is None:
                 raise errors.NotFoundError(f"no request {rid!r}")
@@ -783,7 +865,7 @@ class Orchestrator:
                 yield OutChunk(rid, max(e.index, start), ids, e.text)
             if record.state.terminal and not entries:
                 if record.state is State.FAILED:
-                    raise errors.WorkerError("request", record.error or "failed", retryable=False)
+                    raise errors.RequestFailedError(f"request failed: {record.error or '?'}")
                 yield OutChunk(
                     rid,
                     record.output_tokens,

@@ -16,6 +16,7 @@ _TABLE: tuple[tuple[type[errors.PdorchError], grpc.StatusCode], ...] = (
     (errors.StaleEpochError, grpc.StatusCode.ABORTED),
     (errors.InvalidTransitionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.WorkerError, grpc.StatusCode.UNAVAILABLE),
+    (errors.RequestFailedError, grpc.StatusCode.ABORTED),
 )
 
 

@@ -9,6 +9,7 @@ Keys (``P`` is the configured prefix, ``pdorch`` by default):
 
     P:req:{id}            hash   the `RequestRecord`
     P:req:{id}:journal    list   `JournalEntry` JSON, contiguous token indices from 0
+    P:req:{id}:client     string set with a TTL while a client follows the request elsewhere
     P:workers             set    worker ids that have registered
     P:worker:{id}         string `WorkerInfo` JSON, with a TTL: the heartbeat
 
@@ -46,6 +47,14 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 redis.call('SADD', KEYS[2], KEYS[1])
 redis.call('SET', KEYS[3], ARGV[3], 'PX', tonumber(ARGV[4]))
 return {1}
+"""
+
+# KEYS[1] lease. ARGV[1] owner. Drops the lease only for its holder (a hand-off).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """
 
 # KEYS[1] lease. ARGV[1] owner, ARGV[2] lease ms. Extends the lease only for its holder.
@@ -166,6 +175,7 @@ class RedisStore:
         self._workers = f"{settings.prefix}:workers"
         self._active = f"{settings.prefix}:active"
         self._refresh: Any = self._redis.register_script(_REFRESH)
+        self._release: Any = self._redis.register_script(_RELEASE)
         self._takeover: Any = self._redis.register_script(_TAKEOVER)
 
     def _lease(self, rid: str) -> str:
@@ -173,6 +183,9 @@ class RedisStore:
 
     def _req(self, rid: str) -> str:
         return f"{self.settings.prefix}:req:{rid}"
+
+    def _client(self, rid: str) -> str:
+        return f"{self.settings.prefix}:req:{rid}:client"
 
     def _journal(self, rid: str) -> str:
         return f"{self.settings.prefix}:req:{rid}:journal"
@@ -300,6 +313,11 @@ class RedisStore:
 
     # ------------------------------------------------------------------ ownership
 
+    async def release_lease(self, request_id: str, owner: str) -> bool:
+        """Give up ``owner``'s lease (shutting down): a peer may take the request over now."""
+        async with _translated("lease release"):
+            return bool(int(await self._release(keys=[self._lease(request_id)], args=[owner])))
+
     async def refresh_lease(self, request_id: str, owner: str) -> bool:
         """Extend ``owner``'s lease on the request; False if it is no longer the owner."""
         async with _translated("lease refresh"):
@@ -317,6 +335,15 @@ class RedisStore:
                 args=[owner, int(self.settings.lease_ttl_s * 1000)],
             )
         return int(res[1]) if int(res[0]) == 1 else None
+
+    async def touch_client(self, request_id: str, ttl_s: float) -> None:
+        """A client is attached to the request (following it) for the next ``ttl_s``."""
+        async with _translated("touch_client"):
+            await self._redis.set(self._client(request_id), "1", px=int(ttl_s * 1000))
+
+    async def client_attached(self, request_id: str) -> bool:
+        async with _translated("client_attached"):
+            return bool(await self._redis.exists(self._client(request_id)))
 
     async def active(self) -> list[str]:
         """Ids of requests not yet in a terminal state."""

@@ -62,6 +62,12 @@ class WorkerSettings:
     """The same for the KV receiver (decode workers)."""
 
 
+BLAME_KEY = "pdorch-blame"
+"""Trailing metadata on a failed Prefill: ``kv-target`` when the KV's receiver (the decode
+worker) failed — gone, stalled or full — rather than this prefill worker."""
+_TARGET_FAULTS = (terr.PeerLostError, terr.TransferTimeoutError, terr.BudgetExceededError)
+
+
 def _status_for(exc: terr.TransportError) -> grpc.StatusCode:
     if isinstance(exc, terr.StaleEpochError):
         return grpc.StatusCode.ABORTED
@@ -288,6 +294,8 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
             log.warning(
                 "KV transfer of %s to %s failed: %s", request.request_id, request.kv_target, exc
             )
+            if isinstance(exc, _TARGET_FAULTS):  # the receiving end is the one to avoid
+                context.set_trailing_metadata(((BLAME_KEY, "kv-target"),))
             await context.abort(_status_for(exc), f"KV transfer failed: {exc}")
         return worker_pb2.PrefillResponse(
             first_token=result.first_token,

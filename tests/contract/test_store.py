@@ -684,3 +684,37 @@ def test_hung_redis_times_out_as_unavailable(doomed: RedisServer) -> None:
             assert SOCKET_TIMEOUT_S * 0.9 <= elapsed < SOCKET_TIMEOUT_S * 3
 
     run(scenario)
+
+
+# ------------------------------------------------------------------ hand-off and attachment
+
+
+def test_release_lease_lets_a_peer_take_over_at_once(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.create(record("h1", epoch=1)) is None  # owner orch-1
+            assert await store.take_over("h1", "orch-2") is None  # the lease is held
+            assert not await store.release_lease("h1", "orch-2")  # not the holder: no-op
+            assert await store.take_over("h1", "orch-2") is None
+            assert await store.release_lease("h1", "orch-1")
+            assert await store.take_over("h1", "orch-2") == 2  # at once, epoch + 1
+            got = await store.get("h1")
+            assert got is not None
+            assert (got.owner, got.epoch, got.state) == ("orch-2", 2, State.QUEUED)
+
+    run(scenario)
+
+
+def test_client_attachment_expires(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert not await store.client_attached("c1")
+            await store.touch_client("c1", 0.3)
+            assert await store.client_attached("c1")
+
+            async def gone() -> bool:
+                return not await store.client_attached("c1")
+
+            await eventually(gone, 5, "the attachment to expire")
+
+    run(scenario)

@@ -387,3 +387,73 @@ def test_kv_nobody_decodes_is_freed_after_its_hold_lease(cluster: LocalCluster) 
     finally:
         cluster.start_worker("decode", 1)
         _restore(cluster)
+
+
+def test_client_disconnect_then_resume_on_the_other_replica(cluster: LocalCluster) -> None:
+    """The client's connection breaks (not the replica): the request keeps running, and the
+    client resumes on the other replica from the index it has — no cancel, no duplicate."""
+    first, second = cluster.orchestrator_addresses[:2]
+    req = request("walk away and come back", max_tokens=600, request_id="fo-detach")
+
+    async def main() -> list[orchestrator_pb2.GenerateChunk]:
+        received: list[orchestrator_pb2.GenerateChunk] = []
+        async with grpc.aio.insecure_channel(first) as channel:
+            call = orchestrator_pb2_grpc.OrchestratorStub(channel).Generate(req, timeout=60)
+            async for chunk in call:
+                received.append(chunk)
+                if sum(len(c.token_ids) for c in received) >= 20:
+                    call.cancel()  # the client goes away mid-stream
+                    break
+        req.resume_from_index = sum(len(c.token_ids) for c in received)
+        async with grpc.aio.insecure_channel(second) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            received += [c async for c in stub.Generate(req, timeout=60)]
+        return received
+
+    chunks = run(main())
+    assert isinstance(chunks, list)
+    with_tokens = [c for c in chunks if c.token_ids]
+    lengths = [len(c.token_ids) for c in with_tokens]
+    assert [c.index for c in with_tokens] == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert sum(lengths) == 600
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    info = run(_info(second, "fo-detach"))
+    assert isinstance(info, orchestrator_pb2.RequestInfo)
+    assert (info.state, info.output_tokens) == ("done", 600)
+
+
+def test_request_whose_client_never_returns_is_cancelled_after_the_grace(
+    cluster: LocalCluster,
+) -> None:
+    address = cluster.start_orchestrator(2, 0, "--detach-grace", "1")
+    try:
+
+        async def main() -> None:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+                call = stub.Generate(
+                    request("nobody waits", max_tokens=2000, request_id="fo-gone"), timeout=60
+                )
+                async for chunk in call:
+                    if chunk.token_ids:
+                        call.cancel()
+                        break
+
+        run(main())
+        started = time.monotonic()
+
+        def cancelled() -> bool:
+            info = run(_info(address, "fo-gone"))
+            assert isinstance(info, orchestrator_pb2.RequestInfo)
+            return info.state == "cancelled"
+
+        wait_for(cancelled, 15, "the abandoned request to be cancelled")
+        elapsed = time.monotonic() - started
+        assert elapsed >= 0.5  # not at once: the client had its grace to come back
+        wait_for(
+            lambda: all(w.kv_used_bytes == 0 for w in workers(cluster) if w.role == "decode"),
+            10,
+            "the decode workers to free the abandoned request's KV",
+        )
+    finally:
+        cluster.procs["orchestrator-2"].stop()
