@@ -56,12 +56,21 @@ async def _run_worker(args: argparse.Namespace) -> int:
         kv_capacity_bytes=args.kv_capacity_mib << 20,
         heartbeat_ttl_s=args.heartbeat_ttl,
         heartbeat_interval_s=args.heartbeat_ttl / 3,
+        advertise=args.advertise,
+        kv_advertise=args.kv_advertise,
     )
     sender = make_sender(args.transport, tsettings)
-    if args.inject_kv_stall > 0:  # chaos/testing: stall while sending layer 1 of every KV
+    if args.inject_kv_stall > 0 or args.kv_fault:  # chaos/testing only
         from transport.testing import FaultInjector  # noqa: PLC0415
 
-        FaultInjector(layer=1, delay_s=args.inject_kv_stall).attach(sender)
+        if args.kv_fault:
+            injector = FaultInjector.parse(args.kv_fault)  # validated by the parser already
+        else:  # stall while sending layer 1 of every KV
+            injector = FaultInjector(layer=1, delay_s=args.inject_kv_stall)
+        injector.attach(sender)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(injector, "armed", True))
+        loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(injector, "armed", False))
     receiver = (
         make_receiver(args.transport, tsettings, engine.info.model_spec())
         if args.role == "decode"
@@ -98,9 +107,8 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
 
     store = RedisStore(StoreSettings(url=args.redis))
     clients = WorkerClients()
-    control = Orchestrator(
-        store, clients, ControlSettings(fallback=args.fallback), owner=args.replica_id
-    )
+    settings = ControlSettings(fallback=args.fallback, detach_grace_s=args.detach_grace)
+    control = Orchestrator(store, clients, settings, owner=args.replica_id)
     server = grpc.aio.server()
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
     health = health_aio.HealthServicer()
@@ -185,7 +193,58 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _chaos_list(args: argparse.Namespace) -> int:
+    from orchestrator.chaos.scenario import ScenarioError, load, shipped  # noqa: PLC0415
+
+    for name, path in sorted(shipped().items()):
+        try:
+            description = load(str(path)).description
+        except ScenarioError as exc:
+            description = f"(invalid: {exc})"
+        print(f"{name:24s} {description}")
+    return 0
+
+
+def _chaos_run(args: argparse.Namespace) -> int:
+    from orchestrator.chaos.runner import run_chaos  # noqa: PLC0415
+    from orchestrator.chaos.scenario import ScenarioError, load  # noqa: PLC0415
+
+    try:
+        scenario = load(args.scenario)
+    except ScenarioError as exc:
+        print(f"pdorch chaos: {exc}", file=sys.stderr)
+        return 2
+    return run_chaos(
+        scenario,
+        seed=args.seed,
+        runs=args.runs,
+        out_dir=Path(args.out) if args.out else None,
+        model_cache=Path(args.model_cache) if args.model_cache else None,
+        as_json=args.json,
+    )
+
+
 # ------------------------------------------------------------------------------- parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fault_spec(text: str) -> str:
+    from transport.testing import FaultInjector  # noqa: PLC0415
+
+    try:
+        FaultInjector.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--port", type=int, default=50051)
     o.add_argument("--replica-id", default=env.get("HOSTNAME", "orchestrator"))
     o.add_argument("--fallback", choices=("local", "fail"), default="local")
-    o.add_argument("--drain-grace", type=float, default=10.0)
+    o.add_argument(
+        "--drain-grace",
+        type=float,
+        default=10.0,
+        help="on SIGTERM: seconds in-flight streams may finish before they are handed off",
+    )
+    o.add_argument(
+        "--detach-grace",
+        type=float,
+        default=10.0,
+        help="seconds a request keeps running after its client left, for it to resume",
+    )
     o.set_defaults(run=_run_orchestrator)
 
     w = sub.add_parser("worker", help="run a prefill or decode worker")
@@ -223,6 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--torch-threads", type=int, default=0, help="CPU threads for the engine (0: torch's)"
+    )
+    w.add_argument("--advertise", default="", help="host:port to publish instead of the listener")
+    w.add_argument("--kv-advertise", default="", help="host:port to publish for the KV receiver")
+    w.add_argument(
+        "--kv-fault",
+        type=_fault_spec,
+        default="",
+        help="fault injection on outgoing KV, e.g. 'layer=1,corrupt=99,p=0.5,armed=0' "
+        "(keys: layer corrupt stall delay p seed armed); SIGUSR1 arms it, SIGUSR2 disarms",
     )
     w.add_argument(
         "--inject-kv-stall",
@@ -251,6 +330,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--json", action="store_true")
     d.set_defaults(call=_demo)
+
+    c = sub.add_parser("chaos", help="chaos-test failover on a local cluster")
+    csub = c.add_subparsers(dest="chaos_command", required=True)
+    cl = csub.add_parser("list", help="list the shipped scenarios")
+    cl.set_defaults(call=_chaos_list)
+    cr = csub.add_parser("run", help="run a scenario (shipped name or YAML file) and check it")
+    cr.add_argument("scenario")
+    cr.add_argument("--seed", type=int, default=0, help="run i uses seed + i for its faults")
+    cr.add_argument("--runs", type=_positive_int, default=1)
+    cr.add_argument("--json", action="store_true", help="print one JSON object")
+    cr.add_argument("--out", default="", help="folder for histories and timelines")
+    cr.add_argument("--model-cache", default=cache_default)
+    cr.set_defaults(call=_chaos_run)
 
     b = sub.add_parser("bench", help="benchmarks (ratios against a reference in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +112,16 @@ class LocalCluster:
     AOF is written before replies; ``everysec`` only defers the fsync, which matters for a
     machine crash, not a process kill)."""
     expected: dict[str, str] = field(default_factory=dict)
-    """Worker name -> the gRPC address its current process listens on."""
+    """Worker name -> the gRPC address its current process publishes."""
+    worker_extra: dict[str, list[str]] = field(default_factory=dict)
+    """Role -> extra `pdorch worker` flags for every worker of that role (e.g. --kv-fault)."""
+    heartbeat_ttl_s: float = 3.0
+    advertise: dict[str, str] = field(default_factory=dict)
+    """Worker name -> address to publish instead of its own (a fault proxy in front of it)."""
+    kv_advertise: dict[str, str] = field(default_factory=dict)
+    """Worker name -> KV address to publish instead of its own (TCP transport only)."""
+    on_worker_ports: Callable[[str, int, int], None] | None = None
+    """Told each (re)started worker's real gRPC and KV ports (proxies retarget to them)."""
 
     @property
     def redis_url(self) -> str:
@@ -187,6 +196,7 @@ class LocalCluster:
             "--worker-id", f"{role}-{index}",
             # several workers share this machine's cores: one engine thread each
             "--torch-threads", "1",
+            "--heartbeat-ttl", str(self.heartbeat_ttl_s),
         )  # fmt: skip
         if self.model_cache is not None:
             args += ["--model-cache", str(self.model_cache)]
@@ -197,8 +207,16 @@ class LocalCluster:
         own heartbeat — with these ports — is in Redis, not a dead predecessor's."""
         name = f"{role}-{index}"
         port = free_port()
-        self.expected[name] = f"127.0.0.1:{port}"
-        args = [*self.worker_args(role, index), "--port", str(port), *extra]
+        kv_port = free_port() if name in self.kv_advertise else 0
+        self.expected[name] = self.advertise.get(name, f"127.0.0.1:{port}")
+        args = [*self.worker_args(role, index), "--port", str(port), "--kv-port", str(kv_port)]
+        if name in self.advertise:
+            args += ["--advertise", self.advertise[name]]
+        if name in self.kv_advertise:
+            args += ["--kv-advertise", self.kv_advertise[name]]
+        if self.on_worker_ports is not None:
+            self.on_worker_ports(name, port, kv_port)
+        args += [*self.worker_extra.get(role, []), *extra]
         return self._spawn(name, args)
 
     def registered(self) -> dict[str, int]:
@@ -225,7 +243,7 @@ class LocalCluster:
 
         _wait(ready, timeout_s or self.ready_timeout_s, "workers to register", workers)
 
-    def start_orchestrator(self, index: int, port: int = 0) -> str:
+    def start_orchestrator(self, index: int, port: int = 0, *extra: str) -> str:
         if not port and index < len(self.orchestrator_addresses):
             port = int(self.orchestrator_addresses[index].rpartition(":")[2])  # restart
         port = port or free_port()
@@ -234,6 +252,7 @@ class LocalCluster:
             "--redis", self.redis_url,
             "--port", str(port),
             "--replica-id", f"orchestrator-{index}",
+            *extra,
         )  # fmt: skip
         proc = self._spawn(f"orchestrator-{index}", args)
         address = f"127.0.0.1:{port}"

@@ -1,0 +1,217 @@
+"""The chaos checker: a history and a fault-free reference in, a verdict out. Pure.
+
+Per request, the client's chunks (across every reconnect) must tile [0, n) exactly: an index
+received twice is a *duplicate*, an index skipped is a *gap* — including a stream that ended
+"length" short of its max_tokens (silent truncation). An acknowledged request (the client
+saw a token, or the store has its record) that has no terminal state after the quiet period
+is *lost*. A completed output that differs from the reference run's is *mismatched*.
+Recovery of a fault: for every stream it hit, the time from the fault to that stream's next
+token (or its end, if no token was left to send).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.chaos.history import History
+
+TERMINAL_STATES = frozenset({"done", "failed", "cancelled"})
+
+
+@dataclass(slots=True)
+class RequestVerdict:
+    request_id: str
+    outcome: str
+    """ok | fail | indeterminate (the client gave up without a definite answer)"""
+    tokens: int
+    duplicates: int
+    gaps: int
+    lost: bool
+    mismatched: bool
+    first_divergence: int | None = None
+
+
+@dataclass(slots=True)
+class RunVerdict:
+    run: int
+    seed: int
+    requests: list[RequestVerdict]
+    recoveries: list[tuple[str, str, float]]
+    """(fault label, request id, seconds from fault to next token)"""
+    unrecovered: list[tuple[str, str]]
+    errors: Counter[str]
+    faults: int
+    failovers: int = 0
+    """Reassignments the store recorded (epoch - 1 summed over the run's requests)."""
+
+    @property
+    def clean(self) -> bool:
+        return not any(r.lost or r.duplicates or r.gaps for r in self.requests)
+
+
+def check_run(
+    history: History,
+    reference: Mapping[int, tuple[int, ...]],
+    server_states: Mapping[str, str],
+    epochs: Mapping[str, int] | None = None,
+) -> RunVerdict:
+    """Judge one run. ``server_states``: request id → state read from the store after the
+    quiet period ("" when the store has no record); ``epochs``: request id → final epoch."""
+    verdicts = [
+        _request(history, rid, reference, server_states.get(rid, "")) for rid in history.requests
+    ]
+    errors: Counter[str] = Counter(op.code for op in history.ops if op.type in {"fail", "info"})
+    recoveries: list[tuple[str, str, float]] = []
+    unrecovered: list[tuple[str, str]] = []
+    for fault in history.faults:
+        for rid in fault.affected:
+            after = next(
+                (
+                    op
+                    for op in history.ops
+                    if op.request == rid
+                    and op.t > fault.at
+                    and ((op.type == "chunk" and op.tokens) or op.type == "ok")
+                ),
+                None,
+            )
+            if after is None:
+                unrecovered.append((fault.label(), rid))
+            else:
+                recoveries.append((fault.label(), rid, after.t - fault.at))
+    failovers = sum(max(0, e - 1) for e in (epochs or {}).values())
+    return RunVerdict(
+        history.run,
+        history.seed,
+        verdicts,
+        recoveries,
+        unrecovered,
+        errors,
+        len(history.faults),
+        failovers,
+    )
+
+
+def _request(
+    history: History, rid: str, reference: Mapping[int, tuple[int, ...]], state: str
+) -> RequestVerdict:
+    spec = history.requests[rid]
+    ops = history.of(rid)
+    received: list[int] = []
+    duplicates = gaps = 0
+    for op in ops:
+        if op.type != "chunk" or not op.tokens:
+            continue
+        end = op.index + len(op.tokens)
+        if op.index < len(received):  # overlap with what the client already has
+            duplicates += min(end, len(received)) - op.index
+        elif op.index > len(received):
+            gaps += op.index - len(received)
+            received.extend([-1] * (op.index - len(received)))
+        received.extend(op.tokens[max(0, len(received) - op.index) :])
+    final = next((op for op in reversed(ops) if op.type in {"ok", "fail"}), None)
+    outcome = "indeterminate" if final is None else final.type
+    if final is not None and final.type == "ok" and final.code in {"cancelled", "error"}:
+        outcome = "fail"  # the stream ended, but not because the output was complete
+    if final is not None and final.type == "ok" and final.code == "length":
+        gaps += max(0, spec.max_tokens - len(received))  # ended "length" short: truncated
+    acknowledged = bool(received) or bool(state)
+    lost = acknowledged and state not in TERMINAL_STATES
+    mismatched = False
+    divergence: int | None = None
+    expected = reference.get(spec.key)
+    if outcome == "ok" and expected is not None and tuple(received) != expected:
+        mismatched = True
+        divergence = next(
+            (i for i, (a, b) in enumerate(zip(received, expected, strict=False)) if a != b),
+            min(len(received), len(expected)),
+        )
+    return RequestVerdict(rid, outcome, len(received), duplicates, gaps, lost, mismatched,
+                          divergence)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(slots=True)
+class Summary:
+    scenario: str
+    runs: list[RunVerdict] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        reqs = [r for run in self.runs for r in run.requests]
+        recovery = [s for run in self.runs for _, _, s in run.recoveries]
+        errors: Counter[str] = Counter()
+        for run in self.runs:
+            errors.update(run.errors)
+        p50, p99 = percentile(recovery, 50), percentile(recovery, 99)
+        return {
+            "scenario": self.scenario,
+            "runs": len(self.runs),
+            "requests": len(reqs),
+            "lost": sum(r.lost for r in reqs),
+            "duplicates": sum(r.duplicates for r in reqs),
+            "gaps": sum(r.gaps for r in reqs),
+            "mismatched": sum(r.mismatched for r in reqs),
+            "failed": sum(r.outcome == "fail" for r in reqs),
+            "indeterminate": sum(r.outcome == "indeterminate" for r in reqs),
+            "faults": sum(run.faults for run in self.runs),
+            "failovers": sum(run.failovers for run in self.runs),
+            "recoveries": len(recovery),
+            "unrecovered": sum(len(run.unrecovered) for run in self.runs),
+            "recovery_p50_s": None if p50 is None else round(p50, 4),
+            "recovery_p99_s": None if p99 is None else round(p99, 4),
+            "recovery_max_s": None if not recovery else round(max(recovery), 4),
+            "errors": dict(sorted(errors.items())),
+        }
+
+    def violations(self, invariants: Iterable[str]) -> list[str]:
+        s = self.to_json()
+        wanted = set(invariants)
+        out = []
+        for inv, key in (("no_lost", "lost"), ("no_duplicates", "duplicates"),
+                         ("no_gaps", "gaps"), ("outputs_match", "mismatched")):  # fmt: skip
+            if inv in wanted and s[key]:
+                out.append(f"{key}={s[key]}")
+        return out
+
+    def human(self) -> str:
+        s = self.to_json()
+        lines = [
+            f"scenario {s['scenario']}: {s['runs']} run(s), {s['requests']} requests, "
+            f"{s['faults']} faults, {s['failovers']} failovers (epoch bumps)",
+            f"  lost {s['lost']}  duplicates {s['duplicates']}  gaps {s['gaps']}  "
+            f"mismatched {s['mismatched']}  failed {s['failed']}  "
+            f"indeterminate {s['indeterminate']}",
+        ]
+        if s["recoveries"]:
+            lines.append(
+                f"  recovery (fault → next token, {s['recoveries']} streams): "
+                f"p50 {s['recovery_p50_s'] * 1000:.0f} ms  p99 {s['recovery_p99_s'] * 1000:.0f} ms"
+                f"  max {s['recovery_max_s'] * 1000:.0f} ms; unrecovered {s['unrecovered']}"
+            )
+        if s["errors"]:
+            codes = ", ".join(f"{k} {v}" for k, v in s["errors"].items())
+            lines.append(f"  errors seen by clients (incl. retried): {codes}")
+        for run in self.runs:
+            for r in run.requests:
+                if r.lost or r.duplicates or r.gaps or r.mismatched:
+                    lines.append(
+                        f"  run {run.run} (seed {run.seed}) {r.request_id}: outcome {r.outcome}, "
+                        f"lost {r.lost}, duplicates {r.duplicates}, gaps {r.gaps}, "
+                        f"mismatched {r.mismatched} (first divergence {r.first_divergence})"
+                    )
+        return "\n".join(lines)

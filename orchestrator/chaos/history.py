@@ -1,0 +1,97 @@
+"""The history of a chaos run, after Jepsen: every client operation and every fault.
+
+Pure. Times are seconds since the run's workload started, from one monotonic clock in the
+process that drives the clients and injects the faults, so fault and token times compare.
+
+A request's operations: ``invoke`` (a Generate call opened, attempt n), ``chunk`` (tokens
+[index, index + len) arrived), then one of ``ok`` (the stream ended with a finish reason),
+``fail`` (a definite error: the request is over) or ``info`` (indeterminate: the stream broke;
+the client reconnects and resumes from the next index it needs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    t: float
+    type: str
+    """invoke | chunk | ok | fail | info"""
+    request: str
+    attempt: int = 0
+    orchestrator: str = ""
+    index: int = -1
+    tokens: tuple[int, ...] = ()
+    code: str = ""
+    """fail / info: the gRPC status code name; ok: the finish reason."""
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class FaultRecord:
+    at: float
+    kind: str
+    target: str
+    resolved: str
+    """What the target resolved to (worker or replica names), or why it was skipped."""
+    affected: tuple[str, ...]
+    """Request ids whose streams the fault hit (active at ``at`` and served by the target)."""
+    healed_at: float | None = None
+    error: str = ""
+
+    def label(self) -> str:
+        return f"{self.kind} {self.resolved or self.target}"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    request_id: str
+    key: int
+    """Index in the workload: the reference output is looked up by it."""
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class History:
+    run: int
+    seed: int
+    requests: dict[str, RequestSpec] = field(default_factory=dict)
+    ops: list[Op] = field(default_factory=list)
+    faults: list[FaultRecord] = field(default_factory=list)
+    end: float = 0.0
+
+    def add(self, op: Op) -> None:
+        self.ops.append(op)
+
+    def of(self, request_id: str) -> list[Op]:
+        return [op for op in self.ops if op.request == request_id]
+
+    def active_at(self, t: float) -> set[str]:
+        """Requests invoked by ``t`` that had not ended (ok or fail) by then."""
+        started: set[str] = set()
+        ended: set[str] = set()
+        for op in self.ops:
+            if op.t > t:
+                break
+            if op.type == "invoke":
+                started.add(op.request)
+            elif op.type in {"ok", "fail"}:
+                ended.add(op.request)
+        return started - ended
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "seed": self.seed,
+            "requests": [asdict(r) for r in self.requests.values()],
+            "ops": [asdict(op) for op in self.ops],
+            "faults": [asdict(f) for f in self.faults],
+            "end": self.end,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())

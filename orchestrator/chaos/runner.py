@@ -1,0 +1,347 @@
+"""One `pdorch chaos run`: start the cluster, run the reference, the faulted runs, the checks.
+
+The cluster is the same local one the demo starts (real Redis, orchestrators and workers as
+processes), with fault proxies put on the links the scenario faults. The workload first runs
+once without faults: its outputs are the reference (greedy and seeded sampling are both
+deterministic). Then each run replays the workload with its own fault plan (seed + run
+index), waits for a quiet period, reads every request's final state from Redis, and checks.
+Between runs every process is brought back (continued, restarted) so runs are independent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from orchestrator.chaos.checker import RunVerdict, Summary, check_run
+from orchestrator.chaos.faults import FaultExecutor
+from orchestrator.chaos.history import History
+from orchestrator.chaos.proxy import FaultProxy
+from orchestrator.chaos.scenario import Scenario, ScenarioError, plan
+from orchestrator.chaos.workload import Clients, RequestPlan, make_requests
+from orchestrator.cluster import ClusterError, LocalCluster
+from orchestrator.errors import PdorchError
+from orchestrator.store.redis_store import RedisStore, StoreSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChaosResult:
+    scenario: Scenario
+    summary: Summary
+    violations: list[str]
+    pictures: list[Path] = field(default_factory=list)
+    histories: list[Path] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        out = self.summary.to_json()
+        out["violations"] = self.violations
+        out["timeline"] = [str(p) for p in self.pictures]
+        return out
+
+
+def _transport(name: str) -> str:
+    if name != "auto":
+        return name
+    from transport.ucx import ucx_available  # noqa: PLC0415
+
+    return "ucx" if ucx_available() else "tcp"
+
+
+def _kv_fault_spec(scenario: Scenario) -> str:
+    """The in-worker injector for KV-link faults over UCX (armed by the runner)."""
+    params = scenario.kv_fault_params()
+    parts = ["layer=1", "armed=0", "seed=7"]
+    if "uses_corrupt" in params:
+        parts.append("corrupt=4099")
+        parts.append(f"p={params.get('probability', 1.0)}")
+    if "uses_delay" in params:
+        parts.append(f"delay={params.get('delay_ms', 0.0) / 1000}")
+    return ",".join(parts)
+
+
+class ChaosRunner:
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        seed: int = 0,
+        runs: int = 1,
+        out_dir: Path | None = None,
+        model_cache: Path | None = None,
+        pictures: bool = True,
+    ) -> None:
+        self.scenario = scenario
+        self.seed = seed
+        self.runs = runs
+        self.out_dir = out_dir or Path("chaos-out") / scenario.name
+        self.model_cache = model_cache
+        self.pictures = pictures
+        self.transport = _transport(scenario.cluster.transport)
+        spec = scenario.cluster
+        self.cluster = LocalCluster(
+            model=spec.model,
+            transport=self.transport,
+            prefill_workers=spec.prefill,
+            decode_workers=spec.decode,
+            orchestrators=spec.orchestrators,
+            model_cache=model_cache,
+            redis_aof=spec.redis_aof,
+            heartbeat_ttl_s=spec.heartbeat_ttl_s,
+        )
+        self.links = scenario.links()
+        self.kv_injector = "kv" in self.links and self.transport == "ucx"
+        self.proxies: dict[str, dict[str, FaultProxy]] = {}
+
+    # ------------------------------------------------------------------------ setup
+
+    def _workers(self) -> list[str]:
+        spec = self.scenario.cluster
+        return [f"prefill-{i}" for i in range(spec.prefill)] + [
+            f"decode-{i}" for i in range(spec.decode)
+        ]
+
+    async def _start(self) -> list[str]:
+        """Start proxies and the cluster; returns the addresses clients connect to."""
+        workers = self._workers()
+        if "worker" in self.links:
+            self.proxies["worker"] = {}
+            for name in workers:
+                proxy = FaultProxy(f"grpc-{name}", "127.0.0.1:1", seed=self.seed)
+                self.cluster.advertise[name] = await proxy.start()
+                self.proxies["worker"][name] = proxy
+        if "kv" in self.links and not self.kv_injector:
+            self.proxies["kv"] = {}
+            for name in (w for w in workers if w.startswith("decode")):
+                proxy = FaultProxy(f"kv-{name}", "127.0.0.1:1", seed=self.seed + 1)
+                self.cluster.kv_advertise[name] = await proxy.start()
+                self.proxies["kv"][name] = proxy
+        if self.kv_injector:
+            spec = _kv_fault_spec(self.scenario)
+            for role in ("prefill", "decode"):
+                self.cluster.worker_extra[role] = ["--kv-fault", spec]
+
+        def retarget(name: str, port: int, kv_port: int) -> None:
+            if name in self.proxies.get("worker", {}):
+                self.proxies["worker"][name].retarget(f"127.0.0.1:{port}")
+            if name in self.proxies.get("kv", {}):
+                self.proxies["kv"][name].retarget(f"127.0.0.1:{kv_port}")
+
+        self.cluster.on_worker_ports = retarget
+        await asyncio.to_thread(self.cluster.start)
+        addresses = list(self.cluster.orchestrator_addresses)
+        if "client" in self.links:
+            self.proxies["client"] = {}
+            fronted = []
+            for i, address in enumerate(addresses):
+                proxy = FaultProxy(f"client-{i}", address, seed=self.seed + 2)
+                fronted.append(await proxy.start())
+                self.proxies["client"][f"orchestrator-{i}"] = proxy
+            addresses = fronted
+        return addresses
+
+    async def _restore(self) -> None:
+        """Every process back and healthy, every link clean: the next run starts whole."""
+        for proxies in self.proxies.values():
+            for proxy in proxies.values():
+                proxy.faults.clear()
+
+        def restore() -> None:
+            c = self.cluster
+            redis_proc = c.procs["redis"]
+            if redis_proc.popen.poll() is not None:
+                c.start_redis(c.redis_aof)
+            for name in self._workers():
+                proc = c.procs[name]
+                proc.signal(signal.SIGCONT)
+                if self.kv_injector:
+                    proc.signal(signal.SIGUSR2)
+                if proc.popen.poll() is not None:
+                    role, index = name.rsplit("-", 1)
+                    c.start_worker(role, int(index))
+            for i in range(self.scenario.cluster.orchestrators):
+                proc = c.procs[f"orchestrator-{i}"]
+                proc.signal(signal.SIGCONT)
+                if proc.popen.poll() is not None:
+                    c.start_orchestrator(i)
+            c.wait_workers(self.scenario.cluster.prefill, self.scenario.cluster.decode, 60)
+
+        await asyncio.to_thread(restore)
+
+    async def _close(self) -> None:
+        await asyncio.to_thread(self.cluster.stop)
+        for proxies in self.proxies.values():
+            for proxy in proxies.values():
+                await proxy.close()
+
+    # ------------------------------------------------------------------------ runs
+
+    async def run(self) -> ChaosResult:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        plans = make_requests(self.scenario.workload, self.seed)
+        store = RedisStore(StoreSettings(url="redis://127.0.0.1:1/0"))
+        try:
+            addresses = await self._start()
+            await store.close()
+            store = RedisStore(StoreSettings(url=self.cluster.redis_url))
+            reference = await self._reference(addresses, plans)
+            summary = Summary(self.scenario.name)
+            result = ChaosResult(self.scenario, summary, [])
+            for i in range(self.runs):
+                verdict, history = await self._one(i, addresses, plans, reference, store)
+                summary.runs.append(verdict)
+                self._save(result, verdict, history)
+                log.info("chaos %s run %d: %s", self.scenario.name, i, verdict.clean)
+                if i + 1 < self.runs:
+                    await self._restore()
+            result.violations = summary.violations(self.scenario.invariants)
+            return result
+        finally:
+            await store.close()
+            await self._close()
+
+    async def _reference(
+        self, addresses: list[str], plans: list[RequestPlan]
+    ) -> dict[int, tuple[int, ...]]:
+        history = History(run=-1, seed=self.seed)
+        clients = Clients(
+            addresses,
+            history,
+            time.monotonic(),
+            concurrency=self.scenario.workload.concurrency,
+            timeout_s=self.scenario.workload.request_timeout_s,
+            prefix=f"chaos-{self.scenario.name}-{self.seed}-{time.time_ns()}-ref",
+        )
+        try:
+            reference = await clients.run(plans)
+        finally:
+            await clients.close()
+        if len(reference) != len(plans):
+            failed = [op for op in history.ops if op.type in {"fail", "info"}]
+            raise ScenarioError(
+                f"the fault-free reference run did not complete "
+                f"({len(reference)}/{len(plans)}): {failed[:3]}"
+            )
+        return reference
+
+    async def _one(
+        self,
+        index: int,
+        addresses: list[str],
+        plans: list[RequestPlan],
+        reference: dict[int, tuple[int, ...]],
+        store: RedisStore,
+    ) -> tuple[RunVerdict, History]:
+        seed = self.seed + index
+        history = History(run=index, seed=seed)
+        t0 = time.monotonic()
+        clients = Clients(
+            addresses,
+            history,
+            t0,
+            concurrency=self.scenario.workload.concurrency,
+            timeout_s=self.scenario.workload.request_timeout_s,
+            prefix=f"chaos-{self.scenario.name}-{seed}-{time.time_ns()}",
+        )
+        executor = FaultExecutor(
+            self.cluster,
+            store,
+            history,
+            self.proxies,
+            kv_injector=self.kv_injector,
+            now=clients.now,
+            seed=seed,
+        )
+
+        async def faults() -> None:
+            for fault in plan(self.scenario, seed):
+                delay = fault.at - clients.now()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # the fault's scheduled time
+                await executor.inject(fault)
+
+        load = asyncio.create_task(clients.run(plans), name="pdorch-chaos-workload")
+        injector = asyncio.create_task(faults(), name="pdorch-chaos-faults")
+        try:
+            limit = self.scenario.duration_s + self.scenario.workload.request_timeout_s
+            done, _ = await asyncio.wait({load}, timeout=limit)
+            if not done:
+                raise ScenarioError(f"run {index}: clients still running after {limit}s")
+            await injector
+            await executor.settle()
+            history.end = clients.now()
+            await asyncio.sleep(self.scenario.quiet_s)  # the quiet period before judging
+            states, epochs = await self._states(store, list(history.requests))
+        finally:
+            for task in (load, injector):
+                task.cancel()
+            await asyncio.gather(load, injector, return_exceptions=True)
+            await executor.cancel()
+            await clients.close()
+        return check_run(history, reference, states, epochs), history
+
+    async def _states(
+        self, store: RedisStore, rids: list[str]
+    ) -> tuple[dict[str, str], dict[str, int]]:
+        """Final states and epochs from Redis (retrying while it comes back from a restart)."""
+        deadline = time.monotonic() + 30
+        while True:
+            out: dict[str, str] = {}
+            epochs: dict[str, int] = {}
+            try:
+                for rid in rids:
+                    record = await asyncio.wait_for(store.get(rid), 2.0)
+                    out[rid] = "" if record is None else str(record.state)
+                    if record is not None:
+                        epochs[rid] = record.epoch
+            except (PdorchError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)  # Redis is restarting: poll until it answers
+            else:
+                return out, epochs
+
+    def _save(self, result: ChaosResult, verdict: RunVerdict, history: History) -> None:
+        path = self.out_dir / f"run-{history.run:03d}-seed-{history.seed}.json"
+        path.write_text(history.dumps())
+        result.histories.append(path)
+        if self.pictures and (history.run < 3 or not verdict.clean):
+            from orchestrator.chaos.timeline import draw  # noqa: PLC0415 - matplotlib is heavy
+
+            picture = path.with_suffix(".png")
+            draw(history, verdict, picture, title=f"{self.scenario.name} — run {history.run}")
+            result.pictures.append(picture)
+
+
+def run_chaos(
+    scenario: Scenario,
+    *,
+    seed: int,
+    runs: int,
+    out_dir: Path | None,
+    model_cache: Path | None,
+    as_json: bool,
+) -> int:
+    runner = ChaosRunner(scenario, seed=seed, runs=runs, out_dir=out_dir, model_cache=model_cache)
+    try:
+        result = asyncio.run(runner.run())
+    except (ScenarioError, ClusterError, grpc.RpcError) as exc:
+        print(f"pdorch chaos: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(result.summary.human())
+        for p in result.pictures:
+            print(f"  timeline: {p}")
+        print("  verdict: " + ("OK" if not result.violations else ", ".join(result.violations)))
+    return 1 if result.violations else 0

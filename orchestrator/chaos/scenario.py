@@ -1,0 +1,419 @@
+"""Chaos scenarios: YAML files → validated, frozen dataclasses; faults planned from a seed.
+
+Pure: parsing and planning do no I/O beyond reading the file they are given. A scenario says
+what cluster to start, what workload to run, which faults to inject (at fixed times, or drawn
+at random from the seed) and which invariants the checker enforces::
+
+    name: decode-kill
+    description: a decode worker is killed mid-stream and comes back
+    cluster: {prefill: 2, decode: 2, orchestrators: 2, transport: auto, model: tiny}
+    workload: {requests: 8, concurrency: 8, prompt_words: [4, 24], output_tokens: [400, 800]}
+    faults:
+      - {at: 1.0, kind: kill, target: "decode:busiest", heal_after: 2.0}
+    random_faults:
+      - {count: 1, kinds: [kill, stop], targets: ["prefill:random"], between: [0.5, 3.0]}
+    duration_s: 60
+    quiet_s: 5
+    invariants: [no_lost, no_duplicates, no_gaps, outputs_match]
+
+Targets: ``prefill`` / ``decode`` with a selector (``:busiest`` the worker serving the most
+of this run's streams, ``:random``, or a worker name such as ``decode-1``), ``pool:prefill``,
+``pool:decode``, ``orchestrator`` (``:busiest`` / ``:random`` / ``orchestrator-0``), ``redis``,
+and links for network faults: ``link:kv``, ``link:worker`` (orchestrator → worker gRPC),
+``link:client`` (client → orchestrator gRPC).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import PdorchError
+
+
+class ScenarioError(PdorchError):
+    """A scenario file is missing, malformed or asks for something impossible."""
+
+
+PROCESS_KINDS = frozenset({"kill", "stop", "restart"})
+LINK_KINDS = frozenset({"delay", "bandwidth", "drop", "corrupt"})
+KINDS = PROCESS_KINDS | LINK_KINDS
+ROLES = ("prefill", "decode")
+LINKS = ("kv", "worker", "client")
+INVARIANTS = frozenset({"no_lost", "no_duplicates", "no_gaps", "outputs_match"})
+LINK_PARAMS: dict[str, tuple[str, ...]] = {
+    "delay": ("delay_ms",),
+    "bandwidth": ("bytes_per_s",),
+    "drop": (),
+    "corrupt": ("probability",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    prefill: int = 2
+    decode: int = 2
+    orchestrators: int = 2
+    transport: str = "auto"
+    """``ucx``, ``tcp`` or ``auto`` (UCX where ucxx imports)."""
+    model: str = "tiny"
+    redis_aof: bool = True
+    heartbeat_ttl_s: float = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    requests: int = 8
+    concurrency: int = 8
+    prompt_words: tuple[int, int] = (4, 24)
+    output_tokens: tuple[int, int] = (200, 400)
+    sampled_share: float = 0.25
+    """Share of requests sampled at temperature 0.8 with a fixed seed (the rest greedy): the
+    sampling draw for token i depends only on (seed, i), so failover must not change them."""
+    request_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    kind: str
+    target: str
+    at: float | None = None
+    between: tuple[float, float] | None = None
+    heal_after: float | None = None
+    """Seconds until the fault is undone (restart / continue / link healed); None: never for
+    kill and stop, 0.5 s for restart, the run's end for link faults."""
+    params: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RandomFaults:
+    count: int
+    kinds: tuple[str, ...]
+    targets: tuple[str, ...]
+    between: tuple[float, float]
+    heal_after: float | None = None
+    params: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    cluster: ClusterSpec
+    workload: Workload
+    faults: tuple[FaultSpec, ...]
+    random_faults: tuple[RandomFaults, ...] = ()
+    duration_s: float = 60.0
+    quiet_s: float = 5.0
+    invariants: frozenset[str] = INVARIANTS
+    path: str = ""
+
+    def links(self) -> frozenset[str]:
+        """The links a fault proxy must sit on (UCX KV faults use the transport's wrapper)."""
+        targets = [f.target for f in self.faults] + [
+            t for r in self.random_faults for t in r.targets
+        ]
+        return frozenset(t.split(":", 1)[1] for t in targets if t.startswith("link:"))
+
+    def kv_fault_params(self) -> dict[str, float]:
+        """Every parameter of this scenario's KV-link faults (for the in-process injector)."""
+        out: dict[str, float] = {}
+        kinds: set[str] = set()
+        for f in self.faults:
+            if f.target == "link:kv":
+                out.update(f.params)
+                kinds.add(f.kind)
+        for r in self.random_faults:
+            if "link:kv" in r.targets:
+                out.update(r.params)
+                kinds.update(r.kinds)
+        for kind in kinds:
+            out.setdefault(f"uses_{kind}", 1.0)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedFault:
+    """A fault with its time fixed (seconds after the workload starts)."""
+
+    at: float
+    kind: str
+    target: str
+    heal_after: float | None
+    params: Mapping[str, float]
+
+    def label(self) -> str:
+        return f"{self.kind} {self.target}"
+
+
+def plan(scenario: Scenario, seed: int) -> tuple[PlannedFault, ...]:
+    """The run's faults in time order: fixed ones as written, random ones drawn from ``seed``."""
+    rng = random.Random(seed)  # noqa: S311 - reproducible chaos, not secrets
+    out: list[PlannedFault] = []
+    for f in scenario.faults:
+        at = f.at if f.at is not None else rng.uniform(*(f.between or (0.0, 0.0)))
+        out.append(PlannedFault(round(at, 3), f.kind, f.target, f.heal_after, f.params))
+    for r in scenario.random_faults:
+        for _ in range(r.count):
+            out.append(
+                PlannedFault(
+                    round(rng.uniform(*r.between), 3),
+                    rng.choice(r.kinds),
+                    rng.choice(r.targets),
+                    r.heal_after,
+                    r.params,
+                )
+            )
+    return tuple(sorted(out, key=lambda p: p.at))
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def shipped() -> dict[str, Path]:
+    """Scenario name → file, for the scenarios shipped inside the package."""
+    folder = resources.files("orchestrator.chaos") / "scenarios"
+    return {
+        Path(entry.name).stem: Path(str(entry))
+        for entry in folder.iterdir()
+        if entry.name.endswith((".yaml", ".yml"))
+    }
+
+
+def load(name_or_path: str) -> Scenario:
+    """A shipped scenario by name, or a YAML file by path."""
+    path = Path(name_or_path)
+    if not path.exists():
+        found = shipped().get(name_or_path)
+        if found is None:
+            names = ", ".join(sorted(shipped()))
+            raise ScenarioError(f"no scenario file or shipped scenario {name_or_path!r} ({names})")
+        path = found
+    import yaml  # noqa: PLC0415 - only the chaos tool needs YAML
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"{path}: {exc}") from exc
+    return parse(data, str(path))
+
+
+def parse(data: object, path: str = "<scenario>") -> Scenario:
+    """Validate a scenario's YAML data; every error names the field."""
+    d = _mapping(data, path)
+    _known(d, path, {"name", "description", "cluster", "workload", "faults", "random_faults",
+                     "duration_s", "quiet_s", "invariants"})  # fmt: skip
+    cluster = _cluster(_mapping(d.get("cluster", {}), f"{path}: cluster"), f"{path}: cluster")
+    workload = _workload(_mapping(d.get("workload", {}), f"{path}: workload"), f"{path}: workload")
+    faults = tuple(
+        _fault(_mapping(f, f"{path}: faults[{i}]"), f"{path}: faults[{i}]", cluster)
+        for i, f in enumerate(_list(d.get("faults", []), f"{path}: faults"))
+    )
+    randoms = tuple(
+        _random(_mapping(r, f"{path}: random_faults[{i}]"), f"{path}: random_faults[{i}]", cluster)
+        for i, r in enumerate(_list(d.get("random_faults", []), f"{path}: random_faults"))
+    )
+    if not faults and not randoms:
+        raise ScenarioError(f"{path}: a scenario needs faults or random_faults")
+    invariants = frozenset(str(x) for x in _list(d.get("invariants", sorted(INVARIANTS)), path))
+    if unknown := invariants - INVARIANTS:
+        raise ScenarioError(f"{path}: invariants: unknown {sorted(unknown)}")
+    scenario = Scenario(
+        name=_str(d.get("name", Path(path).stem), f"{path}: name"),
+        description=_str(d.get("description", ""), f"{path}: description"),
+        cluster=cluster,
+        workload=workload,
+        faults=faults,
+        random_faults=randoms,
+        duration_s=_number(d.get("duration_s", 60.0), f"{path}: duration_s", lo=1.0),
+        quiet_s=_number(d.get("quiet_s", 5.0), f"{path}: quiet_s", lo=0.0),
+        invariants=invariants,
+        path=path,
+    )
+    for p in plan(scenario, 0):
+        if p.at >= scenario.duration_s:
+            raise ScenarioError(f"{path}: a fault at {p.at}s is after duration_s")
+    return scenario
+
+
+def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
+    _known(d, where, {"prefill", "decode", "orchestrators", "transport", "model", "redis_aof",
+                      "heartbeat_ttl_s"})  # fmt: skip
+    spec = ClusterSpec(
+        prefill=_int(d.get("prefill", 2), f"{where}.prefill", lo=0, hi=16),
+        decode=_int(d.get("decode", 2), f"{where}.decode", lo=0, hi=16),
+        orchestrators=_int(d.get("orchestrators", 2), f"{where}.orchestrators", lo=1, hi=8),
+        transport=_choice(d.get("transport", "auto"), f"{where}.transport", ("auto", "ucx", "tcp")),
+        model=_choice(d.get("model", "tiny"), f"{where}.model", ("tiny", "smollm2")),
+        redis_aof=bool(d.get("redis_aof", True)),
+        heartbeat_ttl_s=_number(d.get("heartbeat_ttl_s", 3.0), f"{where}.heartbeat_ttl_s", lo=0.3),
+    )
+    if spec.prefill + spec.decode == 0:
+        raise ScenarioError(f"{where}: needs at least one worker")
+    return spec
+
+
+def _workload(d: Mapping[str, Any], where: str) -> Workload:
+    _known(d, where, {"requests", "concurrency", "prompt_words", "output_tokens",
+                      "sampled_share", "request_timeout_s"})  # fmt: skip
+    return Workload(
+        requests=_int(d.get("requests", 8), f"{where}.requests", lo=1, hi=100_000),
+        concurrency=_int(d.get("concurrency", 8), f"{where}.concurrency", lo=1, hi=4096),
+        prompt_words=_range(d.get("prompt_words", [4, 24]), f"{where}.prompt_words", lo=1),
+        output_tokens=_range(d.get("output_tokens", [200, 400]), f"{where}.output_tokens", lo=1),
+        sampled_share=_number(d.get("sampled_share", 0.25), f"{where}.sampled_share", 0.0, 1.0),
+        request_timeout_s=_number(d.get("request_timeout_s", 120), f"{where}.request_timeout_s", 1),
+    )
+
+
+def _target(value: object, where: str, cluster: ClusterSpec) -> str:
+    target = _str(value, where)
+    head, _, sel = target.partition(":")
+    ok = False
+    if head in ROLES:
+        count = cluster.prefill if head == "prefill" else cluster.decode
+        names = {f"{head}-{i}" for i in range(count)}
+        ok = count > 0 and (sel in {"", "busiest", "random"} or sel in names)
+    elif head == "pool":
+        ok = sel in ROLES
+    elif head == "orchestrator":
+        names = {f"orchestrator-{i}" for i in range(cluster.orchestrators)}
+        ok = sel in {"", "busiest", "random"} or sel in names
+    elif head == "redis":
+        ok = sel == ""
+    elif head == "link":
+        ok = sel in LINKS
+    if not ok:
+        raise ScenarioError(f"{where}: unknown target {target!r} for this cluster")
+    return target
+
+
+def _check_kind(kind: str, target: str, where: str) -> None:
+    link = target.startswith("link:")
+    if link != (kind in LINK_KINDS):
+        raise ScenarioError(f"{where}: {kind!r} does not apply to target {target!r}")
+    if target == "redis" and kind == "stop":
+        raise ScenarioError(f"{where}: redis can be killed or restarted, not stopped")
+
+
+def _params(d: Mapping[str, Any], kinds: tuple[str, ...], where: str) -> dict[str, float]:
+    raw = _mapping(d.get("params", {}), f"{where}.params")
+    allowed = {p for k in kinds for p in LINK_PARAMS.get(k, ())}
+    _known(raw, f"{where}.params", allowed)
+    out = {k: _number(v, f"{where}.params.{k}", lo=0.0) for k, v in raw.items()}
+    for kind in kinds:
+        for needed in LINK_PARAMS.get(kind, ()):
+            if needed not in out:
+                raise ScenarioError(f"{where}.params: {kind} needs {needed}")
+    if out.get("probability", 0.0) > 1.0:
+        raise ScenarioError(f"{where}.params.probability: must be in [0, 1]")
+    return out
+
+
+def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
+    _known(d, where, {"kind", "target", "at", "between", "heal_after", "params"})
+    kind = _choice(d.get("kind"), f"{where}.kind", tuple(sorted(KINDS)))
+    target = _target(d.get("target"), f"{where}.target", cluster)
+    _check_kind(kind, target, where)
+    at = d.get("at")
+    between = _range(d["between"], f"{where}.between", lo=0.0) if "between" in d else None
+    if (at is None) == (between is None):
+        raise ScenarioError(f"{where}: give exactly one of at and between")
+    heal = d.get("heal_after")
+    return FaultSpec(
+        kind=kind,
+        target=target,
+        at=None if at is None else _number(at, f"{where}.at", lo=0.0),
+        between=between,
+        heal_after=None if heal is None else _number(heal, f"{where}.heal_after", lo=0.0),
+        params=_params(d, (kind,), where),
+    )
+
+
+def _random(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> RandomFaults:
+    _known(d, where, {"count", "kinds", "targets", "between", "heal_after", "params"})
+    kinds = tuple(
+        _choice(k, f"{where}.kinds", tuple(sorted(KINDS)))
+        for k in _list(d.get("kinds"), f"{where}.kinds")
+    )
+    targets = tuple(
+        _target(t, f"{where}.targets", cluster) for t in _list(d.get("targets"), f"{where}.targets")
+    )
+    if not kinds or not targets:
+        raise ScenarioError(f"{where}: kinds and targets must not be empty")
+    for kind in kinds:
+        for target in targets:
+            _check_kind(kind, target, where)
+    heal = d.get("heal_after")
+    return RandomFaults(
+        count=_int(d.get("count", 1), f"{where}.count", lo=1, hi=1000),
+        kinds=kinds,
+        targets=targets,
+        between=_range(d.get("between"), f"{where}.between", lo=0.0),
+        heal_after=None if heal is None else _number(heal, f"{where}.heal_after", lo=0.0),
+        params=_params(d, kinds, where),
+    )
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+def _mapping(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ScenarioError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _list(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ScenarioError(f"{where}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _known(d: Mapping[str, Any], where: str, allowed: set[str]) -> None:
+    if unknown := set(d) - allowed:
+        raise ScenarioError(f"{where}: unknown field(s) {sorted(unknown)}")
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ScenarioError(f"{where}: expected a string")
+    return value
+
+
+def _choice(value: object, where: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ScenarioError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _number(value: object, where: str, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ScenarioError(f"{where}: expected a number, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ScenarioError(f"{where}: {value} is out of range [{lo}, {hi}]")
+    return float(value)
+
+
+def _int(value: object, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScenarioError(f"{where}: expected an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ScenarioError(f"{where}: {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _range(value: object, where: str, lo: float) -> tuple[Any, Any]:
+    items = _list(value, where)
+    if len(items) != 2:
+        raise ScenarioError(f"{where}: expected [low, high]")
+    a, b = (_number(x, where, lo=lo) for x in items)
+    if a > b:
+        raise ScenarioError(f"{where}: low {a} is above high {b}")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+        return int(a), int(b)
+    return a, b

@@ -1,0 +1,221 @@
+"""The chaos checker and scenario files: pure, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.chaos import scenario as sc
+from orchestrator.chaos.checker import Summary, check_run, percentile
+from orchestrator.chaos.history import FaultRecord, History, Op, RequestSpec
+
+REF = {0: (10, 11, 12, 13, 14, 15), 1: (20, 21, 22, 23)}
+
+
+def history(ops: list[Op], faults: list[FaultRecord] | None = None) -> History:
+    h = History(run=0, seed=1)
+    h.requests["r0"] = RequestSpec("r0", 0, 6)
+    h.requests["r1"] = RequestSpec("r1", 1, 4)
+    h.ops.extend(sorted(ops, key=lambda o: o.t))
+    h.faults.extend(faults or [])
+    return h
+
+
+def clean_r1() -> list[Op]:
+    return [
+        Op(0.0, "invoke", "r1", 1),
+        Op(0.1, "chunk", "r1", 1, index=0, tokens=(20, 21, 22, 23)),
+        Op(0.2, "ok", "r1", 1, code="length"),
+    ]
+
+
+def test_a_resumed_stream_that_tiles_the_output_is_clean() -> None:
+    ops = [
+        Op(0.0, "invoke", "r0", 1),
+        Op(0.1, "chunk", "r0", 1, index=0, tokens=(10, 11)),
+        Op(0.5, "info", "r0", 1, code="UNAVAILABLE"),
+        Op(0.6, "invoke", "r0", 2, index=2),
+        Op(0.9, "chunk", "r0", 2, index=2, tokens=(12, 13, 14, 15)),
+        Op(1.0, "ok", "r0", 2, code="length"),
+        *clean_r1(),
+    ]
+    fault = FaultRecord(0.4, "kill", "decode:busiest", "decode-0", ("r0",))
+    v = check_run(history(ops, [fault]), REF, {"r0": "done", "r1": "done"})
+    assert v.clean
+    assert [(r.duplicates, r.gaps, r.lost, r.mismatched) for r in v.requests] == [
+        (0, 0, False, False),
+        (0, 0, False, False),
+    ]
+    assert v.recoveries == [("kill decode-0", "r0", pytest.approx(0.5))]
+    assert v.errors == {"UNAVAILABLE": 1}
+
+
+def test_duplicates_gaps_and_truncation_are_counted() -> None:
+    ops = [
+        Op(0.0, "invoke", "r0", 1),
+        Op(0.1, "chunk", "r0", 1, index=0, tokens=(10, 11, 12)),
+        Op(0.2, "chunk", "r0", 1, index=1, tokens=(11, 12, 13)),  # 2 duplicates
+        Op(0.3, "chunk", "r0", 1, index=5, tokens=(15,)),  # gap of 1 (index 4)
+        Op(0.4, "ok", "r0", 1, code="length"),
+        Op(0.0, "invoke", "r1", 1),
+        Op(0.1, "chunk", "r1", 1, index=0, tokens=(20, 21)),
+        Op(0.2, "ok", "r1", 1, code="length"),  # "length" after 2 of 4: truncated
+    ]
+    v = check_run(history(ops), REF, {"r0": "done", "r1": "done"})
+    r0, r1 = v.requests
+    assert (r0.duplicates, r0.gaps) == (2, 1)
+    assert r0.mismatched  # index 4 is missing
+    assert (r1.duplicates, r1.gaps) == (0, 2)
+    assert not v.clean
+
+
+def test_acknowledged_request_without_terminal_state_is_lost() -> None:
+    ops = [
+        Op(0.0, "invoke", "r0", 1),
+        Op(0.1, "chunk", "r0", 1, index=0, tokens=(10,)),
+        Op(0.2, "info", "r0", 1, code="UNAVAILABLE"),
+        *clean_r1(),
+    ]
+    fault = FaultRecord(0.15, "kill", "orchestrator", "orchestrator-0", ("r0",))
+    v = check_run(history(ops, [fault]), REF, {"r0": "decoding", "r1": "done"})
+    assert v.requests[0].lost
+    assert v.requests[0].outcome == "indeterminate"
+    assert v.unrecovered == [("kill orchestrator-0", "r0")]
+    # never acknowledged (no token, no record): not lost, just not admitted
+    unacked = [Op(0.0, "invoke", "r0", 1), Op(0.1, "fail", "r0", 1, code="UNAVAILABLE")]
+    v2 = check_run(history(unacked + clean_r1()), REF, {"r0": "", "r1": "done"})
+    assert not v2.requests[0].lost
+    assert v2.errors == {"UNAVAILABLE": 1}
+
+
+def test_mismatch_reports_the_first_divergence() -> None:
+    ops = [
+        Op(0.0, "invoke", "r0", 1),
+        Op(0.1, "chunk", "r0", 1, index=0, tokens=(10, 11, 12, 99, 14, 15)),
+        Op(0.2, "ok", "r0", 1, code="length"),
+        *clean_r1(),
+    ]
+    v = check_run(history(ops), REF, {"r0": "done", "r1": "done"})
+    assert v.requests[0].mismatched
+    assert v.requests[0].first_divergence == 3
+    assert v.clean  # a mismatch is not a lost/duplicate/gap
+
+
+def test_summary_json_has_the_documented_fields() -> None:
+    ops = [
+        Op(0.0, "invoke", "r0", 1),
+        Op(0.1, "chunk", "r0", 1, index=0, tokens=(10, 11, 12, 13, 14, 15)),
+        Op(0.3, "ok", "r0", 1, code="length"),
+        *clean_r1(),
+    ]
+    fault = FaultRecord(0.05, "kill", "decode:busiest", "decode-1", ("r0", "r1"))
+    s = Summary("x", [check_run(history(ops, [fault]), REF, {"r0": "done", "r1": "done"})])
+    out = s.to_json()
+    for key in ("runs", "requests", "lost", "duplicates", "gaps", "mismatched",
+                "recovery_p50_s", "recovery_p99_s", "errors"):  # fmt: skip
+        assert key in out
+    assert (out["runs"], out["requests"], out["lost"]) == (1, 2, 0)
+    assert out["recovery_p50_s"] == pytest.approx(0.05)  # r1's chunk at 0.1
+    assert out["recovery_p99_s"] == pytest.approx(0.05)
+    assert s.violations(sc.INVARIANTS) == []
+    assert "recovery" in s.human()
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(i) for i in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([], 50) is None
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def test_every_shipped_scenario_parses_and_has_a_plan() -> None:
+    names = sc.shipped()
+    required = {"decode-kill", "prefill-kill-transfer", "kv-link-faults", "pool-out-and-back",
+                "orchestrator-kill", "redis-restart"}  # fmt: skip
+    assert required <= set(names)
+    for name in names:
+        s = sc.load(name)
+        assert s.name == name
+        faults = sc.plan(s, 0)
+        assert faults
+        assert all(0 <= f.at < s.duration_s for f in faults)
+
+
+def test_plans_are_reproducible_from_the_seed() -> None:
+    s = sc.load("random-mix")
+    assert sc.plan(s, 5) == sc.plan(s, 5)
+    plans = {tuple((f.at, f.kind, f.target) for f in sc.plan(s, seed)) for seed in range(10)}
+    assert len(plans) > 1
+    for p in sc.plan(s, 3):
+        assert p.kind in {"kill", "stop", "restart"}
+        assert 0.5 <= p.at <= 4.0
+
+
+def test_kv_fault_params_merge_the_scenarios_kv_faults() -> None:
+    s = sc.load("kv-link-faults")
+    params = s.kv_fault_params()
+    assert params["delay_ms"] == 300
+    assert params["probability"] == 0.5
+    assert s.links() == {"kv"}
+
+
+CORRUPT_2 = {"probability": 2}
+BASE = {"faults": [{"at": 1, "kind": "kill", "target": "decode:busiest"}]}
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "expected a mapping"),
+        ({}, "needs faults"),
+        ({**BASE, "bogus": 1}, "unknown field"),
+        ({**BASE, "cluster": {"decode": -1}}, "cluster.decode"),
+        ({**BASE, "cluster": {"transport": "carrier-pigeon"}}, "cluster.transport"),
+        ({**BASE, "workload": {"output_tokens": [10, 5]}}, "above high"),
+        ({**BASE, "workload": {"requests": "many"}}, "workload.requests"),
+        ({"faults": [{"at": 1, "kind": "explode", "target": "redis"}]}, "faults[0].kind"),
+        ({"faults": [{"at": 1, "kind": "kill", "target": "decode-7"}]}, "unknown target"),
+        ({"faults": [{"at": 1, "kind": "kill", "target": "decode:decode-9"}]}, "unknown target"),
+        ({"faults": [{"at": 1, "kind": "delay", "target": "decode:busiest"}]}, "does not apply"),
+        ({"faults": [{"at": 1, "kind": "kill", "target": "link:kv"}]}, "does not apply"),
+        ({"faults": [{"at": 1, "kind": "stop", "target": "redis"}]}, "not stopped"),
+        ({"faults": [{"at": 1, "kind": "delay", "target": "link:kv"}]}, "needs delay_ms"),
+        ({"faults": [{"kind": "kill", "target": "redis"}]}, "exactly one of at and between"),
+        ({"faults": [{"at": 99, "kind": "kill", "target": "redis"}], "duration_s": 10}, "after"),
+        ({**BASE, "invariants": ["no_lost", "be_fast"]}, "unknown"),
+        (
+            {"faults": [{"at": 1, "kind": "corrupt", "target": "link:kv", "params": CORRUPT_2}]},
+            "probability",
+        ),
+    ],
+)
+def test_bad_scenarios_name_the_field(data: object, message: str) -> None:
+    with pytest.raises(sc.ScenarioError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        sc.parse(data, "s.yaml")
+
+
+def test_load_reports_unknown_names_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(sc.ScenarioError, match="decode-kill"):  # lists what exists
+        sc.load("no-such-scenario")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("faults: [unclosed")
+    with pytest.raises(sc.ScenarioError, match=r"bad\.yaml"):
+        sc.load(str(bad))
+
+
+def test_a_stream_the_server_cancelled_is_a_failure_not_a_completion() -> None:
+    ops = [
+        Op(0.0, "invoke", "r0", 1),
+        Op(0.1, "chunk", "r0", 1, index=0, tokens=(10, 11)),
+        Op(0.2, "ok", "r0", 1, code="cancelled"),
+        *clean_r1(),
+    ]
+    v = check_run(history(ops), REF, {"r0": "cancelled", "r1": "done"})
+    assert v.requests[0].outcome == "fail"
+    assert not v.requests[0].mismatched  # not compared: it never completed
+    assert Summary("x", [v]).to_json()["failed"] == 1
