@@ -219,6 +219,25 @@ class LocalCluster:
         args += [*self.worker_extra.get(role, []), *extra]
         return self._spawn(name, args)
 
+    def registered_names(self) -> set[str]:
+        """Workers whose current process (its published address) has a live heartbeat."""
+        client = redis.Redis(port=self.redis_port, socket_timeout=1, decode_responses=True)
+        found = set()
+        try:
+            for name, address in self.expected.items():
+                raw = client.get(f"pdorch:worker:{name}")
+                if raw is not None and json.loads(str(raw)).get("address") == address:
+                    found.add(name)
+        except redis.RedisError:
+            return set()
+        finally:
+            client.close()
+        return found
+
+    def wait_registered(self, names: list[str], timeout_s: float) -> None:
+        procs = [self.procs[n] for n in names]
+        _wait(lambda: set(names) <= self.registered_names(), timeout_s, f"{names}", procs)
+
     def registered(self) -> dict[str, int]:
         client = redis.Redis(port=self.redis_port, socket_timeout=1, decode_responses=True)
         counts = {"prefill": 0, "decode": 0}

@@ -230,6 +230,9 @@ class FaultExecutor:
         task.add_done_callback(self._heals.discard)
 
     def _restart(self, names: list[str]) -> None:
+        """Start the processes again; healed means back in service (Redis answers, the
+        replica serves, the workers' heartbeats are in Redis)."""
+        workers = []
         for name in names:
             if name == "redis":
                 self.cluster.start_redis(self.cluster.redis_aof)
@@ -238,6 +241,9 @@ class FaultExecutor:
             else:
                 role, index = name.rsplit("-", 1)
                 self.cluster.start_worker(role, int(index))
+                workers.append(name)
+        if workers:
+            self.cluster.wait_registered(workers, 60)
 
     async def settle(self) -> None:
         """Wait for every scheduled heal (they are short) — or cancel them on shutdown."""

@@ -264,6 +264,8 @@ class ChaosRunner:
 
         async def faults() -> None:
             for fault in plan(self.scenario, seed):
+                if fault.after_healed:
+                    await executor.settle()  # earlier faults back in service first
                 delay = fault.at - clients.now()
                 if delay > 0:
                     await asyncio.sleep(delay)  # the fault's scheduled time

@@ -87,6 +87,9 @@ class FaultSpec:
     """Seconds until the fault is undone (restart / continue / link healed); None: never for
     kill and stop, 0.5 s for restart, the run's end for link faults."""
     params: Mapping[str, float] = field(default_factory=dict)
+    after_healed: bool = False
+    """Wait, before this fault, until every earlier fault has healed (so that e.g. a pool is
+    back in service before the other pool goes): ``at`` is then the earliest time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,7 @@ class PlannedFault:
     target: str
     heal_after: float | None
     params: Mapping[str, float]
+    after_healed: bool = False
 
     def label(self) -> str:
         return f"{self.kind} {self.target}"
@@ -156,7 +160,9 @@ def plan(scenario: Scenario, seed: int) -> tuple[PlannedFault, ...]:
     out: list[PlannedFault] = []
     for f in scenario.faults:
         at = f.at if f.at is not None else rng.uniform(*(f.between or (0.0, 0.0)))
-        out.append(PlannedFault(round(at, 3), f.kind, f.target, f.heal_after, f.params))
+        out.append(
+            PlannedFault(round(at, 3), f.kind, f.target, f.heal_after, f.params, f.after_healed)
+        )
     for r in scenario.random_faults:
         for _ in range(r.count):
             out.append(
@@ -315,7 +321,7 @@ def _params(d: Mapping[str, Any], kinds: tuple[str, ...], where: str) -> dict[st
 
 
 def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
-    _known(d, where, {"kind", "target", "at", "between", "heal_after", "params"})
+    _known(d, where, {"kind", "target", "at", "between", "heal_after", "params", "after_healed"})
     kind = _choice(d.get("kind"), f"{where}.kind", tuple(sorted(KINDS)))
     target = _target(d.get("target"), f"{where}.target", cluster)
     _check_kind(kind, target, where)
@@ -331,6 +337,7 @@ def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
         between=between,
         heal_after=None if heal is None else _number(heal, f"{where}.heal_after", lo=0.0),
         params=_params(d, (kind,), where),
+        after_healed=_bool(d.get("after_healed", False), f"{where}.after_healed"),
     )
 
 
@@ -377,6 +384,12 @@ def _list(value: object, where: str) -> list[Any]:
 def _known(d: Mapping[str, Any], where: str, allowed: set[str]) -> None:
     if unknown := set(d) - allowed:
         raise ScenarioError(f"{where}: unknown field(s) {sorted(unknown)}")
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ScenarioError(f"{where}: expected true or false")
+    return value
 
 
 def _str(value: object, where: str) -> str:
