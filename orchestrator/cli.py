@@ -224,6 +224,48 @@ def _chaos_run(args: argparse.Namespace) -> int:
     )
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from orchestrator.core import planconfig, planner  # noqa: PLC0415
+    from orchestrator.core.plan_report import format_plan, plan_to_dict  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+
+    def read(path: str) -> dict[str, object]:
+        fmt = "json" if path.endswith(".json") else "toml"
+        return planconfig.parse_text(Path(path).read_text(encoding="utf-8"), fmt)
+
+    flags: dict[str, object] = {
+        "model.preset": args.model,
+        "model.dtype": args.dtype,
+        "traffic.rate": args.rate,
+        "traffic.prompt": args.prompt_tokens,
+        "traffic.output": args.output_tokens,
+        "slo.ttft_ms": args.ttft_ms,
+        "slo.tpot_ms": args.tpot_ms,
+        "slo.percentile": args.percentile,
+        "plan.kinds": args.gpus,
+        "plan.prefill_kinds": args.prefill_gpus,
+        "plan.link_gbps": args.link_gbps,
+        "plan.max_batch": args.max_batch,
+        "plan.allow_fp16": True if args.allow_fp16 else None,
+    }
+    try:
+        data = read(args.config) if args.config else {}
+        if args.gpu_file:
+            gpus = {f"gpus.{kind}": spec for kind, spec in read(args.gpu_file).items()}
+            data = planconfig.overlay(data, gpus)
+        if args.model:
+            data.pop("model", None)  # a preset named on the command line replaces the file's
+        flags = {key: value for key, value in flags.items() if value is not None}
+        flags |= {f"prices.{k}": v for k, v in map(planconfig.parse_price, args.price)}
+        request = planconfig.plan_request_from_mapping(planconfig.overlay(data, flags))
+        result = planner.plan(request)
+    except (ConfigError, OSError) as exc:
+        print(f"pdorch plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_to_dict(result), indent=2) if args.json else format_plan(result))
+    return 0
+
+
 # ------------------------------------------------------------------------------- parser
 
 
@@ -354,6 +396,32 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--rounds", type=int, default=3, help="alternations of ours/reference")
     bt.add_argument("--json", action="store_true", help="print one JSON object")
     bt.set_defaults(call=_bench_transport)
+
+    pl = sub.add_parser(
+        "plan",
+        help="estimate cost and goodput of colocated and disaggregated layouts",
+        description="Roofline estimates of colocated and prefill/decode-split layouts on GPU "
+        "kinds: replicas, TTFT, TPOT, goodput and cost per 1,000 requests, and a "
+        "recommendation. Flags override --config; see README 'Planner'.",
+    )
+    pl.add_argument("--config", help="JSON or TOML file (sections: model, traffic, slo, ...)")
+    pl.add_argument("--model", help="preset: smollm2-135m, llama-3-8b, llama-3-70b")
+    pl.add_argument("--dtype", choices=("bf16", "fp16", "fp8"), help="weights/KV dtype")
+    pl.add_argument("--rate", type=float, help="requests per second (default 20)")
+    pl.add_argument("--prompt-tokens", help="512 | uniform:LO:HI | lognormal:MEDIAN:P90")
+    pl.add_argument("--output-tokens", help="same forms as --prompt-tokens (default 256)")
+    pl.add_argument("--ttft-ms", type=float, help="TTFT target for the percentile prompt")
+    pl.add_argument("--tpot-ms", type=float, help="TPOT target")
+    pl.add_argument("--percentile", type=float, help="prompt percentile for TTFT (0.9)")
+    pl.add_argument("--gpus", help="kinds, comma-separated: colocated and decode pools")
+    pl.add_argument("--prefill-gpus", help="kinds for prefill pools (default: first of --gpus)")
+    pl.add_argument("--price", action="append", default=[], help="KIND=USD per GPU-hour")
+    pl.add_argument("--gpu-file", help="JSON or TOML table of GPU kinds overriding the defaults")
+    pl.add_argument("--link-gbps", type=float, help="prefill->decode link, Gbit/s (100)")
+    pl.add_argument("--max-batch", type=int, help="most sequences per decode batch (256)")
+    pl.add_argument("--allow-fp16", action="store_true", help="plan bf16 models in fp16 on T4")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.set_defaults(call=_plan)
     return p
 
 

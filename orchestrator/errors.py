@@ -13,7 +13,9 @@
     ├── LeaseLostError                another replica took the request over (we follow it)
     ├── WorkerError                   a worker call failed (retryable per ``retryable``)
     ├── RequestFailedError            the request already ended in failure (→ ABORTED)
-    └── DeadlineExceededError         a request ran past its deadline (→ DEADLINE_EXCEEDED)
+    ├── DeadlineExceededError         a request ran past its deadline (→ DEADLINE_EXCEEDED)
+    └── ConfigError                   bad configuration (a file, flags, a hardware table);
+                                      names the field, e.g. ``traffic.rate``
 
 gRPC status codes come from one table, `orchestrator.rpc.status`.
 """
@@ -93,3 +95,15 @@ class RequestFailedError(PdorchError):
 
 class DeadlineExceededError(PdorchError):
     """A request outlived its deadline."""
+
+
+class ConfigError(PdorchError):
+    """A configuration value is missing, of the wrong type or out of range.
+
+    ``field`` is its dotted path (``gpus.H100.price_per_hour``), so a message can point at the
+    line of a file or the flag to fix.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
