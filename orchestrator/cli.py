@@ -60,17 +60,8 @@ async def _run_worker(args: argparse.Namespace) -> int:
         kv_advertise=args.kv_advertise,
     )
     sender = make_sender(args.transport, tsettings)
-    if args.inject_kv_stall > 0 or args.kv_fault:  # chaos/testing only
-        from transport.testing import FaultInjector  # noqa: PLC0415
-
-        if args.kv_fault:
-            injector = FaultInjector.parse(args.kv_fault)  # validated by the parser already
-        else:  # stall while sending layer 1 of every KV
-            injector = FaultInjector(layer=1, delay_s=args.inject_kv_stall)
-        injector.attach(sender)
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(injector, "armed", True))
-        loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(injector, "armed", False))
+    if args.inject_kv_stall > 0 or args.kv_fault or args.kv_fault_file:  # chaos/testing only
+        _attach_kv_fault(sender, args)
     receiver = (
         make_receiver(args.transport, tsettings, engine.info.model_spec())
         if args.role == "decode"
@@ -92,6 +83,35 @@ async def _run_worker(args: argparse.Namespace) -> int:
         await worker.stop()
         await store.close()
     return 0
+
+
+def _attach_kv_fault(sender: object, args: argparse.Namespace) -> None:
+    """Fault injection on outgoing KV: SIGUSR1 arms it — re-reading ``--kv-fault-file`` when
+    given, so a chaos run can change the fault without restarting the worker — SIGUSR2
+    disarms it."""
+    from transport.testing import FaultInjector  # noqa: PLC0415
+
+    if args.kv_fault:
+        injector = FaultInjector.parse(args.kv_fault)  # validated by the parser already
+    elif args.kv_fault_file:
+        injector = FaultInjector(armed=False)
+    else:  # stall while sending layer 1 of every KV
+        injector = FaultInjector(layer=1, delay_s=args.inject_kv_stall)
+    injector.attach(sender)  # type: ignore[arg-type]
+
+    def arm() -> None:
+        if args.kv_fault_file:
+            try:
+                spec = FaultInjector.parse(Path(args.kv_fault_file).read_text().strip())
+            except (OSError, ValueError) as exc:
+                log.warning("kv fault file %s: %s", args.kv_fault_file, exc)
+                return
+            injector.configure(spec)
+        injector.armed = True
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, arm)
+    loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(injector, "armed", False))
 
 
 async def _run_orchestrator(args: argparse.Namespace) -> int:
@@ -344,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="fault injection on outgoing KV, e.g. 'layer=1,corrupt=99,p=0.5,armed=0' "
         "(keys: layer corrupt stall delay p seed armed); SIGUSR1 arms it, SIGUSR2 disarms",
+    )
+    w.add_argument(
+        "--kv-fault-file",
+        default="",
+        help="fault injection: SIGUSR1 reads the fault spec from this file and arms it",
     )
     w.add_argument(
         "--inject-kv-stall",

@@ -121,6 +121,13 @@ class FaultInjector:
             raise ValueError(f"fault spec {spec!r}: p must be in [0, 1] and layer >= 0")
         return injector
 
+    def configure(self, other: FaultInjector) -> None:
+        """Take ``other``'s fault (layer, corruption, delays, probability, seed)."""
+        self.layer, self.corrupt_offset = other.layer, other.corrupt_offset
+        self.delay_s, self.link_delay_s = other.delay_s, other.link_delay_s
+        self.probability, self.seed = other.probability, other.seed
+        self._rng = random.Random(self.seed)  # noqa: S311 - reproducible faults, not secrets
+
     def attach(self, sender: KvSender) -> None:
         sender.payload_hook = self._hook
         sender.delay_hook = self._delay

@@ -25,7 +25,7 @@ from orchestrator.chaos.checker import RunVerdict, Summary, check_run
 from orchestrator.chaos.faults import FaultExecutor
 from orchestrator.chaos.history import History
 from orchestrator.chaos.proxy import FaultProxy
-from orchestrator.chaos.scenario import Scenario, ScenarioError, plan
+from orchestrator.chaos.scenario import ClusterSpec, Scenario, ScenarioError, plan
 from orchestrator.chaos.workload import Clients, RequestPlan, make_requests
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.errors import PdorchError
@@ -60,13 +60,47 @@ def _transport(name: str) -> str:
 def _kv_fault_spec(scenario: Scenario) -> str:
     """The in-worker injector for KV-link faults over UCX (armed by the runner)."""
     params = scenario.kv_fault_params()
-    parts = ["layer=1", "armed=0", "seed=7"]
+    parts = ["layer=1", "seed=7"]
     if "uses_corrupt" in params:
         parts.append("corrupt=4099")
         parts.append(f"p={params.get('probability', 1.0)}")
     if "uses_delay" in params:
         parts.append(f"delay={params.get('delay_ms', 0.0) / 1000}")
     return ",".join(parts)
+
+
+def cluster_for(spec: ClusterSpec, model_cache: Path | None = None) -> LocalCluster:
+    """A (not yet started) local cluster for scenarios with this cluster spec. Its workers
+    take their KV fault from a file, re-read at each SIGUSR1, so one cluster serves many
+    scenarios (see `shareable`)."""
+    cluster = LocalCluster(
+        model=spec.model,
+        transport=_transport(spec.transport),
+        prefill_workers=spec.prefill,
+        decode_workers=spec.decode,
+        orchestrators=spec.orchestrators,
+        model_cache=model_cache,
+        redis_aof=spec.redis_aof,
+        heartbeat_ttl_s=spec.heartbeat_ttl_s,
+    )
+    fault_file = str(cluster.workdir / "kv-fault")
+    for role in ("prefill", "decode"):
+        cluster.worker_extra[role] = ["--kv-fault-file", fault_file]
+    return cluster
+
+
+def shareable(scenario: Scenario, cluster: LocalCluster) -> bool:
+    """Whether ``scenario`` can run on an already started ``cluster``: same shape, and no
+    fault proxy to put in front of its processes (UCX KV faults need none)."""
+    spec = scenario.cluster
+    transport = _transport(spec.transport)
+    proxies = scenario.links() - ({"kv"} if transport == "ucx" else set())
+    return not proxies and (
+        (cluster.model, cluster.transport, cluster.prefill_workers, cluster.decode_workers,
+         cluster.orchestrators, cluster.redis_aof, cluster.heartbeat_ttl_s)
+        == (spec.model, transport, spec.prefill, spec.decode, spec.orchestrators,
+            spec.redis_aof, spec.heartbeat_ttl_s)
+    )  # fmt: skip
 
 
 class ChaosRunner:
@@ -79,7 +113,10 @@ class ChaosRunner:
         out_dir: Path | None = None,
         model_cache: Path | None = None,
         pictures: bool = True,
+        cluster: LocalCluster | None = None,
     ) -> None:
+        """``cluster``: an already started cluster to run on (it is restored, not stopped,
+        at the end); None starts one for this command."""
         self.scenario = scenario
         self.seed = seed
         self.runs = runs
@@ -87,17 +124,10 @@ class ChaosRunner:
         self.model_cache = model_cache
         self.pictures = pictures
         self.transport = _transport(scenario.cluster.transport)
-        spec = scenario.cluster
-        self.cluster = LocalCluster(
-            model=spec.model,
-            transport=self.transport,
-            prefill_workers=spec.prefill,
-            decode_workers=spec.decode,
-            orchestrators=spec.orchestrators,
-            model_cache=model_cache,
-            redis_aof=spec.redis_aof,
-            heartbeat_ttl_s=spec.heartbeat_ttl_s,
-        )
+        if cluster is not None and not shareable(scenario, cluster):
+            raise ScenarioError(f"scenario {scenario.name} cannot run on the given cluster")
+        self.shared = cluster is not None
+        self.cluster = cluster or cluster_for(scenario.cluster, model_cache)
         self.links = scenario.links()
         self.kv_injector = "kv" in self.links and self.transport == "ucx"
         self.proxies: dict[str, dict[str, FaultProxy]] = {}
@@ -112,6 +142,11 @@ class ChaosRunner:
 
     async def _start(self) -> list[str]:
         """Start proxies and the cluster; returns the addresses clients connect to."""
+        if self.kv_injector:
+            (self.cluster.workdir / "kv-fault").write_text(_kv_fault_spec(self.scenario))
+        if self.shared:
+            await self._restore()
+            return list(self.cluster.orchestrator_addresses)
         workers = self._workers()
         if "worker" in self.links:
             self.proxies["worker"] = {}
@@ -125,10 +160,6 @@ class ChaosRunner:
                 proxy = FaultProxy(f"kv-{name}", "127.0.0.1:1", seed=self.seed + 1)
                 self.cluster.kv_advertise[name] = await proxy.start()
                 self.proxies["kv"][name] = proxy
-        if self.kv_injector:
-            spec = _kv_fault_spec(self.scenario)
-            for role in ("prefill", "decode"):
-                self.cluster.worker_extra[role] = ["--kv-fault", spec]
 
         def retarget(name: str, port: int, kv_port: int) -> None:
             if name in self.proxies.get("worker", {}):
@@ -163,8 +194,8 @@ class ChaosRunner:
             for name in self._workers():
                 proc = c.procs[name]
                 proc.signal(signal.SIGCONT)
-                if self.kv_injector:
-                    proc.signal(signal.SIGUSR2)
+                if self.kv_injector:  # (a worker still importing would die of SIGUSR2)
+                    proc.signal(signal.SIGUSR2)  # KV fault injector off
                 if proc.popen.poll() is not None:
                     role, index = name.rsplit("-", 1)
                     c.start_worker(role, int(index))
@@ -178,6 +209,9 @@ class ChaosRunner:
         await asyncio.to_thread(restore)
 
     async def _close(self) -> None:
+        if self.shared:
+            await self._restore()  # whole again for whoever runs on it next
+            return
         await asyncio.to_thread(self.cluster.stop)
         for proxies in self.proxies.values():
             for proxy in proxies.values():

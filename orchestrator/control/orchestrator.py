@@ -28,6 +28,7 @@ from orchestrator import errors
 from orchestrator.api import convert, worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.core.breaker import Breakers
+from orchestrator.core.deadlines import StateDeadlines, overdue
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement, place
@@ -62,6 +63,10 @@ class ControlSettings:
     """How long a finishing request waits for an unreachable store before giving up."""
     reap_interval_s: float = 1.0
     """How often a replica looks for requests whose owner's lease expired."""
+    deadlines: StateDeadlines = field(default_factory=StateDeadlines)
+    """The backstop per state (`orchestrator.core.deadlines`): enforced by every replica."""
+    deadline_scan_s: float = 5.0
+    """How often a replica checks every live request against its state's deadline."""
     detach_grace_s: float = 10.0
     """A request whose client went away keeps running this long, so the client can reconnect
     (to any replica) and resume; with no client attached by then it is cancelled."""
@@ -363,6 +368,12 @@ class Orchestrator:
             raise
         except errors.LeaseLostError:
             raise  # the new owner records the end
+        except errors.StaleEpochError as exc:
+            # Our writes are fenced off: another replica took the request over (our lease
+            # lapsed while Redis stalled, say). Not a failure: the new owner continues it
+            # and this client follows the journal it writes.
+            run.lease_lost = True
+            raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
             await self._finish(run, State.FAILED, "error", str(exc))
             raise
@@ -405,8 +416,17 @@ class Orchestrator:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _reap(self) -> None:
+        scanned = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.reap_interval_s)
+            if time.monotonic() - scanned >= self.settings.deadline_scan_s:
+                scanned = time.monotonic()
+                try:
+                    await self._enforce_deadlines()
+                except errors.UnavailableError as exc:
+                    log.warning("deadline scan skipped: %s", exc)
+                except Exception:
+                    log.exception("deadline scan failed")
             try:
                 for rid in await self.store.active():
                     if rid in self._driving or rid in self._resuming:
@@ -422,6 +442,23 @@ class Orchestrator:
                 log.warning("takeover scan skipped: %s", exc)
             except Exception:
                 log.exception("takeover scan failed")
+
+    async def _enforce_deadlines(self) -> None:
+        """Fail every live request that sat in its state past the state's deadline, whoever
+        drives it (one CAS per request: one that moved meanwhile is left alone)."""
+        rids = await self.store.active()
+        if not rids:
+            return
+        now = await self.store.now_ms()
+        for rid, (state, epoch, updated) in (await self.store.progress(rids)).items():
+            reason = overdue(state, float(updated), now, self.settings.deadlines)
+            if reason is None:
+                continue
+            if await self.store.expire(rid, state, epoch, updated, reason):
+                log.warning("request %s: failed by the reaper: %s", rid, reason)
+                task = self._driving.get(rid)
+                if task is not None:
+                    task.cancel()  # stuck here: stop it (its end is recorded already)
 
     async def _resume(self, rid: str, epoch: int) -> None:
         """Finish a request taken over from a dead replica, from its journal."""

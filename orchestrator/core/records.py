@@ -68,6 +68,9 @@ class RequestRecord:
     sampling: list[float] = field(default_factory=list)
     """[temperature, top_p, seed]."""
     stop: list[str] = field(default_factory=list)
+    updated_at: float = 0.0
+    """Redis time (ms) of the last progress: a transition or a journalled chunk. Set by the
+    store's scripts, read by the deadline reaper."""
 
     def to_fields(self) -> dict[str, str]:
         d = asdict(self)
@@ -98,6 +101,7 @@ class RequestRecord:
             prompt_ids=json.loads(f.get("prompt_ids", "[]")),
             sampling=json.loads(f.get("sampling", "[]")),
             stop=json.loads(f.get("stop", "[]")),
+            updated_at=float(f.get("updated_at", "0")),
         )
 
 

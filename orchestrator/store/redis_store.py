@@ -43,6 +43,9 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, got[1], got[2]}
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+local t = redis.call('TIME')
+local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSET', KEYS[1], 'updated_at', now)
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 redis.call('SADD', KEYS[2], KEYS[1])
 redis.call('SET', KEYS[3], ARGV[3], 'PX', tonumber(ARGV[4]))
@@ -82,7 +85,10 @@ end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {0} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
 local epoch = tonumber(cur[2]) + 1
-redis.call('HSET', KEYS[1], 'state', 'queued', 'epoch', tostring(epoch), 'owner', ARGV[1])
+local t = redis.call('TIME')
+local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSET', KEYS[1], 'state', 'queued', 'epoch', tostring(epoch), 'owner', ARGV[1],
+  'updated_at', now)
 return {1, epoch}
 """
 
@@ -100,7 +106,9 @@ for s in string.gmatch(ARGV[4], '[^,]+') do
   if s == cur[1] then ok = true end
 end
 if not ok then return {-3, cur[1], cur[2]} end
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'epoch', ARGV[3])
+local t = redis.call('TIME')
+local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'epoch', ARGV[3], 'updated_at', now)
 if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
 if ARGV[2] == 'done' or ARGV[2] == 'failed' or ARGV[2] == 'cancelled' then
   redis.call('SREM', KEYS[2], KEYS[1])
@@ -122,7 +130,23 @@ if cur[2] ~= ARGV[2] then return {-4, cur[2]} end
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
 local n = redis.call('HINCRBY', KEYS[1], 'output_tokens', tonumber(ARGV[3]))
+local t = redis.call('TIME')
+local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSET', KEYS[1], 'updated_at', now)
 return {1, n}
+"""
+
+# KEYS[1] record, KEYS[2] active set, KEYS[3] lease. ARGV[1] state, ARGV[2] epoch,
+# ARGV[3] updated_at, ARGV[4] error. Fails a request that made no progress since the reaper
+# read it (same state, epoch and progress time): a request that moved meanwhile is left be.
+# Returns 1 when failed, 0 otherwise.
+_EXPIRE = """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'updated_at')
+if not cur[1] or cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] or cur[3] ~= ARGV[3] then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'failed', 'finish_reason', 'error', 'error', ARGV[4])
+redis.call('SREM', KEYS[2], KEYS[1])
+redis.call('DEL', KEYS[3])
+return 1
 """
 
 # KEYS[1] record. ARGV field/value pairs. Only an existing record is updated (a bare HSET
@@ -176,6 +200,7 @@ class RedisStore:
         self._active = f"{settings.prefix}:active"
         self._refresh: Any = self._redis.register_script(_REFRESH)
         self._release: Any = self._redis.register_script(_RELEASE)
+        self._expire: Any = self._redis.register_script(_EXPIRE)
         self._takeover: Any = self._redis.register_script(_TAKEOVER)
 
     def _lease(self, rid: str) -> str:
@@ -335,6 +360,36 @@ class RedisStore:
                 args=[owner, int(self.settings.lease_ttl_s * 1000)],
             )
         return int(res[1]) if int(res[0]) == 1 else None
+
+    async def now_ms(self) -> float:
+        """Redis's clock (the one progress times are written with), in milliseconds."""
+        async with _translated("time"):
+            seconds, micros = await self._redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def progress(self, request_ids: list[str]) -> dict[str, tuple[State, int, str]]:
+        """(state, epoch, updated_at as stored) of each request that still exists."""
+        async with _translated("progress"):
+            pipe = self._redis.pipeline(transaction=False)
+            for rid in request_ids:
+                pipe.hmget(self._req(rid), "state", "epoch", "updated_at")
+            rows = await pipe.execute()
+        return {
+            rid: (State(row[0]), int(row[1]), row[2] or "0")
+            for rid, row in zip(request_ids, rows, strict=True)
+            if row[0] is not None
+        }
+
+    async def expire(
+        self, request_id: str, state: State, epoch: int, updated_at: str, error: str
+    ) -> bool:
+        """Fail a request that made no progress since (state, epoch, updated_at) was read."""
+        async with _translated("expire"):
+            done = await self._expire(
+                keys=[self._req(request_id), self._active, self._lease(request_id)],
+                args=[str(state), str(epoch), updated_at, error],
+            )
+        return bool(int(done))
 
     async def touch_client(self, request_id: str, ttl_s: float) -> None:
         """A client is attached to the request (following it) for the next ``ttl_s``."""

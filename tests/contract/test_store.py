@@ -171,6 +171,11 @@ def record(rid: str = "r1", *, body: str = "b" * 32, epoch: int = 0) -> RequestR
     )
 
 
+def stored(got: RequestRecord | None) -> RequestRecord | None:
+    """A record as read back, without the progress time the store's scripts stamp on it."""
+    return None if got is None else replace(got, updated_at=0.0)
+
+
 def info(wid: str, *, active: int = 0) -> WorkerInfo:
     return WorkerInfo(
         worker_id=wid,
@@ -203,7 +208,7 @@ def test_create_then_get_round_trips(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store:
             assert await store.create(record()) is None
-            assert await store.get("r1") == record()
+            assert stored(await store.get("r1")) == record()
 
     run(scenario)
 
@@ -223,7 +228,7 @@ def test_duplicate_create_returns_the_existing_record(settings: StoreSettings) -
             assert await store.create(first) is None
             await store.transition("r1", epoch=0, target=State.PREFILLING)
             again = await store.create(record(body="2" * 32))
-            assert again == replace(first, state=State.PREFILLING)  # untouched by the retry
+            assert stored(again) == replace(first, state=State.PREFILLING)  # untouched
 
     run(scenario)
 
@@ -366,7 +371,7 @@ def test_set_fields_refuses_state_and_epoch(settings: StoreSettings, field: str)
             await store.create(record())
             with pytest.raises(ValueError, match="transition"):
                 await store.set_fields("r1", {field: "1", "owner": "x"})
-            assert await store.get("r1") == record()  # nothing written, not even "owner"
+            assert stored(await store.get("r1")) == record()  # nothing written, not "owner"
 
     run(scenario)
 
@@ -716,5 +721,55 @@ def test_client_attachment_expires(settings: StoreSettings) -> None:
                 return not await store.client_attached("c1")
 
             await eventually(gone, 5, "the attachment to expire")
+
+    run(scenario)
+
+
+# ------------------------------------------------------------------ deadlines
+
+
+def test_progress_time_moves_with_every_write(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.create(record("p1", epoch=1)) is None
+            ((state, epoch, created),) = (await store.progress(["p1", "nope"])).values()
+            assert (state, epoch) == (State.QUEUED, 1)
+            now = await store.now_ms()
+            assert 0 < now - float(created) < 5000  # Redis's clock, in ms
+
+            async def moved(before: str) -> str:
+                _, _, after = (await store.progress(["p1"]))["p1"]
+                assert float(after) >= float(before)
+                return after
+
+            await asyncio.sleep(0.005)  # the clock must tick between two writes
+            await store.transition("p1", epoch=1, target=State.DECODING)
+            t1 = await moved(created)
+            await asyncio.sleep(0.005)
+            await store.append("p1", 1, JournalEntry(0, (1, 2), "ab"))
+            t2 = await moved(t1)
+            assert float(t2) > float(created)
+
+    run(scenario)
+
+
+def test_expire_fails_only_a_request_that_made_no_progress(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.create(record("x1", epoch=1)) is None
+            await store.transition("x1", epoch=1, target=State.DECODING)
+            seen = (await store.progress(["x1"]))["x1"]
+            await asyncio.sleep(0.005)
+            await store.append("x1", 1, JournalEntry(0, (7,), "z"))  # progress after the read
+            assert not await store.expire("x1", seen[0], seen[1], seen[2], "late")
+            state, epoch, updated = (await store.progress(["x1"]))["x1"]
+            assert await store.expire("x1", state, epoch, updated, "no progress for 2s")
+            got = await store.get("x1")
+            assert got is not None
+            assert (got.state, got.finish_reason, got.error) == (
+                State.FAILED, "error", "no progress for 2s"
+            )  # fmt: skip
+            assert "x1" not in await store.active()
+            assert await store.take_over("x1", "orch-9") is None  # ended: nothing to take
 
     run(scenario)
