@@ -5,6 +5,11 @@ some value we rendered is not in the live object. Extra keys in the live object 
 a list we rendered must match element by element (each element compared the same way), as
 a JSON merge patch replaces lists whole.
 
+A merge patch never removes a map key it does not mention, so the maps we render whole
+(`OWNED_MAPS`: a ConfigMap's data, a pod's node selector) are compared exactly, and the
+patch sets keys we no longer render to null. (Containers, env, tolerations are lists: a
+patch replaces them whole anyway.)
+
 Fields the API server refuses to change after creation are left out of both the comparison
 and the patch: a change there cannot be applied by patching, and trying would fail every
 resync. (The spec never changes them: selectors and names are fixed by `naming`.)
@@ -29,6 +34,13 @@ IMMUTABLE: Mapping[str, tuple[tuple[str, ...], ...]] = {
 }
 
 
+# Per kind: maps whose every key is ours (keys we stop rendering must go).
+OWNED_MAPS: Mapping[str, tuple[tuple[str, ...], ...]] = {
+    "ConfigMap": (("data",),),
+    "Deployment": (("spec", "template", "spec", "nodeSelector"),),
+}
+
+
 def patchable(desired: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a rendered object a merge patch may carry: metadata we own and the
     mutable rest, never apiVersion/kind/name/namespace (they address the object)."""
@@ -47,8 +59,46 @@ def patchable(desired: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def drifted(desired: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
-    """Whether `live` lacks or contradicts anything of `desired` that a patch could fix."""
-    return not contains(live, patchable(desired))
+    """Whether `live` lacks or contradicts anything of `desired` that a patch could fix, or
+    has a key in a map we own that we no longer render."""
+    if not contains(live, patchable(desired)):
+        return True
+    return any(_stale_keys(desired, live, path) for path in _owned_maps(desired))
+
+
+def patch_for(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that makes `live` what we render: `patchable(desired)`, plus null
+    for every stale key of the maps we own."""
+    body = patchable(desired)
+    for path in _owned_maps(desired):
+        stale = _stale_keys(desired, live, path)
+        if stale:
+            node = body
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            target = node.get(path[-1])
+            if not isinstance(target, dict):
+                target = node[path[-1]] = {}
+            target.update(dict.fromkeys(stale))
+    return body
+
+
+def _owned_maps(desired: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+    return OWNED_MAPS.get(str(desired.get("kind")), ())
+
+
+def _get(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, Mapping) else None
+    return obj
+
+
+def _stale_keys(
+    desired: Mapping[str, Any], live: Mapping[str, Any], path: tuple[str, ...]
+) -> list[str]:
+    wanted = _get(desired, path) or {}
+    have = _get(live, path) or {}
+    return sorted(k for k in have if k not in wanted) if isinstance(have, Mapping) else []
 
 
 def contains(live: Any, desired: Any) -> bool:

@@ -144,8 +144,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 raise _translate(exc, config.retry_delay_s) from exc
         if outcome is None:
             logger.warning("spec not applied: %s", status["conditions"][0]["message"])
-        elif outcome.changes() or outcome.pruned:
-            logger.info("applied %s; pruned %s", outcome.changes(), list(outcome.pruned))
+        else:
+            if outcome.changes() or outcome.pruned:
+                logger.info("applied %s; pruned %s", outcome.changes(), list(outcome.pruned))
+            if outcome.foreign():
+                logger.warning("names taken by objects we don't control: %s", outcome.foreign())
         patch.status.update(status)
 
     @kopf.on.create(*_RESOURCE, id="create", registry=registry)

@@ -11,6 +11,7 @@ when a pool has no live workers, per ``--fallback``):
 Conditions (metav1.Condition shape): Ready, PrefillPoolReady, DecodePoolReady, Degraded.
 A pool is ready with at least one ready pod (fewer than desired shows in the message and
 the counts). Degraded is True with the first reason that applies, in this order:
+ForeignObjects (a child's name is taken by an object we don't control),
 OrchestratorUnavailable, RedisUnavailable, NoWorkers, PrefillPoolUnavailable,
 DecodePoolUnavailable. A condition's lastTransitionTime changes only when its status does.
 """
@@ -59,11 +60,14 @@ def assess(
     generation: int | None,
     previous: Sequence[Mapping[str, Any]],
     now: str,
+    foreign: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The status to write. ``redis`` is None when Redis is external (a Secret's URL):
-    the operator cannot see it, the orchestrators' readiness covers it."""
+    the operator cannot see it, the orchestrators' readiness covers it. ``foreign``: the
+    children that could not be applied because someone else's object has their name."""
     mode = _mode(prefill, decode, fallback)
-    degraded = _degraded_reason(orchestrator, prefill, decode, redis)
+    degraded = "ForeignObjects" if foreign else None
+    degraded = degraded or _degraded_reason(orchestrator, prefill, decode, redis)
     ready = orchestrator.up and mode != UNAVAILABLE and (redis is None or redis.up)
     conditions = [
         _condition(
@@ -78,7 +82,7 @@ def assess(
             "Degraded",
             degraded is not None,
             degraded or "AllComponentsReady",
-            _degraded_message(degraded, mode),
+            _degraded_message(degraded, mode, foreign),
         ),
     ]
     status: dict[str, Any] = {
@@ -163,9 +167,11 @@ def _degraded_reason(
     return None
 
 
-def _degraded_message(reason: str | None, mode: str) -> str:
+def _degraded_message(reason: str | None, mode: str, foreign: Sequence[str]) -> str:
     if reason is None:
         return "every component has a ready pod"
+    if foreign:
+        return f"not ours, left alone: {', '.join(foreign)}; mode {mode}"
     return f"{reason}; mode {mode}"
 
 

@@ -39,6 +39,7 @@ PLURALS: Mapping[str, str] = {
 }
 
 _MERGE_PATCH = "application/merge-patch+json"
+USER_AGENT = "pdorch-operator"  # tells our calls from kopf's in API server audit logs
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class KubeClient:
     def __init__(self, connection: Connection, *, timeout_s: float = 10.0) -> None:
         self.connection = connection
         self._session = aiohttp.ClientSession(
-            headers=dict(connection.headers),
+            headers={"User-Agent": USER_AGENT, **connection.headers},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         )
 

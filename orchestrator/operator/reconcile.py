@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.operator import health, naming
-from orchestrator.operator.drift import drifted, owned_by, patchable
+from orchestrator.operator.drift import drifted, owned_by, patch_for
 from orchestrator.operator.errors import ForeignObjectError, ObjectConflictError, SpecError
 from orchestrator.operator.kube import KubeClient
 from orchestrator.operator.naming import Identity, Ref
@@ -22,15 +22,19 @@ from orchestrator.operator.render import child_refs, render
 from orchestrator.operator.spec import ServiceSpec, parse_spec
 
 CREATED, PATCHED, UNCHANGED, TERMINATING = "created", "patched", "unchanged", "terminating"
+FOREIGN = "foreign"  # a child's name is taken by an object this resource does not control
 
 
 @dataclass(frozen=True)
 class Outcome:
-    actions: Mapping[str, str]  # "Kind/name" → created | patched | unchanged | terminating
+    actions: Mapping[str, str]  # "Kind/name" → created | patched | unchanged | … | foreign
     pruned: tuple[str, ...]
 
     def changes(self) -> dict[str, str]:
-        return {k: v for k, v in self.actions.items() if v != UNCHANGED}
+        return {k: v for k, v in self.actions.items() if v not in (UNCHANGED, FOREIGN)}
+
+    def foreign(self) -> list[str]:
+        return [k for k, v in self.actions.items() if v == FOREIGN]
 
 
 async def reconcile(
@@ -48,7 +52,7 @@ async def reconcile(
         status = health.invalid_spec(str(exc), identity.generation, previous_conditions, now)
         return status, None
     outcome = await apply(client, identity, render(identity, spec))
-    status = await observe(client, identity, spec, previous_conditions, now)
+    status = await observe(client, identity, spec, previous_conditions, now, outcome.foreign())
     return status, outcome
 
 
@@ -57,7 +61,10 @@ async def apply(
 ) -> Outcome:
     actions: dict[str, str] = {}
     for obj in objects:
-        actions[str(Ref.of(obj))] = await apply_one(client, identity, obj)
+        try:
+            actions[str(Ref.of(obj))] = await apply_one(client, identity, obj)
+        except ForeignObjectError:  # leave it alone; apply the rest; the status says so
+            actions[str(Ref.of(obj))] = FOREIGN
     pruned = await prune(client, identity, {Ref.of(obj) for obj in objects})
     return Outcome(actions=actions, pruned=tuple(pruned))
 
@@ -79,7 +86,7 @@ async def apply_one(client: KubeClient, identity: Identity, desired: dict[str, A
     if live.get("metadata", {}).get("deletionTimestamp"):
         return TERMINATING  # being deleted: the next pass creates it again
     if drifted(desired, live):
-        await client.patch(ref, patchable(desired))
+        await client.patch(ref, patch_for(desired, live))
         return PATCHED
     return UNCHANGED
 
@@ -111,6 +118,7 @@ async def observe(
     spec: ServiceSpec,
     previous_conditions: Sequence[Mapping[str, Any]],
     now: str,
+    foreign: Sequence[str] = (),
 ) -> dict[str, Any]:
     n = naming.names(identity)
     ns = identity.namespace
@@ -125,6 +133,7 @@ async def observe(
         decode=await workload("Deployment", n.decode, spec.decode.replicas),
         redis=redis,
         fallback=spec.failover.fallback,
+        foreign=foreign,
         generation=identity.generation,
         previous=previous_conditions,
         now=now,

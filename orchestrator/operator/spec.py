@@ -186,8 +186,6 @@ def _resources(r: _Reader) -> Resources:
 def _redis(r: _Reader) -> Redis:
     r.only("urlSecret", "dev")
     secret, dev = r.child("urlSecret"), r.child("dev")
-    if "dev" in r.raw and not dev.present:
-        dev.present = True  # `dev: {}` asks for a dev Redis with every default
     if secret.present == dev.present:
         raise SpecError(r.path, "set exactly one of urlSecret and dev")
     if secret.present:
@@ -236,13 +234,13 @@ class _Reader:
     """Typed, path-aware access to one object of the spec."""
 
     def __init__(self, raw: object, path: str) -> None:
+        self.present = raw is not None  # given, even as {} (which asks for every default)
         if raw is None:
             raw = {}
         if not isinstance(raw, Mapping):
             raise SpecError(path, "must be an object")
         self.raw: Mapping[str, Any] = raw
         self.path = path
-        self.present = bool(raw)
 
     def _at(self, key: str) -> str:
         return f"{self.path}.{key}"
