@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import kopf
 
 from orchestrator.operator import health
 from orchestrator.operator.config import OperatorConfig
+from orchestrator.operator.drift import contains
 from orchestrator.operator.errors import KubeApiError, OperatorError, SpecError
 from orchestrator.operator.kube import Connection, KubeClient
 from orchestrator.operator.naming import GROUP, PLURAL, VERSION, Identity
@@ -94,6 +95,28 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+async def _unless_stopped(
+    work: Coroutine[Any, Any, None], stopped: kopf.DaemonStopped, name: str
+) -> None:
+    """Run one timer pass, abandoning it if the operator stops (or the resource goes)
+    meanwhile: kopf does not cancel a running timer at exit but leaves it orphaned, and a
+    pass cut short is harmless (passes are idempotent; the next one converges)."""
+
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    task = asyncio.create_task(work, name=name)
+    watch = asyncio.create_task(until_stopped(), name=f"{name}: stop watch")
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if not task.cancelled():
+        task.result()  # the pass's own error, if any
+
+
 def _translate(exc: OperatorError, delay: float) -> kopf.TemporaryError | kopf.PermanentError:
     if isinstance(exc, KubeApiError) and exc.transient:
         return kopf.TemporaryError(str(exc), delay=delay)
@@ -142,6 +165,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 status, outcome = await reconcile(client, identity, body.spec, previous, _now())
             except OperatorError as exc:
                 raise _translate(exc, config.retry_delay_s) from exc
+        if not contains(body.get("status", {}), status):  # don't write (and wake watchers)
+            patch.status.update(status)  # for a status that did not change
         if outcome is None:
             logger.warning("spec not applied: %s", status["conditions"][0]["message"])
         else:
@@ -149,7 +174,6 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 logger.info("applied %s; pruned %s", outcome.changes(), list(outcome.pruned))
             if outcome.foreign():
                 logger.warning("names taken by objects we don't control: %s", outcome.foreign())
-        patch.status.update(status)
 
     @kopf.on.create(*_RESOURCE, id="create", registry=registry)
     @kopf.on.update(*_RESOURCE, id="update", field="spec", registry=registry)
@@ -158,8 +182,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         await converge(body, patch, logger)
 
     @kopf.timer(*_RESOURCE, id="resync", interval=config.resync_interval_s, registry=registry)
-    async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-        await converge(body, patch, logger)
+    async def on_timer(
+        body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **kwargs: Any
+    ) -> None:
+        stopped: kopf.DaemonStopped = kwargs["stopped"]  # not in kopf's TimerFn protocol
+        name = f"resync {body.meta.namespace}/{body.meta.name}"
+        await _unless_stopped(converge(body, patch, logger), stopped, name)
 
     @kopf.on.delete(*_RESOURCE, id="delete", registry=registry)
     async def on_delete(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:

@@ -23,6 +23,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import aiohttp.web
+import attrs
 from kmock import KubernetesEmulator, ResourceInfo, Server
 
 T = TypeVar("T")
@@ -44,6 +46,34 @@ RESOURCES = {
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True),
 }
 _VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+_KMOCK_HISTORY = 16  # more than the requests in flight at once
+
+
+@attrs.frozen
+class Call:
+    user_agent: str
+    method: str
+    path: str
+    query: str
+
+
+@attrs.define(kw_only=True)
+class _RecordingEmulator(KubernetesEmulator):
+    """Also records every request: who made it, and what for (for the RBAC check)."""
+
+    calls: list[Call] = attrs.field(factory=list)
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        agent = raw_request.headers.get("User-Agent", "")
+        self.calls.append(
+            Call(agent, raw_request.method, raw_request.path, raw_request.query_string)
+        )
+        # kmock 0.8 matches every request against its whole request history (to find which
+        # reactions "saw" it), so each request costs O(requests so far): a few thousand
+        # requests in, it answers in 100+ ms. Nothing here asserts on kmock's history (we
+        # keep our own, above), so keep only the recent part of it.
+        del self._requests[:-_KMOCK_HISTORY]
+        return await super().__call__(raw_request)
 
 
 class Emulator:
@@ -56,6 +86,11 @@ class Emulator:
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kmock-emulator", daemon=True)
+        self._calls: list[Call] = []
+
+    def calls(self) -> list[Call]:
+        """Every request so far (a copy; the list grows in the emulator's thread)."""
+        return list(self._calls)
 
     def start(self) -> Emulator:
         self._thread.start()
@@ -80,7 +115,8 @@ class Emulator:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with KubernetesEmulator() as emulator, Server(emulator) as server:
+        async with _RecordingEmulator() as emulator, Server(emulator) as server:
+            self._calls = emulator.calls
             for key, (kind, namespaced) in RESOURCES.items():
                 emulator.resources[key] = ResourceInfo(
                     kind=kind,
