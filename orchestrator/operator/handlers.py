@@ -117,6 +117,15 @@ async def _unless_stopped(
         task.result()  # the pass's own error, if any
 
 
+def _write_status(patch: kopf.Patch, current: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    """Patch the status to `status`, removing keys it no longer has (e.g. the dev Redis's
+    counts); nothing at all when it is unchanged, so that a quiet resync neither writes
+    nor wakes the resource's watchers."""
+    stale = [key for key in current if key not in status]
+    if stale or not contains(current, status):
+        patch.status.update({**status, **dict.fromkeys(stale)})
+
+
 def _translate(exc: OperatorError, delay: float) -> kopf.TemporaryError | kopf.PermanentError:
     if isinstance(exc, KubeApiError) and exc.transient:
         return kopf.TemporaryError(str(exc), delay=delay)
@@ -165,8 +174,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 status, outcome = await reconcile(client, identity, body.spec, previous, _now())
             except OperatorError as exc:
                 raise _translate(exc, config.retry_delay_s) from exc
-        if not contains(body.get("status", {}), status):  # don't write (and wake watchers)
-            patch.status.update(status)  # for a status that did not change
+        _write_status(patch, body.get("status", {}), status)
         if outcome is None:
             logger.warning("spec not applied: %s", status["conditions"][0]["message"])
         else:

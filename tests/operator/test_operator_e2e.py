@@ -320,6 +320,7 @@ def test_deleted_resource_takes_its_children_along(api: Api, apply: Apply) -> No
 def test_switching_to_an_external_redis_prunes_the_dev_one(api: Api, apply: Apply) -> None:
     apply("foxtrot", SPEC)
     wait_for("every child", lambda: all_exist(api, children("foxtrot")))
+    wait_for("the dev Redis's counts", lambda: "redis" in status_of(api, "foxtrot"))
     edit_spec(api, "foxtrot", {"redis": {"dev": None, "urlSecret": {"name": "redis"}}}, 2)
 
     def switched() -> bool:
@@ -335,6 +336,7 @@ def test_switching_to_an_external_redis_prunes_the_dev_one(api: Api, apply: Appl
             gone
             and "PDORCH_REDIS_URL" not in config
             and any(e.get("valueFrom") == from_secret for e in env)
+            and "redis" not in status_of(api, "foxtrot")  # nothing to count any more
         )
 
     wait_for("the dev Redis pruned and the Secret used", switched)
