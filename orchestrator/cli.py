@@ -149,6 +149,20 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_operator(args: argparse.Namespace) -> int:
+    from orchestrator.operator.config import OperatorConfig  # noqa: PLC0415
+    from orchestrator.operator.runner import run_operator  # noqa: PLC0415 - imports kopf
+
+    config = OperatorConfig(
+        namespaces=tuple(args.namespace),
+        resync_interval_s=args.resync_interval,
+        server=args.server or None,
+        liveness_endpoint=args.liveness or None,
+    )
+    await run_operator(config)
+    return 0
+
+
 # ------------------------------------------------------------------------------ clients
 
 
@@ -377,6 +391,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="fault injection: stall this many seconds in the middle of every KV send",
     )
     w.set_defaults(run=_run_worker)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator (DisaggregatedService)")
+    op.add_argument(
+        "--namespace", action="append", required=True, help="serve this namespace (repeatable)"
+    )
+    op.add_argument(
+        "--resync-interval", type=float, default=30.0, help="re-reconcile every resource every S"
+    )
+    op.add_argument(
+        "--server",
+        default=env.get("PDORCH_KUBE_SERVER", ""),
+        help="API server URL used without authentication (kubectl proxy); "
+        "default: the pod's service account, else the kubeconfig",
+    )
+    op.add_argument("--liveness", default="", help="serve kopf's liveness probe at this URL")
+    op.set_defaults(run=_run_operator)
 
     g = sub.add_parser("generate", help="stream a completion from an orchestrator")
     g.add_argument("prompt")

@@ -1,0 +1,312 @@
+"""A `DisaggregatedService` spec, parsed and defaulted into frozen dataclasses (pure).
+
+The CRD's OpenAPI schema (manifests/crd/) is what the API server enforces; this parser is
+the operator's own check and the one place defaults live, so that `render` gets complete,
+typed input. Every error names the field (``spec.prefill.replicas: …``). Unknown fields are
+errors here (the API server prunes them, so only hand-written input — samples, tests — can
+carry them).
+
+Fields with no process flag behind them yet: ``slo`` (kept for the planner, nothing reads
+it today). Everything else maps onto a real `pdorch` flag or environment variable; see
+`workloads`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.operator.errors import SpecError
+
+MODELS = ("tiny", "smollm2")  # `pdorch worker --model` choices
+TRANSPORTS = ("ucx", "tcp")  # `pdorch worker --transport` choices
+FALLBACKS = ("local", "fail")  # `pdorch orchestrator --fallback` choices
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """A container's requests and limits, quantities as strings (as the API stores them)."""
+
+    requests: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    product: str  # the `nvidia.com/gpu.product` node label, e.g. NVIDIA-H100-80GB-HBM3
+    count: int = 1  # `nvidia.com/gpu` devices per pod
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One worker pool (prefill or decode)."""
+
+    replicas: int = 1
+    gpu: Gpu | None = None
+    resources: Resources = field(default_factory=Resources)
+    image: str | None = None  # overrides the service's image
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    torch_threads: int = 0  # `--torch-threads`; 0: torch's default
+    kv_capacity_mib: int = 2048  # `--kv-capacity-mib` (decode workers)
+
+
+@dataclass(frozen=True)
+class OrchestratorPool:
+    replicas: int = 2
+    resources: Resources = field(default_factory=Resources)
+
+
+@dataclass(frozen=True)
+class SecretKey:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class DevRedis:
+    """A one-replica Redis StatefulSet with AOF on, for development clusters."""
+
+    image: str = "redis:7.4"
+    storage: str = "1Gi"
+    append_fsync: str = "everysec"  # `always` closes the ~1 s loss window at a throughput cost
+
+
+@dataclass(frozen=True)
+class Redis:
+    """Exactly one of the two is set."""
+
+    url_secret: SecretKey | None = None
+    dev: DevRedis | None = None
+
+
+@dataclass(frozen=True)
+class Transport:
+    kind: str = "ucx"
+    ucx_transports: tuple[str, ...] = ()  # UCX_TLS, e.g. ("rc", "cuda_copy")
+    ucx_devices: tuple[str, ...] = ()  # UCX_NET_DEVICES, e.g. ("mlx5_0:1",)
+
+
+@dataclass(frozen=True)
+class Failover:
+    fallback: str = "local"
+    heartbeat_ttl_s: float = 3.0
+    kv_hold_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: int | None = None
+    tpot_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    image: str
+    redis: Redis
+    model: str = "smollm2"
+    model_cache_claim: str | None = None  # a PVC for converted models; else an emptyDir
+    image_pull_policy: str = "IfNotPresent"
+    log_level: str = "INFO"
+    termination_grace_period_s: int = 30
+    orchestrator: OrchestratorPool = field(default_factory=OrchestratorPool)
+    prefill: Pool = field(default_factory=Pool)
+    decode: Pool = field(default_factory=Pool)
+    transport: Transport = field(default_factory=Transport)
+    failover: Failover = field(default_factory=Failover)
+    slo: Slo = field(default_factory=Slo)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
+    """Parse ``.spec`` of a DisaggregatedService; raises `SpecError` naming the field."""
+    r = _Reader(raw, "spec")
+    r.only(
+        "image", "imagePullPolicy", "model", "logLevel", "terminationGracePeriodSeconds",
+        "orchestrator", "prefill", "decode", "redis", "transport", "failover", "slo",
+    )  # fmt: skip
+    model = r.child("model")
+    model.only("name", "cache")
+    cache = model.child("cache")
+    cache.only("persistentVolumeClaim")
+    grace = r.integer("terminationGracePeriodSeconds", 30, minimum=5)
+    return ServiceSpec(
+        image=r.string("image", required=True),
+        model=model.choice("name", MODELS, "smollm2"),
+        model_cache_claim=cache.string("persistentVolumeClaim") or None,
+        image_pull_policy=r.choice("imagePullPolicy", PULL_POLICIES, "IfNotPresent"),
+        log_level=r.choice("logLevel", LOG_LEVELS, "INFO"),
+        termination_grace_period_s=grace,
+        orchestrator=_orchestrator(r.child("orchestrator")),
+        prefill=_pool(r.child("prefill"), decode=False),
+        decode=_pool(r.child("decode"), decode=True),
+        redis=_redis(r.child("redis")),
+        transport=_transport(r.child("transport")),
+        failover=_failover(r.child("failover")),
+        slo=_slo(r.child("slo")),
+    )
+
+
+def _orchestrator(r: _Reader) -> OrchestratorPool:
+    r.only("replicas", "resources")
+    return OrchestratorPool(
+        replicas=r.integer("replicas", 2, minimum=1), resources=_resources(r.child("resources"))
+    )
+
+
+def _pool(r: _Reader, *, decode: bool) -> Pool:
+    keys = ["replicas", "gpu", "resources", "image", "nodeSelector", "tolerations", "torchThreads"]
+    r.only(*keys, *(["kvCapacityMiB"] if decode else []))
+    gpu = r.child("gpu")
+    gpu.only("product", "count")
+    return Pool(
+        replicas=r.integer("replicas", 1, minimum=0),
+        gpu=Gpu(gpu.string("product", required=True), gpu.integer("count", 1, minimum=1))
+        if gpu.present
+        else None,
+        resources=_resources(r.child("resources")),
+        image=r.string("image") or None,
+        node_selector=r.string_map("nodeSelector"),
+        tolerations=r.objects("tolerations"),
+        torch_threads=r.integer("torchThreads", 0, minimum=0),
+        kv_capacity_mib=r.integer("kvCapacityMiB", 2048, minimum=1),
+    )
+
+
+def _resources(r: _Reader) -> Resources:
+    r.only("requests", "limits")
+    return Resources(requests=r.quantities("requests"), limits=r.quantities("limits"))
+
+
+def _redis(r: _Reader) -> Redis:
+    r.only("urlSecret", "dev")
+    secret, dev = r.child("urlSecret"), r.child("dev")
+    if secret.present == dev.present:
+        raise SpecError(r.path, "set exactly one of urlSecret and dev")
+    if secret.present:
+        secret.only("name", "key")
+        ref = SecretKey(secret.string("name", required=True), secret.string("key", "url"))
+        return Redis(url_secret=ref)
+    dev.only("image", "storage", "appendFsync")
+    return Redis(
+        dev=DevRedis(
+            image=dev.string("image", "redis:7.4"),
+            storage=dev.quantity("storage", "1Gi"),
+            append_fsync=dev.choice("appendFsync", ("everysec", "always"), "everysec"),
+        )
+    )
+
+
+def _transport(r: _Reader) -> Transport:
+    r.only("kind", "ucx")
+    ucx = r.child("ucx")
+    ucx.only("transports", "devices")
+    kind = r.choice("kind", TRANSPORTS, "ucx")
+    if ucx.present and kind != "ucx":
+        raise SpecError(ucx.path, "only applies to kind: ucx")
+    return Transport(
+        kind=kind, ucx_transports=ucx.strings("transports"), ucx_devices=ucx.strings("devices")
+    )
+
+
+def _failover(r: _Reader) -> Failover:
+    r.only("fallback", "heartbeatTTLSeconds", "kvHoldSeconds")
+    return Failover(
+        fallback=r.choice("fallback", FALLBACKS, "local"),
+        heartbeat_ttl_s=r.number("heartbeatTTLSeconds", 3.0, minimum=0.3),
+        kv_hold_s=r.number("kvHoldSeconds", 30.0, minimum=1.0),
+    )
+
+
+def _slo(r: _Reader) -> Slo:
+    r.only("ttftMs", "tpotMs")
+    ttft = r.integer("ttftMs", 0, minimum=1) if "ttftMs" in r.raw else None
+    tpot = r.integer("tpotMs", 0, minimum=1) if "tpotMs" in r.raw else None
+    return Slo(ttft_ms=ttft, tpot_ms=tpot)
+
+
+class _Reader:
+    """Typed, path-aware access to one object of the spec."""
+
+    def __init__(self, raw: object, path: str) -> None:
+        self.present = raw is not None  # given, even as {} (which asks for every default)
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise SpecError(path, "must be an object")
+        self.raw: Mapping[str, Any] = raw
+        self.path = path
+
+    def _at(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def only(self, *keys: str) -> None:
+        unknown = sorted(set(self.raw) - set(keys))
+        if unknown:
+            raise SpecError(self._at(unknown[0]), "unknown field")
+
+    def child(self, key: str) -> _Reader:
+        return _Reader(self.raw.get(key), self._at(key))
+
+    def string(self, key: str, default: str = "", *, required: bool = False) -> str:
+        value = self.raw.get(key)
+        if value is None:
+            if required:
+                raise SpecError(self._at(key), "required")
+            return default
+        if not isinstance(value, str) or not value:
+            raise SpecError(self._at(key), "must be a non-empty string")
+        return value
+
+    def choice(self, key: str, choices: Sequence[str], default: str) -> str:
+        value = self.string(key, default)
+        if value not in choices:
+            raise SpecError(self._at(key), f"must be one of {', '.join(choices)}")
+        return value
+
+    def integer(self, key: str, default: int, *, minimum: int) -> int:
+        value = self.raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(self._at(key), "must be an integer")
+        if value < minimum:
+            raise SpecError(self._at(key), f"must be at least {minimum}")
+        return value
+
+    def number(self, key: str, default: float, *, minimum: float) -> float:
+        value = self.raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SpecError(self._at(key), "must be a number")
+        if value < minimum:
+            raise SpecError(self._at(key), f"must be at least {minimum}")
+        return float(value)
+
+    def quantity(self, key: str, default: str) -> str:
+        value = self.raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, str | int | float) or value == "":
+            raise SpecError(self._at(key), "must be a quantity (e.g. 500m, 2, 16Gi)")
+        return str(value)
+
+    def quantities(self, key: str) -> dict[str, str]:
+        r = self.child(key)
+        return {name: r.quantity(name, "") for name in sorted(r.raw)}
+
+    def string_map(self, key: str) -> dict[str, str]:
+        r = self.child(key)
+        return {name: r.string(name, required=True) for name in sorted(r.raw)}
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        value = self.raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise SpecError(self._at(key), "must be a list of non-empty strings")
+        return tuple(value)
+
+    def objects(self, key: str) -> tuple[Mapping[str, Any], ...]:
+        value = self.raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+            raise SpecError(self._at(key), "must be a list of objects")
+        return tuple(value)

@@ -1,0 +1,364 @@
+"""Pod-running children: the orchestrator and worker Deployments, the dev Redis StatefulSet
+(pure).
+
+Every container argument is a real `pdorch` flag (a test parses the rendered arguments with
+the CLI's own parser). The mapping from the spec:
+
+    failover.fallback            orchestrator --fallback
+    terminationGracePeriodSeconds  pod's grace; orchestrator --drain-grace = grace - margin
+    model.name                   worker --model
+    transport.kind               worker --transport
+    transport.ucx.transports     env UCX_TLS (UCX's own variable)
+    transport.ucx.devices        env UCX_NET_DEVICES
+    failover.heartbeatTTLSeconds worker --heartbeat-ttl
+    failover.kvHoldSeconds       decode worker --kv-hold
+    decode.kvCapacityMiB         decode worker --kv-capacity-mib
+    <pool>.torchThreads          worker --torch-threads
+    <pool>.gpu                   node selector nvidia.com/gpu.product + nvidia.com/gpu limit
+    redis                        env PDORCH_REDIS_URL (from the Secret, or the dev Service)
+
+Workers advertise ``--host $(POD_IP)`` (they publish host:port into Redis, so it must be
+routable); the orchestrator binds every interface so that `kubectl port-forward` reaches it.
+Probes are native gRPC probes (grpc.health.v1) on each process's gRPC port.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.operator import naming
+from orchestrator.operator.naming import Identity, Names
+from orchestrator.operator.spec import Pool, Resources, ServiceSpec
+
+Obj = dict[str, Any]
+
+ORCHESTRATOR_PORT = 50051
+WORKER_PORT = 50061
+KV_PORT = 50062
+REDIS_PORT = 6379
+MODEL_CACHE_PATH = "/var/cache/pdorch/models"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+# The orchestrator's gRPC drain ends this long before the kubelet's SIGKILL, leaving time
+# for the rest of its shutdown (stopping control tasks, closing Redis).
+DRAIN_MARGIN_S = 5
+# First start of a worker may convert the model (about a minute on a CPU) before serving.
+WORKER_STARTUP_BUDGET_S = 600
+PROBE_PERIOD_S = 5
+
+_RUN_AS = 10001  # the image's unprivileged user (manifests/image/Dockerfile)
+_REDIS_RUN_AS = 999  # the redis image's `redis` user
+
+
+def orchestrator_deployment(identity: Identity, spec: ServiceSpec, config_hash: str) -> Obj:
+    n = naming.names(identity)
+    drain = max(1, spec.termination_grace_period_s - DRAIN_MARGIN_S)
+    args = [
+        *_global_args(),
+        "orchestrator",
+        "--host", "0.0.0.0",  # noqa: S104 - a pod's own network namespace; see the docstring
+        "--port", str(ORCHESTRATOR_PORT),
+        "--replica-id", "$(POD_NAME)",
+        "--fallback", spec.failover.fallback,
+        "--drain-grace", str(drain),
+    ]  # fmt: skip
+    container = _container(
+        "orchestrator",
+        spec.image,
+        spec,
+        args,
+        config_name=n.config,
+        ports=[_port("grpc", ORCHESTRATOR_PORT)],
+        resources=spec.orchestrator.resources,
+        probe_port=ORCHESTRATOR_PORT,
+    )
+    pod = _pod_spec(identity, n, spec, "orchestrator", [container])
+    return _deployment(
+        identity,
+        n.orchestrator,
+        "orchestrator",
+        spec.orchestrator.replicas,
+        pod,
+        config_hash,
+        # Orchestrators are cheap: bring a new one up before an old one goes.
+        strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+    )
+
+
+def worker_deployment(identity: Identity, spec: ServiceSpec, role: str, config_hash: str) -> Obj:
+    n = naming.names(identity)
+    pool = spec.prefill if role == "prefill" else spec.decode
+    args = [
+        *_global_args(),
+        "worker",
+        "--role", role,
+        "--model", spec.model,
+        "--transport", spec.transport.kind,
+        "--host", "$(POD_IP)",
+        "--port", str(WORKER_PORT),
+        "--kv-port", str(KV_PORT),
+        "--worker-id", "$(POD_NAME)",
+        "--heartbeat-ttl", _num(spec.failover.heartbeat_ttl_s),
+    ]  # fmt: skip
+    if role == "decode":
+        args += ["--kv-capacity-mib", str(pool.kv_capacity_mib)]
+        args += ["--kv-hold", _num(spec.failover.kv_hold_s)]
+    if pool.torch_threads:
+        args += ["--torch-threads", str(pool.torch_threads)]
+    container = _container(
+        role,
+        pool.image or spec.image,
+        spec,
+        args,
+        config_name=n.config,
+        ports=[_port("grpc", WORKER_PORT), _port("kv", KV_PORT)],
+        resources=pool.resources,
+        probe_port=WORKER_PORT,
+        gpus=pool.gpu.count if pool.gpu else 0,
+        startup_budget_s=WORKER_STARTUP_BUDGET_S,
+    )
+    container["volumeMounts"] = [{"name": "model-cache", "mountPath": MODEL_CACHE_PATH}]
+    pod = _pod_spec(identity, n, spec, role, [container])
+    pod["volumes"] = [
+        {"name": "model-cache", "persistentVolumeClaim": {"claimName": spec.model_cache_claim}}
+        if spec.model_cache_claim
+        else {"name": "model-cache", "emptyDir": {}}
+    ]
+    _schedule_on_gpus(pod, pool)
+    return _deployment(
+        identity,
+        n.prefill if role == "prefill" else n.decode,
+        role,
+        pool.replicas,
+        pod,
+        config_hash,
+        # GPU nodes rarely have a spare device for a surge pod: replace one pod at a time.
+        strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+    )
+
+
+def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
+    dev = spec.redis.dev
+    if dev is None:  # pragma: no cover - render only calls this for a dev Redis
+        raise ValueError("redis_statefulset needs spec.redis.dev")
+    n = naming.names(identity)
+    args = [
+        "redis-server",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        dev.append_fsync,
+        "--dir",
+        "/data",
+    ]
+    container: Obj = {
+        "name": "redis",
+        "image": dev.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": args,
+        "ports": [_port("redis", REDIS_PORT)],
+        "readinessProbe": {
+            "exec": {"command": ["redis-cli", "ping"]},
+            "periodSeconds": PROBE_PERIOD_S,
+        },
+        "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "securityContext": _container_security(),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": naming.object_meta(identity, n.redis, "redis"),
+        "spec": {
+            "serviceName": n.redis,
+            "replicas": 1,
+            "selector": {"matchLabels": naming.selector(identity, "redis")},
+            "template": {
+                "metadata": {"labels": _pod_labels(identity, "redis")},
+                "spec": {
+                    "serviceAccountName": n.service_account,
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": _pod_security(_REDIS_RUN_AS),
+                    "containers": [container],
+                },
+            },
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": "data"},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": dev.storage}},
+                    },
+                }
+            ],
+        },
+    }
+
+
+# ------------------------------------------------------------------------------- parts
+
+
+def _global_args() -> list[str]:
+    return ["--log-format", "json"]  # the log level comes from PDORCH_LOG_LEVEL (ConfigMap)
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def _port(name: str, port: int) -> Obj:
+    return {"name": name, "containerPort": port, "protocol": "TCP"}
+
+
+def _container(
+    name: str,
+    image: str,
+    spec: ServiceSpec,
+    args: list[str],
+    *,
+    config_name: str,
+    ports: list[Obj],
+    resources: Resources,
+    probe_port: int,
+    gpus: int = 0,
+    startup_budget_s: int = 0,
+) -> Obj:
+    env: list[Obj] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    if spec.redis.url_secret is not None:
+        ref = spec.redis.url_secret
+        env.append(
+            {
+                "name": "PDORCH_REDIS_URL",
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    container: Obj = {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["pdorch"],
+        "args": args,
+        "env": env,
+        "envFrom": [{"configMapRef": {"name": config_name}}],
+        "ports": ports,
+        "resources": _resources(resources, gpus),
+        "readinessProbe": {
+            "grpc": {"port": probe_port},
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "grpc": {"port": probe_port},
+            "periodSeconds": 10,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        },
+        "securityContext": _container_security(),
+    }
+    if startup_budget_s:
+        container["startupProbe"] = {
+            "grpc": {"port": probe_port},
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": startup_budget_s // PROBE_PERIOD_S,
+        }
+    return container
+
+
+def _resources(resources: Resources, gpus: int) -> Obj:
+    out: Obj = {}
+    if resources.requests:
+        out["requests"] = dict(resources.requests)
+    limits = dict(resources.limits)
+    if gpus:
+        limits[GPU_RESOURCE] = str(gpus)
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _schedule_on_gpus(pod: Obj, pool: Pool) -> None:
+    selector = dict(pool.node_selector)
+    tolerations = [dict(t) for t in pool.tolerations]
+    if pool.gpu is not None:
+        selector[GPU_PRODUCT_LABEL] = pool.gpu.product
+        # GPU nodes are commonly tainted so that only GPU pods land there.
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if selector:
+        pod["nodeSelector"] = selector
+    if tolerations:
+        pod["tolerations"] = tolerations
+
+
+def _pod_labels(identity: Identity, component: str) -> dict[str, str]:
+    return {**naming.labels(identity, component), **naming.selector(identity, component)}
+
+
+def _pod_spec(
+    identity: Identity, n: Names, spec: ServiceSpec, component: str, containers: list[Obj]
+) -> Obj:
+    return {
+        "serviceAccountName": n.service_account,
+        "automountServiceAccountToken": False,  # no process of ours talks to the API
+        # Service links would inject PDORCH_* variables (from Services named pdorch-…) that
+        # collide with the CLI's own PDORCH_* settings.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_s,
+        "securityContext": _pod_security(_RUN_AS),
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": naming.selector(identity, component)},
+            }
+        ],
+        "containers": containers,
+    }
+
+
+def _pod_security(user: int) -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": user,
+        "runAsGroup": user,
+        "fsGroup": user,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> Obj:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _deployment(
+    identity: Identity,
+    name: str,
+    component: str,
+    replicas: int,
+    pod: Obj,
+    config_hash: str,
+    *,
+    strategy: Obj,
+) -> Obj:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": naming.object_meta(identity, name, component),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": naming.selector(identity, component)},
+            "strategy": strategy,
+            "template": {
+                "metadata": {
+                    "labels": _pod_labels(identity, component),
+                    # A changed ConfigMap rolls the pods (env is read only at start).
+                    "annotations": {naming.ANNOTATION_CONFIG_HASH: config_hash},
+                },
+                "spec": pod,
+            },
+        },
+    }

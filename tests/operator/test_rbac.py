@@ -1,0 +1,78 @@
+"""The operator's RBAC: namespaced, no wildcards, exactly what the operator needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.operator.render import render
+from orchestrator.operator.spec import parse_spec
+from tests.operator.conftest import IDENTITY, MANIFESTS, MINIMAL_SPEC, load_yaml_documents
+
+CHILD_VERBS = {"get", "create", "patch", "delete"}
+
+
+def _operator_objects() -> list[dict[str, Any]]:
+    return [
+        doc
+        for path in sorted((MANIFESTS / "operator").glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for doc in load_yaml_documents(path)
+    ]
+
+
+def _grants() -> dict[tuple[str, str], set[str]]:
+    (role,) = [o for o in _operator_objects() if o["kind"] == "Role"]
+    grants: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                grants.setdefault((group, resource), set()).update(rule["verbs"])
+    return grants
+
+
+def allowed(group: str, resource: str, verb: str) -> bool:
+    return verb in _grants().get((group, resource), set())
+
+
+def test_nothing_cluster_scoped_and_no_wildcards() -> None:
+    kinds = {o["kind"] for o in _operator_objects()}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+    for (group, resource), verbs in _grants().items():
+        assert "*" not in group
+        assert "*" not in resource
+        assert "*" not in verbs
+
+
+def test_the_role_binds_to_the_operator_service_account() -> None:
+    objs = {o["kind"]: o for o in _operator_objects()}
+    binding = objs["RoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": objs["Role"]["metadata"]["name"],
+    }
+    assert binding["subjects"][0]["name"] == objs["ServiceAccount"]["metadata"]["name"]
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == objs["ServiceAccount"]["metadata"]["name"]
+
+
+def test_exactly_the_permissions_the_operator_uses() -> None:
+    needed: dict[tuple[str, str], set[str]] = {
+        ("pdorch.io", "disaggregatedservices"): {"get", "list", "watch", "patch"},
+        ("pdorch.io", "disaggregatedservices/status"): {"get", "patch"},
+        ("pdorch.io", "disaggregatedservices/finalizers"): {"update"},
+        ("", "events"): {"create"},
+    }
+    plurals = {
+        "ServiceAccount": "serviceaccounts",
+        "ConfigMap": "configmaps",
+        "Service": "services",
+        "Deployment": "deployments",
+        "StatefulSet": "statefulsets",
+        "PodDisruptionBudget": "poddisruptionbudgets",
+        "NetworkPolicy": "networkpolicies",
+    }
+    for obj in render(IDENTITY, parse_spec(MINIMAL_SPEC)):
+        group = obj["apiVersion"].rpartition("/")[0]
+        needed[group, plurals[obj["kind"]]] = CHILD_VERBS
+    assert _grants() == needed

@@ -1,0 +1,272 @@
+"""render(): the objects, their names and owners, and containers that run real flags."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from orchestrator.cli import build_parser
+from orchestrator.operator import naming
+from orchestrator.operator.naming import Ref
+from orchestrator.operator.render import child_refs, render
+from orchestrator.operator.spec import parse_spec
+from tests.operator.conftest import FULL_SPEC, IDENTITY, MINIMAL_SPEC, rendered, spec_with
+
+COMMON = {
+    ("ServiceAccount", "llama"),
+    ("ConfigMap", "llama-config"),
+    ("Service", "llama"),
+    ("Service", "llama-prefill"),
+    ("Service", "llama-decode"),
+    ("Deployment", "llama-orchestrator"),
+    ("Deployment", "llama-prefill"),
+    ("Deployment", "llama-decode"),
+    ("PodDisruptionBudget", "llama-orchestrator"),
+    ("PodDisruptionBudget", "llama-prefill"),
+    ("PodDisruptionBudget", "llama-decode"),
+    ("NetworkPolicy", "llama-orchestrator"),
+    ("NetworkPolicy", "llama-workers"),
+}
+DEV_REDIS = {
+    ("Service", "llama-redis"),
+    ("StatefulSet", "llama-redis"),
+    ("NetworkPolicy", "llama-redis"),
+}
+
+
+def _container(objs: dict[tuple[str, str], Any], name: str) -> dict[str, Any]:
+    containers: list[dict[str, Any]] = objs["Deployment", name]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    (container,) = containers
+    return container
+
+
+def _cli_args(container: dict[str, Any]) -> Any:
+    """The container's arguments as the real `pdorch` CLI parses them (after Kubernetes'
+    $(VAR) expansion): an argument that is not a real flag fails here."""
+    env = {"$(POD_IP)": "10.1.2.3", "$(POD_NAME)": "pod-0"}
+    assert container["command"] == ["pdorch"]
+    return build_parser().parse_args([env.get(a, a) for a in container["args"]])
+
+
+def test_children_with_a_dev_redis() -> None:
+    assert set(rendered(MINIMAL_SPEC)) == COMMON | DEV_REDIS
+
+
+def test_children_with_an_external_redis() -> None:
+    assert set(rendered(FULL_SPEC)) == COMMON
+
+
+@pytest.mark.parametrize("raw", [MINIMAL_SPEC, FULL_SPEC], ids=["minimal", "full"])
+def test_render_is_deterministic_and_pure(raw: dict[str, Any]) -> None:
+    spec = parse_spec(raw)
+    first, second = render(IDENTITY, spec), render(IDENTITY, spec)
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+    assert parse_spec(raw) == spec  # the input is untouched
+
+
+@pytest.mark.parametrize("raw", [MINIMAL_SPEC, FULL_SPEC], ids=["minimal", "full"])
+def test_every_child_is_owned_labelled_and_known_to_teardown(raw: dict[str, Any]) -> None:
+    objs = render(IDENTITY, parse_spec(raw))
+    for obj in objs:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "pdorch.io/v1alpha1",
+                "kind": "DisaggregatedService",
+                "name": "llama",
+                "uid": "0d9c1a3e-uid",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"][naming.LABEL_INSTANCE] == "llama"
+        assert meta["labels"][naming.LABEL_MANAGED_BY] == "pdorch-operator"
+    assert {Ref.of(o) for o in objs} <= set(child_refs(IDENTITY))
+    assert len(set(child_refs(IDENTITY))) == len(COMMON | DEV_REDIS)
+
+
+def test_orchestrator_runs_real_flags_from_the_spec() -> None:
+    objs = rendered(FULL_SPEC)
+    container = _container(objs, "llama-orchestrator")
+    args = _cli_args(container)
+    assert args.command == "orchestrator"
+    assert args.fallback == "fail"  # failover.fallback
+    assert args.drain_grace == 40  # terminationGracePeriodSeconds 45 − the 5 s margin
+    assert args.replica_id == "pod-0"
+    assert container["readinessProbe"]["grpc"] == {"port": args.port}
+    assert container["livenessProbe"]["grpc"] == {"port": args.port}
+    assert container["ports"][0]["containerPort"] == args.port
+    pod = objs["Deployment", "llama-orchestrator"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 45
+    assert objs["Deployment", "llama-orchestrator"]["spec"]["replicas"] == 3
+    service = objs["Service", "llama"]["spec"]
+    assert service["ports"][0]["targetPort"] == args.port
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_run_real_flags_from_the_spec(role: str) -> None:
+    objs = rendered(FULL_SPEC)
+    container = _container(objs, f"llama-{role}")
+    args = _cli_args(container)
+    assert (args.command, args.role) == ("worker", role)
+    assert (args.model, args.transport) == ("tiny", "ucx")
+    # Workers publish host:port in Redis: it must be the pod's IP, not 0.0.0.0.
+    assert args.host == "10.1.2.3"
+    assert args.worker_id == "pod-0"
+    assert args.heartbeat_ttl == 1.5
+    assert args.torch_threads == (4 if role == "prefill" else 2)
+    if role == "decode":
+        assert (args.kv_capacity_mib, args.kv_hold) == (16384, 12.0)
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["grpc"] == {"port": args.port}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": args.port, "kv": args.kv_port}
+    assert container["volumeMounts"][0]["mountPath"] == "/var/cache/pdorch/models"
+    volume = objs["Deployment", f"llama-{role}"]["spec"]["template"]["spec"]["volumes"][0]
+    assert volume == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
+
+
+def test_worker_flags_left_at_their_defaults_are_not_passed() -> None:
+    args = _cli_args(_container(rendered(MINIMAL_SPEC), "llama-prefill"))
+    assert args.torch_threads == 0
+    assert "--kv-hold" not in _container(rendered(MINIMAL_SPEC), "llama-prefill")["args"]
+
+
+def test_gpu_pools_select_their_gpu_product_and_request_devices() -> None:
+    objs = rendered(FULL_SPEC)
+    prefill = objs["Deployment", "llama-prefill"]["spec"]["template"]["spec"]
+    assert prefill["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "topology.kubernetes.io/zone": "zone-a",
+    }
+    assert prefill["containers"][0]["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"},
+    }
+    assert prefill["containers"][0]["image"] == "registry.example.com/pdorch-prefill:1.2.3"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in prefill[
+        "tolerations"
+    ]
+    assert {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"} in (
+        prefill["tolerations"]
+    )
+    decode = objs["Deployment", "llama-decode"]["spec"]["template"]["spec"]
+    assert decode["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-L4",
+        "topology.kubernetes.io/zone": "zone-b",
+    }
+    assert decode["containers"][0]["resources"]["limits"] == {
+        "memory": "24Gi",
+        "nvidia.com/gpu": "1",
+    }
+    assert decode["containers"][0]["image"] == "registry.example.com/pdorch-decode:1.2.3"
+    orchestrator = objs["Deployment", "llama-orchestrator"]["spec"]["template"]["spec"]
+    assert orchestrator["containers"][0]["image"] == "registry.example.com/pdorch:1.2.3"
+
+
+def test_cpu_pools_have_no_gpu_scheduling() -> None:
+    pod = rendered(MINIMAL_SPEC)["Deployment", "llama-decode"]["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod
+    assert "tolerations" not in pod
+    assert pod["containers"][0]["resources"] == {}
+
+
+def test_external_redis_url_comes_from_the_secret_in_every_process() -> None:
+    objs = rendered(FULL_SPEC)
+    for name in ("llama-orchestrator", "llama-prefill", "llama-decode"):
+        env = {e["name"]: e for e in _container(objs, name)["env"]}
+        assert env["PDORCH_REDIS_URL"]["valueFrom"] == {
+            "secretKeyRef": {"name": "redis-credentials", "key": "uri"}
+        }
+    assert "PDORCH_REDIS_URL" not in objs["ConfigMap", "llama-config"]["data"]
+
+
+def test_dev_redis_is_a_persistent_aof_statefulset_behind_its_service() -> None:
+    raw = spec_with(MINIMAL_SPEC, "redis.dev", {"storage": "5Gi", "appendFsync": "always"})
+    objs = rendered(raw)
+    url = objs["ConfigMap", "llama-config"]["data"]["PDORCH_REDIS_URL"]
+    assert url == "redis://llama-redis:6379/0"
+    sts = objs["StatefulSet", "llama-redis"]["spec"]
+    assert sts["serviceName"] == "llama-redis"
+    args = sts["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "always"
+    claim = sts["volumeClaimTemplates"][0]["spec"]
+    assert claim["resources"]["requests"]["storage"] == "5Gi"
+    service = objs["Service", "llama-redis"]["spec"]
+    assert service["selector"] == sts["selector"]["matchLabels"]
+    assert service["ports"][0]["port"] == 6379
+
+
+def test_transport_settings_reach_ucx_through_the_environment() -> None:
+    objs = rendered(FULL_SPEC)
+    data = objs["ConfigMap", "llama-config"]["data"]
+    assert (data["UCX_TLS"], data["UCX_NET_DEVICES"]) == ("rc,cuda_copy", "mlx5_0:1")
+    assert data["PDORCH_LOG_LEVEL"] == "DEBUG"
+    for name in ("llama-orchestrator", "llama-prefill", "llama-decode"):
+        assert _container(objs, name)["envFrom"] == [{"configMapRef": {"name": "llama-config"}}]
+    tcp = rendered(spec_with(MINIMAL_SPEC, "transport", {"kind": "tcp"}))
+    assert "UCX_TLS" not in tcp["ConfigMap", "llama-config"]["data"]
+
+
+def _config_hash(objs: dict[tuple[str, str], Any], name: str) -> str:
+    meta = objs["Deployment", name]["spec"]["template"]["metadata"]
+    return str(meta["annotations"][naming.ANNOTATION_CONFIG_HASH])
+
+
+def test_a_config_change_rolls_the_pods_and_a_replica_change_does_not() -> None:
+    base = rendered(MINIMAL_SPEC)
+    relogged = rendered(spec_with(MINIMAL_SPEC, "logLevel", "DEBUG"))
+    rescaled = rendered(spec_with(MINIMAL_SPEC, "prefill.replicas", 7))
+    for name in ("llama-orchestrator", "llama-prefill", "llama-decode"):
+        assert _config_hash(relogged, name) != _config_hash(base, name)
+        assert _config_hash(rescaled, name) == _config_hash(base, name)
+
+
+@pytest.mark.parametrize("component", ["orchestrator", "prefill", "decode"])
+def test_services_and_budgets_select_exactly_the_component_pods(component: str) -> None:
+    objs = rendered(MINIMAL_SPEC)
+    deployment = objs["Deployment", f"llama-{component}"]["spec"]
+    selector = deployment["selector"]["matchLabels"]
+    pod_labels = deployment["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert selector[naming.LABEL_COMPONENT] == component
+    service = "llama" if component == "orchestrator" else f"llama-{component}"
+    assert objs["Service", service]["spec"]["selector"] == selector
+    pdb = objs["PodDisruptionBudget", f"llama-{component}"]["spec"]
+    assert pdb["selector"]["matchLabels"] == selector
+    assert pdb["maxUnavailable"] == 1
+
+
+def test_network_policies_admit_clients_to_orchestrators_and_only_peers_to_workers() -> None:
+    objs = rendered(MINIMAL_SPEC)
+    orch = objs["NetworkPolicy", "llama-orchestrator"]["spec"]
+    assert orch["podSelector"]["matchLabels"][naming.LABEL_COMPONENT] == "orchestrator"
+    assert orch["ingress"] == [{"ports": [{"protocol": "TCP", "port": 50051}]}]
+    workers = objs["NetworkPolicy", "llama-workers"]["spec"]
+    assert workers["podSelector"]["matchExpressions"] == [
+        {"key": naming.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}
+    ]
+    assert workers["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": {naming.LABEL_INSTANCE: "llama"}}}]}
+    ]
+    redis = objs["NetworkPolicy", "llama-redis"]["spec"]
+    assert redis["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 6379}]
+
+
+def test_pods_run_unprivileged_without_api_credentials() -> None:
+    for (kind, _), obj in rendered(MINIMAL_SPEC).items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["serviceAccountName"] == "llama"
+        assert pod["enableServiceLinks"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
