@@ -176,6 +176,9 @@ class FaultExecutor:
             if fault.kind == "restart" or fault.heal_after is not None:
                 record = self.history.faults[-1]
                 self._schedule(record, heal, lambda: None, restart=names)
+        elif fault.kind == "continue":
+            for p in procs:
+                p.signal(signal.SIGCONT)
         elif fault.kind == "stop":
             for p in procs:
                 p.signal(signal.SIGSTOP)

@@ -16,6 +16,12 @@ at random from the seed) and which invariants the checker enforces::
     quiet_s: 5
     invariants: [no_lost, no_duplicates, no_gaps, outputs_match]
 
+Process fault kinds: ``kill`` (SIGKILL; ``heal_after`` restarts it), ``stop`` (SIGSTOP;
+``heal_after`` sends SIGCONT), ``continue`` (SIGCONT, for a stop without a heal),
+``restart`` (kill, then start again after ``heal_after``, 0.5 s by default). Link kinds:
+``delay`` (params.delay_ms), ``bandwidth`` (params.bytes_per_s), ``drop``, ``corrupt``
+(params.probability).
+
 Targets: ``prefill`` / ``decode`` with a selector (``:busiest`` the worker serving the most
 of this run's streams, ``:random``, or a worker name such as ``decode-1``), ``pool:prefill``,
 ``pool:decode``, ``orchestrator`` (``:busiest`` / ``:random`` / ``orchestrator-0``), ``redis``,
@@ -39,7 +45,7 @@ class ScenarioError(PdorchError):
     """A scenario file is missing, malformed or asks for something impossible."""
 
 
-PROCESS_KINDS = frozenset({"kill", "stop", "restart"})
+PROCESS_KINDS = frozenset({"kill", "stop", "continue", "restart"})
 LINK_KINDS = frozenset({"delay", "bandwidth", "drop", "corrupt"})
 KINDS = PROCESS_KINDS | LINK_KINDS
 ROLES = ("prefill", "decode")
@@ -302,7 +308,7 @@ def _check_kind(kind: str, target: str, where: str) -> None:
     link = target.startswith("link:")
     if link != (kind in LINK_KINDS):
         raise ScenarioError(f"{where}: {kind!r} does not apply to target {target!r}")
-    if target == "redis" and kind == "stop":
+    if target == "redis" and kind in {"stop", "continue"}:
         raise ScenarioError(f"{where}: redis can be killed or restarted, not stopped")
 
 

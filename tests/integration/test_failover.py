@@ -457,3 +457,43 @@ def test_request_whose_client_never_returns_is_cancelled_after_the_grace(
         )
     finally:
         cluster.procs["orchestrator-2"].stop()
+
+
+def test_sigterm_drains_then_hands_requests_off(cluster: LocalCluster) -> None:
+    """An orchestrator told to stop (SIGTERM, as Kubernetes does) lets streams run for its
+    drain grace, then hands its requests to the other replicas instead of cancelling them:
+    the client resumes elsewhere and the request completes."""
+    address = cluster.start_orchestrator(2, 0, "--drain-grace", "0.5")
+    other = cluster.orchestrator_addresses[0]
+    req = request("drain me", max_tokens=1500, request_id="fo-drain")
+
+    async def main() -> list[orchestrator_pb2.GenerateChunk]:
+        received: list[orchestrator_pb2.GenerateChunk] = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for chunk in stub.Generate(req, timeout=60):
+                    received.append(chunk)
+                    if sum(len(c.token_ids) for c in received) >= 20:
+                        cluster.procs["orchestrator-2"].signal(signal.SIGTERM)
+        req.resume_from_index = sum(len(c.token_ids) for c in received)
+        async with grpc.aio.insecure_channel(other) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            received += [c async for c in stub.Generate(req, timeout=60)]
+        return received
+
+    try:
+        chunks = run(main())
+        assert isinstance(chunks, list)
+        assert cluster.procs["orchestrator-2"].popen.wait(15) == 0  # a clean exit
+        with_tokens = [c for c in chunks if c.token_ids]
+        lengths = [len(c.token_ids) for c in with_tokens]
+        assert [c.index for c in with_tokens] == [sum(lengths[:i]) for i in range(len(lengths))]
+        assert sum(lengths) == 1500
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        info = run(_info(other, "fo-drain"))
+        assert isinstance(info, orchestrator_pb2.RequestInfo)
+        assert (info.state, info.output_tokens) == ("done", 1500)
+        assert info.epoch >= 2  # taken over by a peer, not finished by the drained replica
+    finally:
+        cluster.procs["orchestrator-2"].stop()

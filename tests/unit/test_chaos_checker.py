@@ -184,6 +184,8 @@ BASE = {"faults": [{"at": 1, "kind": "kill", "target": "decode:busiest"}]}
         ({"faults": [{"at": 1, "kind": "delay", "target": "decode:busiest"}]}, "does not apply"),
         ({"faults": [{"at": 1, "kind": "kill", "target": "link:kv"}]}, "does not apply"),
         ({"faults": [{"at": 1, "kind": "stop", "target": "redis"}]}, "not stopped"),
+        ({"faults": [{"at": 1, "kind": "continue", "target": "redis"}]}, "not stopped"),
+        ({"faults": [{"at": 1, "kind": "continue", "target": "link:kv"}]}, "does not apply"),
         ({"faults": [{"at": 1, "kind": "delay", "target": "link:kv"}]}, "needs delay_ms"),
         ({"faults": [{"kind": "kill", "target": "redis"}]}, "exactly one of at and between"),
         ({"faults": [{"at": 99, "kind": "kill", "target": "redis"}], "duration_s": 10}, "after"),
@@ -219,3 +221,15 @@ def test_a_stream_the_server_cancelled_is_a_failure_not_a_completion() -> None:
     assert v.requests[0].outcome == "fail"
     assert not v.requests[0].mismatched  # not compared: it never completed
     assert Summary("x", [v]).to_json()["failed"] == 1
+
+
+def test_stop_then_continue_as_separate_faults() -> None:
+    s = sc.parse(
+        {
+            "faults": [
+                {"at": 1, "kind": "stop", "target": "pool:prefill"},
+                {"at": 3, "kind": "continue", "target": "pool:prefill"},
+            ]
+        }
+    )
+    assert [(f.at, f.kind) for f in sc.plan(s, 0)] == [(1.0, "stop"), (3.0, "continue")]
