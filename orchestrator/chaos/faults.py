@@ -17,6 +17,7 @@ import contextlib
 import logging
 import random
 import signal
+import time
 from collections.abc import Mapping
 
 from orchestrator.chaos.history import FaultRecord, History
@@ -105,7 +106,7 @@ class FaultExecutor:
         head, _, sel = fault.target.partition(":")
         records = await self._records()
         at = self.now()
-        record = FaultRecord(at, fault.kind, fault.target, "", ())
+        record = FaultRecord(at, fault.kind, fault.target, "", (), wall_at=time.time())
         self.history.faults.append(record)
         try:
             if head in {"prefill", "decode"}:

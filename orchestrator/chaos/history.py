@@ -42,6 +42,8 @@ class FaultRecord:
     """Request ids whose streams the fault hit (active at ``at`` and served by the target)."""
     healed_at: float | None = None
     error: str = ""
+    wall_at: float = 0.0
+    """Wall-clock time of the fault (to line it up with the processes' logs)."""
 
     def label(self) -> str:
         return f"{self.kind} {self.resolved or self.target}"
