@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from orchestrator.chaos.checker import RunVerdict, Summary, check_run
+from orchestrator.chaos.checker import TERMINAL_STATES, RunVerdict, Summary, check_run
 from orchestrator.chaos.faults import FaultExecutor
 from orchestrator.chaos.history import History
 from orchestrator.chaos.proxy import FaultProxy
@@ -315,8 +315,7 @@ class ChaosRunner:
             await injector
             await executor.settle()
             history.end = clients.now()
-            await asyncio.sleep(self.scenario.quiet_s)  # the quiet period before judging
-            states, epochs = await self._states(store, list(history.requests))
+            states, epochs = await self._quiet(store, list(history.requests))
         finally:
             for task in (load, injector):
                 task.cancel()
@@ -324,6 +323,19 @@ class ChaosRunner:
             await executor.cancel()
             await clients.close()
         return check_run(history, reference, states, epochs), history
+
+    async def _quiet(
+        self, store: RedisStore, rids: list[str]
+    ) -> tuple[dict[str, str], dict[str, int]]:
+        """The quiet period: no more client traffic; wait until every request the store knows
+        has a terminal state, or ``quiet_s`` passed. What is still live then is *lost*."""
+        deadline = time.monotonic() + self.scenario.quiet_s
+        while True:
+            states, epochs = await self._states(store, rids)
+            live = [r for r, s in states.items() if s and s not in TERMINAL_STATES]
+            if not live or time.monotonic() > deadline:
+                return states, epochs
+            await asyncio.sleep(0.2)  # polling the store with a deadline
 
     async def _states(
         self, store: RedisStore, rids: list[str]

@@ -117,7 +117,9 @@ class Scenario:
     faults: tuple[FaultSpec, ...]
     random_faults: tuple[RandomFaults, ...] = ()
     duration_s: float = 60.0
-    quiet_s: float = 5.0
+    quiet_s: float = 15.0
+    """After the clients are done: the longest wait for every request to reach a terminal
+    state (the wait ends as soon as they all have); what is still live then is lost."""
     invariants: frozenset[str] = INVARIANTS
     path: str = ""
 
@@ -242,7 +244,7 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
         faults=faults,
         random_faults=randoms,
         duration_s=_number(d.get("duration_s", 60.0), f"{path}: duration_s", lo=1.0),
-        quiet_s=_number(d.get("quiet_s", 5.0), f"{path}: quiet_s", lo=0.0),
+        quiet_s=_number(d.get("quiet_s", 15.0), f"{path}: quiet_s", lo=0.0),
         invariants=invariants,
         path=path,
     )

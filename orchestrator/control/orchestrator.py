@@ -486,6 +486,12 @@ class Orchestrator:
             workers = await self.store.workers()
             async for _ in self._drive(run, workers):
                 pass  # clients follow the journal
+        except errors.UnavailableError as exc:
+            # Redis went away mid-takeover (e.g. still loading its AOF): give the lease back
+            # so the next reaper pass — here or on a peer — retries now, not after its TTL.
+            log.warning("request %s: resume interrupted: %s", rid, exc)
+            with contextlib.suppress(errors.PdorchError):
+                await self.store.release_lease(rid, self.owner)
         except (errors.PdorchError, asyncio.CancelledError) as exc:
             log.warning("request %s: resumed run ended: %r", rid, exc)
         finally:
