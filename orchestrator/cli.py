@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("pdorch")
 
@@ -58,6 +59,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_ttl / 3,
         advertise=args.advertise,
         kv_advertise=args.kv_advertise,
+        gpu_kind=args.gpu_kind,
     )
     sender = make_sender(args.transport, tsettings)
     if args.inject_kv_stall > 0 or args.kv_fault or args.kv_fault_file:  # chaos/testing only
@@ -71,13 +73,20 @@ async def _run_worker(args: argparse.Namespace) -> int:
     async def publish(info: object) -> None:
         await store.heartbeat(info, settings.heartbeat_ttl_s)  # type: ignore[arg-type]
 
-    worker = Worker(engine, settings, publish, sender=sender, receiver=receiver)
+    from orchestrator.workers.metrics import WorkerMetrics  # noqa: PLC0415
+
+    metrics = WorkerMetrics()
+    worker = Worker(engine, settings, publish, sender=sender, receiver=receiver, metrics=metrics)
+    metrics.watch(worker.kv_used, worker.active_sequences)
+    metrics_server = _serve_metrics(metrics.registry, args.host, args.metrics_port)
     await worker.start()
     print(f"worker {worker.worker_id} ready on {worker.address} kv={worker.kv_address}", flush=True)
     try:
         await _until_signalled()
     finally:
         log.info("worker %s draining", worker.worker_id)
+        if metrics_server is not None:
+            metrics_server.shutdown()
         with contextlib.suppress(Exception):
             await store.deregister(worker.worker_id)
         await worker.stop()
@@ -121,14 +130,29 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
 
     from orchestrator.api import orchestrator_pb2_grpc  # noqa: PLC0415
     from orchestrator.control.clients import WorkerClients  # noqa: PLC0415
+    from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
     from orchestrator.control.orchestrator import ControlSettings, Orchestrator  # noqa: PLC0415
+    from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
     from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
 
+    try:
+        prices = with_prices(PRICED_KINDS, dict(args.price))
+    except ConfigError as exc:
+        print(f"pdorch orchestrator: {exc}", file=sys.stderr)
+        return 2
     store = RedisStore(StoreSettings(url=args.redis))
     clients = WorkerClients()
-    settings = ControlSettings(fallback=args.fallback, detach_grace_s=args.detach_grace)
-    control = Orchestrator(store, clients, settings, owner=args.replica_id)
+    settings = ControlSettings(
+        fallback=args.fallback,
+        detach_grace_s=args.detach_grace,
+        prices=prices,
+        transfer_usd_per_gb=args.transfer_usd_per_gb,
+    )
+    metrics = ControlMetrics()
+    control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
+    metrics_server = _serve_metrics(metrics.registry, args.host, args.metrics_port)
     server = grpc.aio.server()
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
     health = health_aio.HealthServicer()
@@ -146,7 +170,20 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
         await control.stop()
         await clients.close()
         await store.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 0
+
+
+def _serve_metrics(registry: object, host: str, port: int) -> Any:
+    """Prometheus ``/metrics`` on ``port`` (a daemon thread); None when port is 0."""
+    if port <= 0:
+        return None
+    from prometheus_client import start_http_server  # noqa: PLC0415
+
+    server, _thread = start_http_server(port, host, registry=registry)  # type: ignore[arg-type]
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return server
 
 
 async def _run_operator(args: argparse.Namespace) -> int:
@@ -199,6 +236,36 @@ async def _generate(args: argparse.Namespace) -> int:
         except grpc.aio.AioRpcError as exc:
             print(f"\npdorch generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    return 0
+
+
+async def _cost(args: argparse.Namespace) -> int:
+    """Per-tenant totals of what finished requests cost (kept in Redis by the orchestrators)."""
+    from orchestrator.errors import PdorchError  # noqa: PLC0415
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+
+    store = RedisStore(StoreSettings(url=args.redis))
+    try:
+        totals = await store.tenant_costs()
+    except PdorchError as exc:
+        print(f"pdorch cost: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await store.close()
+    if args.json:
+        print(json.dumps(totals, sort_keys=True))
+        return 0
+    print(f"{'tenant':20s} {'requests':>9s} {'USD':>12s} {'USD/1k req':>11s} "
+          f"{'prefill GPU-s':>14s} {'decode GPU-s':>13s} {'KV GB':>8s}")  # fmt: skip
+    for tenant, t in totals.items():
+        n = t.get("requests", 0.0)
+        usd = t.get("usd", 0.0)
+        print(
+            f"{tenant:20s} {n:9.0f} {usd:12.6f} {usd / n * 1000 if n else 0:11.4f} "
+            f"{t.get('prefill_gpu_s', 0.0):14.2f} "
+            f"{t.get('decode_gpu_s', 0.0) + t.get('aggregated_gpu_s', 0.0):13.2f} "
+            f"{t.get('transfer_bytes', 0.0) / 1e9:8.3f}"
+        )
     return 0
 
 
@@ -303,6 +370,16 @@ def _plan(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- parser
 
 
+def _price(text: str) -> tuple[str, float]:
+    from orchestrator.core.planconfig import parse_price  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+
+    try:
+        return parse_price(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -344,6 +421,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="on SIGTERM: seconds in-flight streams may finish before they are handed off",
     )
+    o.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    o.add_argument(
+        "--price",
+        type=_price,
+        action="append",
+        default=[],
+        metavar="KIND=USD",
+        help="price per GPU-hour of a worker GPU kind, e.g. H100=2.1 (repeatable)",
+    )
+    o.add_argument("--transfer-usd-per-gb", type=float, default=0.0)
     o.add_argument(
         "--detach-grace",
         type=float,
@@ -370,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--torch-threads", type=int, default=0, help="CPU threads for the engine (0: torch's)"
     )
+    w.add_argument(
+        "--gpu-kind",
+        default=env.get("PDORCH_GPU_KIND", "cpu"),
+        help="the accelerator this worker runs on (priced by the orchestrators: H100, L4, ...)",
+    )
+    w.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
     w.add_argument("--advertise", default="", help="host:port to publish instead of the listener")
     w.add_argument("--kv-advertise", default="", help="host:port to publish for the KV receiver")
     w.add_argument(
@@ -427,6 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--json", action="store_true")
     d.set_defaults(call=_demo)
+
+    co = sub.add_parser("cost", help="what each tenant's requests cost so far")
+    co.add_argument("--redis", default=redis_default)
+    co.add_argument("--json", action="store_true")
+    co.set_defaults(run=_cost)
 
     c = sub.add_parser("chaos", help="chaos-test failover on a local cluster")
     csub = c.add_subparsers(dest="chaos_command", required=True)

@@ -150,6 +150,61 @@ class ChatMessages(_message.Message):
 Global___ChatMessages: _TypeAlias = ChatMessages  # noqa: Y015
 
 @_typing.final
+class Cost(_message.Message):
+    """What a request cost: the GPU time it held on each pool times the pool's price per hour,
+    plus its KV bytes times the transfer price. Failed attempts before a failover count too:
+    their GPU time was spent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USD_FIELD_NUMBER: _builtins.int
+    PREFILL_GPU_S_FIELD_NUMBER: _builtins.int
+    DECODE_GPU_S_FIELD_NUMBER: _builtins.int
+    AGGREGATED_GPU_S_FIELD_NUMBER: _builtins.int
+    TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
+    TRANSFER_USD_FIELD_NUMBER: _builtins.int
+    PREFILL_GPU_FIELD_NUMBER: _builtins.int
+    DECODE_GPU_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    usd: _builtins.float
+    """Total, in US dollars."""
+    prefill_gpu_s: _builtins.float
+    """GPU-seconds on the prefill pool, the decode pool, and on single workers that ran the
+    request aggregated. A decode step shared by a batch of B sequences counts 1/B to each.
+    """
+    decode_gpu_s: _builtins.float
+    aggregated_gpu_s: _builtins.float
+    transfer_bytes: _builtins.int
+    """KV bytes moved between workers, and what they cost at the transfer price."""
+    transfer_usd: _builtins.float
+    prefill_gpu: _builtins.str
+    """The GPU kinds priced (the workers' --gpu-kind), e.g. "H100", "L4"."""
+    decode_gpu: _builtins.str
+    tenant: _builtins.str
+    """Who is billed: the x-pdorch-tenant call metadata ("default" without it)."""
+    def __init__(
+        self,
+        *,
+        usd: _builtins.float = ...,
+        prefill_gpu_s: _builtins.float = ...,
+        decode_gpu_s: _builtins.float = ...,
+        aggregated_gpu_s: _builtins.float = ...,
+        transfer_bytes: _builtins.int = ...,
+        transfer_usd: _builtins.float = ...,
+        prefill_gpu: _builtins.str = ...,
+        decode_gpu: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregated_gpu_s", b"aggregated_gpu_s", "decode_gpu", b"decode_gpu", "decode_gpu_s", b"decode_gpu_s", "prefill_gpu", b"prefill_gpu", "prefill_gpu_s", b"prefill_gpu_s", "tenant", b"tenant", "transfer_bytes", b"transfer_bytes", "transfer_usd", b"transfer_usd", "usd", b"usd"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Cost: _TypeAlias = Cost  # noqa: Y015
+
+@_typing.final
 class Timings(_message.Message):
     """Where a request's time went, in milliseconds. Phases that did not happen are 0 (for
     example prefill_ms and transfer_ms of an aggregated request that never split).

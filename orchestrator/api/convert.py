@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from orchestrator.api import common_pb2
 from orchestrator.core.sampling import SamplingParams
 
@@ -44,4 +47,19 @@ def timings_to_pb(t: dict[str, float]) -> common_pb2.Timings:
         ttft_ms=t.get("ttft_ms", 0.0),
         tpot_ms=t.get("tpot_ms", 0.0),
         total_ms=t.get("total_ms", 0.0),
+    )
+
+
+def cost_to_pb(cost: Mapping[str, Any]) -> common_pb2.Cost:
+    """A record's cost fields (`orchestrator.core.cost.cost_fields`) as the `Cost` message."""
+    return common_pb2.Cost(
+        usd=float(cost.get("usd", 0.0)),
+        prefill_gpu_s=float(cost.get("prefill_gpu_s", 0.0)),
+        decode_gpu_s=float(cost.get("decode_gpu_s", 0.0)),
+        aggregated_gpu_s=float(cost.get("aggregated_gpu_s", 0.0)),
+        transfer_bytes=int(cost.get("transfer_bytes", 0)),
+        transfer_usd=float(cost.get("transfer_usd", 0.0)),
+        prefill_gpu=str(cost.get("prefill_gpu", "")),
+        decode_gpu=str(cost.get("decode_gpu", "")),
+        tenant=str(cost.get("tenant", "")),
     )

@@ -123,6 +123,7 @@ class GenerateChunk(_message.Message):
     PREFILL_WORKER_FIELD_NUMBER: _builtins.int
     DECODE_WORKER_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     index: _builtins.int
     """Index of the first token in this chunk."""
@@ -145,6 +146,10 @@ class GenerateChunk(_message.Message):
     def timings(self) -> _common_pb2.Timings:
         """Final chunk only."""
 
+    @_builtins.property
+    def cost(self) -> _common_pb2.Cost:
+        """Final chunk only: what the request cost."""
+
     def __init__(
         self,
         *,
@@ -159,10 +164,11 @@ class GenerateChunk(_message.Message):
         prefill_worker: _builtins.str = ...,
         decode_worker: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        cost: _common_pb2.Cost | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_worker", b"decode_worker", "epoch", b"epoch", "finish_reason", b"finish_reason", "index", b"index", "kv_bytes", b"kv_bytes", "prefill_worker", b"prefill_worker", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "decode_worker", b"decode_worker", "epoch", b"epoch", "finish_reason", b"finish_reason", "index", b"index", "kv_bytes", b"kv_bytes", "prefill_worker", b"prefill_worker", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -244,6 +250,7 @@ class RequestInfo(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     KV_BYTES_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     state: _builtins.str
     """The request's state-machine state, by name."""
@@ -267,6 +274,10 @@ class RequestInfo(_message.Message):
     """
     @_builtins.property
     def timings(self) -> _common_pb2.Timings: ...
+    @_builtins.property
+    def cost(self) -> _common_pb2.Cost:
+        """What the request cost (so far, while it runs; set when it ends)."""
+
     def __init__(
         self,
         *,
@@ -282,10 +293,11 @@ class RequestInfo(_message.Message):
         error: _builtins.str = ...,
         kv_bytes: _builtins.int = ...,
         mode: _builtins.str = ...,
+        cost: _common_pb2.Cost | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_worker", b"decode_worker", "epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "kv_bytes", b"kv_bytes", "mode", b"mode", "output_tokens", b"output_tokens", "prefill_worker", b"prefill_worker", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "decode_worker", b"decode_worker", "epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "kv_bytes", b"kv_bytes", "mode", b"mode", "output_tokens", b"output_tokens", "prefill_worker", b"prefill_worker", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -168,12 +168,17 @@ class TokenChunk(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    COMPUTE_MS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Index of the first token in this chunk."""
     text: _builtins.str
     """Text delta: output text added since the previous chunk."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Last chunk only; FINISH_REASON_UNSPECIFIED on every other chunk."""
+    compute_ms: _builtins.float
+    """Engine time spent on this request since the previous chunk, in ms (its share of each
+    decode step; on the first chunk also the prefill, when this worker did it).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -183,10 +188,11 @@ class TokenChunk(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        compute_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_ms", b"compute_ms", "finish_reason", b"finish_reason", "index", b"index", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,8 +17,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -27,8 +27,11 @@ import tenacity
 from orchestrator import errors
 from orchestrator.api import convert, worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
+from orchestrator.control.metrics import ControlMetrics
 from orchestrator.core.breaker import Breakers
+from orchestrator.core.cost import PoolUsage, cost_fields
 from orchestrator.core.deadlines import StateDeadlines, overdue
+from orchestrator.core.hardware import CPU_HOST, PRICED_KINDS, GpuProfile, get_gpu
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement, place
@@ -67,6 +70,10 @@ class ControlSettings:
     """The backstop per state (`orchestrator.core.deadlines`): enforced by every replica."""
     deadline_scan_s: float = 5.0
     """How often a replica checks every live request against its state's deadline."""
+    prices: Mapping[str, GpuProfile] = field(default_factory=lambda: dict(PRICED_KINDS))
+    """GPU kind (a worker's --gpu-kind) -> its profile and price per hour."""
+    transfer_usd_per_gb: float = 0.0
+    """What moving a GB of KV between workers costs (0 inside a cluster)."""
     detach_grace_s: float = 10.0
     """A request whose client went away keeps running this long, so the client can reconnect
     (to any replica) and resume; with no client attached by then it is cancelled."""
@@ -84,6 +91,8 @@ class GenerateInput:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     resume_from: int = 0
+    tenant: str = "default"
+    """Who is billed (rpc: the x-pdorch-tenant call metadata)."""
 
 
 @dataclass(slots=True)
@@ -120,6 +129,12 @@ class _Run:
     """How many of the last ``entries`` are not in the journal yet (Redis unreachable)."""
     clients: set[asyncio.Queue[OutChunk | BaseException | None]] = field(default_factory=set)
     """The streams of the clients attached on this replica (the drive outlives them)."""
+    gpu_s: dict[str, float] = field(default_factory=dict)
+    """Engine seconds per pool ("prefill", "decode", "aggregated"), failed attempts included."""
+    gpu_kind: dict[str, str] = field(default_factory=dict)
+    pool: str = ""
+    """The pool whose worker streams the tokens in the current attempt."""
+    kv_moved: int = 0
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -130,9 +145,15 @@ def _retryable(exc: BaseException) -> bool:
 
 class Orchestrator:
     def __init__(
-        self, store: RedisStore, clients: WorkerClients, settings: ControlSettings, owner: str
+        self,
+        store: RedisStore,
+        clients: WorkerClients,
+        settings: ControlSettings,
+        owner: str,
+        metrics: ControlMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics
         self.clients = clients
         self.settings = settings
         self.owner = owner
@@ -217,15 +238,13 @@ class Orchestrator:
     # ------------------------------------------------------------------------ generate
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
-        self._validate(inp)
         started = time.monotonic()
-        workers = await self.store.workers()
-        if not workers:
-            raise errors.UnavailableError("no workers registered")
-        fingerprints = {w.fingerprint for w in workers}
-        if len(fingerprints) > 1:
-            log.warning("workers serve different models: %s", sorted(fingerprints))
-        ids = await self._tokens(inp, workers)
+        try:
+            workers, ids = await self._admit(inp)
+        except errors.PdorchError as exc:
+            if self.metrics is not None:
+                self.metrics.rejections.labels(type(exc).__name__).inc()
+            raise
         rid = inp.request_id or uuid.uuid4().hex
         digest = body_hash(
             {
@@ -247,6 +266,7 @@ class Orchestrator:
             prompt_ids=ids,
             sampling=[inp.sampling.temperature, inp.sampling.top_p, inp.sampling.seed],
             stop=list(inp.stop),
+            tenant=inp.tenant,
         )
         existing = await self.store.create(record)
         if existing is not None:
@@ -280,6 +300,17 @@ class Orchestrator:
             run.clients.discard(feed)
             if not task.done() and not run.clients:
                 self._detached(run, task)
+
+    async def _admit(self, inp: GenerateInput) -> tuple[list[WorkerInfo], list[int]]:
+        """Validate and tokenize (nothing written yet): the workers seen and the prompt ids."""
+        self._validate(inp)
+        workers = await self.store.workers()
+        if not workers:
+            raise errors.UnavailableError("no workers registered")
+        fingerprints = {w.fingerprint for w in workers}
+        if len(fingerprints) > 1:
+            log.warning("workers serve different models: %s", sorted(fingerprints))
+        return workers, await self._tokens(inp, workers)
 
     async def _drive_detached(self, run: _Run, workers: Sequence[WorkerInfo]) -> None:
         """Drive the request to its end, handing chunks (and the end) to attached clients."""
@@ -574,6 +605,9 @@ class Orchestrator:
         if placement.mode is Mode.DISAGGREGATED:
             stream = self._disaggregated(run, placement)
         else:
+            if self.metrics is not None:
+                down = "prefill" if placement.decode.role == "decode" else "decode"
+                self.metrics.fallbacks.labels(down).inc()
             stream = self._aggregated(run, placement)
         assert remaining > 0
         try:
@@ -582,6 +616,8 @@ class Orchestrator:
         except errors.WorkerError as exc:
             run.failovers += 1
             run.last_error = str(exc)
+            if self.metrics is not None:
+                self.metrics.failovers.labels(_cause(exc)).inc()
             run.excluded.add(exc.worker)
             if exc.worker in chosen:
                 self.breakers.failure(_breaker_key(chosen[exc.worker]), time.monotonic())
@@ -644,6 +680,13 @@ class Orchestrator:
             resp = await self._watch(call, prefill, run)
         run.timings["prefill_ms"] = resp.prefill_ms
         run.timings["transfer_ms"] = resp.transfer_ms
+        self._spent(run, "prefill", prefill, resp.prefill_ms / 1000)
+        run.kv_moved += int(resp.kv_bytes)
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.inc(int(resp.kv_bytes))
+            self.metrics.transfer_seconds.inc(resp.transfer_ms / 1000)
+        run.pool = "decode"
+        run.gpu_kind["decode"] = decode.gpu_kind
         await self.store.transition(
             run.rid,
             epoch=run.epoch,
@@ -680,10 +723,28 @@ class Orchestrator:
         finally:
             stream.cancel()  # a stop string, a failover or a cancelled client ends it early
 
+    def _spent(self, run: _Run, pool: str, worker: WorkerInfo, seconds: float) -> None:
+        run.gpu_s[pool] = run.gpu_s.get(pool, 0.0) + seconds
+        run.gpu_kind.setdefault(pool, worker.gpu_kind)
+
+    def _cost(self, run: _Run) -> dict[str, Any]:
+        usages = []
+        for pool, seconds in run.gpu_s.items():
+            kind = run.gpu_kind.get(pool, "cpu")
+            try:
+                gpu = get_gpu(self.settings.prices, kind)
+            except errors.ConfigError:
+                log.warning("request %s: no price for GPU kind %r; counted at 0", run.rid, kind)
+                gpu = replace(CPU_HOST, name=kind, price_per_hour=0.0)
+            usages.append(PoolUsage(pool, gpu, seconds))
+        return cost_fields(usages, run.kv_moved, self.settings.transfer_usd_per_gb, run.inp.tenant)
+
     async def _aggregated(
         self, run: _Run, placement: Placement
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
         worker = placement.decode
+        run.pool = "aggregated"
+        run.gpu_kind.setdefault("aggregated", worker.gpu_kind)
         await self.store.transition(
             run.rid,
             epoch=run.epoch,
@@ -783,6 +844,8 @@ class Orchestrator:
                 ids = list(chunk.token_ids)
                 delta = chunk.text
                 reason = convert.finish_from_pb(chunk.finish_reason)
+                if chunk.compute_ms and run.pool:
+                    run.gpu_s[run.pool] = run.gpu_s.get(run.pool, 0.0) + chunk.compute_ms / 1000
                 if inp.stop and delta:
                     cut = _stop_cut(run.text, delta, inp.stop)
                     if cut is not None:
@@ -867,6 +930,7 @@ class Orchestrator:
     async def _finish(
         self, run: _Run, state: State, reason: str, error: str
     ) -> RequestRecord | None:
+        cost = self._cost(run)
         try:
             await self._settle(run)
             await self.store.transition(
@@ -877,8 +941,13 @@ class Orchestrator:
                     "finish_reason": reason,
                     "timings": _json(run.timings),
                     "error": error,
+                    "cost": _json(cost),
                 },
             )
+            with contextlib.suppress(errors.PdorchError):
+                await self.store.add_tenant_cost(run.inp.tenant, cost)
+            if self.metrics is not None:
+                self.metrics.finished(str(state), reason, run.timings, cost)
             return await self.store.get(run.rid)
         except errors.PdorchError as exc:
             log.warning("request %s: could not record %s: %s", run.rid, state, exc)
@@ -953,7 +1022,18 @@ def _breaker_key(w: WorkerInfo) -> str:
     return f"{w.worker_id}@{w.address}"
 
 
-def _json(d: dict[str, float]) -> str:
+def _cause(exc: errors.WorkerError) -> str:
+    """A bounded label for what failed: the phase named in the error, or the heartbeat."""
+    text = str(exc)
+    if "missed its heartbeats" in text:
+        return "heartbeat"
+    for phase in ("prefill", "decode", "generate", "tokenize"):
+        if f": {phase}:" in text:
+            return phase
+    return "other"
+
+
+def _json(d: Mapping[str, Any]) -> str:
     return json.dumps(d, sort_keys=True)
 
 

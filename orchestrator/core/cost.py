@@ -106,3 +106,26 @@ def aggregate_by_tenant(costs: Iterable[tuple[str, RequestCost]]) -> dict[str, T
             t.transfer_bytes + cost.transfer_bytes,
         )
     return totals
+
+
+def cost_fields(
+    usages: Sequence[PoolUsage], transfer_bytes: int, usd_per_gb: float, tenant: str
+) -> dict[str, float | int | str]:
+    """A request's cost as stored on its record and sent to clients (`Cost` in the protos)."""
+    cost = request_cost(usages, transfer_bytes, usd_per_gb)
+    seconds = {u.pool: 0.0 for u in usages}
+    kinds: dict[str, str] = {}
+    for u in usages:
+        seconds[u.pool] += u.gpu_seconds
+        kinds.setdefault(u.pool, u.gpu.name)
+    return {
+        "usd": cost.total_usd,
+        "prefill_gpu_s": seconds.get("prefill", 0.0),
+        "decode_gpu_s": seconds.get("decode", 0.0),
+        "aggregated_gpu_s": seconds.get("aggregated", 0.0),
+        "transfer_bytes": transfer_bytes,
+        "transfer_usd": cost.transfer_usd,
+        "prefill_gpu": kinds.get("prefill", ""),
+        "decode_gpu": kinds.get("decode", kinds.get("aggregated", "")),
+        "tenant": tenant,
+    }

@@ -160,6 +160,24 @@ DEFAULT_GPUS: dict[str, GpuProfile] = {
 }
 
 
+CPU_HOST = GpuProfile(
+    "CPU",
+    memory_gib=16,
+    memory_bandwidth_gbs=20,
+    fp16_tflops=0.5,
+    bf16_tflops=0.5,
+    fp8_tflops=None,
+    price_per_hour=0.10,
+    source="a small cloud VM running the reference engine on its CPU (this project's CI)",
+    price_source="order of magnitude of a 2-4 vCPU on-demand VM in 2025",
+)
+"""Not a GPU: what workers running the CPU reference engine (``--gpu-kind cpu``, the
+default) are priced at. Kept out of `DEFAULT_GPUS`, so the planner never proposes it."""
+
+PRICED_KINDS: dict[str, GpuProfile] = {**DEFAULT_GPUS, CPU_HOST.name: CPU_HOST}
+"""What the orchestrator prices a worker's ``gpu_kind`` with."""
+
+
 def get_gpu(table: Mapping[str, GpuProfile], name: str) -> GpuProfile:
     """Look a kind up by name, case-insensitively; ConfigError naming the known kinds."""
     for key, profile in table.items():

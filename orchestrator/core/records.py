@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from orchestrator.core.state import State
 
@@ -68,6 +69,9 @@ class RequestRecord:
     sampling: list[float] = field(default_factory=list)
     """[temperature, top_p, seed]."""
     stop: list[str] = field(default_factory=list)
+    tenant: str = ""
+    cost: dict[str, Any] = field(default_factory=dict)
+    """`orchestrator.core.cost.cost_fields`, set when the request ends."""
     updated_at: float = 0.0
     """Redis time (ms) of the last progress: a transition or a journalled chunk. Set by the
     store's scripts, read by the deadline reaper."""
@@ -75,7 +79,7 @@ class RequestRecord:
     def to_fields(self) -> dict[str, str]:
         d = asdict(self)
         d["state"] = str(self.state)
-        for name in ("timings", "prompt_ids", "sampling", "stop"):
+        for name in ("timings", "prompt_ids", "sampling", "stop", "cost"):
             d[name] = json.dumps(d[name], sort_keys=True)
         return {k: str(v) for k, v in d.items()}
 
@@ -101,6 +105,8 @@ class RequestRecord:
             prompt_ids=json.loads(f.get("prompt_ids", "[]")),
             sampling=json.loads(f.get("sampling", "[]")),
             stop=json.loads(f.get("stop", "[]")),
+            tenant=f.get("tenant", ""),
+            cost=json.loads(f.get("cost", "{}")),
             updated_at=float(f.get("updated_at", "0")),
         )
 

@@ -18,7 +18,25 @@ log = logging.getLogger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def _input(req: orchestrator_pb2.GenerateRequest) -> GenerateInput:
+TENANT_KEY = "x-pdorch-tenant"
+_MAX_TENANT = 64
+
+
+def _tenant(context: Context) -> str:
+    """The caller's tenant, from call metadata (bounded; "default" without one)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_KEY:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            text = text.strip()
+            if not text or len(text) > _MAX_TENANT or not text.isprintable():
+                raise errors.InvalidRequestError(
+                    TENANT_KEY, f"must be 1-{_MAX_TENANT} printable characters"
+                )
+            return text
+    return "default"
+
+
+def _input(req: orchestrator_pb2.GenerateRequest, tenant: str = "default") -> GenerateInput:
     which = req.WhichOneof("prompt")
     return GenerateInput(
         request_id=req.request_id,
@@ -29,6 +47,7 @@ def _input(req: orchestrator_pb2.GenerateRequest) -> GenerateInput:
         sampling=convert.sampling_from_pb(req.sampling),
         stop=tuple(req.stop),
         resume_from=req.resume_from_index,
+        tenant=tenant,
     )
 
 
@@ -46,6 +65,7 @@ def info_pb(r: RequestRecord) -> orchestrator_pb2.RequestInfo:
         error=r.error,
         kv_bytes=r.kv_bytes,
         mode=r.mode,
+        cost=convert.cost_to_pb(r.cost),
     )
 
 
@@ -62,6 +82,7 @@ def _chunk_pb(c: OutChunk) -> orchestrator_pb2.GenerateChunk:
             msg.prefill_worker = c.record.prefill_worker
             msg.decode_worker = c.record.decode_worker
             msg.epoch = c.record.epoch
+            msg.cost.CopyFrom(convert.cost_to_pb(c.record.cost))
     return msg
 
 
@@ -73,7 +94,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
         try:
-            async for chunk in self.o.generate(_input(request)):
+            async for chunk in self.o.generate(_input(request, _tenant(context))):
                 yield _chunk_pb(chunk)
         except errors.PdorchError as exc:
             log.info("request %s failed: %s", request.request_id or "-", exc)

@@ -391,6 +391,29 @@ class RedisStore:
             )
         return bool(int(done))
 
+    async def add_tenant_cost(self, tenant: str, cost: Mapping[str, Any]) -> None:
+        """Add a finished request's cost to its tenant's running totals."""
+        key = f"{self.settings.prefix}:tenant:{tenant}"
+        async with _translated("tenant cost"):
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hincrby(key, "requests", 1)
+            for name in ("usd", "prefill_gpu_s", "decode_gpu_s", "aggregated_gpu_s",
+                         "transfer_usd"):  # fmt: skip
+                pipe.hincrbyfloat(key, name, float(cost.get(name, 0.0)))
+            pipe.hincrby(key, "transfer_bytes", int(cost.get("transfer_bytes", 0)))
+            pipe.sadd(f"{self.settings.prefix}:tenants", tenant)
+            await pipe.execute()
+
+    async def tenant_costs(self) -> dict[str, dict[str, float]]:
+        """Every tenant's totals: requests, usd, GPU-seconds per pool, transfer."""
+        async with _translated("tenant costs"):
+            tenants = sorted(await self._redis.smembers(f"{self.settings.prefix}:tenants"))
+            out = {}
+            for tenant in tenants:
+                raw = await self._redis.hgetall(f"{self.settings.prefix}:tenant:{tenant}")
+                out[tenant] = {k: float(v) for k, v in raw.items()}
+        return out
+
     async def touch_client(self, request_id: str, ttl_s: float) -> None:
         """A client is attached to the request (following it) for the next ``ttl_s``."""
         async with _translated("touch_client"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ class Sequence:
     request_id: str
     state: DecodeState
     tokens: asyncio.Queue[int | BaseException] = field(default_factory=asyncio.Queue)
+    compute_s: float = 0.0
+    """Engine time spent on this sequence: its share (1/batch) of every step it was in."""
 
 
 class EngineRunner:
@@ -80,6 +83,7 @@ class DecodeBatcher:
             take = min(n, self._max_batch)
             batch = [self._active[(cursor + i) % n] for i in range(take)]
             cursor = (cursor + take) % max(n, 1)
+            started = time.perf_counter()
             try:
                 tokens = await self._runner.call(
                     self._runner.engine.decode_step, [s.state for s in batch]
@@ -90,7 +94,9 @@ class DecodeBatcher:
                     self.remove(s)
                     s.tokens.put_nowait(exc)
                 continue
+            share = (time.perf_counter() - started) / len(batch)
             for s, t in zip(batch, tokens, strict=True):
+                s.compute_s += share
                 if s in self._active:
                     s.tokens.put_nowait(t)
 

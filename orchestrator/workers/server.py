@@ -29,6 +29,7 @@ from orchestrator.core.records import WorkerInfo
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.workers.batcher import DecodeBatcher, EngineRunner, Sequence
 from orchestrator.workers.engine import DecodeState, Engine
+from orchestrator.workers.metrics import WorkerMetrics
 from orchestrator.workers.text import TextDeltas
 from transport import errors as terr
 from transport import wire
@@ -87,8 +88,10 @@ class Worker:
         *,
         sender: KvSender | None = None,
         receiver: KvReceiver | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.settings = settings
         self.worker_id = settings.worker_id or f"{settings.role}-{uuid.uuid4().hex[:8]}"
         self._publish = publish
@@ -126,6 +129,19 @@ class Worker:
         log.info("worker %s (%s) serving on %s", self.worker_id, self.settings.role, self.address)
         return self.address
 
+    def _count(self, chunk: worker_pb2.TokenChunk) -> worker_pb2.TokenChunk:
+        if self.metrics is not None:
+            self.metrics.tokens.inc(len(chunk.token_ids))
+            self.metrics.compute_seconds.inc(chunk.compute_ms / 1000)
+        return chunk
+
+    def active_sequences(self) -> int:
+        return self._batcher.active
+
+    def kv_used(self) -> int:
+        """KV held: decoding sequences plus received KV not yet claimed."""
+        return self._kv_used + (self._receiver.inbox.bytes_in_use if self._receiver else 0)
+
     def info(self) -> WorkerInfo:
         m = self.engine.info
         return WorkerInfo(
@@ -140,8 +156,7 @@ class Worker:
             vocab_size=m.vocab_size,
             kv_bytes_per_token=m.kv_bytes_per_token(),
             kv_capacity_bytes=self.settings.kv_capacity_bytes,
-            kv_used_bytes=self._kv_used
-            + (self._receiver.inbox.bytes_in_use if self._receiver else 0),
+            kv_used_bytes=self.kv_used(),
             active=self._batcher.active,
             gpu_kind=self.settings.gpu_kind,
         )
@@ -179,17 +194,26 @@ class Worker:
         max_tokens: int,
         prompt_tokens: int,
         context: grpc.aio.ServicerContext[Any, Any],
+        compute_s: float = 0.0,
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        """Emit the token already sampled (index generated-1), then decode to the end."""
+        """Emit the token already sampled (index generated-1), then decode to the end.
+
+        Each chunk carries the engine time spent on the request since the previous one
+        (``compute_s``: what this worker spent before decoding, e.g. the prefill)."""
         eos = set(self.engine.info.eos_token_ids)
         output = list(state.token_ids[prompt_tokens:])
         last = output[-1]
         text = TextDeltas(self.engine.detokenize, output[:-1])
         index = state.generated - 1
+        first_ms = compute_s * 1000
         if last in eos:
-            yield worker_pb2.TokenChunk(index=index, finish_reason=common_pb2.FINISH_REASON_EOS)
+            yield worker_pb2.TokenChunk(
+                index=index, finish_reason=common_pb2.FINISH_REASON_EOS, compute_ms=first_ms
+            )
             return
-        yield worker_pb2.TokenChunk(index=index, token_ids=[last], text=text.push([last]))
+        yield worker_pb2.TokenChunk(
+            index=index, token_ids=[last], text=text.push([last]), compute_ms=first_ms
+        )
         if state.generated >= max_tokens:
             yield worker_pb2.TokenChunk(
                 index=state.generated,
@@ -199,6 +223,13 @@ class Worker:
             return
         seq = Sequence(request_id, state)
         self._batcher.add(seq)
+        reported = 0.0
+
+        def spent() -> float:
+            nonlocal reported
+            delta, reported = seq.compute_s - reported, seq.compute_s
+            return delta * 1000
+
         try:
             while True:
                 got = await seq.tokens.get()
@@ -220,11 +251,16 @@ class Worker:
                         break
                 if ids:
                     delta = text.push(ids)
-                    yield worker_pb2.TokenChunk(index=index + 1, token_ids=ids, text=delta)
+                    yield worker_pb2.TokenChunk(
+                        index=index + 1, token_ids=ids, text=delta, compute_ms=spent()
+                    )
                     index += len(ids)
                 if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                     yield worker_pb2.TokenChunk(
-                        index=index + 1, text=text.flush(), finish_reason=finish
+                        index=index + 1,
+                        text=text.flush(),
+                        finish_reason=finish,
+                        compute_ms=spent(),
                     )
                     return
         finally:
@@ -297,11 +333,17 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
             if isinstance(exc, _TARGET_FAULTS):  # the receiving end is the one to avoid
                 context.set_trailing_metadata(((BLAME_KEY, "kv-target"),))
             await context.abort(_status_for(exc), f"KV transfer failed: {exc}")
+        transfer_s = time.perf_counter() - sent
+        if w.metrics is not None:
+            w.metrics.prefill_seconds.observe(prefill_ms / 1000)
+            w.metrics.compute_seconds.inc(prefill_ms / 1000)
+            w.metrics.transfer_seconds.inc(transfer_s)
+            w.metrics.kv_sent_bytes.inc(header.payload_bytes)
         return worker_pb2.PrefillResponse(
             first_token=result.first_token,
             kv_bytes=header.payload_bytes,
             prefill_ms=prefill_ms,
-            transfer_ms=(time.perf_counter() - sent) * 1000,
+            transfer_ms=transfer_s * 1000,
         )
 
 
@@ -328,6 +370,7 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV covers {kv.header.token_count} tokens, request has {len(ids)}",
             )
+        started = time.perf_counter()
         state = await w.start_state(
             kv,
             ids,
@@ -335,10 +378,11 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
             int(request.generated),
             convert.sampling_from_pb(request.sampling),
         )
+        adopted_s = time.perf_counter() - started
         async for chunk in w.stream(
-            rid, state, int(request.max_tokens), int(request.prompt_tokens), context
+            rid, state, int(request.max_tokens), int(request.prompt_tokens), context, adopted_s
         ):
-            yield chunk
+            yield w._count(chunk)
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -360,6 +404,7 @@ class _General(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         sampling = convert.sampling_from_pb(request.sampling)
         first_index = int(request.first_index)
+        started = time.perf_counter()
         result = await w._runner.call(w.engine.prefill, ids, sampling, first_index, None)
         state = await w.start_state(result.kv, ids, result.first_token, first_index + 1, sampling)
         async for chunk in w.stream(
@@ -368,8 +413,9 @@ class _General(worker_pb2_grpc.WorkerServiceServicer):
             int(request.max_tokens),
             int(request.prompt_tokens),
             context,
+            time.perf_counter() - started,  # the prefill, on this worker
         ):
-            yield chunk
+            yield w._count(chunk)
 
     async def Tokenize(
         self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]

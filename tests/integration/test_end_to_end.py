@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import urllib.request
 
 import grpc
 import pytest
+import redis
 
 from orchestrator.api import (
     common_pb2,
@@ -15,7 +17,7 @@ from orchestrator.api import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, free_port
 from tests.integration.conftest import collect, request, run, wait_for, workers
 
 PROMPTS = [
@@ -257,3 +259,61 @@ def test_cancel_mid_stream_frees_the_decode_workers_kv(cluster: LocalCluster) ->
         15,
         "decode workers to free the cancelled request's KV",
     )
+
+
+def test_cost_per_request_and_tenant_and_prometheus_metrics(cluster: LocalCluster) -> None:
+    """The final chunk and GetRequest say what the request cost (engine seconds per pool ×
+    the price of the workers' kind, here CPU at $3.60/h), the tenant's totals add up in
+    Redis, and /metrics shows the request."""
+    port = free_port()
+    address = cluster.start_orchestrator(5, 0, "--metrics-port", str(port), "--price", "CPU=3.6")
+    tenant = (("x-pdorch-tenant", "team-a"),)
+
+    async def main() -> tuple[list[orchestrator_pb2.GenerateChunk], orchestrator_pb2.RequestInfo]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            req = request("what does this cost", max_tokens=40, request_id="cost-1")
+            chunks = [c async for c in stub.Generate(req, metadata=tenant, timeout=60)]
+            info = await stub.GetRequest(
+                orchestrator_pb2.GetRequestRequest(request_id="cost-1"), timeout=10
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stub.Generate(
+                    request("x"), metadata=(("x-pdorch-tenant", "t" * 100),), timeout=10
+                ).read()
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(request("x", max_tokens=0), timeout=10).read()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return chunks, info
+
+    try:
+        got = run(main())
+        assert isinstance(got, tuple)
+        chunks, info = got
+        final = chunks[-1]
+        cost = final.cost
+        assert cost.tenant == "team-a"
+        assert cost.prefill_gpu_s > 0
+        assert cost.decode_gpu_s > 0
+        assert (cost.prefill_gpu, cost.decode_gpu) == ("CPU", "CPU")
+        assert cost.transfer_bytes == final.kv_bytes > 0
+        gpu_s = cost.prefill_gpu_s + cost.decode_gpu_s
+        assert cost.usd == pytest.approx(gpu_s * 3.6 / 3600)
+        assert gpu_s * 1000 < final.timings.total_ms  # engine time fits in the wall time
+        assert info.cost == cost
+        client = redis.Redis(port=cluster.redis_port, decode_responses=True)
+        try:
+            totals = client.hgetall("pdorch:tenant:team-a")
+        finally:
+            client.close()
+        assert int(totals["requests"]) >= 1
+        assert float(totals["usd"]) >= cost.usd
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        assert 'pdorch_requests_total{reason="length",state="done"}' in text
+        assert 'pdorch_cost_usd_total{tenant="team-a"}' in text
+        assert "pdorch_transfer_bytes_total" in text
+        assert 'pdorch_rejections_total{code="InvalidRequestError"} 1.0' in text
+    finally:
+        cluster.procs["orchestrator-5"].stop()

@@ -1,0 +1,98 @@
+"""Per-request cost as the orchestrator records it, the Cost message, and the metrics."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from orchestrator import errors
+from orchestrator.api import convert
+from orchestrator.control.metrics import ControlMetrics
+from orchestrator.control.orchestrator import _cause
+from orchestrator.core.cost import PoolUsage, cost_fields
+from orchestrator.core.hardware import CPU_HOST, DEFAULT_GPUS, PRICED_KINDS, get_gpu
+from orchestrator.core.records import RequestRecord
+from orchestrator.core.state import State
+from orchestrator.workers.metrics import WorkerMetrics
+
+H100, L4 = get_gpu(PRICED_KINDS, "H100"), get_gpu(PRICED_KINDS, "l4")
+
+
+def test_cost_fields_by_hand() -> None:
+    # 0.36 s on an H100 at $2.50/h = $0.00025; 7.2 s on an L4 at $0.70/h = $0.0014;
+    # 2 GB at $0.01/GB = $0.02. Total $0.02165.
+    got = cost_fields(
+        [PoolUsage("prefill", H100, 0.36), PoolUsage("decode", L4, 7.2)],
+        2_000_000_000,
+        0.01,
+        "team-a",
+    )
+    assert got["usd"] == pytest.approx(0.00025 + 0.0014 + 0.02)
+    assert got["transfer_usd"] == pytest.approx(0.02)
+    assert (got["prefill_gpu_s"], got["decode_gpu_s"], got["aggregated_gpu_s"]) == (0.36, 7.2, 0)
+    assert (got["prefill_gpu"], got["decode_gpu"], got["tenant"]) == ("H100", "L4", "team-a")
+
+
+def test_failed_attempts_add_up_in_their_pool() -> None:
+    """A failover re-prefills: both prefills were paid for."""
+    got = cost_fields(
+        [PoolUsage("prefill", H100, 0.1), PoolUsage("prefill", H100, 0.1)], 0, 0.0, "t"
+    )
+    assert got["prefill_gpu_s"] == pytest.approx(0.2)
+    assert got["usd"] == pytest.approx(0.2 * 2.50 / 3600)
+
+
+def test_cpu_workers_are_priced_but_never_planned() -> None:
+    assert get_gpu(PRICED_KINDS, "cpu") is CPU_HOST
+    assert CPU_HOST.price_per_hour > 0
+    assert "CPU" not in DEFAULT_GPUS
+
+
+def test_cost_message_and_record_round_trip() -> None:
+    fields = cost_fields([PoolUsage("aggregated", CPU_HOST, 3.6)], 0, 0.0, "default")
+    msg = convert.cost_to_pb(fields)
+    assert msg.usd == pytest.approx(3.6 * 0.10 / 3600)
+    assert (msg.aggregated_gpu_s, msg.decode_gpu, msg.tenant) == (3.6, "CPU", "default")
+    rec = RequestRecord("r", State.DONE, 1, "h", 1, 1, 0.0, tenant="default", cost=fields)
+    back = RequestRecord.from_fields(rec.to_fields())
+    assert (back.tenant, back.cost) == ("default", fields)
+    assert convert.cost_to_pb({}).usd == 0.0  # a record from before costs existed
+
+
+@pytest.mark.parametrize(
+    ("message", "cause"),
+    [
+        ("decode: UNAVAILABLE: Stream removed", "decode"),
+        ("prefill: DEADLINE_EXCEEDED: late", "prefill"),
+        ("generate: UNAVAILABLE: reset", "generate"),
+        ("missed its heartbeats", "heartbeat"),
+        ("something else", "other"),
+    ],
+)
+def test_failover_causes_are_a_bounded_set(message: str, cause: str) -> None:
+    assert _cause(errors.WorkerError("decode-0", message, retryable=True)) == cause
+
+
+def test_control_metrics_count_what_finished() -> None:
+    m = ControlMetrics()
+    cost = cost_fields(
+        [PoolUsage("prefill", H100, 0.5), PoolUsage("decode", L4, 2.0)], 10, 0.0, "team-b"
+    )
+    m.finished("done", "length", {"ttft_ms": 120.0, "tpot_ms": 20.0, "queue_ms": 3.0}, cost)
+    m.failovers.labels("decode").inc()
+    text = generate_latest(m.registry).decode()
+    assert 'pdorch_requests_total{reason="length",state="done"} 1.0' in text
+    assert "pdorch_ttft_seconds_count 1.0" in text
+    assert 'pdorch_failovers_total{cause="decode"} 1.0' in text
+    assert f'pdorch_cost_usd_total{{tenant="team-b"}} {cost["usd"]}' in text
+    assert 'pdorch_gpu_seconds_total{gpu="L4",pool="decode"} 2.0' in text
+
+
+def test_worker_gauges_read_the_worker_at_scrape_time() -> None:
+    m = WorkerMetrics()
+    held = [0]
+    m.watch(lambda: held[0], lambda: 3)
+    held[0] = 4096
+    text = generate_latest(m.registry).decode()
+    assert "pdorch_worker_kv_used_bytes 4096.0" in text
+    assert "pdorch_worker_active_sequences 3.0" in text
