@@ -32,6 +32,11 @@ async def _until_signalled() -> None:
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
+    if args.sim:
+        return await _run_sim_workers(args)
+    if args.count != 1:
+        print("pdorch worker: --count needs --sim", file=sys.stderr)
+        return 2
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
     from orchestrator.workers.server import Worker, WorkerSettings  # noqa: PLC0415
@@ -53,9 +58,10 @@ async def _run_worker(args: argparse.Namespace) -> int:
         port=args.port,
         kv_port=args.kv_port,
         worker_id=args.worker_id,
-        kv_capacity_bytes=args.kv_capacity_mib << 20,
+        kv_capacity_bytes=(args.kv_capacity_mib or 2048) << 20,
         heartbeat_ttl_s=args.heartbeat_ttl,
         heartbeat_interval_s=args.heartbeat_ttl / 3,
+        max_batch=args.max_batch or 16,
         advertise=args.advertise,
         kv_advertise=args.kv_advertise,
     )
@@ -81,6 +87,76 @@ async def _run_worker(args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):
             await store.deregister(worker.worker_id)
         await worker.stop()
+        await store.close()
+    return 0
+
+
+async def _run_sim_workers(args: argparse.Namespace) -> int:
+    """``--count`` simulated workers in this process (`orchestrator.workers.fleet`)."""
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
+    from orchestrator.workers.server import Worker, WorkerSettings  # noqa: PLC0415
+    from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
+    from transport.tcp import TcpDataPlane, tcp_receiver  # noqa: PLC0415
+
+    try:
+        spec = SimSpec.parse(args.sim)
+    except ConfigError as exc:
+        print(f"pdorch worker: --sim: {exc}", file=sys.stderr)
+        return 2
+    engine = SimEngine(spec)
+    store = RedisStore(StoreSettings(url=args.redis))
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    base = WorkerSettings(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        worker_id=args.worker_id,
+        kv_capacity_bytes=(
+            args.kv_capacity_mib << 20 if args.kv_capacity_mib else spec.kv_capacity_bytes
+        ),
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        heartbeat_interval_s=args.heartbeat_ttl / 3,
+        max_batch=args.max_batch or 256,
+        gpu_kind=spec.gpu.name,
+    )
+
+    async def publish(info: object) -> None:
+        await store.heartbeat(info, base.heartbeat_ttl_s)  # type: ignore[arg-type]
+
+    count = args.count
+    prefill = args.role == "prefill"
+    sender = SharedSender(TcpDataPlane(), tsettings, users=count) if prefill else None
+    workers = [
+        Worker(
+            engine,
+            member_settings(base, i, count),
+            publish,
+            sender=sender,
+            receiver=(None if prefill else tcp_receiver(tsettings, engine.info.model_spec())),
+            runner=SimRunner(engine),
+        )
+        for i in range(count)
+    ]
+    fleet = WorkerFleet(workers)
+    try:
+        await fleet.start()  # stops what started if one fails
+    except BaseException:
+        await store.close()
+        raise
+    for w in workers:
+        print(f"worker {w.worker_id} ready on {w.address} kv={w.kv_address}", flush=True)
+    try:
+        await _until_signalled()
+    finally:
+        log.info("%d simulated workers draining", count)
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await store.deregister(w.worker_id)
+        await fleet.stop()
         await store.close()
     return 0
 
@@ -362,7 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=0)
     w.add_argument("--kv-port", type=int, default=0)
     w.add_argument("--worker-id", default="")
-    w.add_argument("--kv-capacity-mib", type=int, default=2048)
+    w.add_argument(
+        "--kv-capacity-mib",
+        type=int,
+        default=0,
+        help="KV budget (default 2048; simulated: the GPU's memory beside the weights)",
+    )
     w.add_argument("--heartbeat-ttl", type=float, default=3.0)
     w.add_argument(
         "--kv-hold", type=float, default=30.0, help="free a received KV nobody claims after S"
@@ -390,6 +471,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="fault injection: stall this many seconds in the middle of every KV send",
     )
+    w.add_argument(
+        "--sim",
+        default="",
+        metavar="MODEL@GPU",
+        help="simulated worker: no model, timings from the performance model, e.g. "
+        "llama-3-8b@H100 or llama-3-70b@H100x4 (TCP transport; see README 'Scale')",
+    )
+    w.add_argument(
+        "--count",
+        type=_positive_int,
+        default=1,
+        help="with --sim: this many workers in this process (ids <worker-id>-0..N-1)",
+    )
+    w.add_argument("--max-batch", type=int, default=0, help="decode batch (16; simulated: 256)")
     w.set_defaults(run=_run_worker)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator (DisaggregatedService)")

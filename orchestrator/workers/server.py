@@ -87,6 +87,7 @@ class Worker:
         *,
         sender: KvSender | None = None,
         receiver: KvReceiver | None = None,
+        runner: EngineRunner | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -94,7 +95,8 @@ class Worker:
         self._publish = publish
         self._sender = sender
         self._receiver = receiver
-        self._runner = EngineRunner(engine)
+        self._runner = runner if runner is not None else EngineRunner(engine)
+        """Where engine calls run: the engine thread; a simulated engine's own runner."""
         self._batcher = DecodeBatcher(self._runner, settings.max_batch)
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
