@@ -291,6 +291,62 @@ def _bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_control_plane(args: argparse.Namespace) -> int:
+    from orchestrator.bench.control_plane import (  # noqa: PLC0415
+        ControlPlaneBench,
+        format_result,
+        run_bench,
+    )
+    from orchestrator.cluster import ClusterError  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+
+    bench = ControlPlaneBench(
+        workers=args.workers,
+        prefill_workers=args.prefill_workers,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        orchestrators=args.orchestrators,
+        clients=args.clients,
+        fleet_processes=args.fleet_processes,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        model=args.model,
+        prefill_gpu=args.prefill_gpu,
+        decode_gpu=args.decode_gpu,
+        warmup=args.warmup,
+        profile_dir=Path(args.profile_dir) if args.profile_dir else None,
+    )
+    try:
+        result = run_bench(bench, log_level=args.log_level)
+    except (ConfigError, ClusterError) as exc:
+        print(f"pdorch bench control-plane: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from orchestrator.bench.load import LoadSpec, run_load  # noqa: PLC0415
+
+    spec = LoadSpec(
+        targets=tuple(t for t in args.target.split(",") if t),
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        offset=args.offset,
+    )
+    result = asyncio.run(run_load(spec))
+    if args.samples:  # for `bench control-plane`, which merges several clients
+        print(result.to_json())
+    elif args.json:
+        print(json.dumps(result.summary(), indent=2))
+    else:
+        for key, value in result.summary().items():
+            print(f"{key}: {value}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from orchestrator.demo import run_demo  # noqa: PLC0415
 
@@ -426,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a request keeps running after its client left, for it to resume",
     )
+    o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.set_defaults(run=_run_orchestrator)
 
     w = sub.add_parser("worker", help="run a prefill or decode worker")
@@ -485,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --sim: this many workers in this process (ids <worker-id>-0..N-1)",
     )
     w.add_argument("--max-batch", type=int, default=0, help="decode batch (16; simulated: 256)")
+    w.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     w.set_defaults(run=_run_worker)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator (DisaggregatedService)")
@@ -546,6 +604,41 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--rounds", type=int, default=3, help="alternations of ours/reference")
     bt.add_argument("--json", action="store_true", help="print one JSON object")
     bt.set_defaults(call=_bench_transport)
+    bc = bsub.add_parser(
+        "control-plane",
+        help="the real orchestrator, Redis and gRPC against simulated workers",
+        description="Starts Redis, simulated workers (pdorch worker --sim) and orchestrators, "
+        "drives concurrent requests through gRPC and reports admitted req/s, orchestration "
+        "overhead (client TTFT - worker TTFT) and CPU per request. See README 'Scale'.",
+    )
+    bc.add_argument("--workers", type=_positive_int, default=200)
+    bc.add_argument("--prefill-workers", type=int, default=0, help="of --workers (0: half)")
+    bc.add_argument("--concurrency", type=_positive_int, default=2000)
+    bc.add_argument("--requests", type=_positive_int, default=10000)
+    bc.add_argument("--orchestrators", type=_positive_int, default=1)
+    bc.add_argument("--clients", type=_positive_int, default=2, help="load processes")
+    bc.add_argument(
+        "--fleet-processes", type=_positive_int, default=1, help="processes per worker role"
+    )
+    bc.add_argument("--max-tokens", type=_positive_int, default=16)
+    bc.add_argument("--prompt-words", type=_positive_int, default=100)
+    bc.add_argument("--model", default="llama-3-8b", help="performance-model preset")
+    bc.add_argument("--prefill-gpu", default="H100")
+    bc.add_argument("--decode-gpu", default="L4")
+    bc.add_argument("--warmup", type=int, default=0, help="unmeasured requests (0: 2/worker)")
+    bc.add_argument("--profile-dir", default="", help="cProfile each orchestrator into DIR")
+    bc.add_argument("--json", action="store_true", help="print one JSON object")
+    bc.set_defaults(call=_bench_control_plane)
+    bl = bsub.add_parser("load", help="drive concurrent requests at running orchestrators")
+    bl.add_argument("--target", default="127.0.0.1:50051", help="host:port[,host:port...]")
+    bl.add_argument("--requests", type=_positive_int, default=1000)
+    bl.add_argument("--concurrency", type=_positive_int, default=100)
+    bl.add_argument("--max-tokens", type=_positive_int, default=16)
+    bl.add_argument("--prompt-words", type=_positive_int, default=100)
+    bl.add_argument("--offset", type=int, default=0, help="first request number")
+    bl.add_argument("--json", action="store_true", help="print the summary as JSON")
+    bl.add_argument("--samples", action="store_true", help="print every sample as JSON")
+    bl.set_defaults(call=_bench_load)
 
     pl = sub.add_parser(
         "plan",
@@ -598,7 +691,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if getattr(args, "call", None) is not None:
         return int(args.call(args))
+    if getattr(args, "profile", ""):
+        return _profiled(args)
     return int(asyncio.run(args.run(args)))
+
+
+def _profiled(args: argparse.Namespace) -> int:
+    """Run a server command under cProfile; the stats go to ``--profile`` when it exits."""
+    import cProfile  # noqa: PLC0415
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        return int(asyncio.run(args.run(args)))
+    finally:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
 
 
 if __name__ == "__main__":
