@@ -202,6 +202,9 @@ class RedisStore:
         self._release: Any = self._redis.register_script(_RELEASE)
         self._expire: Any = self._redis.register_script(_EXPIRE)
         self._takeover: Any = self._redis.register_script(_TAKEOVER)
+        self._parsed: dict[str, WorkerInfo] = {}
+        """Heartbeat JSON -> WorkerInfo, from the last `workers` call: a heartbeat changes
+        once per interval, while `workers` runs for every request (200 parses each)."""
 
     def _lease(self, rid: str) -> str:
         return f"{self.settings.prefix}:req:{rid}:owner"
@@ -437,4 +440,6 @@ class RedisStore:
             dead = [i for i, v in zip(ids, values, strict=True) if v is None]
             if dead:
                 await self._redis.srem(self._workers, *dead)
-        return [WorkerInfo.from_json(v) for v in values if v is not None]
+        known = self._parsed
+        self._parsed = {v: known.get(v) or WorkerInfo.from_json(v) for v in values if v}
+        return list(self._parsed.values())
