@@ -483,6 +483,14 @@ class Orchestrator:
             log.warning(
                 "request %s: taken over at epoch %d from token %d", rid, epoch, len(run.output)
             )
+            if len(run.output) >= record.max_tokens:
+                # The old owner journalled every token, then lost its lease before recording
+                # the end: record it (there is nothing left to generate).
+                await self.store.transition(
+                    rid, epoch=epoch, target=State.DECODING, sources=frozenset({State.QUEUED})
+                )
+                await self._finish(run, State.DONE, "length", "")
+                return
             workers = await self.store.workers()
             async for _ in self._drive(run, workers):
                 pass  # clients follow the journal
