@@ -107,7 +107,8 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
         print(f"pdorch worker: --sim: {exc}", file=sys.stderr)
         return 2
     engine = SimEngine(spec)
-    store = RedisStore(StoreSettings(url=args.redis))
+    # Heartbeats only: a few connections, not one per worker beating at the same moment.
+    store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
     tsettings = TransportSettings(kv_hold_s=args.kv_hold)
     base = WorkerSettings(
         role=args.role,
