@@ -33,6 +33,11 @@ async def _until_signalled() -> None:
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
+    if args.sim:
+        return await _run_sim_workers(args)
+    if args.count != 1:
+        print("pdorch worker: --count needs --sim", file=sys.stderr)
+        return 2
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
     from orchestrator.workers.server import Worker, WorkerSettings  # noqa: PLC0415
@@ -54,9 +59,10 @@ async def _run_worker(args: argparse.Namespace) -> int:
         port=args.port,
         kv_port=args.kv_port,
         worker_id=args.worker_id,
-        kv_capacity_bytes=args.kv_capacity_mib << 20,
+        kv_capacity_bytes=(args.kv_capacity_mib or 2048) << 20,
         heartbeat_ttl_s=args.heartbeat_ttl,
         heartbeat_interval_s=args.heartbeat_ttl / 3,
+        max_batch=args.max_batch or 16,
         advertise=args.advertise,
         kv_advertise=args.kv_advertise,
         gpu_kind=args.gpu_kind,
@@ -90,6 +96,77 @@ async def _run_worker(args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):
             await store.deregister(worker.worker_id)
         await worker.stop()
+        await store.close()
+    return 0
+
+
+async def _run_sim_workers(args: argparse.Namespace) -> int:
+    """``--count`` simulated workers in this process (`orchestrator.workers.fleet`)."""
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
+    from orchestrator.workers.server import Worker, WorkerSettings  # noqa: PLC0415
+    from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
+    from transport.tcp import TcpDataPlane, tcp_receiver  # noqa: PLC0415
+
+    try:
+        spec = SimSpec.parse(args.sim)
+    except ConfigError as exc:
+        print(f"pdorch worker: --sim: {exc}", file=sys.stderr)
+        return 2
+    engine = SimEngine(spec)
+    # Heartbeats only: a few connections, not one per worker beating at the same moment.
+    store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    base = WorkerSettings(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        worker_id=args.worker_id,
+        kv_capacity_bytes=(
+            args.kv_capacity_mib << 20 if args.kv_capacity_mib else spec.kv_capacity_bytes
+        ),
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        heartbeat_interval_s=args.heartbeat_ttl / 3,
+        max_batch=args.max_batch or 256,
+        gpu_kind=spec.gpu.name,
+    )
+
+    async def publish(info: object) -> None:
+        await store.heartbeat(info, base.heartbeat_ttl_s)  # type: ignore[arg-type]
+
+    count = args.count
+    prefill = args.role == "prefill"
+    sender = SharedSender(TcpDataPlane(), tsettings, users=count) if prefill else None
+    workers = [
+        Worker(
+            engine,
+            member_settings(base, i, count),
+            publish,
+            sender=sender,
+            receiver=(None if prefill else tcp_receiver(tsettings, engine.info.model_spec())),
+            runner=SimRunner(engine),
+        )
+        for i in range(count)
+    ]
+    fleet = WorkerFleet(workers)
+    try:
+        await fleet.start()  # stops what started if one fails
+    except BaseException:
+        await store.close()
+        raise
+    for w in workers:
+        print(f"worker {w.worker_id} ready on {w.address} kv={w.kv_address}", flush=True)
+    try:
+        await _until_signalled()
+    finally:
+        log.info("%d simulated workers draining", count)
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await store.deregister(w.worker_id)
+        await fleet.stop()
         await store.close()
     return 0
 
@@ -282,6 +359,62 @@ def _bench_transport(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_control_plane(args: argparse.Namespace) -> int:
+    from orchestrator.bench.control_plane import (  # noqa: PLC0415
+        ControlPlaneBench,
+        format_result,
+        run_bench,
+    )
+    from orchestrator.cluster import ClusterError  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+
+    bench = ControlPlaneBench(
+        workers=args.workers,
+        prefill_workers=args.prefill_workers,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        orchestrators=args.orchestrators,
+        clients=args.clients,
+        fleet_processes=args.fleet_processes,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        model=args.model,
+        prefill_gpu=args.prefill_gpu,
+        decode_gpu=args.decode_gpu,
+        warmup=args.warmup,
+        profile_dir=Path(args.profile_dir) if args.profile_dir else None,
+    )
+    try:
+        result = run_bench(bench, log_level=args.log_level)
+    except (ConfigError, ClusterError) as exc:
+        print(f"pdorch bench control-plane: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from orchestrator.bench.load import LoadSpec, run_load  # noqa: PLC0415
+
+    spec = LoadSpec(
+        targets=tuple(t for t in args.target.split(",") if t),
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        offset=args.offset,
+    )
+    result = asyncio.run(run_load(spec))
+    if args.samples:  # for `bench control-plane`, which merges several clients
+        print(result.to_json())
+    elif args.json:
+        print(json.dumps(result.summary(), indent=2))
+    else:
+        for key, value in result.summary().items():
+            print(f"{key}: {value}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from orchestrator.demo import run_demo  # noqa: PLC0415
 
@@ -437,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a request keeps running after its client left, for it to resume",
     )
+    o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.set_defaults(run=_run_orchestrator)
 
     w = sub.add_parser("worker", help="run a prefill or decode worker")
@@ -449,7 +583,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=0)
     w.add_argument("--kv-port", type=int, default=0)
     w.add_argument("--worker-id", default="")
-    w.add_argument("--kv-capacity-mib", type=int, default=2048)
+    w.add_argument(
+        "--kv-capacity-mib",
+        type=int,
+        default=0,
+        help="KV budget (default 2048; simulated: the GPU's memory beside the weights)",
+    )
     w.add_argument("--heartbeat-ttl", type=float, default=3.0)
     w.add_argument(
         "--kv-hold", type=float, default=30.0, help="free a received KV nobody claims after S"
@@ -483,6 +622,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="fault injection: stall this many seconds in the middle of every KV send",
     )
+    w.add_argument(
+        "--sim",
+        default="",
+        metavar="MODEL@GPU",
+        help="simulated worker: no model, timings from the performance model, e.g. "
+        "llama-3-8b@H100 or llama-3-70b@H100x4 (TCP transport; see README 'Scale')",
+    )
+    w.add_argument(
+        "--count",
+        type=_positive_int,
+        default=1,
+        help="with --sim: this many workers in this process (ids <worker-id>-0..N-1)",
+    )
+    w.add_argument("--max-batch", type=int, default=0, help="decode batch (16; simulated: 256)")
+    w.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     w.set_defaults(run=_run_worker)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator (DisaggregatedService)")
@@ -549,6 +703,41 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--rounds", type=int, default=3, help="alternations of ours/reference")
     bt.add_argument("--json", action="store_true", help="print one JSON object")
     bt.set_defaults(call=_bench_transport)
+    bc = bsub.add_parser(
+        "control-plane",
+        help="the real orchestrator, Redis and gRPC against simulated workers",
+        description="Starts Redis, simulated workers (pdorch worker --sim) and orchestrators, "
+        "drives concurrent requests through gRPC and reports admitted req/s, orchestration "
+        "overhead (client TTFT - worker TTFT) and CPU per request. See README 'Scale'.",
+    )
+    bc.add_argument("--workers", type=_positive_int, default=200)
+    bc.add_argument("--prefill-workers", type=int, default=0, help="of --workers (0: half)")
+    bc.add_argument("--concurrency", type=_positive_int, default=2000)
+    bc.add_argument("--requests", type=_positive_int, default=10000)
+    bc.add_argument("--orchestrators", type=_positive_int, default=1)
+    bc.add_argument("--clients", type=_positive_int, default=2, help="load processes")
+    bc.add_argument(
+        "--fleet-processes", type=_positive_int, default=1, help="processes per worker role"
+    )
+    bc.add_argument("--max-tokens", type=_positive_int, default=16)
+    bc.add_argument("--prompt-words", type=_positive_int, default=100)
+    bc.add_argument("--model", default="llama-3-8b", help="performance-model preset")
+    bc.add_argument("--prefill-gpu", default="H100")
+    bc.add_argument("--decode-gpu", default="L4")
+    bc.add_argument("--warmup", type=int, default=0, help="unmeasured requests (0: 2/worker)")
+    bc.add_argument("--profile-dir", default="", help="cProfile each orchestrator into DIR")
+    bc.add_argument("--json", action="store_true", help="print one JSON object")
+    bc.set_defaults(call=_bench_control_plane)
+    bl = bsub.add_parser("load", help="drive concurrent requests at running orchestrators")
+    bl.add_argument("--target", default="127.0.0.1:50051", help="host:port[,host:port...]")
+    bl.add_argument("--requests", type=_positive_int, default=1000)
+    bl.add_argument("--concurrency", type=_positive_int, default=100)
+    bl.add_argument("--max-tokens", type=_positive_int, default=16)
+    bl.add_argument("--prompt-words", type=_positive_int, default=100)
+    bl.add_argument("--offset", type=int, default=0, help="first request number")
+    bl.add_argument("--json", action="store_true", help="print the summary as JSON")
+    bl.add_argument("--samples", action="store_true", help="print every sample as JSON")
+    bl.set_defaults(call=_bench_load)
 
     pl = sub.add_parser(
         "plan",
@@ -601,7 +790,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if getattr(args, "call", None) is not None:
         return int(args.call(args))
+    if getattr(args, "profile", ""):
+        return _profiled(args)
     return int(asyncio.run(args.run(args)))
+
+
+def _profiled(args: argparse.Namespace) -> int:
+    """Run a server command under cProfile; the stats go to ``--profile`` when it exits."""
+    import cProfile  # noqa: PLC0415
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        return int(asyncio.run(args.run(args)))
+    finally:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
 
 
 if __name__ == "__main__":

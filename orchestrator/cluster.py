@@ -262,6 +262,50 @@ class LocalCluster:
 
         _wait(ready, timeout_s or self.ready_timeout_s, "workers to register", workers)
 
+    def start_sim_workers(
+        self, role: str, count: int, sim: str, index: int = 0, *extra: str
+    ) -> Proc:
+        """Start ``count`` simulated workers of ``role`` in one process (``pdorch worker --sim``),
+        ids ``<role>-s<index>-0`` … ``-<count-1>``; wait for them with `wait_live_workers`."""
+        args = self._pdorch(
+            "worker",
+            "--role", role,
+            "--redis", self.redis_url,
+            "--sim", sim,
+            "--count", str(count),
+            "--transport", "tcp",
+            "--worker-id", f"{role}-s{index}",
+            "--heartbeat-ttl", str(self.heartbeat_ttl_s),
+            *extra,
+        )  # fmt: skip
+        return self._spawn(f"{role}-sim-{index}", args)
+
+    def live_workers(self) -> dict[str, int]:
+        """Role -> workers with a live heartbeat in Redis, whoever started them."""
+        client = redis.Redis(port=self.redis_port, socket_timeout=2, decode_responses=True)
+        counts: dict[str, int] = {}
+        try:
+            ids = sorted(str(i) for i in client.smembers("pdorch:workers"))
+            values = client.mget([f"pdorch:worker:{i}" for i in ids]) if ids else []
+            for raw in values:
+                if raw is not None:
+                    role = str(json.loads(str(raw)).get("role", ""))
+                    counts[role] = counts.get(role, 0) + 1
+        except redis.RedisError:
+            return {}
+        finally:
+            client.close()
+        return counts
+
+    def wait_live_workers(self, prefill: int, decode: int, timeout_s: float | None = None) -> None:
+        workers = [p for n, p in self.procs.items() if n.startswith(("prefill", "decode"))]
+
+        def ready() -> bool:
+            c = self.live_workers()
+            return c.get("prefill", 0) >= prefill and c.get("decode", 0) >= decode
+
+        _wait(ready, timeout_s or self.ready_timeout_s, "simulated workers to register", workers)
+
     def start_orchestrator(self, index: int, port: int = 0, *extra: str) -> str:
         if not port and index < len(self.orchestrator_addresses):
             port = int(self.orchestrator_addresses[index].rpartition(":")[2])  # restart

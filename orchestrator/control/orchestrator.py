@@ -161,6 +161,9 @@ class Orchestrator:
         self._resuming: set[str] = set()
         self._resumed: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._leased: dict[str, _Run] = {}
+        """Requests this replica drives, whose leases `_keep_leases` refreshes together."""
+        self._lease_keeper: asyncio.Task[None] | None = None
         self.breakers = Breakers(settings.breaker_cooldown_s)
         self._stopping = False
         self._load: dict[str, tuple[int, int]] = {}
@@ -373,7 +376,9 @@ class Orchestrator:
         contiguous indices — no duplicate, no gap.
         """
         s = self.settings
-        keeper = asyncio.create_task(self._keep_lease(run), name=f"pdorch-lease-{run.rid}")
+        self._leased[run.rid] = run
+        if self._lease_keeper is None:
+            self._lease_keeper = asyncio.create_task(self._keep_leases(), name="pdorch-leases")
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(s.max_attempts),
             wait=tenacity.wait_exponential_jitter(initial=s.retry_initial_s, max=s.retry_max_s),
@@ -409,22 +414,28 @@ class Orchestrator:
             await self._finish(run, State.FAILED, "error", str(exc))
             raise
         finally:
-            keeper.cancel()
+            if self._leased.get(run.rid) is run:
+                del self._leased[run.rid]
 
-    async def _keep_lease(self, run: _Run) -> None:
-        """Refresh this replica's lease on the request while driving it. If the lease is
-        lost (this replica stalled and another took over), stop: the new owner continues."""
+    async def _keep_leases(self) -> None:
+        """Refresh this replica's lease on every request it drives, all in one round trip
+        per interval. A request whose lease is lost (this replica stalled and another took
+        over) is told to stop: the new owner continues it."""
         interval = self.store.settings.lease_ttl_s / 3
         while True:
             await asyncio.sleep(interval)
+            runs = [r for r in self._leased.values() if not r.lease_lost]
             try:
-                held = await self.store.refresh_lease(run.rid, self.owner)
+                held = await self.store.refresh_leases([r.rid for r in runs], self.owner)
             except errors.UnavailableError:
                 continue  # the store is down: keep generating, journal writes will tell
-            if not held:
-                log.warning("request %s: lease lost to another replica; stopping", run.rid)
-                run.lease_lost = True  # the driver notices within a watch interval
-                return
+            except Exception:
+                log.exception("lease refresh failed")  # one bad round must not stop them all
+                continue
+            for run, ok in zip(runs, held, strict=True):
+                if not ok and self._leased.get(run.rid) is run:
+                    log.warning("request %s: lease lost to another replica; stopping", run.rid)
+                    run.lease_lost = True  # the driver notices within a watch interval
 
     # ------------------------------------------------------------------- takeover
 
@@ -445,6 +456,10 @@ class Orchestrator:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._lease_keeper is not None:  # last: hand-offs above keep their leases till done
+            self._lease_keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_keeper
 
     async def _reap(self) -> None:
         scanned = time.monotonic()
@@ -459,8 +474,16 @@ class Orchestrator:
                 except Exception:
                     log.exception("deadline scan failed")
             try:
-                for rid in await self.store.active():
-                    if rid in self._driving or rid in self._resuming:
+                rids = [
+                    rid
+                    for rid in await self.store.active()
+                    if rid not in self._driving and rid not in self._resuming
+                ]
+                # One read for all: only requests whose owner's lease lapsed are tried
+                # (take_over checks again, atomically).
+                holders = await self.store.lease_holders(rids)
+                for rid, holder in zip(rids, holders, strict=True):
+                    if holder is not None:
                         continue
                     epoch = await self.store.take_over(rid, self.owner)
                     if epoch is not None:
@@ -514,6 +537,14 @@ class Orchestrator:
             log.warning(
                 "request %s: taken over at epoch %d from token %d", rid, epoch, len(run.output)
             )
+            if len(run.output) >= record.max_tokens:
+                # The old owner journalled every token, then lost its lease before recording
+                # the end: record it (there is nothing left to generate).
+                await self.store.transition(
+                    rid, epoch=epoch, target=State.DECODING, sources=frozenset({State.QUEUED})
+                )
+                await self._finish(run, State.DONE, "length", "")
+                return
             workers = await self.store.workers()
             async for _ in self._drive(run, workers):
                 pass  # clients follow the journal

@@ -58,23 +58,36 @@ def place(
     ``load``: worker id → (sequences, KV bytes) this replica has placed there and not yet
     finished (see `with_local_load`)."""
     banned = set(exclude)
-    alive = [with_local_load(w, load or {}) for w in workers if w.worker_id not in banned]
-    prefills = [w for w in alive if w.role == "prefill"]
-    decodes = [w for w in alive if w.role == "decode"]
+    known = load or {}
+    # (worker, active, KV used) as this replica knows them: the workers themselves are only
+    # copied for the ones chosen (this runs per request over every worker).
+    prefills: list[tuple[WorkerInfo, int, int]] = []
+    decodes: list[tuple[WorkerInfo, int, int]] = []
+    for w in workers:
+        if w.worker_id in banned or w.role not in ("prefill", "decode"):
+            continue
+        active, kv = known.get(w.worker_id, (0, 0))
+        pool = prefills if w.role == "prefill" else decodes
+        pool.append((w, max(w.active, active), max(w.kv_used_bytes, kv)))
     if not prefills and not decodes:
         raise UnavailableError("no workers available")
     if decodes:
-        fitting = [w for w in decodes if w.kv_free_bytes >= _kv_need(w, total_tokens)]
+        fitting: list[tuple[int, int, str, WorkerInfo]] = []  # (headroom, -active, id, w)
+        for w, active, used in decodes:
+            free = max(0, w.kv_capacity_bytes - used)
+            if free >= _kv_need(w, total_tokens):
+                fitting.append((free, -active, w.worker_id, w))
         if not fitting:
             raise OverloadedError("no decode worker has KV room for this request", 1.0)
-        decode = max(fitting, key=lambda w: (w.kv_free_bytes, -w.active, w.worker_id))
+        decode = with_local_load(max(fitting, key=lambda f: f[:3])[3], known)
         if prefills:
-            prefill = min(prefills, key=lambda w: (w.active, w.worker_id))
+            chosen = min(prefills, key=lambda p: (p[1], p[0].worker_id))[0]
+            prefill = with_local_load(chosen, known)
             return Placement(Mode.DISAGGREGATED, prefill, decode, "both pools up")
         if fallback != "local":
             raise UnavailableError("prefill pool is down and fallback is 'fail'")
         return Placement(Mode.AGGREGATED, None, decode, "prefill pool down: aggregated")
     if fallback != "local":
         raise UnavailableError("decode pool is down and fallback is 'fail'")
-    worker = min(prefills, key=lambda w: (w.active, w.worker_id))
+    worker = with_local_load(min(prefills, key=lambda p: (p[1], p[0].worker_id))[0], known)
     return Placement(Mode.AGGREGATED, None, worker, "decode pool down: aggregated on prefill")

@@ -52,6 +52,21 @@ redis.call('SET', KEYS[3], ARGV[3], 'PX', tonumber(ARGV[4]))
 return {1}
 """
 
+# KEYS[1..n] leases. ARGV[1] owner, ARGV[2] lease ms. `_REFRESH` for many requests at once.
+# Returns one 1 (extended) or 0 (not the holder) per key.
+_REFRESH_MANY = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then
+    redis.call('PEXPIRE', key, tonumber(ARGV[2]))
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
 # KEYS[1] lease. ARGV[1] owner. Drops the lease only for its holder (a hand-off).
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -169,6 +184,11 @@ class StoreSettings:
     """An orchestrator owns a request while it refreshes this lease; then others take over."""
     record_ttl_s: int = 24 * 3600
     """How long finished requests stay queryable (and resubmittable idempotently)."""
+    max_connections: int = 128
+    """Connections to Redis at most; more concurrent calls wait for one (a request in flight
+    makes one call at a time, so thousands of requests share these)."""
+    pool_timeout_s: float = 5.0
+    """Longest wait for a free connection before the call fails as unavailable."""
 
 
 @contextlib.asynccontextmanager
@@ -184,14 +204,19 @@ async def _translated(what: str) -> AsyncIterator[None]:
 class RedisStore:
     def __init__(self, settings: StoreSettings) -> None:
         self.settings = settings
-        # redis-py's asyncio API is only partly typed: Any at this one boundary.
-        self._redis: Any = aioredis.Redis.from_url(
+        # A blocking pool: redis-py's default pool fails a call at once ("Too many
+        # connections") when 100 are busy, which a few hundred concurrent requests reach.
+        pool = aioredis.BlockingConnectionPool.from_url(
             settings.url,
+            max_connections=settings.max_connections,
+            timeout=settings.pool_timeout_s,
             socket_timeout=settings.socket_timeout_s,
             socket_connect_timeout=settings.connect_timeout_s,
             decode_responses=True,
             health_check_interval=5,
         )
+        # redis-py's asyncio API is only partly typed: Any at this one boundary.
+        self._redis: Any = aioredis.Redis.from_pool(pool)  # owns the pool: closes it
         self._create: Any = self._redis.register_script(_CREATE)
         self._transition: Any = self._redis.register_script(_TRANSITION)
         self._append: Any = self._redis.register_script(_APPEND)
@@ -199,9 +224,13 @@ class RedisStore:
         self._workers = f"{settings.prefix}:workers"
         self._active = f"{settings.prefix}:active"
         self._refresh: Any = self._redis.register_script(_REFRESH)
+        self._refresh_many: Any = self._redis.register_script(_REFRESH_MANY)
         self._release: Any = self._redis.register_script(_RELEASE)
         self._expire: Any = self._redis.register_script(_EXPIRE)
         self._takeover: Any = self._redis.register_script(_TAKEOVER)
+        self._parsed: dict[str, WorkerInfo] = {}
+        """Heartbeat JSON -> WorkerInfo, from the last `workers` call: a heartbeat changes
+        once per interval, while `workers` runs for every request (200 parses each)."""
 
     def _lease(self, rid: str) -> str:
         return f"{self.settings.prefix}:req:{rid}:owner"
@@ -352,6 +381,26 @@ class RedisStore:
             )
         return bool(int(held))
 
+    async def refresh_leases(self, request_ids: list[str], owner: str) -> list[bool]:
+        """`refresh_lease` for many requests in one round trip (a replica's lease keeper)."""
+        if not request_ids:
+            return []
+        async with _translated("lease refresh"):
+            held = await self._refresh_many(
+                keys=[self._lease(r) for r in request_ids],
+                args=[owner, int(self.settings.lease_ttl_s * 1000)],
+            )
+        return [bool(int(h)) for h in held]
+
+    async def lease_holders(self, request_ids: list[str]) -> list[str | None]:
+        """The owner holding each request's lease, None where it expired (one round trip:
+        a reaper checks every live request each second; `take_over` stays the atomic
+        check)."""
+        if not request_ids:
+            return []
+        async with _translated("lease holders"):
+            return list(await self._redis.mget([self._lease(r) for r in request_ids]))
+
     async def take_over(self, request_id: str, owner: str) -> int | None:
         """Become the owner of a live request whose lease expired; returns the new epoch."""
         async with _translated("take over"):
@@ -460,4 +509,6 @@ class RedisStore:
             dead = [i for i, v in zip(ids, values, strict=True) if v is None]
             if dead:
                 await self._redis.srem(self._workers, *dead)
-        return [WorkerInfo.from_json(v) for v in values if v is not None]
+        known = self._parsed
+        self._parsed = {v: known.get(v) or WorkerInfo.from_json(v) for v in values if v}
+        return list(self._parsed.values())

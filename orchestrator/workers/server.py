@@ -89,6 +89,7 @@ class Worker:
         sender: KvSender | None = None,
         receiver: KvReceiver | None = None,
         metrics: WorkerMetrics | None = None,
+        runner: EngineRunner | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -97,7 +98,8 @@ class Worker:
         self._publish = publish
         self._sender = sender
         self._receiver = receiver
-        self._runner = EngineRunner(engine)
+        self._runner = runner if runner is not None else EngineRunner(engine)
+        """Where engine calls run: the engine thread; a simulated engine's own runner."""
         self._batcher = DecodeBatcher(self._runner, settings.max_batch)
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()

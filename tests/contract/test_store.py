@@ -694,6 +694,23 @@ def test_hung_redis_times_out_as_unavailable(doomed: RedisServer) -> None:
 # ------------------------------------------------------------------ hand-off and attachment
 
 
+def test_lease_holders_and_refreshes_in_one_call(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            assert await store.lease_holders([]) == []
+            assert await store.create(record("l1", epoch=1)) is None  # owner orch-1
+            assert await store.create(record("l2", epoch=1)) is None
+            assert await store.release_lease("l2", "orch-1")
+            assert await store.lease_holders(["l1", "l2", "nope"]) == ["orch-1", None, None]
+            assert await store.refresh_leases([], "orch-1") == []
+            held = await store.refresh_leases(["l1", "l2", "nope"], "orch-1")
+            assert held == [True, False, False]  # only the holder's own lease is extended
+            assert await store.refresh_leases(["l1"], "orch-2") == [False]
+            assert await store.lease_holders(["l1"]) == ["orch-1"]
+
+    run(scenario)
+
+
 def test_release_lease_lets_a_peer_take_over_at_once(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store:

@@ -1,0 +1,78 @@
+"""The control-plane benchmark's arithmetic: percentiles, overhead, the summary, merging."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.bench.control_plane import ControlPlaneBench, _split
+from orchestrator.bench.load import LoadResult, Sample, distribution, percentile, prompt
+from orchestrator.errors import ConfigError
+
+
+def test_nearest_rank_percentiles() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 50) == 50
+    assert percentile(values, 99) == 99
+    assert percentile(values, 100) == 100
+    assert percentile(values, 0) == 1
+    assert percentile([7.0], 99) == 7
+    assert distribution([]) == {}
+    assert distribution([1.0, 3.0]) == {"p50": 1, "p90": 3, "p99": 3, "max": 3, "mean": 2}
+
+
+def _sample(start: float, client: float | None, worker: float | None, **kw: object) -> Sample:
+    s = Sample(start=start, end=start + 1, client_ttft_ms=client, worker_ttft_ms=worker)
+    s.completed = True
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+def test_overhead_is_client_minus_worker_ttft() -> None:
+    assert _sample(0, 30.0, 12.5).overhead_ms == 17.5
+    assert _sample(0, 30.0, None).overhead_ms is None  # aggregated: no worker TTFT
+    assert _sample(0, None, 12.5).overhead_ms is None  # no token arrived
+
+
+def test_summary_counts_and_rates() -> None:
+    samples = [_sample(float(i), 20.0 + i, 10.0) for i in range(8)]
+    samples.append(_sample(3.0, 50.0, None))  # aggregated
+    samples.append(_sample(4.0, 25.0, 10.0, contiguous=False))
+    refused = _sample(5.0, None, None, completed=False, admitted=False, code="RESOURCE_EXHAUSTED")
+    samples.append(refused)
+    r = LoadResult(samples)
+    s = r.summary()
+    assert (s["requests"], s["admitted"], s["completed"]) == (11, 10, 10)
+    assert s["not_completed_by_code"] == {"RESOURCE_EXHAUSTED": 1}
+    assert s["not_contiguous"] == 1
+    assert s["aggregated"] == 1
+    assert s["duration_s"] == 8.0  # first start 0, last end 8
+    assert s["admitted_per_s"] == 1.2  # 10 / 8 s, one decimal
+    overhead = s["overhead_ms"]
+    assert isinstance(overhead, dict)
+    assert overhead["p50"] == 14.0  # 10..17 and 15: the 5th of 9
+
+
+def test_results_round_trip_and_merge() -> None:
+    a = LoadResult([_sample(0, 20.0, 10.0)], cpu_s=1.5)
+    b = LoadResult.from_json(LoadResult([_sample(1, 30.0, 10.0)], cpu_s=0.5).to_json())
+    merged = LoadResult.merge([a, b])
+    assert len(merged.samples) == 2
+    assert merged.cpu_s == 2.0
+    assert merged.samples[1] == b.samples[0]
+
+
+def test_prompts_are_distinct_and_sized() -> None:
+    assert prompt(1, 10) != prompt(2, 10)
+    assert len(prompt(5, 100).split()) == 102
+
+
+def test_split_and_settings_checks() -> None:
+    assert _split(10, 3) == [4, 3, 3]
+    assert _split(2, 4) == [1, 1, 0, 0]
+    assert ControlPlaneBench(workers=200).pools == (100, 100)
+    assert ControlPlaneBench(workers=20, prefill_workers=5).pools == (5, 15)
+    with pytest.raises(ConfigError, match="prefill_workers"):
+        ControlPlaneBench(workers=4, prefill_workers=4).check()
+    with pytest.raises(ConfigError, match="sim"):
+        ControlPlaneBench(decode_gpu="T4").check()  # Llama-3 is bf16; a T4 has none
