@@ -1,5 +1,5 @@
-"""The gateway served by uvicorn on loopback (in this process, over a scripted backend), used
-through the official `openai` client: the client's view of statuses, streams and errors."""
+"""The gateway served by uvicorn on loopback (in the test's process, over a scripted backend,
+no cluster), used through the official `openai` client: statuses, streams, errors, shutdown."""
 
 from __future__ import annotations
 
