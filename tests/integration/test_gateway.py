@@ -3,6 +3,7 @@ through the official `openai` client; and `pdorch demo --serve`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -171,8 +172,10 @@ def test_demo_serve_keeps_the_cluster_up_until_sigint(tmp_path: Path) -> None:
     argv += ["--transport", TRANSPORT, "--max-tokens", "4", "--serve", "--json"]
     env = os.environ | {"PDORCH_API_KEY": KEY}  # the orchestrator reads it: auth on
     with (tmp_path / "demo.err").open("w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    children: list[psutil.Process] = []
+        # Its own process group: a failed test kills the demo's cluster with it.
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
+        )
     try:
         assert proc.stdout is not None
         report = json.loads(_first_line(proc.stdout, 240))
@@ -191,11 +194,8 @@ def test_demo_serve_keeps_the_cluster_up_until_sigint(tmp_path: Path) -> None:
         _, alive = psutil.wait_procs(children, timeout=15)
         assert not alive
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing left after a clean exit
+        proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
-        for child in children:
-            if child.is_running():
-                child.kill()
