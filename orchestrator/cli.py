@@ -16,7 +16,11 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.control.orchestrator import Orchestrator
+    from orchestrator.gateway.server import HttpServer
 
 log = logging.getLogger("pdorch")
 
@@ -235,15 +239,23 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
+    http = _gateway(args, control) if args.http_port is not None else None
     await server.start()
     await control.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"orchestrator {args.replica_id} ready on {args.host}:{port}", flush=True)
     try:
+        if http is not None:
+            await http.start()  # before SERVING: a ready orchestrator serves both
+            print(f"gateway {args.replica_id} ready on {http.url}/v1", flush=True)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        print(f"orchestrator {args.replica_id} ready on {args.host}:{port}", flush=True)
         await _until_signalled()
     finally:
         await health.enter_graceful_shutdown()
-        await server.stop(args.drain_grace)
+        # Both fronts stop accepting and drain their streams side by side.
+        stopping = [server.stop(args.drain_grace)]
+        if http is not None:
+            stopping.append(http.stop())
+        await asyncio.gather(*stopping)
         await control.stop()
         await clients.close()
         await store.close()
@@ -261,6 +273,23 @@ def _serve_metrics(registry: object, host: str, port: int) -> Any:
     server, _thread = start_http_server(port, host, registry=registry)  # type: ignore[arg-type]
     log.info("metrics on http://%s:%d/metrics", host, port)
     return server
+
+
+def _gateway(args: argparse.Namespace, control: Orchestrator) -> HttpServer:
+    """The OpenAI-compatible gateway over this process's orchestrator (the `gateway` extra)."""
+    try:
+        from orchestrator.gateway.app import Gateway  # noqa: PLC0415 - imports starlette
+        from orchestrator.gateway.server import HttpServer  # noqa: PLC0415 - imports uvicorn
+    except ImportError as exc:
+        raise SystemExit(
+            f"pdorch orchestrator --http-port needs the gateway extra "
+            f"(pip install 'pdorch[gateway]'): {exc}"
+        ) from exc
+    from orchestrator.gateway.backend import OrchestratorBackend  # noqa: PLC0415
+    from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
+
+    app = Gateway(OrchestratorBackend(control), GatewaySettings(api_key=args.api_key)).app
+    return HttpServer(app, args.http_host or args.host, args.http_port, args.drain_grace)
 
 
 async def _run_operator(args: argparse.Namespace) -> int:
@@ -424,6 +453,8 @@ def _demo(args: argparse.Namespace) -> int:
         as_json=args.json,
         model_cache=Path(args.model_cache) if args.model_cache else None,
         max_tokens=args.max_tokens,
+        serve=args.serve,
+        http_port=args.http_port,
     )
 
 
@@ -571,6 +602,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request keeps running after its client left, for it to resume",
     )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
+    o.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP gateway on this port (0: any free port)",
+    )
+    o.add_argument("--http-host", default="", help="the gateway's address (default: --host)")
+    o.add_argument(
+        "--api-key",
+        default=env.get("PDORCH_API_KEY", ""),
+        help="gateway: require 'Authorization: Bearer KEY' (default: $PDORCH_API_KEY; none)",
+    )
     o.set_defaults(run=_run_orchestrator)
 
     w = sub.add_parser("worker", help="run a prefill or decode worker")
@@ -673,6 +716,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--transport", choices=("ucx", "tcp"), default="ucx")
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--json", action="store_true")
+    d.add_argument(
+        "--serve",
+        action="store_true",
+        help="then keep the cluster up with the OpenAI-compatible gateway until Ctrl-C",
+    )
+    d.add_argument("--http-port", type=int, default=0, help="--serve: gateway port (0: free)")
     d.set_defaults(call=_demo)
 
     co = sub.add_parser("cost", help="what each tenant's requests cost so far")

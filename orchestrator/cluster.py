@@ -122,6 +122,14 @@ class LocalCluster:
     """Worker name -> KV address to publish instead of its own (TCP transport only)."""
     on_worker_ports: Callable[[str, int, int], None] | None = None
     """Told each (re)started worker's real gRPC and KV ports (proxies retarget to them)."""
+    gateway: bool = False
+    """Every orchestrator also serves the OpenAI-compatible gateway (`--http-port`)."""
+    gateway_port: int = 0
+    """The gateway port of orchestrator 0 (0: a free port); the others always get free ones."""
+    orchestrator_extra: list[str] = field(default_factory=list)
+    """Extra `pdorch orchestrator` flags for every orchestrator (e.g. --api-key)."""
+    gateway_urls: list[str] = field(default_factory=list)
+    """Orchestrator index -> its gateway's base URL (``http://127.0.0.1:PORT``)."""
 
     @property
     def redis_url(self) -> str:
@@ -315,15 +323,29 @@ class LocalCluster:
             "--redis", self.redis_url,
             "--port", str(port),
             "--replica-id", f"orchestrator-{index}",
+            *self.orchestrator_extra,
             *extra,
         )  # fmt: skip
+        url = ""
+        if self.gateway:
+            if index < len(self.gateway_urls):  # restart: same port
+                http_port = int(self.gateway_urls[index].rpartition(":")[2])
+            else:
+                http_port = (self.gateway_port if index == 0 else 0) or free_port()
+            args += ["--http-port", str(http_port)]
+            url = f"http://127.0.0.1:{http_port}"
         proc = self._spawn(f"orchestrator-{index}", args)
         address = f"127.0.0.1:{port}"
+        # An orchestrator reports SERVING only once its gateway, if any, serves too.
         _wait(lambda: _serving(address), 30, f"orchestrator {address}", [proc])
         if index < len(self.orchestrator_addresses):
             self.orchestrator_addresses[index] = address
         else:
             self.orchestrator_addresses.append(address)
+        if url and index < len(self.gateway_urls):
+            self.gateway_urls[index] = url
+        elif url:
+            self.gateway_urls.append(url)
         return address
 
     def stop(self) -> None:

@@ -4,14 +4,18 @@ Starts Redis, one prefill and two decode workers and an orchestrator as separate
 on loopback; sends the prompts concurrently through the orchestrator (prefill on one worker,
 KV over the transport, decode on another), and runs each prompt again *aggregated* on a
 single worker as the reference. Prints, per request, TTFT, TPOT, KV bytes, transfer time and
-rate, and whether the disaggregated text equals the aggregated one.
+rate, and whether the disaggregated text equals the aggregated one. With ``--serve`` the
+cluster then stays up, its orchestrator serving the OpenAI-compatible gateway on a local port
+(printed), until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -152,19 +156,33 @@ async def _run(cluster: LocalCluster, max_tokens: int, live: bool) -> list[DemoR
 
 
 def _a_decode_worker(cluster: LocalCluster) -> str:
+    return str(_heartbeat(cluster, "decode-0")["address"])
+
+
+def _heartbeat(cluster: LocalCluster, worker: str) -> dict[str, object]:
     client = redis.Redis(port=cluster.redis_port, decode_responses=True)
     try:
-        raw = client.get("pdorch:worker:decode-0")
+        raw = client.get(f"pdorch:worker:{worker}")
     finally:
         client.close()
     if raw is None:
-        raise ClusterError("decode-0 is not registered")
-    return str(json.loads(raw)["address"])
+        raise ClusterError(f"{worker} is not registered")
+    return dict(json.loads(raw))
 
 
 def run_demo(
-    *, model: str, transport: str, as_json: bool, model_cache: Path | None, max_tokens: int
+    *,
+    model: str,
+    transport: str,
+    as_json: bool,
+    model_cache: Path | None,
+    max_tokens: int,
+    serve: bool = False,
+    http_port: int = 0,
 ) -> int:
+    """Run the demo; with ``serve``, keep the cluster up afterwards with the OpenAI-compatible
+    gateway on ``http_port`` (0: a free one) until SIGINT or SIGTERM."""
+
     def say(text: str) -> None:
         if not as_json:
             print(text, file=sys.stderr)
@@ -173,18 +191,35 @@ def run_demo(
         f"starting Redis, 1 prefill + 2 decode workers ({model}, KV over {transport}) "
         "and an orchestrator ..."
     )
-    cluster = LocalCluster(model=model, transport=transport, model_cache=model_cache)
+    cluster = LocalCluster(
+        model=model,
+        transport=transport,
+        model_cache=model_cache,
+        gateway=serve,
+        gateway_port=http_port,
+    )
     try:
         with cluster:
             say(f"cluster up (logs in {cluster.workdir}); sending {len(PROMPTS)} prompts")
             results = asyncio.run(
                 _run(cluster, max_tokens, live=not as_json and sys.stderr.isatty())
             )
+            served = _served(cluster) if serve else None
+            all_match = _report(results, as_json, served)
+            if served is not None:
+                say(f"serving until Ctrl-C (SIGINT) or SIGTERM; try:\n{_example(*served)}")
+                if not _serve_until_signalled(cluster):
+                    return 1
     except (ClusterError, grpc.RpcError) as exc:
         print(f"pdorch demo: {exc}", file=sys.stderr)
         for name, tail in cluster.logs():
             print(f"--- {name} ---\n{tail}", file=sys.stderr)
         return 1
+    return 0 if all_match else 1
+
+
+def _report(results: list[DemoResult], as_json: bool, served: tuple[str, str] | None) -> bool:
+    """Print the results (and the gateway, when serving); whether all matched."""
     all_match = all(r.matches_aggregated for r in results)
     if as_json:
         keys = (
@@ -197,30 +232,60 @@ def run_demo(
             "transfer_ms",
             "matches_aggregated",
         )
+        report: dict[str, object] = {
+            "requests": [{k: asdict(r)[k] for k in keys} for r in results],
+            "all_match": all_match,
+        }
+        if served is not None:
+            report |= {"gateway": served[0], "model": served[1]}
+        print(json.dumps(report), flush=True)
+        return all_match
+    print(
+        f"{'request':<18}{'prompt':>7}{'out':>5}{'TTFT ms':>9}{'TPOT ms':>9}"
+        f"{'KV bytes':>11}{'xfer ms':>9}{'GB/s':>7}  match"
+    )
+    for r in results:
+        rate = r.kv_bytes / (r.transfer_ms / 1000) / 1e9 if r.transfer_ms else 0.0
         print(
-            json.dumps(
-                {
-                    "requests": [{k: asdict(r)[k] for k in keys} for r in results],
-                    "all_match": all_match,
-                }
-            )
+            f"{r.id[-18:]:<18}{r.prompt_tokens:>7}{r.output_tokens:>5}{r.ttft_ms:>9.1f}"
+            f"{r.tpot_ms:>9.2f}{r.kv_bytes:>11}{r.transfer_ms:>9.2f}{rate:>7.2f}  "
+            f"{'yes' if r.matches_aggregated else 'NO'}"
         )
-    else:
-        print(
-            f"{'request':<18}{'prompt':>7}{'out':>5}{'TTFT ms':>9}{'TPOT ms':>9}"
-            f"{'KV bytes':>11}{'xfer ms':>9}{'GB/s':>7}  match"
-        )
-        for r in results:
-            rate = r.kv_bytes / (r.transfer_ms / 1000) / 1e9 if r.transfer_ms else 0.0
-            print(
-                f"{r.id[-18:]:<18}{r.prompt_tokens:>7}{r.output_tokens:>5}{r.ttft_ms:>9.1f}"
-                f"{r.tpot_ms:>9.2f}{r.kv_bytes:>11}{r.transfer_ms:>9.2f}{rate:>7.2f}  "
-                f"{'yes' if r.matches_aggregated else 'NO'}"
-            )
-            print(f"    {r.text.strip()[:100]!r}")
-        print(
-            "all outputs identical to aggregated runs"
-            if all_match
-            else "SOME OUTPUTS DIFFER from the aggregated runs"
-        )
-    return 0 if all_match else 1
+        print(f"    {r.text.strip()[:100]!r}")
+    print(
+        "all outputs identical to aggregated runs"
+        if all_match
+        else "SOME OUTPUTS DIFFER from the aggregated runs"
+    )
+    if served is not None:
+        print(f"OpenAI-compatible gateway: {served[0]}  (model {served[1]!r})", flush=True)
+    return all_match
+
+
+def _served(cluster: LocalCluster) -> tuple[str, str]:
+    """(the gateway's base URL for OpenAI clients, the model it serves)."""
+    return f"{cluster.gateway_urls[0]}/v1", str(_heartbeat(cluster, "decode-0")["model"])
+
+
+def _example(base_url: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    return f"  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def _serve_until_signalled(cluster: LocalCluster) -> bool:
+    """Wait for SIGINT/SIGTERM (True), or for a cluster process to die (False)."""
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        while not stop.wait(0.5):  # checks the processes twice a second
+            dead = [n for n, p in cluster.procs.items() if p.popen.poll() is not None]
+            if dead and not stop.is_set():  # a Ctrl-C reaches the whole process group
+                print(f"pdorch demo: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return False
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("pdorch demo: stopping the cluster", file=sys.stderr)
+    return True

@@ -1,0 +1,291 @@
+"""The gateway's ASGI application (Starlette): routes, auth, and relaying generations.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{model}`` and ``GET /health`` (open, for probes). Every error is answered
+in the OpenAI shape through `orchestrator.gateway.errors`.
+
+A streamed call reads the request's first chunk *before* it answers, so everything that can
+go wrong at admission (validation, backpressure, no workers, a failed prefill) still gets its
+own status code; after the headers are out, a failure ends the stream with an error event
+and no ``[DONE]``. A client that goes away mid-stream just stops being sent to: its request
+keeps running for the orchestrator's detach grace (a retry with the same ``Idempotency-Key``
+follows it), then is cancelled.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from orchestrator import errors
+from orchestrator.control.orchestrator import GenerateInput, OutChunk
+from orchestrator.gateway import parse, render
+from orchestrator.gateway.errors import SERVER, ApiError, api_error_for
+from orchestrator.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+"""The response header carrying pdorch's request id (the official client reads it)."""
+
+
+class Backend(Protocol):
+    """What the gateway needs from the orchestrator."""
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
+        """`control.Orchestrator.generate`: chunks, the last one with a finish reason."""
+        ...
+
+    async def models(self) -> list[str]:
+        """The names of the models the registered workers serve (empty: no workers)."""
+        ...
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        error.body(), status_code=error.status, headers=error.headers() | (headers or {})
+    )
+
+
+def _answering_errors(handler: Handler) -> Handler:
+    """Answer `ApiError`s and orchestrator errors in the OpenAI shape; anything else is a
+    bug, logged, and a 500 in the same shape."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error_response(exc)
+        except errors.PdorchError as exc:
+            return _error_response(api_error_for(exc))
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            return _error_response(_internal())
+
+    return wrapped
+
+
+def _internal() -> ApiError:
+    return ApiError(500, "internal error", kind=SERVER, code="internal_error")
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that closes its source however the response ends (done,
+    failed, client gone, server shutting down) — so the request is detached at once."""
+
+    def __init__(
+        self, events: AsyncIterator[bytes], source: AsyncIterator[OutChunk], rid: str
+    ) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={
+                REQUEST_ID_HEADER: rid,
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        )
+        self._source = source
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close(self._source)
+
+
+async def _close(source: AsyncIterator[OutChunk]) -> None:
+    if isinstance(source, AsyncGenerator):
+        await source.aclose()
+
+
+class Gateway:
+    """The routes over one `Backend`; `app` is the ASGI application."""
+
+    def __init__(self, backend: Backend, settings: GatewaySettings) -> None:
+        self.backend = backend
+        self.settings = settings
+        routes = [
+            Route("/v1/completions", _answering_errors(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", _answering_errors(self.chat), methods=["POST"]),
+            Route("/v1/models", _answering_errors(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", _answering_errors(self.model), methods=["GET"]),
+            Route("/health", _answering_errors(self.health), methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+    # ------------------------------------------------------------------------- routes
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        names = await self.backend.models()
+        return JSONResponse({"object": "list", "data": [_model_card(n) for n in names]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        name = request.path_params["model"]
+        if name not in await self.backend.models():
+            raise _model_not_found(name)
+        return JSONResponse(_model_card(name))
+
+    async def health(self, request: Request) -> Response:
+        """Ready: the store answers and at least one worker is registered (else 503)."""
+        names = await self.backend.models()
+        if not names:
+            raise api_error_for(errors.UnavailableError("no workers registered"))
+        return JSONResponse({"status": "ok", "models": names})
+
+    # ---------------------------------------------------------------------- generation
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+        rid = parse.request_id(request.headers)
+        reader = parse.parse_chat if chat else parse.parse_completion
+        call = reader(body, rid, self.settings)
+        await self._check_model(call.model)
+        renderer = render.Renderer(chat, call.model, rid, int(time.time()))
+        tally = render.Tally(rid)
+        source = self.backend.generate(call.inp)
+        try:
+            first = await _next(source, call)
+        except BaseException:
+            await _close(source)
+            raise
+        if call.stream:
+            events = _events(source, first, renderer, tally, call)
+            return _EventStream(events, source, rid)
+        try:
+            chunk: OutChunk | None = first
+            while chunk is not None:
+                tally.add(chunk)
+                chunk = None if tally.finish else await _next(source, call)
+        finally:
+            await _close(source)
+        return JSONResponse(renderer.whole(tally), headers={REQUEST_ID_HEADER: rid})
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise ApiError(
+                401,
+                "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
+        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        too_large = ApiError(413, f"request body larger than {limit} bytes", code="too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise too_large
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    async def _check_model(self, name: str) -> None:
+        served = await self.backend.models()
+        if not served:
+            raise errors.UnavailableError("no workers registered")
+        if name not in served:
+            raise _model_not_found(name)
+
+
+async def _next(source: AsyncIterator[OutChunk], call: parse.Call) -> OutChunk:
+    """The next chunk; orchestrator errors become `ApiError`s named in the call's terms."""
+    try:
+        return await anext(source)
+    except StopAsyncIteration:
+        raise ApiError(
+            500, "the request ended without a finish", kind=SERVER, code="no_finish"
+        ) from None
+    except errors.PdorchError as exc:
+        raise api_error_for(exc, call.params) from exc
+
+
+async def _events(
+    source: AsyncIterator[OutChunk],
+    first: OutChunk,
+    renderer: render.Renderer,
+    tally: render.Tally,
+    call: parse.Call,
+) -> AsyncIterator[bytes]:
+    opening = renderer.opening()
+    if opening is not None:
+        yield opening
+    chunk = first
+    try:
+        while True:
+            text = tally.add(chunk)
+            if text:
+                yield renderer.delta(text)
+            if tally.finish:
+                break
+            chunk = await _next(source, call)
+    except ApiError as exc:
+        log.info("request %s failed mid-stream: %s", tally.request_id, exc)
+        yield render.error_event(exc)
+        return
+    except Exception:
+        log.exception("request %s: stream failed", tally.request_id)
+        yield render.error_event(_internal())
+        return
+    yield renderer.closing(tally, call.include_usage)
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pdorch"}
+
+
+def _model_not_found(name: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model {name!r} does not exist: see GET /v1/models",
+        param="model",
+        code="model_not_found",
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) in the OpenAI shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
+    return _error_response(
+        ApiError(status, f"{request.method} {request.url.path}: {detail}", code=code), headers
+    )

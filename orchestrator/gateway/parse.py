@@ -1,0 +1,261 @@
+"""OpenAI request bodies → `Call`: what to generate and how to answer. Pure.
+
+Type and shape are checked here (a wrong one is a 400 naming the parameter); value ranges
+that pdorch itself enforces (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``)
+are left to `control`'s validation, so there is one rule for gRPC and HTTP clients alike.
+
+What pdorch cannot honour is refused, not ignored: ``n`` or ``best_of`` above 1, batched
+prompts, ``echo``, ``suffix``, log probabilities, penalties, ``logit_bias``, tools and
+structured output. Parameters that change nothing here (``user``, ``metadata``, ``store``,
+``service_tier``, ...) are accepted and ignored, as OpenAI-compatible servers do.
+
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1. A call without ``seed`` gets one
+derived from its request id, so a retry under the same ``Idempotency-Key`` is the same
+request (pdorch refuses a reused id with a different body) and different calls differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.control.orchestrator import GenerateInput
+from orchestrator.core.sampling import SamplingParams
+from orchestrator.gateway.errors import ApiError
+from orchestrator.gateway.settings import GatewaySettings
+
+REQUEST_ID_HEADERS = ("idempotency-key", "x-request-id")
+"""Headers naming pdorch's request id, first found wins: a retry with the same id follows
+(or resumes) the request already running instead of starting another."""
+
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One generation call, parsed."""
+
+    chat: bool
+    model: str
+    inp: GenerateInput
+    stream: bool
+    include_usage: bool
+    """Streaming only: send a last chunk with token usage (``stream_options``)."""
+
+    @property
+    def params(self) -> dict[str, str]:
+        """Orchestrator field names → this call's parameter names, for error messages."""
+        prompt = "messages" if self.chat else "prompt"
+        return {"prompt": prompt, "request_id": REQUEST_ID_HEADERS[0]}
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's request id from `REQUEST_ID_HEADERS`, else a fresh one."""
+    for name in REQUEST_ID_HEADERS:
+        value = headers.get(name, "").strip()
+        if value:
+            return value
+    return uuid.uuid4().hex
+
+
+def seed_for(request_id: str) -> int:
+    """A seed in [0, 2^63) that depends on the request id only."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
+
+
+def parse_completion(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> Call:
+    """``POST /v1/completions``."""
+    _refuse_unsupported(body, chat=False)
+    prompt = body.get("prompt")
+    text: str | None = None
+    tokens: tuple[int, ...] | None = None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        tokens = tuple(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "batched prompts are not supported: send one per call", param="prompt")
+    else:
+        raise ApiError(
+            400, "prompt must be a string or a list of token ids (non-empty)", param="prompt"
+        )
+    max_tokens = _int_or_none(body, "max_tokens")
+    return _call(
+        body,
+        rid,
+        chat=False,
+        inp=GenerateInput(
+            request_id=rid,
+            text=text,
+            token_ids=tokens,
+            max_tokens=settings.completion_max_tokens if max_tokens is None else max_tokens,
+            sampling=_sampling(body, rid),
+            stop=_stop(body),
+        ),
+    )
+
+
+def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> Call:
+    """``POST /v1/chat/completions``."""
+    _refuse_unsupported(body, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    chat = tuple(_message(m, i) for i, m in enumerate(messages))
+    max_tokens = _int_or_none(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _int_or_none(body, "max_tokens")
+    return _call(
+        body,
+        rid,
+        chat=True,
+        inp=GenerateInput(
+            request_id=rid,
+            chat=chat,
+            max_tokens=settings.chat_max_tokens if max_tokens is None else max_tokens,
+            sampling=_sampling(body, rid),
+            stop=_stop(body),
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def _call(body: Mapping[str, Any], rid: str, *, chat: bool, inp: GenerateInput) -> Call:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model must be a non-empty string", param="model")
+    stream = _bool(body, "stream", default=False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", param="stream_options")
+        include_usage = _bool(options, "include_usage", default=False, param="stream_options")
+    return Call(chat=chat, model=model, inp=inp, stream=stream, include_usage=include_usage)
+
+
+def _message(m: object, i: int) -> tuple[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{where} must be an object", param=where)
+    role = m.get("role")
+    if role not in _CHAT_ROLES:
+        raise ApiError(
+            400,
+            f"{where}.role {role!r} is not supported (system, developer, user, assistant)",
+            param=f"{where}.role",
+        )
+    if m.get("tool_calls") or m.get("function_call"):
+        raise ApiError(400, "tool calls are not supported", param=f"{where}.tool_calls")
+    return _CHAT_ROLES[role], _content(m.get("content"), f"{where}.content")
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ApiError(400, "only text content parts are supported", param=where)
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ApiError(400, "a text part needs a string 'text'", param=where)
+            texts.append(text)
+        return "".join(texts)
+    raise ApiError(400, "content must be a string or a list of text parts", param=where)
+
+
+def _sampling(body: Mapping[str, Any], rid: str) -> SamplingParams:
+    temperature = _number_or_none(body, "temperature")
+    top_p = _number_or_none(body, "top_p")
+    seed = _int_or_none(body, "seed")
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=seed_for(rid) if seed is None else seed,
+    )
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+
+
+def _refuse_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
+    """A parameter pdorch cannot honour, set to anything but a neutral value, is a 400."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and not (_is_int(value) and value == 1):
+            raise ApiError(400, f"{name} must be 1: pdorch returns one choice", param=name)
+    neutral: dict[str, tuple[object, ...]] = {
+        "echo": (False,),
+        "suffix": ("",),
+        "logprobs": (False,) if chat else (0,),
+        "top_logprobs": (0,),
+        "presence_penalty": (0, 0.0),
+        "frequency_penalty": (0, 0.0),
+        "logit_bias": ({},),
+        "tools": ([],),
+        "functions": ([],),
+        "tool_choice": ("none", "auto"),
+        "function_call": ("none", "auto"),
+        "response_format": ({"type": "text"},),
+        "audio": (),
+        "prediction": (),
+    }
+    for name, allowed in neutral.items():
+        value = body.get(name)
+        # Same type too: ``True == 1`` and ``0 == False`` must not pass for each other.
+        if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
+            raise ApiError(400, f"{name} is not supported", param=name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _int_or_none(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise ApiError(400, f"{name} must be an integer", param=name)
+    return int(value)
+
+
+def _number_or_none(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise ApiError(400, f"{name} must be a number", param=name)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str, *, default: bool, param: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false", param=param or name)
+    return value

@@ -1,0 +1,128 @@
+"""`OutChunk`s → OpenAI response objects and server-sent events. Pure.
+
+A `Tally` folds the chunks of one request (text, token counts, how it ended); a `Renderer`
+turns a tally or a delta into the objects of the call's kind: ``text_completion`` and
+``chat.completion`` whole, their ``*.chunk`` forms as events. A stream is
+``data: {json}\\n\\n`` events ending in ``data: [DONE]``; a stream that fails after its
+headers went out ends instead with one ``data: {"error": {...}}`` event and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.control.orchestrator import OutChunk
+from orchestrator.gateway.errors import ApiError, cancelled
+
+FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
+"""pdorch's finish reasons that end a request well → OpenAI's. A stop string and the model's
+end-of-sequence token are both "stop" to OpenAI; anything else ended it badly."""
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one request produced so far, and how it ended (``finish``, OpenAI's words)."""
+
+    request_id: str
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    finish: str = ""
+
+    def add(self, chunk: OutChunk) -> str:
+        """Count a chunk; returns its text. A chunk that ends the request badly (cancelled)
+        raises the `ApiError` to answer with."""
+        self.completion_tokens += len(chunk.token_ids)
+        self.text += chunk.text
+        if chunk.finish_reason:
+            finish = FINISH_REASONS.get(chunk.finish_reason)
+            if finish is None:
+                if chunk.finish_reason == "cancelled":
+                    raise cancelled(self.request_id)
+                raise ApiError(
+                    500,
+                    f"request {self.request_id!r} ended with {chunk.finish_reason!r}",
+                    kind="server_error",
+                    code="request_failed",
+                )
+            self.finish = finish
+            if chunk.record is not None:
+                self.prompt_tokens = chunk.record.prompt_tokens
+        return chunk.text
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Renderer:
+    chat: bool
+    model: str
+    request_id: str
+    created: int
+    """Unix seconds, the same in every object of one response."""
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request_id}"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, tally: Tally) -> dict[str, Any]:
+        """The non-streamed response."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": tally.text, "refusal": None}
+        else:
+            choice["text"] = tally.text
+        choice |= {"logprobs": None, "finish_reason": tally.finish}
+        kind = "chat.completion" if self.chat else "text_completion"
+        return self._head(kind) | {"choices": [choice], "usage": tally.usage()}
+
+    def _chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, str] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice |= {"logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._head(kind) | {"choices": [choice]}
+
+    def opening(self) -> bytes | None:
+        """The first event of a chat stream (the assistant's role, no text); none for text."""
+        return sse(self._chunk("", None, role=True)) if self.chat else None
+
+    def delta(self, text: str) -> bytes:
+        return sse(self._chunk(text, None))
+
+    def closing(self, tally: Tally, include_usage: bool) -> bytes:
+        """The events after the last text: the finish reason, usage if asked, ``[DONE]``."""
+        events = [sse(self._chunk(None if self.chat else "", tally.finish))]
+        if include_usage:
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            events.append(sse(self._head(kind) | {"choices": [], "usage": tally.usage()}))
+        events.append(DONE)
+        return b"".join(events)
+
+
+def error_event(error: ApiError) -> bytes:
+    """The last event of a stream that failed after its headers were sent."""
+    return sse(error.body())

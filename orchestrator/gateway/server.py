@@ -1,0 +1,93 @@
+"""uvicorn serving the gateway inside the orchestrator's event loop.
+
+We bind the listening socket ourselves (so port 0 works and a bind error is an ordinary
+``OSError`` at start, not uvicorn's ``sys.exit``) and keep uvicorn away from signals: the
+process's owner (the CLI) handles SIGTERM and calls `HttpServer.stop`, which stops accepting,
+lets open responses finish for ``drain_grace_s``, then cancels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """No signal handlers: the CLI owns the process's signals."""
+        yield
+
+
+class HttpServer:
+    def __init__(self, app: ASGIApp, host: str, port: int, drain_grace_s: float) -> None:
+        self.host = host
+        self.requested_port = port
+        self.drain_grace_s = drain_grace_s
+        self._config = uvicorn.Config(
+            app,
+            http="h11",
+            ws="none",  # no websockets: nothing to import (or to warn about)
+            lifespan="off",
+            log_config=None,  # the CLI configures logging; a library never does
+            access_log=False,
+            timeout_graceful_shutdown=max(1, math.ceil(drain_grace_s)),
+        )
+        self._server = _Server(self._config)
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Listen, and return once uvicorn serves (or raise: bind error, early exit)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.requested_port))
+        except OSError:
+            sock.close()
+            raise
+        self.port = int(sock.getsockname()[1])
+        self._task = asyncio.create_task(
+            self._server.serve(sockets=[sock]), name=f"pdorch-gateway-{self.port}"
+        )
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server exited while starting")
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise TimeoutError(f"HTTP server not serving after {timeout_s}s")
+            await asyncio.sleep(0.01)  # polling uvicorn's `started` flag, with a deadline
+
+    async def stop(self) -> None:
+        """Stop accepting, drain for ``drain_grace_s``, cancel the rest. Idempotent."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._server.should_exit = True
+        try:
+            # uvicorn cancels responses still open after its graceful timeout; the margin
+            # covers its own polling (0.1 s ticks) before we cancel it outright.
+            await asyncio.wait_for(asyncio.shield(task), self.drain_grace_s + 5.0)
+        except TimeoutError:
+            log.warning("HTTP server did not stop in time; cancelling it")
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

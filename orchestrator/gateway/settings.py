@@ -1,0 +1,19 @@
+"""The gateway's settings: one frozen group, filled in by the CLI (the only env reader)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    api_key: str = ""
+    """When set, every ``/v1`` call needs ``Authorization: Bearer <api_key>`` (else 401);
+    ``/health`` stays open for probes."""
+    completion_max_tokens: int = 16
+    """``max_tokens`` of a ``/v1/completions`` call that names none (OpenAI's default)."""
+    chat_max_tokens: int = 512
+    """``max_tokens`` of a chat call that names none. OpenAI's is "until the context is
+    full"; a bound keeps one forgetful client from holding a decode slot for minutes."""
+    max_body_bytes: int = 4 << 20
+    """Larger request bodies are refused with 413 before they are parsed."""

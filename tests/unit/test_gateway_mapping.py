@@ -1,0 +1,335 @@
+"""The gateway's pure parts: OpenAI JSON → `Call`, chunks → OpenAI JSON/SSE, the error table."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from orchestrator import errors
+from orchestrator.control.orchestrator import OutChunk
+from orchestrator.core.records import RequestRecord
+from orchestrator.core.state import State
+from orchestrator.gateway import parse, render
+from orchestrator.gateway.errors import ApiError, api_error_for
+from orchestrator.gateway.settings import GatewaySettings
+
+SETTINGS = GatewaySettings(completion_max_tokens=16, chat_max_tokens=100)
+
+
+def completion(**body: Any) -> parse.Call:
+    return parse.parse_completion({"model": "m", "prompt": "hi"} | body, "rid-1", SETTINGS)
+
+
+def chat(**body: Any) -> parse.Call:
+    messages = [{"role": "user", "content": "hi"}]
+    return parse.parse_chat({"model": "m", "messages": messages} | body, "rid-1", SETTINGS)
+
+
+def refused(fn: Any, param: str, **body: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(**body)
+    assert info.value.status == 400
+    assert info.value.param == param
+    return info.value
+
+
+# ---------------------------------------------------------------------------- parse
+
+
+def test_completion_defaults_follow_openai() -> None:
+    call = completion()
+    assert call.model == "m"
+    assert not call.chat
+    assert not call.stream
+    assert not call.include_usage
+    inp = call.inp
+    assert inp.request_id == "rid-1"
+    assert inp.text == "hi"
+    assert inp.chat is None
+    assert inp.token_ids is None
+    assert inp.max_tokens == 16
+    assert inp.sampling.temperature == 1.0
+    assert inp.sampling.top_p == 1.0
+    assert inp.sampling.seed == parse.seed_for("rid-1")
+    assert inp.stop == ()
+
+
+def test_completion_parameters() -> None:
+    call = completion(
+        max_tokens=7,
+        temperature=0,
+        top_p=0.5,
+        seed=42,
+        stop="\n",
+        stream=True,
+        stream_options={"include_usage": True},
+        user="tenant-a",
+        n=1,
+        logprobs=None,
+        presence_penalty=0,
+    )
+    inp = call.inp
+    assert (inp.max_tokens, inp.sampling.temperature, inp.sampling.top_p) == (7, 0.0, 0.5)
+    assert inp.sampling.seed == 42
+    assert inp.stop == ("\n",)
+    assert call.stream
+    assert call.include_usage
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "tokens"),
+    [
+        ("abc", "abc", None),
+        (["abc"], "abc", None),
+        ([1, 2, 3], None, (1, 2, 3)),
+        ([[4, 5]], None, (4, 5)),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, text: str | None, tokens: Any) -> None:
+    inp = completion(prompt=prompt).inp
+    assert (inp.text, inp.token_ids) == (text, tokens)
+
+
+@pytest.mark.parametrize("prompt", [None, 3, [], ["a", "b"], [[1], [2]], [1, "a"], [True], {}])
+def test_completion_bad_prompts(prompt: Any) -> None:
+    refused(completion, "prompt", prompt=prompt)
+
+
+def test_chat_messages_and_max_tokens() -> None:
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "ok", "name": "bot"},
+    ]
+    call = chat(messages=messages, max_tokens=9, stop=["x", "y"])
+    assert call.chat
+    assert call.inp.chat == (("system", "be brief"), ("user", "ab"), ("assistant", "ok"))
+    assert call.inp.max_tokens == 9
+    assert call.inp.stop == ("x", "y")
+    assert chat().inp.max_tokens == 100
+    assert chat(max_tokens=9, max_completion_tokens=3).inp.max_tokens == 3
+    assert call.params["prompt"] == "messages"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "tool", "content": "x"}], "messages[0].role"),
+        ([{"content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": None}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+        ([{"role": "assistant", "content": "", "tool_calls": [{}]}], "messages[0].tool_calls"),
+    ],
+)
+def test_chat_bad_messages(messages: Any, param: str) -> None:
+    refused(chat, param, messages=messages)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"n": True}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": False}, "logprobs"),  # completions take an int: False is not 0 here
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 1}, "frequency_penalty"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"model": ""}, "model"),
+        ({"model": 3}, "model"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": 3}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": []}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ],
+)
+def test_refused_parameters(body: dict[str, Any], param: str) -> None:
+    refused(completion, param, **body)
+
+
+def test_chat_logprobs_false_is_neutral() -> None:
+    assert chat(logprobs=False, top_logprobs=0, tool_choice="none", tools=[]).chat
+    refused(chat, "logprobs", logprobs=True)
+
+
+def test_request_id_from_headers() -> None:
+    assert parse.request_id({"idempotency-key": "k", "x-request-id": "r"}) == "k"
+    assert parse.request_id({"x-request-id": " r "}) == "r"
+    fresh = {parse.request_id({}) for _ in range(3)}
+    assert len(fresh) == 3
+    assert all(len(r) == 32 for r in fresh)
+
+
+def test_seed_depends_on_request_id_only() -> None:
+    assert parse.seed_for("a") == parse.seed_for("a") != parse.seed_for("b")
+    assert all(0 <= parse.seed_for(str(i)) < 2**63 for i in range(100))
+
+
+# --------------------------------------------------------------------------- render
+
+
+def record(prompt_tokens: int) -> RequestRecord:
+    return RequestRecord("r", State.DONE, 1, "h", prompt_tokens, 16, 0.0)
+
+
+def tally_of(*chunks: OutChunk) -> render.Tally:
+    tally = render.Tally("r")
+    for c in chunks:
+        tally.add(c)
+    return tally
+
+
+def test_tally_counts_and_maps_finish() -> None:
+    tally = tally_of(
+        OutChunk("r", 0, [1, 2], "ab"),
+        OutChunk("r", 2, [3], ""),  # an incomplete UTF-8 sequence: a token, no text yet
+        OutChunk("r", 3, [4], "c"),
+        OutChunk("r", 4, [], "", "eos", record=record(5)),
+    )
+    assert (tally.text, tally.completion_tokens, tally.prompt_tokens) == ("abc", 4, 5)
+    assert tally.finish == "stop"
+    assert tally.usage() == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"), [("stop", "stop"), ("eos", "stop"), ("length", "length")]
+)
+def test_finish_reasons(ours: str, theirs: str) -> None:
+    assert tally_of(OutChunk("r", 0, [], "", ours)).finish == theirs
+
+
+@pytest.mark.parametrize(("reason", "status"), [("cancelled", 409), ("error", 500), ("odd", 500)])
+def test_bad_endings_raise(reason: str, status: int) -> None:
+    with pytest.raises(ApiError) as info:
+        tally_of(OutChunk("r", 0, [1], "a"), OutChunk("r", 1, [], "", reason))
+    assert info.value.status == status
+
+
+def test_whole_completion_and_chat() -> None:
+    tally = tally_of(
+        OutChunk("r", 0, [1], "hi"), OutChunk("r", 1, [], "", "length", record=record(3))
+    )
+    text = render.Renderer(False, "m", "r", 7).whole(tally)
+    assert text == {
+        "id": "cmpl-r",
+        "object": "text_completion",
+        "created": 7,
+        "model": "m",
+        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    message = render.Renderer(True, "m", "r", 7).whole(tally)
+    assert message["id"] == "chatcmpl-r"
+    assert message["object"] == "chat.completion"
+    assert message["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "hi",
+        "refusal": None,
+    }
+
+
+def events(raw: bytes) -> list[Any]:
+    assert raw.endswith(b"\n\n")
+    out = []
+    for block in raw.decode().split("\n\n")[:-1]:
+        assert block.startswith("data: ")
+        data = block.removeprefix("data: ")
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_stream_events_chat() -> None:
+    r = render.Renderer(True, "m", "r", 7)
+    tally = tally_of(
+        OutChunk("r", 0, [1], "hi"), OutChunk("r", 1, [], "", "stop", record=record(2))
+    )
+    opening = r.opening()
+    assert opening is not None
+    stream = events(opening + r.delta("hi") + r.closing(tally, include_usage=True))
+    assert [e["choices"][0]["delta"] for e in stream[:3]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "hi"},
+        {},
+    ]
+    assert [e["choices"][0]["finish_reason"] for e in stream[:3]] == [None, None, "stop"]
+    assert all(
+        e["object"] == "chat.completion.chunk" and e["id"] == "chatcmpl-r" for e in stream[:4]
+    )
+    assert stream[3]["choices"] == []
+    assert stream[3]["usage"]["total_tokens"] == 3
+    assert stream[4] == "[DONE]"
+
+
+def test_stream_events_text() -> None:
+    r = render.Renderer(False, "m", "r", 7)
+    tally = tally_of(OutChunk("r", 0, [], "", "eos"))
+    assert r.opening() is None
+    stream = events(r.delta("x") + r.closing(tally, include_usage=False))
+    assert [e["choices"][0]["text"] for e in stream[:2]] == ["x", ""]
+    assert stream[1]["choices"][0]["finish_reason"] == "stop"
+    assert stream[2] == "[DONE]"
+    error = events(render.error_event(ApiError(503, "gone", kind="server_error")))
+    assert error == [
+        {"error": {"message": "gone", "type": "server_error", "param": None, "code": None}}
+    ]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code"),
+    [
+        (errors.InvalidRequestError("max_tokens", "too many"), 400, "invalid_value"),
+        (errors.ConflictError("same id"), 409, "request_id_conflict"),
+        (errors.NotFoundError("no such request"), 404, "request_not_found"),
+        (errors.OverloadedError("busy", retry_after_s=2.5), 429, "overloaded"),
+        (errors.UnavailableError("no workers"), 503, "unavailable"),
+        (errors.DeadlineExceededError("late"), 504, "deadline_exceeded"),
+        (errors.RequestEndedError("ended"), 409, "request_ended"),
+        (errors.InvalidTransitionError("no"), 409, "conflict"),
+        (errors.StaleEpochError("old"), 503, "unavailable"),
+        (errors.WorkerError("d-0", "boom", retryable=True), 503, "worker_error"),
+        (errors.RequestFailedError("failed before"), 500, "request_failed"),
+        (errors.LeaseLostError("taken"), 500, "internal_error"),
+        (errors.ConfigError("x", "bad"), 500, "internal_error"),
+    ],
+)
+def test_error_table(exc: errors.PdorchError, status: int, code: str) -> None:
+    error = api_error_for(exc)
+    assert (error.status, error.code) == (status, code)
+    assert error.body() == {
+        "error": {"message": str(exc), "type": error.kind, "param": error.param, "code": code}
+    }
+    assert error.kind == ("invalid_request_error" if status < 429 else error.kind)
+
+
+def test_error_details() -> None:
+    invalid = api_error_for(errors.InvalidRequestError("prompt", "empty"), {"prompt": "messages"})
+    assert invalid.param == "messages"
+    assert api_error_for(errors.InvalidRequestError("top_p", "bad")).param == "top_p"
+    assert api_error_for(errors.OverloadedError("busy", retry_after_s=2.1)).headers() == {
+        "Retry-After": "3"
+    }
+    assert api_error_for(errors.OverloadedError("busy", retry_after_s=0)).headers() == {
+        "Retry-After": "1"
+    }
+    assert ApiError(401, "who").headers() == {"WWW-Authenticate": "Bearer"}
+    assert api_error_for(errors.UnavailableError("x")).headers() == {}
