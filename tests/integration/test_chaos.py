@@ -22,7 +22,9 @@ from orchestrator.chaos import scenario as sc
 from orchestrator.chaos.runner import ChaosRunner, cluster_for, shareable
 from orchestrator.cluster import LocalCluster
 
-pytestmark = [pytest.mark.failover, pytest.mark.slow]
+# Worker restarts (imports under full CPU) make pool scenarios take 45-65 s on a quiet 2-core
+# machine and more on a busy one: more room than the suite's default 120 s.
+pytestmark = [pytest.mark.failover, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCENARIOS = sorted(set(sc.shipped()) - {"kv-link-tcp"})
 
