@@ -465,7 +465,11 @@ def test_sigterm_drains_then_hands_requests_off(cluster: LocalCluster) -> None:
     the client resumes elsewhere and the request completes."""
     address = cluster.start_orchestrator(2, 0, "--drain-grace", "0.5")
     other = cluster.orchestrator_addresses[0]
-    req = request("drain me", max_tokens=1500, request_id="fo-drain")
+    # Long enough (seconds on the tiny model) that it can't finish inside the drain grace
+    # even when a busy machine delays the client's reads. The tiny model is greedy and
+    # deterministic: this prompt runs past 2,048 tokens (the cap) without an EOS ("drain me" stopped
+    # at 716, inside the grace on a fast run, and the hand-off was never exercised).
+    req = request("drain me slowly", max_tokens=2048, request_id="fo-drain")
 
     async def main() -> list[orchestrator_pb2.GenerateChunk]:
         received: list[orchestrator_pb2.GenerateChunk] = []
