@@ -213,6 +213,11 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.control.clients import WorkerClients  # noqa: PLC0415
     from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
     from orchestrator.control.orchestrator import ControlSettings, Orchestrator  # noqa: PLC0415
+    from orchestrator.core.admission import (  # noqa: PLC0415
+        AdmissionPolicy,
+        parse_aggregate_below,
+        parse_tenant_limits,
+    )
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
     from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
@@ -220,6 +225,14 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
 
     try:
         prices = with_prices(PRICED_KINDS, dict(args.price))
+        admission = AdmissionPolicy(
+            ttft_slo_s=args.ttft_slo_ms / 1000,
+            max_queue=args.max_queue,
+            max_inflight=args.max_inflight,
+            tenant_limits=parse_tenant_limits(args.tenant_limit),
+            default_tenant_limit=args.default_tenant_limit,
+            aggregate_below=parse_aggregate_below(args.aggregate_below),
+        )
     except ConfigError as exc:
         print(f"pdorch orchestrator: {exc}", file=sys.stderr)
         return 2
@@ -230,6 +243,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
         detach_grace_s=args.detach_grace,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
+        admission=admission,
     )
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
@@ -600,6 +614,36 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds a request keeps running after its client left, for it to resume",
+    )
+    o.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=0.0,
+        help="refuse (RESOURCE_EXHAUSTED + retry-after) requests whose estimated TTFT exceeds "
+        "this (0: no SLO check)",
+    )
+    o.add_argument(
+        "--max-queue", type=int, default=256, help="requests per prefill worker's queue, at most"
+    )
+    o.add_argument(
+        "--max-inflight", type=int, default=0, help="requests this replica drives (0: no limit)"
+    )
+    o.add_argument(
+        "--tenant-limit",
+        action="append",
+        default=[],
+        metavar="TENANT=N",
+        help="requests in flight at most for a tenant, all replicas together (repeatable)",
+    )
+    o.add_argument(
+        "--default-tenant-limit", type=int, default=0, help="for other tenants (0: no limit)"
+    )
+    o.add_argument(
+        "--aggregate-below",
+        default="auto",
+        metavar="auto|N",
+        help="conditional disaggregation: 'auto' keeps prompts on the decode worker when the "
+        "measured rates say a transfer costs more; N: prompts under N tokens; 0: never",
     )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.add_argument(

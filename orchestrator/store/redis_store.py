@@ -10,6 +10,7 @@ Keys (``P`` is the configured prefix, ``pdorch`` by default):
     P:req:{id}            hash   the `RequestRecord`
     P:req:{id}:journal    list   `JournalEntry` JSON, contiguous token indices from 0
     P:req:{id}:client     string set with a TTL while a client follows the request elsewhere
+    P:tenant:{t}:live     set    record keys of the tenant's live requests (only with a limit)
     P:workers             set    worker ids that have registered
     P:worker:{id}         string `WorkerInfo` JSON, with a TTL: the heartbeat
 
@@ -34,15 +35,29 @@ from orchestrator.core.state import State, sources_for
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease. ARGV[1] body hash, ARGV[2] ttl
-# seconds, ARGV[3] owner, ARGV[4] lease ms, ARGV[5..] field/value pairs.
-# Returns {1} when created, {0, body_hash, state} when the id exists already.
+# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease, KEYS[4] the tenant's live set.
+# ARGV[1] body hash, ARGV[2] ttl seconds, ARGV[3] owner, ARGV[4] lease ms, ARGV[5] the
+# tenant's limit of live requests (0: none), ARGV[6..] field/value pairs.
+# Returns {1} when created, {0, body_hash, state} when the id exists already, {-1, live}
+# when the tenant is at its limit. The tenant's set is pruned of requests no longer live
+# (not in the active set: ended, expired, failed by a reaper) before counting, so a replica
+# that died without cleaning up leaks nothing.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local got = redis.call('HMGET', KEYS[1], 'body_hash', 'state')
   return {0, got[1], got[2]}
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+local limit = tonumber(ARGV[5])
+if limit > 0 then
+  for _, key in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    if redis.call('SISMEMBER', KEYS[2], key) == 0 then redis.call('SREM', KEYS[4], key) end
+  end
+  local live = redis.call('SCARD', KEYS[4])
+  if live >= limit then return {-1, live} end
+  redis.call('SADD', KEYS[4], KEYS[1])
+  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[2]))
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 local t = redis.call('TIME')
 local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 redis.call('HSET', KEYS[1], 'updated_at', now)
@@ -256,23 +271,35 @@ class RedisStore:
 
     # ------------------------------------------------------------------------ requests
 
-    async def create(self, record: RequestRecord) -> RequestRecord | None:
-        """Create ``record``; if its id exists, return the existing record instead."""
+    async def create(self, record: RequestRecord, tenant_limit: int = 0) -> RequestRecord | None:
+        """Create ``record``; if its id exists, return the existing record instead.
+
+        ``tenant_limit`` > 0: refuse (`OverloadedError`) when the record's tenant already has
+        that many live requests, on all replicas together (checked and counted atomically)."""
         fields = record.to_fields()
         flat = [x for kv in fields.items() for x in kv]
+        rid = record.request_id
+        tenant_live = f"{self.settings.prefix}:tenant:{record.tenant}:live"
         async with _translated("create"):
             res = await self._create(
-                keys=[self._req(record.request_id), self._active, self._lease(record.request_id)],
+                keys=[self._req(rid), self._active, self._lease(rid), tenant_live],
                 args=[
                     record.body_hash,
                     self.settings.record_ttl_s,
                     record.owner,
                     int(self.settings.lease_ttl_s * 1000),
+                    tenant_limit,
                     *flat,
                 ],
             )
         if int(res[0]) == 1:
             return None
+        if int(res[0]) == -1:
+            raise errors.OverloadedError(
+                f"tenant {record.tenant!r} has {int(res[1])} requests in flight "
+                f"(limit {tenant_limit})",
+                1.0,
+            )
         existing = await self.get(record.request_id)
         if existing is None:  # expired between the two calls: treat as a fresh conflict
             raise errors.ConflictError(f"request {record.request_id!r} is being replaced")

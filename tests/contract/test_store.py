@@ -790,3 +790,38 @@ def test_expire_fails_only_a_request_that_made_no_progress(settings: StoreSettin
             assert await store.take_over("x1", "orch-9") is None  # ended: nothing to take
 
     run(scenario)
+
+
+# ------------------------------------------------------------------ tenant limits
+
+
+def test_tenant_limit_counts_live_requests_of_that_tenant_only(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store:
+
+            def of(rid: str, tenant: str) -> RequestRecord:
+                return replace(record(rid, epoch=1), tenant=tenant)
+
+            assert await store.create(of("t1", "acme"), tenant_limit=2) is None
+            assert await store.create(of("t2", "acme"), tenant_limit=2) is None
+            with pytest.raises(errors.OverloadedError, match="'acme' has 2 requests"):
+                await store.create(of("t3", "acme"), tenant_limit=2)
+            assert await store.get("t3") is None  # nothing written for a refusal
+            assert await store.create(of("b1", "beta"), tenant_limit=2) is None
+            # A resubmission of a live request is not a new request: never refused.
+            again = await store.create(of("t1", "acme"), tenant_limit=2)
+            assert again is not None
+            assert again.request_id == "t1"
+            # Ending one (done) and expiring another (a reaper) free their slots.
+            await store.transition("t1", epoch=1, target=State.DECODING)
+            await store.transition("t1", epoch=1, target=State.DONE)
+            assert await store.create(of("t3", "acme"), tenant_limit=2) is None
+            state, epoch, updated = (await store.progress(["t2"]))["t2"]
+            assert await store.expire("t2", state, epoch, updated, "stuck")
+            assert await store.create(of("t4", "acme"), tenant_limit=2) is None
+            with pytest.raises(errors.OverloadedError):
+                await store.create(of("t5", "acme"), tenant_limit=2)
+            # Without a limit nothing is counted or refused.
+            assert await store.create(of("t6", "acme")) is None
+
+    run(scenario)
