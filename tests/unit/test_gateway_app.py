@@ -84,6 +84,21 @@ def test_completion() -> None:
     assert backend.closed.is_set()
 
 
+def test_tenant_from_header_then_user_then_default() -> None:
+    backend = FakeBackend(chunks(["a"], finish="length"))
+    post(backend, "/v1/chat/completions", CHAT | {"user": "u-1"},
+         headers={"x-pdorch-tenant": "team-a"})  # fmt: skip
+    post(backend, "/v1/chat/completions", CHAT | {"user": "u-1"})
+    post(backend, "/v1/chat/completions", CHAT)
+    assert [i.tenant for i in backend.inputs] == ["team-a", "u-1", "default"]
+    resp = post(FakeBackend(), "/v1/chat/completions", CHAT | {"user": 7})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "user"
+    resp = post(FakeBackend(), "/v1/chat/completions", CHAT, headers={"x-pdorch-tenant": " "})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "x-pdorch-tenant"
+
+
 def test_chat_gets_a_request_id() -> None:
     backend = FakeBackend(chunks(["a", "b"], finish="length"))
     resp = post(backend, "/v1/chat/completions", CHAT)
