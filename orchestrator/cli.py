@@ -204,6 +204,17 @@ def _attach_kv_fault(sender: object, args: argparse.Namespace) -> None:
     loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(injector, "armed", False))
 
 
+_ORCHESTRATOR_SERVER_OPTIONS = (
+    # gRPC core holds calls the event loop has not picked up yet; by default it cancels one
+    # that waited 30 s and refuses beyond 1,000 waiting. A replica saturated by a burst
+    # (2,000 concurrent clients at 200 workers here) then cancels calls it would have
+    # served; admission (`--max-inflight`, `--max-queue`, the TTFT SLO) is where load is
+    # refused, with a reason and a retry-after.
+    ("grpc.server_max_unrequested_time_in_server", 600),
+    ("grpc.server.max_pending_requests", 65536),
+)
+
+
 async def _run_orchestrator(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
     from grpc_health.v1 import _async as health_aio  # noqa: PLC0415
@@ -248,7 +259,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
     metrics_server = _serve_metrics(metrics.registry, args.host, args.metrics_port)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=_ORCHESTRATOR_SERVER_OPTIONS)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
