@@ -449,6 +449,7 @@ class Orchestrator:
             if self._stopping and not run.lease_lost:
                 # Shutting down (drain): hand the request off — another replica takes it
                 # over at once (epoch + 1) and its clients resume there.
+                run.lease_lost = True  # the lease keeper must not refresh it meanwhile
                 with contextlib.suppress(errors.PdorchError):
                     await self.store.release_lease(run.rid, self.owner)
             elif not run.lease_lost:
@@ -463,6 +464,10 @@ class Orchestrator:
             run.lease_lost = True
             raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
+            if run.lease_lost:
+                # This replica lost the request (its lease lapsed and a peer takes it over):
+                # what failed here is not the request's fate; the new owner continues it.
+                raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
             await self._finish(run, State.FAILED, "error", str(exc))
             raise
         finally:
@@ -478,7 +483,9 @@ class Orchestrator:
             await asyncio.sleep(interval)
             runs = [r for r in self._leased.values() if not r.lease_lost]
             try:
-                held = await self.store.refresh_leases([r.rid for r in runs], self.owner)
+                held = await self.store.refresh_leases(
+                    [(r.rid, r.epoch) for r in runs], self.owner, retake=not self._stopping
+                )
             except errors.UnavailableError:
                 continue  # the store is down: keep generating, journal writes will tell
             except Exception:
@@ -637,6 +644,13 @@ class Orchestrator:
         if not workers:
             raise errors.UnavailableError("no workers registered")
         remaining = run.inp.max_tokens - len(run.output)
+        if remaining <= 0:
+            # Every token is out: what failed after the last one only cost the finish.
+            await self.store.transition(
+                run.rid, epoch=run.epoch, target=State.DECODING, sources=frozenset({State.QUEUED})
+            )
+            yield await self._complete(run, "length")
+            return
         now = time.monotonic()
         need = len(run.prompt) + run.inp.max_tokens
         fallback = self.settings.fallback
@@ -1024,13 +1038,17 @@ class Orchestrator:
                     break
         if not finish:
             raise errors.WorkerError("decode", "stream ended without a finish", retryable=True)
+        yield await self._complete(run, finish)
+
+    async def _complete(self, run: _Run, finish: str) -> OutChunk:
+        """Record the request done; its final chunk."""
         now = time.monotonic()
         run.timings["total_ms"] = (now - run.started) * 1000
         produced = len(run.output)
         if run.first_token_at is not None and produced > 1:
             run.timings["tpot_ms"] = (now - run.first_token_at) * 1000 / (produced - 1)
         record = await self._finish(run, State.DONE, finish, "")
-        yield OutChunk(rid, produced, [], "", finish, run.timings, record)
+        return OutChunk(run.rid, produced, [], "", finish, run.timings, record)
 
     async def _journal(self, run: _Run, entry: JournalEntry) -> None:
         """Journal a chunk before the client sees it — or, while Redis is unreachable, keep it

@@ -67,14 +67,30 @@ redis.call('SET', KEYS[3], ARGV[3], 'PX', tonumber(ARGV[4]))
 return {1}
 """
 
-# KEYS[1..n] leases. ARGV[1] owner, ARGV[2] lease ms. `_REFRESH` for many requests at once.
-# Returns one 1 (extended) or 0 (not the holder) per key.
+# KEYS[2i-1] lease, KEYS[2i] record of request i. ARGV[1] owner, ARGV[2] lease ms,
+# ARGV[3] "1" to re-take lapsed leases, ARGV[3+i] the epoch the owner drives request i at.
+# `_REFRESH` for many requests at once, plus: a lease that lapsed (a stalled event loop
+# refreshed it late) and that nobody took over is taken again — only while the record still
+# names this owner at this epoch and has not ended, so a takeover or hand-off always wins.
+# Returns one 1 (held) or 0 (lost) per request.
 _REFRESH_MANY = """
 local out = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[1] then
-    redis.call('PEXPIRE', key, tonumber(ARGV[2]))
+local n = #KEYS / 2
+for i = 1, n do
+  local lease, rec = KEYS[2 * i - 1], KEYS[2 * i]
+  local holder = redis.call('GET', lease)
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', lease, tonumber(ARGV[2]))
     out[i] = 1
+  elseif not holder and ARGV[3] == '1' then
+    local cur = redis.call('HMGET', rec, 'owner', 'epoch', 'state')
+    if cur[1] == ARGV[1] and cur[2] == ARGV[3 + i] and cur[3] ~= 'done'
+        and cur[3] ~= 'failed' and cur[3] ~= 'cancelled' then
+      redis.call('SET', lease, ARGV[1], 'PX', tonumber(ARGV[2]))
+      out[i] = 1
+    else
+      out[i] = 0
+    end
   else
     out[i] = 0
   end
@@ -408,15 +424,17 @@ class RedisStore:
             )
         return bool(int(held))
 
-    async def refresh_leases(self, request_ids: list[str], owner: str) -> list[bool]:
-        """`refresh_lease` for many requests in one round trip (a replica's lease keeper)."""
-        if not request_ids:
+    async def refresh_leases(
+        self, driven: list[tuple[str, int]], owner: str, *, retake: bool = True
+    ) -> list[bool]:
+        """`refresh_lease` for many (request id, epoch) in one round trip (a replica's lease
+        keeper); with ``retake``, a lapsed lease nobody took is taken again (see the script)."""
+        if not driven:
             return []
+        keys = [k for rid, _ in driven for k in (self._lease(rid), self._req(rid))]
+        args = [owner, int(self.settings.lease_ttl_s * 1000), "1" if retake else "0"]
         async with _translated("lease refresh"):
-            held = await self._refresh_many(
-                keys=[self._lease(r) for r in request_ids],
-                args=[owner, int(self.settings.lease_ttl_s * 1000)],
-            )
+            held = await self._refresh_many(keys=keys, args=args + [e for _, e in driven])
         return [bool(int(h)) for h in held]
 
     async def lease_holders(self, request_ids: list[str]) -> list[str | None]:
