@@ -249,6 +249,10 @@ class Proxy:
                 out = reader.feed(data, time.monotonic())
                 if out:
                     yield out
+                if reader.reading.done:
+                    # [DONE] is the end: clients close the connection on it, and waiting
+                    # for the upstream's last bytes would race them.
+                    break
             rest = reader.close()
             if rest:
                 yield rest
@@ -260,7 +264,7 @@ class Proxy:
             yield sse_error(f"{call.path}: {error}")
         finally:
             await resp.aclose()
-            if finished:
+            if finished or reader.reading.done:
                 done(call.sample(resp.status_code, reader.reading, error))
             else:  # the client went away: not the upstream's failure
                 log.info("request %s: client disconnected from %s", call.rid, call.path)
