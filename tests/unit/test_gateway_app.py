@@ -250,3 +250,19 @@ def test_api_key() -> None:
     good = {"Authorization": "Bearer s3cret"}
     assert post(backend, "/v1/completions", TEXT, headers=good, settings=keyed).status_code == 200
     assert call(backend, "GET", "/health", settings=keyed).status_code == 200
+
+
+def test_usage_carries_the_cost_when_known() -> None:
+    """`pdorch migrate` prices pdorch's answers from ``usage.pdorch_cost_usd``."""
+    script = chunks(["a", "b"])
+    last = script[-1]
+    assert isinstance(last, OutChunk)
+    assert last.record is not None
+    last.record.cost = {"usd": 0.0025, "tenant": "default"}
+    resp = post(FakeBackend(script), "/v1/completions", TEXT)
+    assert resp.json()["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "pdorch_cost_usd": 0.0025,
+    }
