@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.cluster import LocalCluster
-from tests.integration.conftest import collect, request, run
+from tests.integration.conftest import collect, request, run, wait_for, workers
 from transport.ucx import ucx_available
 
 pytestmark = pytest.mark.slow
@@ -146,6 +146,11 @@ def test_conditional_disaggregation_is_decided_and_recorded(cluster: LocalCluste
     address = cluster.orchestrator_addresses[1]
     reasons = []
     for i in range(15):  # 5 to measure, then aggregated once the decode worker is idle
+        if i >= 5:  # heartbeats lag: let the decode worker's say it runs nothing now
+            wait_for(
+                lambda: all(w.active == 0 for w in workers(cluster) if w.role == "decode"),
+                10, "an idle decode worker in its heartbeat",
+            )  # fmt: skip
         rid = f"adm-cond-{i}"
         _, _, chunks = run(collect(address, request("short", max_tokens=4, request_id=rid)))
         assert chunks[-1].finish_reason
