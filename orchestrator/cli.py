@@ -214,6 +214,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
     from orchestrator.control.orchestrator import ControlSettings, Orchestrator  # noqa: PLC0415
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
+    from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
     from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
@@ -230,6 +231,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
         detach_grace_s=args.detach_grace,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
+        kv_dtype=KvPolicy(args.kv_dtype),
     )
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
@@ -579,6 +581,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--port", type=int, default=50051)
     o.add_argument("--replica-id", default=env.get("HOSTNAME", "orchestrator"))
     o.add_argument("--fallback", choices=("local", "fail"), default="local")
+    o.add_argument(
+        "--kv-dtype",
+        choices=("auto", "native", "fp16", "fp8"),  # orchestrator.core.kvdtype.KvPolicy
+        default="auto",
+        help="KV wire dtype per prefill→decode pair: auto converts where the decode GPU holds "
+        "KV narrower (bf16→fp16 for T4); fp8 quarters float32's bytes (README: KV precision)",
+    )
     o.add_argument(
         "--drain-grace",
         type=float,

@@ -171,10 +171,10 @@ def encode_tensor(
     a: np.ndarray, source: DType, wire: DType
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """One tensor from ``source`` to ``wire``: (wire container, scales or None)."""
-    if source not in CONVERTIBLE:
-        raise KvCodecError(f"cannot convert KV from {source.name}")
     if wire is source:
         return a, None
+    if source not in CONVERTIBLE:
+        raise KvCodecError(f"cannot convert KV from {source.name}")
     x = to_float32(a, source)
     if wire is DType.FLOAT32:
         return x, None
