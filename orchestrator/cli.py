@@ -408,9 +408,8 @@ def _bench_precision(args: argparse.Namespace) -> int:
         prompts = default_prompts()
     engine = load_engine(args.model, Path(args.model_cache) if args.model_cache else None)
 
-    def progress(i: int, r: object) -> None:
-        if not args.json:
-            print(f"  prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    def progress(i: int, r: object) -> None:  # stderr: stdout stays one JSON object
+        print(f"  prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
 
     report = run_precision(engine, args.dtype, prompts, args.max_tokens, progress)
     print(json.dumps(report.to_dict()) if args.json else render(report))
