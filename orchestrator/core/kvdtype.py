@@ -6,13 +6,15 @@ decode worker converts it back to the dtype it computes in on receive (`transpor
 The policy is the orchestrator's ``--kv-dtype``:
 
 ``auto`` (default)
-    Convert only where the decode GPU would hold the KV narrower anyway. A GPU pool keeps
-    KV in 16 bits: bf16 where the kind has bf16, fp16 otherwise (T4). So:
+    Convert to 16 bits between GPUs: a GPU pool holds KV in 16 bits anyway (bf16 where the
+    kind has bf16, fp16 otherwise: T4). So:
 
     - 16-bit KV travels as is when the decode kind has that dtype (bf16 H100 → L4: native);
       bf16 KV to a kind without bf16 travels as fp16 ("T4 has no bf16").
-    - float32 KV (the CPU reference engine standing in for a GPU) is narrowed to the
-      decode kind's 16-bit KV dtype: bf16 (H100 → L4), fp16 (H100 → T4). Half the bytes.
+    - float32 KV (the CPU reference engine standing in for a GPU) is narrowed to fp16,
+      whatever the decode kind: half the bytes, and fp16's 10-bit mantissa (vs bf16's 7)
+      keeps the tokens — `pdorch bench precision` on SmolLM2-135M measured 100% agreement
+      for fp16 and 91.75% for bf16. (Values beyond ±65504 saturate.)
     - When either side is not a GPU (``--gpu-kind cpu``, or a kind the price table does
       not know), nothing is converted: the engines really compute in float32 there.
 
@@ -20,7 +22,7 @@ The policy is the orchestrator's ``--kv-dtype``:
 ``native``
     Never convert.
 ``fp16``
-    fp16 whatever the pair (for a bf16 source: exact range loss aside, more mantissa).
+    fp16 whatever the pair (from bf16: more mantissa, but range only to ±65504).
 ``fp8``
     e4m3 with one float32 scale per KV head (`transport.kvcodec`): a quarter of float32's
     bytes, half of fp16's. Only when the **prefill** kind has fp8 (Hopper, Ada: it quantizes
@@ -66,7 +68,7 @@ class KvChoice:
 
     @property
     def label(self) -> str:
-        """``float16 (H100→T4: T4 has no bf16)``: what a request record shows."""
+        """``float16 (H100→T4: float32 narrowed to fp16)``: what a request record shows."""
         name = self.dtype.name.lower() if self.dtype is not None else "native"
         return f"{name} ({self.reason})"
 
@@ -93,12 +95,10 @@ def _auto(source: DType, prefill: GpuProfile | None, decode: GpuProfile | None) 
     pair = f"{_name(prefill)}→{_name(decode)}"
     if prefill is None or decode is None:
         return KvChoice(source, f"{pair}: not a GPU pair, KV as computed", source)
-    target = gpu_kv_dtype(decode)
-    why = f"{decode.name} has no bf16" if target is DType.FLOAT16 else f"{decode.name} holds bf16"
     if source is DType.FLOAT32:
-        return KvChoice(target, f"{pair}: float32 narrowed to 16 bits, {why}", source)
-    if source is DType.BFLOAT16 and target is DType.FLOAT16:
-        return KvChoice(DType.FLOAT16, f"{pair}: {why}", source)
+        return KvChoice(DType.FLOAT16, f"{pair}: float32 narrowed to fp16", source)
+    if source is DType.BFLOAT16 and gpu_kv_dtype(decode) is DType.FLOAT16:
+        return KvChoice(DType.FLOAT16, f"{pair}: {decode.name} has no bf16", source)
     return KvChoice(source, f"{pair}: {source.name.lower()} native", source)
 
 

@@ -2,7 +2,7 @@
 
 One orchestrator, restarted once per policy (replicas with different policies would take
 each other's requests over): ``native`` (float32, the reference),
-``auto`` (T4 has no bf16: the float32 KV travels as fp16, half the bytes) and ``fp8`` (e4m3
+``auto`` (the float32 KV travels as fp16, half the bytes) and ``fp8`` (e4m3
 with per-head scales: a quarter, plus the scales). Every request completes; the request
 record names the dtype and why; the tiny model's tokens are compared with native.
 """
@@ -85,7 +85,5 @@ def test_h100_to_t4_sends_fp16_by_default_and_fp8_on_request(pair: LocalCluster)
         assert h_ids[0] == q_ids[0] == ref_ids[0]
         assert h_ids == ref_ids, prompt
     assert record_dtype(pair, "native-0") == "float32 (policy native)"
-    assert record_dtype(pair, "auto-0") == (
-        "float16 (H100→T4: float32 narrowed to 16 bits, T4 has no bf16)"
-    )
+    assert record_dtype(pair, "auto-0") == ("float16 (H100→T4: float32 narrowed to fp16)")
     assert record_dtype(pair, "fp8-0").startswith("float8_e4m3 (policy fp8: H100 quantizes")

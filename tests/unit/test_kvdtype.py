@@ -26,10 +26,10 @@ def gpu(name: str) -> GpuProfile | None:
         (BF16, "H100", "T4", AUTO, F16, "T4 has no bf16"),
         (F16, "H100", "T4", AUTO, F16, "float16 native"),
         (F16, "A100", "L4", AUTO, F16, "float16 native"),
-        # auto: float32 (the CPU engine as a GPU) narrowed to the decode kind's KV dtype
-        (F32, "H100", "T4", AUTO, F16, "T4 has no bf16"),
-        (F32, "H100", "L4", AUTO, BF16, "L4 holds bf16"),
-        (F32, "A100", "L40S", AUTO, BF16, "L40S holds bf16"),
+        # auto: float32 (the CPU engine as a GPU) narrowed to fp16 (bench: fp16 keeps tokens)
+        (F32, "H100", "T4", AUTO, F16, "H100→T4: float32 narrowed to fp16"),
+        (F32, "H100", "L4", AUTO, F16, "float32 narrowed to fp16"),
+        (F32, "A100", "L40S", AUTO, F16, "float32 narrowed to fp16"),
         # auto: no GPU on a side -> as computed
         (F32, "cpu", "cpu", AUTO, F32, "not a GPU pair"),
         (F32, "H100", "cpu", AUTO, F32, "not a GPU pair"),
@@ -44,7 +44,8 @@ def gpu(name: str) -> GpuProfile | None:
         (F32, "H100", "T4", P8, FP8, "H100 quantizes"),
         (BF16, "L4", "A100", P8, FP8, "A100 dequantizes"),
         (BF16, "A100", "T4", P8, F16, "fp8 refused, A100 has no fp8; A100→T4: T4 has no bf16"),
-        (F32, "T4", "L4", P8, BF16, "fp8 refused, T4 has no fp8"),
+        (F32, "T4", "L4", P8, F16, "fp8 refused, T4 has no fp8"),
+        (BF16, "T4", "L4", P8, BF16, "fp8 refused, T4 has no fp8; T4→L4: bfloat16 native"),
         (F32, "cpu", "cpu", P8, F32, "fp8 refused, CPU has no fp8; CPU→CPU: not a GPU pair"),
     ],
 )
@@ -75,7 +76,7 @@ def test_auto_never_picks_fp8() -> None:
 def test_ratio_and_label() -> None:
     choice = negotiate(F32, gpu("H100"), gpu("T4"), AUTO)
     assert choice.ratio() == 0.5
-    assert choice.label == "float16 (H100→T4: float32 narrowed to 16 bits, T4 has no bf16)"
+    assert choice.label == "float16 (H100→T4: float32 narrowed to fp16)"
     assert negotiate(F32, gpu("H100"), gpu("T4"), P8).ratio() == 0.25
 
 
