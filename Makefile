@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,ucx,engine,chaos,operator,gateway]'
+	$(PY) -m pip install --quiet -e '.[test,ucx,engine,chaos,operator,gateway,migrate]'
 	touch $(STAMP)
 
 lint: venv

@@ -204,6 +204,17 @@ def _attach_kv_fault(sender: object, args: argparse.Namespace) -> None:
     loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(injector, "armed", False))
 
 
+_ORCHESTRATOR_SERVER_OPTIONS = (
+    # gRPC core holds calls the event loop has not picked up yet; by default it cancels one
+    # that waited 30 s and refuses beyond 1,000 waiting. A replica saturated by a burst
+    # (2,000 concurrent clients at 200 workers here) then cancels calls it would have
+    # served; admission (`--max-inflight`, `--max-queue`, the TTFT SLO) is where load is
+    # refused, with a reason and a retry-after.
+    ("grpc.server_max_unrequested_time_in_server", 600),
+    ("grpc.server.max_pending_requests", 65536),
+)
+
+
 async def _run_orchestrator(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
     from grpc_health.v1 import _async as health_aio  # noqa: PLC0415
@@ -213,6 +224,11 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
     from orchestrator.control.clients import WorkerClients  # noqa: PLC0415
     from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
     from orchestrator.control.orchestrator import ControlSettings, Orchestrator  # noqa: PLC0415
+    from orchestrator.core.admission import (  # noqa: PLC0415
+        AdmissionPolicy,
+        parse_aggregate_below,
+        parse_tenant_limits,
+    )
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
@@ -221,6 +237,14 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
 
     try:
         prices = with_prices(PRICED_KINDS, dict(args.price))
+        admission = AdmissionPolicy(
+            ttft_slo_s=args.ttft_slo_ms / 1000,
+            max_queue=args.max_queue,
+            max_inflight=args.max_inflight,
+            tenant_limits=parse_tenant_limits(args.tenant_limit),
+            default_tenant_limit=args.default_tenant_limit,
+            aggregate_below=parse_aggregate_below(args.aggregate_below),
+        )
     except ConfigError as exc:
         print(f"pdorch orchestrator: {exc}", file=sys.stderr)
         return 2
@@ -232,11 +256,12 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),
+        admission=admission,
     )
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
     metrics_server = _serve_metrics(metrics.registry, args.host, args.metrics_port)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=_ORCHESTRATOR_SERVER_OPTIONS)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -517,6 +542,106 @@ def _chaos_run(args: argparse.Namespace) -> int:
     )
 
 
+def _migrate_settings(args: argparse.Namespace, mode: str) -> Any:
+    from orchestrator.migrate.settings import (  # noqa: PLC0415
+        Limits,
+        MigrationSettings,
+        Pricing,
+        Upstreams,
+    )
+
+    return MigrationSettings(
+        name=args.name,
+        mode=mode,
+        upstreams=Upstreams(
+            existing=args.existing,
+            pdorch=args.pdorch,
+            pdorch_api_key=args.pdorch_api_key,
+            connect_timeout_s=args.connect_timeout,
+            read_timeout_s=args.upstream_timeout,
+        ),
+        percent=getattr(args, "percent", 0.0),
+        sample=getattr(args, "sample", 0.0),
+        limits=Limits(
+            max_error_rate=args.max_error_rate,
+            max_ttft_p99_ms=args.max_ttft_p99_ms,
+            max_tpot_p99_ms=args.max_tpot_p99_ms,
+            window=args.window,
+            min_samples=args.min_samples,
+        ),
+        pricing=Pricing(
+            usd_per_1k_tokens=args.existing_usd_per_1k_tokens,
+            usd_per_hour=args.existing_usd_per_hour,
+        ),
+        shadow_concurrency=args.shadow_concurrency,
+        max_samples=args.max_samples,
+    )
+
+
+async def _migrate_serve(args: argparse.Namespace) -> int:
+    """`pdorch migrate shadow|canary`: the migration proxy until SIGTERM/SIGINT."""
+    from orchestrator.errors import PdorchError  # noqa: PLC0415
+    from orchestrator.migrate import service  # noqa: PLC0415
+    from orchestrator.migrate.settings import parse_listen  # noqa: PLC0415
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        settings = _migrate_settings(args, args.migrate_command)
+        host, port = parse_listen(args.listen)
+        await service.serve(settings, args.redis, host, port, stop, args.drain_grace)
+    except PdorchError as exc:
+        print(f"pdorch migrate {args.migrate_command}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pdorch migrate {args.migrate_command}: cannot listen on {args.listen}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return 0
+
+
+def _migrate_status(args: argparse.Namespace) -> int:
+    from orchestrator.errors import PdorchError  # noqa: PLC0415
+    from orchestrator.migrate import service  # noqa: PLC0415
+
+    try:
+        snap = asyncio.run(service.status(args.redis, args.name))
+    except PdorchError as exc:
+        print(f"pdorch migrate status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(snap, sort_keys=True) if args.json else service.format_status(snap))
+    return 0
+
+
+def _migrate_percent(args: argparse.Namespace) -> int:
+    from orchestrator.errors import PdorchError  # noqa: PLC0415
+    from orchestrator.migrate import service  # noqa: PLC0415
+
+    try:
+        asyncio.run(service.set_percent(args.redis, args.name, args.percent))
+    except PdorchError as exc:
+        print(f"pdorch migrate percent: {exc}", file=sys.stderr)
+        return 1
+    print(f"migration {args.name}: pdorch share set to {args.percent:g}%")
+    return 0
+
+
+def _migrate_report(args: argparse.Namespace) -> int:
+    from orchestrator.errors import PdorchError  # noqa: PLC0415
+    from orchestrator.migrate import service  # noqa: PLC0415
+
+    try:
+        summary = asyncio.run(service.write_report(args.redis, args.name, Path(args.out)))
+    except PdorchError as exc:
+        print(f"pdorch migrate report: {exc}", file=sys.stderr)
+        return 1
+    answers = sum(p.requests for p in summary.paths)
+    print(f"wrote {args.out} ({answers} answers, {len(summary.rollbacks)} rollbacks)")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from orchestrator.core import planconfig, planner  # noqa: PLC0415
     from orchestrator.core.plan_report import format_plan, plan_to_dict  # noqa: PLC0415
@@ -635,6 +760,36 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds a request keeps running after its client left, for it to resume",
+    )
+    o.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=0.0,
+        help="refuse (RESOURCE_EXHAUSTED + retry-after) requests whose estimated TTFT exceeds "
+        "this (0: no SLO check)",
+    )
+    o.add_argument(
+        "--max-queue", type=int, default=256, help="requests per prefill worker's queue, at most"
+    )
+    o.add_argument(
+        "--max-inflight", type=int, default=0, help="requests this replica drives (0: no limit)"
+    )
+    o.add_argument(
+        "--tenant-limit",
+        action="append",
+        default=[],
+        metavar="TENANT=N",
+        help="requests in flight at most for a tenant, all replicas together (repeatable)",
+    )
+    o.add_argument(
+        "--default-tenant-limit", type=int, default=0, help="for other tenants (0: no limit)"
+    )
+    o.add_argument(
+        "--aggregate-below",
+        default="auto",
+        metavar="auto|N",
+        help="conditional disaggregation: 'auto' keeps prompts on the decode worker when the "
+        "measured rates say a transfer costs more; N: prompts under N tokens; 0: never",
     )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.add_argument(
@@ -777,6 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--model-cache", default=cache_default)
     cr.set_defaults(call=_chaos_run)
 
+    _add_migrate(sub, redis_default)
+
     b = sub.add_parser("bench", help="benchmarks (ratios against a reference in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bt = bsub.add_parser("transport", help="KV transfer throughput vs ucx_perftest tag_bw")
@@ -865,6 +1022,60 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(call=_plan)
     return p
+
+
+def _add_migrate(sub: Any, redis_default: str) -> None:
+    m = sub.add_parser(
+        "migrate",
+        help="move an OpenAI service's traffic onto pdorch: shadow, canary, status, report",
+        description="A proxy in front of the existing OpenAI-compatible service and pdorch; "
+        "see README 'Migration'.",
+    )
+    msub = m.add_subparsers(dest="migrate_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--name", required=True, help="the migration's name (Redis keys)")
+        p.add_argument("--redis", default=redis_default, help="where the migration's state lives")
+
+    for mode, text in (
+        ("shadow", "answer from the existing service; mirror a sample to pdorch and compare"),
+        ("canary", "answer a share of requests from pdorch; roll back when it breaks limits"),
+    ):
+        p = msub.add_parser(mode, help=text)
+        common(p)
+        p.add_argument("--existing", required=True, help="the existing service's base URL")
+        p.add_argument("--pdorch", required=True, help="pdorch's gateway base URL")
+        p.add_argument("--listen", default="127.0.0.1:8090", help="HOST:PORT the proxy serves")
+        if mode == "shadow":
+            p.add_argument("--sample", type=float, default=0.1, help="share mirrored (0..1)")
+        else:
+            p.add_argument("--percent", type=float, required=True, help="share to pdorch (%%)")
+        p.add_argument("--max-error-rate", type=float, default=0.05)
+        p.add_argument("--max-ttft-p99-ms", type=float, default=0.0, help="0: no limit")
+        p.add_argument("--max-tpot-p99-ms", type=float, default=0.0, help="0: no limit")
+        p.add_argument("--window", type=int, default=100, help="pdorch requests judged")
+        p.add_argument("--min-samples", type=int, default=20, help="judge only from this many")
+        p.add_argument("--pdorch-api-key", default="", help="key for pdorch (default: client's)")
+        p.add_argument("--existing-usd-per-1k-tokens", type=float, default=0.0)
+        p.add_argument("--existing-usd-per-hour", type=float, default=0.0)
+        p.add_argument("--shadow-concurrency", type=int, default=8)
+        p.add_argument("--max-samples", type=int, default=10_000, help="samples kept in Redis")
+        p.add_argument("--connect-timeout", type=float, default=5.0)
+        p.add_argument("--upstream-timeout", type=float, default=300.0, help="S between bytes")
+        p.add_argument("--drain-grace", type=float, default=10.0)
+        p.set_defaults(run=_migrate_serve)
+    st = msub.add_parser("status", help="mode, share, counters, windows and rollbacks")
+    common(st)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(call=_migrate_status)
+    pc = msub.add_parser("percent", help="set a canary's share by hand (e.g. after a rollback)")
+    common(pc)
+    pc.add_argument("--percent", type=float, required=True)
+    pc.set_defaults(call=_migrate_percent)
+    rp = msub.add_parser("report", help="Markdown or HTML report with plots")
+    common(rp)
+    rp.add_argument("--out", required=True, help="report.md or report.html (plots beside it)")
+    rp.set_defaults(call=_migrate_report)
 
 
 class _JsonFormatter(logging.Formatter):

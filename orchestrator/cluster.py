@@ -128,6 +128,10 @@ class LocalCluster:
     """The gateway port of orchestrator 0 (0: a free port); the others always get free ones."""
     orchestrator_extra: list[str] = field(default_factory=list)
     """Extra `pdorch orchestrator` flags for every orchestrator (e.g. --api-key)."""
+    aggregate_below: str = "0"
+    """Conditional disaggregation (`--aggregate-below`). Off by default here: on one machine
+    every worker is the same CPU, where "auto" rightly keeps short prompts local, and the
+    demo, the tests and the chaos scenarios are about moving KV between workers."""
     gateway_urls: list[str] = field(default_factory=list)
     """Orchestrator index -> its gateway's base URL (``http://127.0.0.1:PORT``)."""
 
@@ -323,6 +327,7 @@ class LocalCluster:
             "--redis", self.redis_url,
             "--port", str(port),
             "--replica-id", f"orchestrator-{index}",
+            "--aggregate-below", self.aggregate_below,
             *self.orchestrator_extra,
             *extra,
         )  # fmt: skip

@@ -251,6 +251,7 @@ class RequestInfo(_message.Message):
     KV_BYTES_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     COST_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     state: _builtins.str
     """The request's state-machine state, by name."""
@@ -271,6 +272,10 @@ class RequestInfo(_message.Message):
     mode: _builtins.str
     """"disaggregated" (prefill and decode on different workers) or "aggregated" (one worker
     ran the whole request).
+    """
+    placement: _builtins.str
+    """Why it runs in its mode: conditional disaggregation's decision and reason (a prompt
+    too short to be worth a KV transfer runs aggregated), or the pool that is down.
     """
     @_builtins.property
     def timings(self) -> _common_pb2.Timings: ...
@@ -294,10 +299,11 @@ class RequestInfo(_message.Message):
         kv_bytes: _builtins.int = ...,
         mode: _builtins.str = ...,
         cost: _common_pb2.Cost | None = ...,
+        placement: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "decode_worker", b"decode_worker", "epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "kv_bytes", b"kv_bytes", "mode", b"mode", "output_tokens", b"output_tokens", "prefill_worker", b"prefill_worker", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "decode_worker", b"decode_worker", "epoch", b"epoch", "error", b"error", "finish_reason", b"finish_reason", "kv_bytes", b"kv_bytes", "mode", b"mode", "output_tokens", b"output_tokens", "placement", b"placement", "prefill_worker", b"prefill_worker", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "state", b"state", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

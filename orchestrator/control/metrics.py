@@ -54,6 +54,10 @@ class ControlMetrics:
             "pdorch_rejections", "Requests refused at admission, by status",
             ["code"], registry=r,
         )  # fmt: skip
+        self.placements = Counter(
+            "pdorch_placements", "Attempts placed, by mode (aggregated: a pool down or a "
+            "prompt too short to be worth a transfer)", ["mode"], registry=r,
+        )  # fmt: skip
         self.cost = Counter(
             "pdorch_cost_usd", "What finished requests cost, by tenant", ["tenant"], registry=r
         )

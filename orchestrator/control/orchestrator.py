@@ -28,11 +28,19 @@ from orchestrator import errors
 from orchestrator.api import convert, worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.control.metrics import ControlMetrics
+from orchestrator.core.admission import (
+    AdmissionPolicy,
+    Decision,
+    PrefillQueue,
+    admit,
+    disaggregate_or_not,
+)
 from orchestrator.core.breaker import Breakers
 from orchestrator.core.cost import PoolUsage, cost_fields
 from orchestrator.core.deadlines import StateDeadlines, overdue
 from orchestrator.core.hardware import CPU_HOST, PRICED_KINDS, GpuProfile, get_gpu
 from orchestrator.core.kvdtype import KvPolicy, negotiate_for
+from orchestrator.core.rates import Rates
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement, place
@@ -82,6 +90,9 @@ class ControlSettings:
     """How often a client following a request from the journal says it is still there."""
     kv_dtype: KvPolicy = KvPolicy.AUTO
     """How the KV's wire dtype is chosen per prefill→decode pair (`orchestrator.core.kvdtype`)."""
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    """Early rejection (SLO, bounded queues, in-flight and tenant limits) and conditional
+    disaggregation (`orchestrator.core.admission`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +149,8 @@ class _Run:
     pool: str = ""
     """The pool whose worker streams the tokens in the current attempt."""
     kv_moved: int = 0
+    queued: tuple[str, int] | None = None
+    """(prefill worker, tokens) while this run waits in that worker's queue."""
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -171,6 +184,11 @@ class Orchestrator:
         self._stopping = False
         self._load: dict[str, tuple[int, int]] = {}
         """Worker id -> (sequences, KV bytes) this replica placed there and has not finished."""
+        self._queue: dict[str, tuple[int, int]] = {}
+        """Prefill worker id -> (requests, prompt tokens) this replica sent and not yet
+        prefilled: the bounded queues admission checks."""
+        self.rates = Rates()
+        """Measured prefill rates and KV transfer costs (admission and placement read them)."""
 
     # --------------------------------------------------------------------- validation
 
@@ -247,6 +265,7 @@ class Orchestrator:
         started = time.monotonic()
         try:
             workers, ids = await self._admit(inp)
+            estimate = await self._early_reject(inp, workers, len(ids))
         except errors.PdorchError as exc:
             if self.metrics is not None:
                 self.metrics.rejections.labels(type(exc).__name__).inc()
@@ -274,7 +293,13 @@ class Orchestrator:
             stop=list(inp.stop),
             tenant=inp.tenant,
         )
-        existing = await self.store.create(record)
+        policy = self.settings.admission
+        try:
+            existing = await self.store.create(record, policy.tenant_limit(inp.tenant))
+        except errors.OverloadedError:
+            if self.metrics is not None:
+                self.metrics.rejections.labels("OverloadedError").inc()
+            raise
         if existing is not None:
             if existing.body_hash != digest:
                 raise errors.ConflictError(
@@ -284,6 +309,8 @@ class Orchestrator:
                 yield chunk
             return
         run = _Run(record.request_id, record.epoch, ids, inp, started)
+        if estimate is not None:
+            run.timings["ttft_estimate_ms"] = estimate * 1000
         feed: asyncio.Queue[OutChunk | BaseException | None] = asyncio.Queue()
         run.clients.add(feed)
         # The drive is its own task: a client that disconnects does not stop it, so the
@@ -317,6 +344,31 @@ class Orchestrator:
         if len(fingerprints) > 1:
             log.warning("workers serve different models: %s", sorted(fingerprints))
         return workers, await self._tokens(inp, workers)
+
+    async def _early_reject(
+        self, inp: GenerateInput, workers: Sequence[WorkerInfo], prompt_tokens: int
+    ) -> float | None:
+        """Refuse now (`OverloadedError`, with a retry-after) what would only queue to time
+        out; the estimated TTFT otherwise (None before the rates are measured)."""
+        queues = []
+        for w in workers:
+            if w.role == "prefill":
+                requests, tokens = self._queue.get(w.worker_id, (0, 0))
+                rate = self.rates.prefill_rate(w.worker_id, w.gpu_kind)
+                queues.append(PrefillQueue(w.worker_id, requests, tokens, rate))
+        transfer = self.rates.transfer_model()
+        decodes = [w for w in workers if w.role == "decode"]
+        kv_bytes = prompt_tokens * (decodes[0].kv_bytes_per_token if decodes else 0)
+        transfer_s = transfer.seconds(kv_bytes) if transfer is not None and decodes else 0.0
+        try:
+            return admit(
+                prompt_tokens, queues, transfer_s, self.settings.admission, len(self._driving)
+            ).ttft_estimate_s
+        except errors.OverloadedError:
+            # A resubmission (or resume) of a request already admitted is never refused.
+            if inp.request_id and await self.store.get(inp.request_id) is not None:
+                return None
+            raise
 
     async def _drive_detached(self, run: _Run, workers: Sequence[WorkerInfo]) -> None:
         """Drive the request to its end, handing chunks (and the end) to attached clients."""
@@ -400,6 +452,7 @@ class Orchestrator:
             if self._stopping and not run.lease_lost:
                 # Shutting down (drain): hand the request off — another replica takes it
                 # over at once (epoch + 1) and its clients resume there.
+                run.lease_lost = True  # the lease keeper must not refresh it meanwhile
                 with contextlib.suppress(errors.PdorchError):
                     await self.store.release_lease(run.rid, self.owner)
             elif not run.lease_lost:
@@ -414,6 +467,10 @@ class Orchestrator:
             run.lease_lost = True
             raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
+            if run.lease_lost:
+                # This replica lost the request (its lease lapsed and a peer takes it over):
+                # what failed here is not the request's fate; the new owner continues it.
+                raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
             await self._finish(run, State.FAILED, "error", str(exc))
             raise
         finally:
@@ -429,7 +486,9 @@ class Orchestrator:
             await asyncio.sleep(interval)
             runs = [r for r in self._leased.values() if not r.lease_lost]
             try:
-                held = await self.store.refresh_leases([r.rid for r in runs], self.owner)
+                held = await self.store.refresh_leases(
+                    [(r.rid, r.epoch) for r in runs], self.owner, retake=not self._stopping
+                )
             except errors.UnavailableError:
                 continue  # the store is down: keep generating, journal writes will tell
             except Exception:
@@ -588,24 +647,46 @@ class Orchestrator:
         if not workers:
             raise errors.UnavailableError("no workers registered")
         remaining = run.inp.max_tokens - len(run.output)
+        if remaining <= 0:
+            # Every token is out: what failed after the last one only cost the finish.
+            await self.store.transition(
+                run.rid, epoch=run.epoch, target=State.DECODING, sources=frozenset({State.QUEUED})
+            )
+            yield await self._complete(run, "length")
+            return
         now = time.monotonic()
         need = len(run.prompt) + run.inp.max_tokens
         fallback = self.settings.fallback
         blocked = self.breakers.blocked(now)
         held_back = {w.worker_id for w in workers if _breaker_key(w) in blocked}
-        load = self._load
+        prefill_tokens = len(run.prompt) + len(run.output)
+        queue = {wid: tokens for wid, (_, tokens) in self._queue.items()}
+        rates: dict[str, float] = {}
+        for w in workers:
+            if w.role == "prefill" and (r := self.rates.prefill_rate(w.worker_id, w.gpu_kind)):
+                rates[w.worker_id] = r
+
+        def decide(prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
+            return self._decide(prefill_tokens, prefill, decode)
+
+        def placed_on(exclude: set[str]) -> Placement:
+            return place(
+                workers, need, fallback=fallback, exclude=exclude, load=self._load,
+                queue=queue, rates=rates, decide=decide,
+            )  # fmt: skip
+
         try:
-            placement = place(
-                workers, need, fallback=fallback, exclude=run.excluded | held_back, load=load
-            )
+            placement = placed_on(run.excluded | held_back)
         except (errors.UnavailableError, errors.OverloadedError):
             # Breakers are advice: with nothing else left, try the workers they hold back.
-            placement = place(workers, need, fallback=fallback, exclude=run.excluded, load=load)
+            placement = placed_on(run.excluded)
         chosen = {w.worker_id: w for w in (placement.prefill, placement.decode) if w}
         kv_need = need * placement.decode.kv_bytes_per_token
         self._count(placement.decode.worker_id, 1, kv_need)
         if placement.prefill is not None:
-            self._count(placement.prefill.worker_id, 1, 0)
+            self._enqueue(run, placement.prefill.worker_id, prefill_tokens)
+        if self.metrics is not None:
+            self.metrics.placements.labels(str(placement.mode)).inc()
         try:
             placed = self._placed(run, placement, chosen, now, remaining)
             async with contextlib.aclosing(placed):
@@ -613,8 +694,52 @@ class Orchestrator:
                     yield chunk
         finally:
             self._count(placement.decode.worker_id, -1, -kv_need)
-            if placement.prefill is not None:
-                self._count(placement.prefill.worker_id, -1, 0)
+            self._dequeue(run)
+
+    def _decide(self, tokens: int, prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
+        """Conditional disaggregation for a prompt of ``tokens`` (see `disaggregate_or_not`)."""
+        policy = self.settings.admission
+        if policy.aggregate_below is not None:
+            return disaggregate_or_not(
+                tokens, policy.aggregate_below, transfer=None, kv_bytes_per_token=0,
+                prefill_rate=None, local_speedup=1.0, decode_active=decode.active,
+            )  # fmt: skip
+        return disaggregate_or_not(
+            tokens,
+            None,
+            transfer=self.rates.transfer_model(),
+            kv_bytes_per_token=decode.kv_bytes_per_token,
+            prefill_rate=self.rates.prefill_rate(prefill.worker_id, prefill.gpu_kind),
+            local_speedup=self._speedup(decode.gpu_kind, prefill.gpu_kind),
+            decode_active=decode.active,
+        )
+
+    def _speedup(self, kind: str, than: str) -> float:
+        """Peak compute of GPU ``kind`` over ``than`` (1.0 when either is not priced)."""
+        if kind == than:
+            return 1.0
+        try:
+            a, b = get_gpu(self.settings.prices, kind), get_gpu(self.settings.prices, than)
+        except errors.ConfigError:
+            return 1.0
+        return (a.bf16_tflops or a.fp16_tflops) / (b.bf16_tflops or b.fp16_tflops)
+
+    def _enqueue(self, run: _Run, worker_id: str, tokens: int) -> None:
+        requests, queued = self._queue.get(worker_id, (0, 0))
+        self._queue[worker_id] = (requests + 1, queued + tokens)
+        run.queued = (worker_id, tokens)
+
+    def _dequeue(self, run: _Run) -> None:
+        """The run left its prefill worker's queue (prefilled, failed or cancelled)."""
+        if run.queued is None:
+            return
+        worker_id, tokens = run.queued
+        run.queued = None
+        requests, queued = self._queue.get(worker_id, (1, tokens))
+        if requests <= 1:
+            self._queue.pop(worker_id, None)
+        else:
+            self._queue[worker_id] = (requests - 1, max(0, queued - tokens))
 
     def _count(self, worker_id: str, sequences: int, kv_bytes: int) -> None:
         active, kv = self._load.get(worker_id, (0, 0))
@@ -639,7 +764,7 @@ class Orchestrator:
         if placement.mode is Mode.DISAGGREGATED:
             stream = self._disaggregated(run, placement)
         else:
-            if self.metrics is not None:
+            if self.metrics is not None and not placement.by_choice:
                 down = "prefill" if placement.decode.role == "decode" else "decode"
                 self.metrics.fallbacks.labels(down).inc()
             stream = self._aggregated(run, placement)
@@ -671,6 +796,7 @@ class Orchestrator:
             sources=frozenset({State.QUEUED}),
             fields={
                 "mode": Mode.DISAGGREGATED,
+                "placement": placement.reason,
                 "prefill_worker": prefill.worker_id,
                 "decode_worker": decode.worker_id,
             },
@@ -712,8 +838,13 @@ class Orchestrator:
             ),
             timeout=self.settings.prefill_timeout_s,
         )
-        async with translated(prefill.worker_id, "prefill", kv_target=decode.worker_id):
-            resp = await self._watch(call, prefill, run)
+        try:
+            async with translated(prefill.worker_id, "prefill", kv_target=decode.worker_id):
+                resp = await self._watch(call, prefill, run)
+        finally:
+            self._dequeue(run)
+        self.rates.prefill(prefill.worker_id, prefill.gpu_kind, len(tokens), resp.prefill_ms / 1000)
+        self.rates.transfer(int(resp.kv_bytes), resp.transfer_ms / 1000)
         run.timings["prefill_ms"] = resp.prefill_ms
         run.timings["transfer_ms"] = resp.transfer_ms
         self._spent(run, "prefill", prefill, resp.prefill_ms / 1000)
@@ -788,6 +919,7 @@ class Orchestrator:
             sources=frozenset({State.QUEUED}),
             fields={
                 "mode": Mode.AGGREGATED,
+                "placement": placement.reason,
                 "decode_worker": worker.worker_id,
                 "prefill_worker": "",
             },
@@ -911,13 +1043,17 @@ class Orchestrator:
                     break
         if not finish:
             raise errors.WorkerError("decode", "stream ended without a finish", retryable=True)
+        yield await self._complete(run, finish)
+
+    async def _complete(self, run: _Run, finish: str) -> OutChunk:
+        """Record the request done; its final chunk."""
         now = time.monotonic()
         run.timings["total_ms"] = (now - run.started) * 1000
         produced = len(run.output)
         if run.first_token_at is not None and produced > 1:
             run.timings["tpot_ms"] = (now - run.first_token_at) * 1000 / (produced - 1)
         record = await self._finish(run, State.DONE, finish, "")
-        yield OutChunk(rid, produced, [], "", finish, run.timings, record)
+        return OutChunk(run.rid, produced, [], "", finish, run.timings, record)
 
     async def _journal(self, run: _Run, entry: JournalEntry) -> None:
         """Journal a chunk before the client sees it — or, while Redis is unreachable, keep it

@@ -61,6 +61,8 @@ class RequestRecord:
     created_at: float
     owner: str = ""
     mode: str = ""
+    placement: str = ""
+    """Why the request runs in its mode (conditional disaggregation's reason, pool down)."""
     prefill_worker: str = ""
     decode_worker: str = ""
     output_tokens: int = 0
@@ -101,6 +103,7 @@ class RequestRecord:
             created_at=float(f["created_at"]),
             owner=f.get("owner", ""),
             mode=f.get("mode", ""),
+            placement=f.get("placement", ""),
             prefill_worker=f.get("prefill_worker", ""),
             decode_worker=f.get("decode_worker", ""),
             output_tokens=int(f.get("output_tokens", "0")),

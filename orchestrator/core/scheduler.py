@@ -1,17 +1,22 @@
 """Placement: which workers run a request. Pure.
 
-Prefill goes to the least-loaded prefill worker; decode to the decode worker with the most
-KV headroom that can hold this request's KV (prompt + max output), ties broken by fewer
-active sequences. When a whole pool is missing the request runs *aggregated* on a worker of
-the other pool (``fallback="local"``) or is refused (``fallback="fail"``).
+Prefill goes to the worker whose queue clears first (queued prompt tokens over its measured
+rate; queued tokens alone before rates are known), ties broken by fewer active sequences.
+Decode goes, among the workers with KV headroom for this request (prompt + max output), to
+the one running the fewest sequences (a decode step's time, so every stream's TPOT, grows
+with the batch), ties broken by more headroom. With both pools up, ``decide`` may keep a
+short prompt on the decode worker (conditional disaggregation, `orchestrator.core.admission`).
+When a whole pool is missing the request runs *aggregated* on a worker of the other pool
+(``fallback="local"``) or is refused (``fallback="fail"``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from orchestrator.core.admission import Decision
 from orchestrator.core.records import WorkerInfo
 from orchestrator.errors import OverloadedError, UnavailableError
 
@@ -29,6 +34,8 @@ class Placement:
     decode: WorkerInfo
     """The worker that decodes (and, aggregated, also prefills)."""
     reason: str
+    by_choice: bool = False
+    """Aggregated by conditional disaggregation, not because a pool is down."""
 
 
 def _kv_need(w: WorkerInfo, tokens: int) -> int:
@@ -52,13 +59,20 @@ def place(
     fallback: str = "local",
     exclude: Iterable[str] = (),
     load: Mapping[str, tuple[int, int]] | None = None,
+    queue: Mapping[str, int] | None = None,
+    rates: Mapping[str, float] | None = None,
+    decide: Callable[[WorkerInfo, WorkerInfo], Decision] | None = None,
 ) -> Placement:
     """Pick workers for a request needing KV for ``total_tokens`` (prompt + max output).
 
     ``load``: worker id → (sequences, KV bytes) this replica has placed there and not yet
-    finished (see `with_local_load`)."""
+    finished (see `with_local_load`). ``queue``: prefill worker id → prompt tokens this
+    replica placed there and not yet prefilled; ``rates``: prefill worker id → measured
+    tokens/s. ``decide(prefill, decode)``: whether to run aggregated anyway."""
     banned = set(exclude)
     known = load or {}
+    queued = queue or {}
+    speed = rates or {}
     # (worker, active, KV used) as this replica knows them: the workers themselves are only
     # copied for the ones chosen (this runs per request over every worker).
     prefills: list[tuple[WorkerInfo, int, int]] = []
@@ -71,23 +85,34 @@ def place(
         pool.append((w, max(w.active, active), max(w.kv_used_bytes, kv)))
     if not prefills and not decodes:
         raise UnavailableError("no workers available")
+
+    def prefill_key(p: tuple[WorkerInfo, int, int]) -> tuple[float, int, str]:
+        w, active, _ = p
+        tokens = queued.get(w.worker_id, 0)
+        rate = speed.get(w.worker_id)
+        return (tokens / rate if rate else float(tokens), active, w.worker_id)
+
     if decodes:
-        fitting: list[tuple[int, int, str, WorkerInfo]] = []  # (headroom, -active, id, w)
+        fitting: list[tuple[int, int, str, WorkerInfo]] = []  # (active, -headroom, id, w)
         for w, active, used in decodes:
             free = max(0, w.kv_capacity_bytes - used)
             if free >= _kv_need(w, total_tokens):
-                fitting.append((free, -active, w.worker_id, w))
+                fitting.append((active, -free, w.worker_id, w))
         if not fitting:
             raise OverloadedError("no decode worker has KV room for this request", 1.0)
-        decode = with_local_load(max(fitting, key=lambda f: f[:3])[3], known)
+        decode = with_local_load(min(fitting, key=lambda f: f[:3])[3], known)
         if prefills:
-            chosen = min(prefills, key=lambda p: (p[1], p[0].worker_id))[0]
-            prefill = with_local_load(chosen, known)
+            prefill = with_local_load(min(prefills, key=prefill_key)[0], known)
+            if decide is not None:
+                decision = decide(prefill, decode)
+                if decision.aggregate:
+                    return Placement(Mode.AGGREGATED, None, decode, decision.reason, True)
+                return Placement(Mode.DISAGGREGATED, prefill, decode, decision.reason)
             return Placement(Mode.DISAGGREGATED, prefill, decode, "both pools up")
         if fallback != "local":
             raise UnavailableError("prefill pool is down and fallback is 'fail'")
         return Placement(Mode.AGGREGATED, None, decode, "prefill pool down: aggregated")
     if fallback != "local":
         raise UnavailableError("decode pool is down and fallback is 'fail'")
-    worker = with_local_load(min(prefills, key=lambda p: (p[1], p[0].worker_id))[0], known)
+    worker = with_local_load(min(prefills, key=prefill_key)[0], known)
     return Placement(Mode.AGGREGATED, None, worker, "decode pool down: aggregated on prefill")

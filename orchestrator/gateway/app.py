@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
@@ -163,6 +164,7 @@ class Gateway:
         rid = parse.request_id(request.headers)
         reader = parse.parse_chat if chat else parse.parse_completion
         call = reader(body, rid, self.settings)
+        call = replace(call, inp=replace(call.inp, tenant=parse.tenant(request.headers, body)))
         await self._check_model(call.model)
         renderer = render.Renderer(chat, call.model, rid, int(time.time()))
         tally = render.Tally(rid)

@@ -6,8 +6,10 @@ are left to `control`'s validation, so there is one rule for gRPC and HTTP clien
 
 What pdorch cannot honour is refused, not ignored: ``n`` or ``best_of`` above 1, batched
 prompts, ``echo``, ``suffix``, log probabilities, penalties, ``logit_bias``, tools and
-structured output. Parameters that change nothing here (``user``, ``metadata``, ``store``,
-``service_tier``, ...) are accepted and ignored, as OpenAI-compatible servers do.
+structured output. Parameters that change nothing here (``metadata``, ``store``,
+``service_tier``, ...) are accepted and ignored, as OpenAI-compatible servers do. The tenant
+billed (and held to its limits) is the ``x-pdorch-tenant`` header, else the body's ``user``,
+else "default".
 
 Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1. A call without ``seed`` gets one
 derived from its request id, so a retry under the same ``Idempotency-Key`` is the same
@@ -59,6 +61,26 @@ def request_id(headers: Mapping[str, str]) -> str:
         if value:
             return value
     return uuid.uuid4().hex
+
+
+TENANT_HEADER = "x-pdorch-tenant"
+_MAX_TENANT = 64
+
+
+def tenant(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
+    """Who is billed: the ``x-pdorch-tenant`` header, else ``user``, else "default"."""
+    given = headers.get(TENANT_HEADER)
+    where = TENANT_HEADER
+    if given is None:
+        given, where = body.get("user"), "user"
+    if given is None:
+        return "default"
+    if not isinstance(given, str):
+        raise ApiError(400, f"{where} must be a string", param=where)
+    text = given.strip()
+    if not text or len(text) > _MAX_TENANT or not text.isprintable():
+        raise ApiError(400, f"{where} must be 1-{_MAX_TENANT} printable characters", param=where)
+    return text
 
 
 def seed_for(request_id: str) -> int:

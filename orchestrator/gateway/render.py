@@ -37,6 +37,8 @@ class Tally:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     finish: str = ""
+    cost_usd: float | None = None
+    """What the request cost (its record's ``cost.usd``), once it ended well."""
 
     def add(self, chunk: OutChunk) -> str:
         """Count a chunk; returns its text. A chunk that ends the request badly (cancelled)
@@ -57,14 +59,22 @@ class Tally:
             self.finish = finish
             if chunk.record is not None:
                 self.prompt_tokens = chunk.record.prompt_tokens
+                usd = chunk.record.cost.get("usd")
+                if isinstance(usd, int | float):
+                    self.cost_usd = float(usd)
         return chunk.text
 
-    def usage(self) -> dict[str, int]:
-        return {
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object, plus ``pdorch_cost_usd`` when the cost is known (an extra
+        field: the official client keeps it, others ignore it; `pdorch migrate` reads it)."""
+        out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cost_usd is not None:
+            out["pdorch_cost_usd"] = self.cost_usd
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,8 @@ typed input. Every error names the field (``spec.prefill.replicas: …``). Unkno
 errors here (the API server prunes them, so only hand-written input — samples, tests — can
 carry them).
 
-Fields with no process flag behind them yet: ``slo`` (kept for the planner, nothing reads
-it today). Everything else maps onto a real `pdorch` flag or environment variable; see
+Every field maps onto a real `pdorch` flag or environment variable (``slo.ttftMs`` is the
+orchestrators' ``--ttft-slo-ms``; ``slo.tpotMs`` is recorded for the planner only); see
 `workloads`.
 """
 

@@ -62,6 +62,8 @@ def orchestrator_deployment(identity: Identity, spec: ServiceSpec, config_hash: 
         "--fallback", spec.failover.fallback,
         "--drain-grace", str(drain),
     ]  # fmt: skip
+    if spec.slo.ttft_ms is not None:  # early rejection of what would miss it
+        args += ["--ttft-slo-ms", str(spec.slo.ttft_ms)]
     container = _container(
         "orchestrator",
         spec.image,

@@ -19,6 +19,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 TENANT_KEY = "x-pdorch-tenant"
+RETRY_AFTER_KEY = "retry-after"
+"""Trailing metadata of a RESOURCE_EXHAUSTED refusal: seconds before a retry can succeed."""
 _MAX_TENANT = 64
 
 
@@ -66,6 +68,7 @@ def info_pb(r: RequestRecord) -> orchestrator_pb2.RequestInfo:
         kv_bytes=r.kv_bytes,
         mode=r.mode,
         cost=convert.cost_to_pb(r.cost),
+        placement=r.placement,
     )
 
 
@@ -98,6 +101,8 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
                 yield _chunk_pb(chunk)
         except errors.PdorchError as exc:
             log.info("request %s failed: %s", request.request_id or "-", exc)
+            if isinstance(exc, errors.OverloadedError):  # when to try again (seconds)
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"),))
             await context.abort(status_for(exc), str(exc))
 
     async def Cancel(

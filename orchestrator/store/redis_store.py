@@ -10,6 +10,7 @@ Keys (``P`` is the configured prefix, ``pdorch`` by default):
     P:req:{id}            hash   the `RequestRecord`
     P:req:{id}:journal    list   `JournalEntry` JSON, contiguous token indices from 0
     P:req:{id}:client     string set with a TTL while a client follows the request elsewhere
+    P:tenant:{t}:live     set    record keys of the tenant's live requests (only with a limit)
     P:workers             set    worker ids that have registered
     P:worker:{id}         string `WorkerInfo` JSON, with a TTL: the heartbeat
 
@@ -34,15 +35,29 @@ from orchestrator.core.state import State, sources_for
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease. ARGV[1] body hash, ARGV[2] ttl
-# seconds, ARGV[3] owner, ARGV[4] lease ms, ARGV[5..] field/value pairs.
-# Returns {1} when created, {0, body_hash, state} when the id exists already.
+# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease, KEYS[4] the tenant's live set.
+# ARGV[1] body hash, ARGV[2] ttl seconds, ARGV[3] owner, ARGV[4] lease ms, ARGV[5] the
+# tenant's limit of live requests (0: none), ARGV[6..] field/value pairs.
+# Returns {1} when created, {0, body_hash, state} when the id exists already, {-1, live}
+# when the tenant is at its limit. The tenant's set is pruned of requests no longer live
+# (not in the active set: ended, expired, failed by a reaper) before counting, so a replica
+# that died without cleaning up leaks nothing.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local got = redis.call('HMGET', KEYS[1], 'body_hash', 'state')
   return {0, got[1], got[2]}
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+local limit = tonumber(ARGV[5])
+if limit > 0 then
+  for _, key in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    if redis.call('SISMEMBER', KEYS[2], key) == 0 then redis.call('SREM', KEYS[4], key) end
+  end
+  local live = redis.call('SCARD', KEYS[4])
+  if live >= limit then return {-1, live} end
+  redis.call('SADD', KEYS[4], KEYS[1])
+  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[2]))
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 local t = redis.call('TIME')
 local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 redis.call('HSET', KEYS[1], 'updated_at', now)
@@ -52,14 +67,30 @@ redis.call('SET', KEYS[3], ARGV[3], 'PX', tonumber(ARGV[4]))
 return {1}
 """
 
-# KEYS[1..n] leases. ARGV[1] owner, ARGV[2] lease ms. `_REFRESH` for many requests at once.
-# Returns one 1 (extended) or 0 (not the holder) per key.
+# KEYS[2i-1] lease, KEYS[2i] record of request i. ARGV[1] owner, ARGV[2] lease ms,
+# ARGV[3] "1" to re-take lapsed leases, ARGV[3+i] the epoch the owner drives request i at.
+# `_REFRESH` for many requests at once, plus: a lease that lapsed (a stalled event loop
+# refreshed it late) and that nobody took over is taken again — only while the record still
+# names this owner at this epoch and has not ended, so a takeover or hand-off always wins.
+# Returns one 1 (held) or 0 (lost) per request.
 _REFRESH_MANY = """
 local out = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[1] then
-    redis.call('PEXPIRE', key, tonumber(ARGV[2]))
+local n = #KEYS / 2
+for i = 1, n do
+  local lease, rec = KEYS[2 * i - 1], KEYS[2 * i]
+  local holder = redis.call('GET', lease)
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', lease, tonumber(ARGV[2]))
     out[i] = 1
+  elseif not holder and ARGV[3] == '1' then
+    local cur = redis.call('HMGET', rec, 'owner', 'epoch', 'state')
+    if cur[1] == ARGV[1] and cur[2] == ARGV[3 + i] and cur[3] ~= 'done'
+        and cur[3] ~= 'failed' and cur[3] ~= 'cancelled' then
+      redis.call('SET', lease, ARGV[1], 'PX', tonumber(ARGV[2]))
+      out[i] = 1
+    else
+      out[i] = 0
+    end
   else
     out[i] = 0
   end
@@ -256,23 +287,35 @@ class RedisStore:
 
     # ------------------------------------------------------------------------ requests
 
-    async def create(self, record: RequestRecord) -> RequestRecord | None:
-        """Create ``record``; if its id exists, return the existing record instead."""
+    async def create(self, record: RequestRecord, tenant_limit: int = 0) -> RequestRecord | None:
+        """Create ``record``; if its id exists, return the existing record instead.
+
+        ``tenant_limit`` > 0: refuse (`OverloadedError`) when the record's tenant already has
+        that many live requests, on all replicas together (checked and counted atomically)."""
         fields = record.to_fields()
         flat = [x for kv in fields.items() for x in kv]
+        rid = record.request_id
+        tenant_live = f"{self.settings.prefix}:tenant:{record.tenant}:live"
         async with _translated("create"):
             res = await self._create(
-                keys=[self._req(record.request_id), self._active, self._lease(record.request_id)],
+                keys=[self._req(rid), self._active, self._lease(rid), tenant_live],
                 args=[
                     record.body_hash,
                     self.settings.record_ttl_s,
                     record.owner,
                     int(self.settings.lease_ttl_s * 1000),
+                    tenant_limit,
                     *flat,
                 ],
             )
         if int(res[0]) == 1:
             return None
+        if int(res[0]) == -1:
+            raise errors.OverloadedError(
+                f"tenant {record.tenant!r} has {int(res[1])} requests in flight "
+                f"(limit {tenant_limit})",
+                1.0,
+            )
         existing = await self.get(record.request_id)
         if existing is None:  # expired between the two calls: treat as a fresh conflict
             raise errors.ConflictError(f"request {record.request_id!r} is being replaced")
@@ -381,15 +424,17 @@ class RedisStore:
             )
         return bool(int(held))
 
-    async def refresh_leases(self, request_ids: list[str], owner: str) -> list[bool]:
-        """`refresh_lease` for many requests in one round trip (a replica's lease keeper)."""
-        if not request_ids:
+    async def refresh_leases(
+        self, driven: list[tuple[str, int]], owner: str, *, retake: bool = True
+    ) -> list[bool]:
+        """`refresh_lease` for many (request id, epoch) in one round trip (a replica's lease
+        keeper); with ``retake``, a lapsed lease nobody took is taken again (see the script)."""
+        if not driven:
             return []
+        keys = [k for rid, _ in driven for k in (self._lease(rid), self._req(rid))]
+        args = [owner, int(self.settings.lease_ttl_s * 1000), "1" if retake else "0"]
         async with _translated("lease refresh"):
-            held = await self._refresh_many(
-                keys=[self._lease(r) for r in request_ids],
-                args=[owner, int(self.settings.lease_ttl_s * 1000)],
-            )
+            held = await self._refresh_many(keys=keys, args=args + [e for _, e in driven])
         return [bool(int(h)) for h in held]
 
     async def lease_holders(self, request_ids: list[str]) -> list[str | None]:

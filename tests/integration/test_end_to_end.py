@@ -308,7 +308,7 @@ def test_cost_per_request_and_tenant_and_prometheus_metrics(cluster: LocalCluste
         finally:
             client.close()
         assert int(totals["requests"]) >= 1
-        assert float(totals["usd"]) >= cost.usd
+        assert float(totals["usd"]) >= cost.usd * (1 - 1e-12)  # Redis keeps 17 digits
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert 'pdorch_requests_total{reason="length",state="done"}' in text

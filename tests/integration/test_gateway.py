@@ -178,7 +178,13 @@ def test_demo_serve_keeps_the_cluster_up_until_sigint(tmp_path: Path) -> None:
         )
     try:
         assert proc.stdout is not None
-        report = json.loads(_first_line(proc.stdout, 240))
+        line = _first_line(proc.stdout, 240)
+        if not line.startswith("{"):  # the demo ended (or wrote something else): say why
+            proc.wait(30)
+            raise AssertionError(
+                f"demo printed {line!r}; stderr:\n" + (tmp_path / "demo.err").read_text()[-3000:]
+            )
+        report = json.loads(line)
         assert report["all_match"] is True
         assert report["model"] == "tiny"
         with openai.OpenAI(base_url=report["gateway"], api_key=KEY, max_retries=0) as client:

@@ -97,6 +97,7 @@ def test_orchestrator_runs_real_flags_from_the_spec() -> None:
     assert args.command == "orchestrator"
     assert args.fallback == "fail"  # failover.fallback
     assert args.drain_grace == 40  # terminationGracePeriodSeconds 45 − the 5 s margin
+    assert args.ttft_slo_ms == 400  # slo.ttftMs: early rejection
     assert args.replica_id == "pod-0"
     assert container["readinessProbe"]["grpc"] == {"port": args.port}
     assert container["livenessProbe"]["grpc"] == {"port": args.port}

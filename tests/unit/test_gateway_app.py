@@ -84,6 +84,21 @@ def test_completion() -> None:
     assert backend.closed.is_set()
 
 
+def test_tenant_from_header_then_user_then_default() -> None:
+    backend = FakeBackend(chunks(["a"], finish="length"))
+    post(backend, "/v1/chat/completions", CHAT | {"user": "u-1"},
+         headers={"x-pdorch-tenant": "team-a"})  # fmt: skip
+    post(backend, "/v1/chat/completions", CHAT | {"user": "u-1"})
+    post(backend, "/v1/chat/completions", CHAT)
+    assert [i.tenant for i in backend.inputs] == ["team-a", "u-1", "default"]
+    resp = post(FakeBackend(), "/v1/chat/completions", CHAT | {"user": 7})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "user"
+    resp = post(FakeBackend(), "/v1/chat/completions", CHAT, headers={"x-pdorch-tenant": " "})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "x-pdorch-tenant"
+
+
 def test_chat_gets_a_request_id() -> None:
     backend = FakeBackend(chunks(["a", "b"], finish="length"))
     resp = post(backend, "/v1/chat/completions", CHAT)
@@ -235,3 +250,19 @@ def test_api_key() -> None:
     good = {"Authorization": "Bearer s3cret"}
     assert post(backend, "/v1/completions", TEXT, headers=good, settings=keyed).status_code == 200
     assert call(backend, "GET", "/health", settings=keyed).status_code == 200
+
+
+def test_usage_carries_the_cost_when_known() -> None:
+    """`pdorch migrate` prices pdorch's answers from ``usage.pdorch_cost_usd``."""
+    script = chunks(["a", "b"])
+    last = script[-1]
+    assert isinstance(last, OutChunk)
+    assert last.record is not None
+    last.record.cost = {"usd": 0.0025, "tenant": "default"}
+    resp = post(FakeBackend(script), "/v1/completions", TEXT)
+    assert resp.json()["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "pdorch_cost_usd": 0.0025,
+    }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.core.admission import Decision
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.scheduler import Mode, place, with_local_load
 from orchestrator.errors import OverloadedError, UnavailableError
@@ -98,9 +99,42 @@ def test_decode_tie_on_headroom_goes_to_fewer_active() -> None:
     assert place([prefill("p1"), *decodes], 10).decode.worker_id == "d2"
 
 
-def test_headroom_beats_fewer_active() -> None:
+def test_fewer_active_beats_headroom() -> None:
+    """A decode step's time grows with the batch: the idle worker keeps every TPOT lower,
+    as long as it has room for the request."""
     decodes = [decode("d1", free=9_000, active=10), decode("d2", free=4_000, active=0)]
-    assert place([prefill("p1"), *decodes], 10).decode.worker_id == "d1"
+    assert place([prefill("p1"), *decodes], 10).decode.worker_id == "d2"
+
+
+def test_prefill_goes_to_the_shortest_queue_in_tokens() -> None:
+    workers = [prefill("p1"), prefill("p2"), decode("d1")]
+    got = place(workers, 10, queue={"p1": 900, "p2": 100})
+    assert got.prefill is not None
+    assert got.prefill.worker_id == "p2"
+
+
+def test_prefill_queue_is_weighed_by_measured_rate() -> None:
+    """p1 has more tokens queued but clears them faster (900 / 9000 = 0.1 s < 300 / 1000)."""
+    workers = [prefill("p1"), prefill("p2"), decode("d1")]
+    got = place(workers, 10, queue={"p1": 900, "p2": 300}, rates={"p1": 9000, "p2": 1000})
+    assert got.prefill is not None
+    assert got.prefill.worker_id == "p1"
+
+
+def test_decide_can_keep_a_request_on_the_decode_worker() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def decide(p: WorkerInfo, d: WorkerInfo) -> Decision:
+        seen.append((p.worker_id, d.worker_id))
+        return Decision(True, "short prompt")
+
+    got = place([prefill("p1"), decode("d1")], 10, decide=decide)
+    assert (got.mode, got.prefill, got.decode.worker_id, got.reason) == (
+        Mode.AGGREGATED, None, "d1", "short prompt"
+    )  # fmt: skip
+    assert seen == [("p1", "d1")]
+    kept = place([prefill("p1"), decode("d1")], 10, decide=lambda p, d: Decision(False, "long"))
+    assert (kept.mode, kept.reason) == (Mode.DISAGGREGATED, "long")
 
 
 def test_kv_need_uses_each_workers_bytes_per_token() -> None:
@@ -221,10 +255,10 @@ def test_local_load_spreads_a_burst_the_heartbeats_have_not_seen() -> None:
     request on decode-b. The next goes to decode-a, though heartbeats still show both idle."""
     workers = [prefill("p"), decode("decode-a"), decode("decode-b")]
     first = place(workers, 100)
-    assert first.decode.worker_id == "decode-b"  # tie on headroom and active: larger id
+    assert first.decode.worker_id == "decode-a"  # tie on active and headroom: smaller id
     need = 100 * first.decode.kv_bytes_per_token
-    second = place(workers, 100, load={"decode-b": (1, need)})
-    assert second.decode.worker_id == "decode-a"
+    second = place(workers, 100, load={"decode-a": (1, need)})
+    assert second.decode.worker_id == "decode-b"
 
 
 def test_local_load_is_a_lower_bound_not_added_to_heartbeats() -> None:
