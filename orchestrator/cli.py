@@ -230,6 +230,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
         parse_tenant_limits,
     )
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
+    from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
     from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
@@ -254,6 +255,7 @@ async def _run_orchestrator(args: argparse.Namespace) -> int:
         detach_grace_s=args.detach_grace,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
+        kv_dtype=KvPolicy(args.kv_dtype),
         admission=admission,
     )
     metrics = ControlMetrics()
@@ -410,6 +412,32 @@ def _bench_transport(args: argparse.Namespace) -> int:
         print(f"pdorch bench transport: {exc}", file=sys.stderr)
         return 2
     print(result.json() if args.json else result.human())
+    return 0
+
+
+def _bench_precision(args: argparse.Namespace) -> int:
+    from orchestrator.bench.precision import prompts_from_text, render  # noqa: PLC0415
+    from orchestrator.bench.precision_run import default_prompts, run_precision  # noqa: PLC0415
+    from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
+
+    if args.prompts:
+        try:
+            prompts = prompts_from_text(Path(args.prompts).read_text())
+        except OSError as exc:
+            print(f"pdorch bench precision: --prompts: {exc}", file=sys.stderr)
+            return 2
+        if not prompts:
+            print("pdorch bench precision: --prompts: no prompts in the file", file=sys.stderr)
+            return 2
+    else:
+        prompts = default_prompts()
+    engine = load_engine(args.model, Path(args.model_cache) if args.model_cache else None)
+
+    def progress(i: int, r: object) -> None:  # stderr: stdout stays one JSON object
+        print(f"  prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+
+    report = run_precision(engine, args.dtype, prompts, args.max_tokens, progress)
+    print(json.dumps(report.to_dict()) if args.json else render(report))
     return 0
 
 
@@ -705,6 +733,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--replica-id", default=env.get("HOSTNAME", "orchestrator"))
     o.add_argument("--fallback", choices=("local", "fail"), default="local")
     o.add_argument(
+        "--kv-dtype",
+        choices=("auto", "native", "fp16", "fp8"),  # orchestrator.core.kvdtype.KvPolicy
+        default="auto",
+        help="KV wire dtype per prefill→decode pair: auto converts where the decode GPU holds "
+        "KV narrower (bf16→fp16 for T4); fp8 quarters float32's bytes (README: KV precision)",
+    )
+    o.add_argument(
         "--drain-grace",
         type=float,
         default=10.0,
@@ -909,6 +944,22 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--rounds", type=int, default=3, help="alternations of ours/reference")
     bt.add_argument("--json", action="store_true", help="print one JSON object")
     bt.set_defaults(call=_bench_transport)
+    bp = bsub.add_parser(
+        "precision",
+        help="token agreement with the KV converted for the wire (fp16/bf16/fp8) vs unchanged",
+        description="Runs each prompt greedily twice in this process from one prefill: with "
+        "the prompt's KV unchanged, and with it converted to --dtype and back (the wire "
+        "encoding included). Reports agreement (matched prefix / length), the first "
+        "divergence per prompt, and refuses to recommend a dtype (fp8) whose disagreement "
+        "exceeds 1%. See README 'KV precision'.",
+    )
+    bp.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
+    bp.add_argument("--dtype", choices=("fp16", "bf16", "fp8"), default="fp8")
+    bp.add_argument("--prompts", default="", help="file: one prompt per line (default: 20)")
+    bp.add_argument("--max-tokens", type=_positive_int, default=64)
+    bp.add_argument("--model-cache", default=cache_default)
+    bp.add_argument("--json", action="store_true", help="print one JSON object")
+    bp.set_defaults(call=_bench_precision)
     bc = bsub.add_parser(
         "control-plane",
         help="the real orchestrator, Redis and gRPC against simulated workers",

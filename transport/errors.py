@@ -3,6 +3,7 @@
     TransportError                      root; ``retryable`` says whether trying again may help
     ├── WireFormatError                 bytes that are not a valid KV transfer (permanent)
     │   ├── ChecksumMismatchError       a layer's payload does not match its checksum
+    │   ├── MalformedScalesError        fp8 scales that are not finite and positive
     │   └── HeaderRejectedError         a valid header that this receiver will not accept
     │       └── StaleEpochError         epoch older than one already seen for the request
     ├── BudgetExceededError             receiver has no room for the KV now (retryable)
@@ -32,6 +33,10 @@ class WireFormatError(TransportError):
 
 class ChecksumMismatchError(WireFormatError):
     """A layer's payload does not match the checksum its sender declared."""
+
+
+class MalformedScalesError(WireFormatError):
+    """A scaled (fp8) payload whose scales are not all finite and positive."""
 
 
 class HeaderRejectedError(WireFormatError):

@@ -121,9 +121,10 @@ class KvSender:
 
     async def send(self, address: str, cache: wire.KvCache) -> None:
         """Send a whole KV cache: the layer-wise API in a loop."""
+        scaled = cache.header.scales is not wire.ScaleLayout.NONE
         async with await self.open(address, cache.header) as transfer:
             for i, (k, v) in enumerate(cache.layers):
-                await transfer.send_layer(i, k, v)
+                await transfer.send_layer(i, k, v, cache.scales[i] if scaled else None)
             await transfer.finish()
 
     async def _acquire(self, pool: _Pool, address: str) -> tuple[Link, bool]:
@@ -174,14 +175,14 @@ class KvSender:
         await self._plane.close()
 
 
-def _checksums(views: list[tuple[memoryview, memoryview]]) -> list[int]:
-    return [wire.checksum(k, v) for k, v in views]
+def _checksums(views: list[list[memoryview]]) -> list[int]:
+    return [wire.checksum(*layer) for layer in views]
 
 
-async def _checksum(k: memoryview, v: memoryview) -> int:
-    if k.nbytes + v.nbytes >= _THREAD_CHECKSUM_BYTES:
-        return await asyncio.to_thread(wire.checksum, k, v)
-    return wire.checksum(k, v)
+async def _checksum(bufs: list[memoryview]) -> int:
+    if sum(b.nbytes for b in bufs) >= _THREAD_CHECKSUM_BYTES:
+        return await asyncio.to_thread(wire.checksum, *bufs)
+    return wire.checksum(*bufs)
 
 
 class OutgoingTransfer:
@@ -201,8 +202,8 @@ class OutgoingTransfer:
         self._segments = wire.segments(header, self._settings.segment_bytes)
         self._segment_of = {i: n for n, seg in enumerate(self._segments) for i in seg}
         self._missing = [len(seg) for seg in self._segments]
-        self._outgoing: dict[int, tuple[memoryview, memoryview, memoryview, memoryview]] = {}
-        """Layers of incomplete segments: (K, V) as checksummed, (K, V) as sent."""
+        self._outgoing: dict[int, tuple[list[memoryview], list[memoryview]]] = {}
+        """Layers of incomplete segments: buffers as checksummed, buffers as sent."""
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
@@ -216,7 +217,15 @@ class OutgoingTransfer:
             )
         return min(remaining, self._settings.idle_timeout_s)
 
-    async def send_layer(self, index: int, k: np.ndarray, v: np.ndarray) -> None:
+    async def send_layer(
+        self,
+        index: int,
+        k: np.ndarray,
+        v: np.ndarray,
+        scales: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """Send layer ``index``: K and V, and their float32 scales when the header is scaled
+        (`wire.ScaleLayout`; one scale per slice of the first axis)."""
         if self._state != "open":
             raise errors.TransportClosedError(f"transfer is {self._state}")
         h = self.header
@@ -227,21 +236,27 @@ class OutgoingTransfer:
             raise errors.WireFormatError(f"layer {index} shapes differ from the header's")
         if k.dtype.itemsize != h.dtype.itemsize or v.dtype.itemsize != h.dtype.itemsize:
             raise errors.WireFormatError(f"layer {index} dtype differs from {h.dtype.name}")
-        kb, vb = wire.as_bytes_view(k), wire.as_bytes_view(v)
+        counts = h.scale_counts(index)
+        given = (0, 0) if scales is None else (scales[0].size, scales[1].size)
+        if (scales is None) != (h.scales is wire.ScaleLayout.NONE) or given != counts:
+            raise errors.WireFormatError(f"layer {index}: scales do not match the header's")
+        kb, vb, *sb = wire.layer_buffers(k, v, scales)
         out_k, out_v = kb, vb
         if self._sender.payload_hook is not None:  # fault injection, after the checksum
             out_k, out_v = self._sender.payload_hook(index, kb, vb)
         if self._sender.delay_hook is not None and (held := self._sender.delay_hook(index)) > 0:
             await asyncio.sleep(min(held, self._wait_s()))  # a slow link, within the deadline
         plane = self._sender._plane
+        summed, sent = [kb, vb, *sb], [out_k, out_v, *sb]
+        nbytes = sum(b.nbytes for b in summed)
         try:
             if plane.inline:
-                csum = await _checksum(kb, vb)
-                await self._send_frame(wire.LayerFrame(index, kb.nbytes + vb.nbytes, csum))
-                await self._link.send_payload((out_k, out_v), self._wait_s())
+                csum = await _checksum(summed)
+                await self._send_frame(wire.LayerFrame(index, nbytes, csum))
+                await self._link.send_payload(sent, self._wait_s())
             else:
                 seg = self._segment_of[index]
-                self._outgoing[index] = (kb, vb, out_k, out_v)
+                self._outgoing[index] = (summed, sent)
                 self._missing[seg] -= 1
                 if self._missing[seg] == 0:  # the segment is complete: move it
                     parts = [(i, *self._outgoing.pop(i)) for i in self._segments[seg]]
@@ -250,7 +265,7 @@ class OutgoingTransfer:
             await self._fail()
             raise
         self._sent.add(index)
-        self.bytes_sent += kb.nbytes + vb.nbytes
+        self.bytes_sent += nbytes
 
     def _start(self, coro: Coroutine[Any, Any, None], what: str) -> None:
         name = f"pdorch-kv-{self.header.request_id}-{what}"
@@ -261,26 +276,26 @@ class OutgoingTransfer:
         await self._link.send(msg, self._wait_s())
 
     async def _segment(
-        self, seg: int, parts: list[tuple[int, memoryview, memoryview, memoryview, memoryview]]
+        self, seg: int, parts: list[tuple[int, list[memoryview], list[memoryview]]]
     ) -> None:
         """Start the segment's payload (the receiver posted its receive already), checksum
         its layers meanwhile in one thread hop, send their frames in one write, then wait
         for the payload to be delivered."""
         plane = self._sender._plane
         tag = control.layer_tag(self._tag, seg)
-        bufs = [b for _, _, _, ok, ov in parts for b in (ok, ov)]
+        bufs = [b for _, _, sent in parts for b in sent]
         payload = asyncio.create_task(
             plane.send(self._link.peer, tag, bufs), name=f"pdorch-kv-payload-{seg}"
         )
         try:
-            views = [(k, v) for _, k, v, _, _ in parts]
-            if sum(k.nbytes + v.nbytes for k, v in views) >= _THREAD_CHECKSUM_BYTES:
+            views = [summed for _, summed, _ in parts]
+            if sum(b.nbytes for layer in views for b in layer) >= _THREAD_CHECKSUM_BYTES:
                 sums = await asyncio.to_thread(_checksums, views)
             else:
                 sums = _checksums(views)
             frames = b"".join(
-                wire.encode_layer_frame(wire.LayerFrame(i, k.nbytes + v.nbytes, c))
-                for (i, k, v, _, _), c in zip(parts, sums, strict=True)
+                wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))
+                for (i, summed, _), c in zip(parts, sums, strict=True)
             )
             await self._link.send(control.encode(control.Kind.LAYERS, frames), self._wait_s())
             await payload

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from transport import errors, wire
+from transport import errors, kvcodec, wire
 from transport.backends import make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
@@ -57,8 +57,26 @@ def synthetic_cache(
     return wire.KvCache(header, tuple(layers))
 
 
+def scaled_cache(request_id: str, epoch: int, size: int, n_layers: int = 4) -> wire.KvCache:
+    """About ``size`` bytes of fp8 KV with per-head scales (format version 2)."""
+    per_tensor = max(1, size // (2 * n_layers))
+    heads = 4 if per_tensor >= 4 else 1
+    rng = np.random.default_rng(epoch)
+    layers = [
+        tuple(rng.standard_normal((heads, per_tensor // heads, 1), np.float32) for _ in "kv")
+        for _ in range(n_layers)
+    ]
+    pairs = [(k, v) for k, v in layers]
+    return kvcodec.encode_cache(
+        request_id, epoch, FINGERPRINT, pairs, wire.DType.FLOAT32, wire.DType.FLOAT8_E4M3
+    )
+
+
 def digest(cache: wire.KvCache) -> int:
-    return wire.checksum(*(wire.as_bytes_view(t) for k, v in cache.layers for t in (k, v)))
+    """Checksum of every tensor of ``cache``, and of its scales if any."""
+    tensors = [t for k, v in cache.layers for t in (k, v)]
+    tensors += [s for pair in cache.scales for s in pair]
+    return wire.checksum(*(wire.as_bytes_view(t) for t in tensors))
 
 
 # ------------------------------------------------------------------------ fault injection
@@ -478,8 +496,27 @@ async def check_peer_restart(backend: str) -> None:
         await sender.close()
 
 
+async def check_scaled(backend: str, sizes: tuple[int, ...] = (1 * KIB, 16 * MIB)) -> None:
+    """fp8 KV with per-head scales (format version 2) arrives intact, scales included."""
+    settings = TransportSettings()
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        try:
+            for n, size in enumerate(sizes):
+                cache = scaled_cache(f"fp8-{n}", n + 1, size, n_layers=8)
+                assert cache.header.scales is wire.ScaleLayout.PER_HEAD_F32
+                await sender.send(address, cache)
+                got = await p.call(op="take", rid=f"fp8-{n}", epoch=n + 1, timeout=30)
+                assert got == {"ok": True, "digest": digest(cache), "nbytes": cache.nbytes}, got
+        finally:
+            await sender.close()
+        assert (await p.call(op="stats"))["bytes_in_use"] == 0
+
+
 CHECKS = (
     check_sizes,
+    check_scaled,
     check_concurrent,
     check_sender_killed,
     check_receiver_killed,

@@ -24,15 +24,28 @@ All integers are little-endian. Header (``HEADER_PREFIX`` is read first, on its 
     request_id   rid_len bytes
     fingerprint  fp_len bytes
     per layer:   k_ndim u8, v_ndim u8, k dims u32 * k_ndim, v dims u32 * v_ndim
+    scales       u8   version 2 only: ScaleLayout, never NONE (absent in version 1)
     header_sum   u64  checksum of every header byte before it
 
-Layer frame (fixed ``LAYER_FRAME_SIZE`` bytes), then ``nbytes`` of payload: K then V, C order::
+Layer frame (fixed ``LAYER_FRAME_SIZE`` bytes), then ``nbytes`` of payload: K then V, C order
+(then, for a scaled transfer, K's scales then V's scales)::
 
     magic   4s  b"PDLY"
     index   u16
     flags   u16 0
     nbytes  u64 must equal the header's K+V bytes for that layer
     sum     u64 checksum of the payload
+
+**Versions.** Version 1 has no ``scales`` field. Version 2 adds it, for fp8 KV with scales
+(``dtype`` FLOAT8_E4M3, ``scales`` PER_HEAD_F32): each layer's payload is K's e4m3 codes, V's
+e4m3 codes, then one little-endian float32 per slice of K's first axis (the KV heads), then
+the same for V; a value is its e4m3 code's value times its head's scale. Scales are part of
+the layer's payload, so they stream with their layer and its checksum covers them. The
+encoder writes the oldest version that can express a header (1 unless scaled), so a
+receiver that reads only version 1 still takes every unscaled transfer and refuses a scaled
+one by its version. Scales must be finite and positive: `assemble` (every receiver's last
+step) refuses others with `MalformedScalesError`. An unscaled FLOAT8_E4M3 transfer (v1) is
+raw e4m3 bits, scale 1.
 
 `decode_kv` decodes a whole transfer held in one buffer (used by tests and tools); the streaming
 receivers in `link.py` use `header_length`/`decode_header`/`decode_layer_frame` piecewise.
@@ -52,13 +65,16 @@ import xxhash
 from transport.errors import (
     ChecksumMismatchError,
     HeaderRejectedError,
+    MalformedScalesError,
     StaleEpochError,
     WireFormatError,
 )
 
 MAGIC = b"PDKV"
 LAYER_MAGIC = b"PDLY"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version this module reads and writes (see "Versions" above)."""
+READABLE_VERSIONS = (1, 2)
 
 _PREFIX = struct.Struct("<4sHHI")
 _BODY = struct.Struct("<QIBBHHHQ")
@@ -110,6 +126,19 @@ class ChecksumAlgo(enum.IntEnum):
     XXH3_64 = 1
 
 
+class ScaleLayout(enum.IntEnum):
+    """Scales that travel with each layer's payload (format version 2)."""
+
+    NONE = 0
+    PER_HEAD_F32 = 1
+    """One float32 per slice of the first axis (KV head) of K, then of V, after V's codes."""
+
+
+SCALE_ITEMSIZE = 4
+SCALED_DTYPES = frozenset({DType.FLOAT8_E4M3})
+"""Dtypes that may carry scales (scales on a 16-bit or 32-bit payload are refused)."""
+
+
 def checksum(*buffers: memoryview | bytes) -> int:
     """xxh3-64 over the concatenation of ``buffers`` (no copy; releases the GIL)."""
     if len(buffers) == 1:
@@ -143,20 +172,36 @@ class KvHeader:
     token_count: int
     layers: tuple[LayerShape, ...]
     checksum_algo: ChecksumAlgo = ChecksumAlgo.XXH3_64
+    scales: ScaleLayout = ScaleLayout.NONE
 
     @property
     def payload_bytes(self) -> int:
-        return sum(layer.nbytes(self.dtype) for layer in self.layers)
+        return sum(self.layer_nbytes(i) for i in range(len(self.layers)))
+
+    @property
+    def version(self) -> int:
+        """The format version this header is written in: the oldest that expresses it."""
+        return 1 if self.scales is ScaleLayout.NONE else 2
+
+    def scale_counts(self, index: int) -> tuple[int, int]:
+        """How many scales K and V of layer ``index`` carry (0, 0 when unscaled)."""
+        if self.scales is ScaleLayout.NONE:
+            return 0, 0
+        layer = self.layers[index]
+        return layer.k[0], layer.v[0]
 
     def layer_nbytes(self, index: int) -> int:
-        return self.layers[index].nbytes(self.dtype)
+        """Payload bytes of layer ``index``: K and V, and their scales if any."""
+        return self.layers[index].nbytes(self.dtype) + SCALE_ITEMSIZE * sum(
+            self.scale_counts(index)
+        )
 
     def layer_offsets(self) -> list[int]:
         """Byte offset of each layer in a contiguous payload buffer."""
         offsets, pos = [], 0
-        for layer in self.layers:
+        for i in range(len(self.layers)):
             offsets.append(pos)
-            pos += layer.nbytes(self.dtype)
+            pos += self.layer_nbytes(i)
         return offsets
 
 
@@ -204,6 +249,8 @@ class KvCache:
     header: KvHeader
     layers: tuple[tuple[np.ndarray, np.ndarray], ...]
     on_release: list[Callable[[], None]] = field(default_factory=list, compare=False, repr=False)
+    scales: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    """Per layer, K's and V's float32 scales (one per head); empty when the header has none."""
 
     @property
     def nbytes(self) -> int:
@@ -219,6 +266,8 @@ class KvCache:
 
 
 def encode_header(h: KvHeader) -> bytes:
+    if h.scales is not ScaleLayout.NONE and h.dtype not in SCALED_DTYPES:
+        raise WireFormatError(f"{h.dtype.name} KV cannot carry scales")
     rid, fp = h.request_id.encode(), h.fingerprint.encode()
     parts = [
         _BODY.pack(
@@ -237,9 +286,11 @@ def encode_header(h: KvHeader) -> bytes:
     for layer in h.layers:
         parts.append(bytes((len(layer.k), len(layer.v))))
         parts.extend(_DIM.pack(d) for d in (*layer.k, *layer.v))
+    if h.version >= 2:
+        parts.append(bytes((h.scales,)))
     body = b"".join(parts)
     total = _PREFIX.size + len(body) + _SUM.size
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, total) + body
+    head = _PREFIX.pack(MAGIC, h.version, 0, total) + body
     out = head + _SUM.pack(checksum(head))
     if len(out) > MAX_HEADER_BYTES:
         raise WireFormatError(f"header of {len(out)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -250,10 +301,25 @@ def encode_layer_frame(frame: LayerFrame) -> bytes:
     return _LAYER.pack(LAYER_MAGIC, frame.index, 0, frame.nbytes, frame.checksum)
 
 
-def layer_frame_for(index: int, k: np.ndarray, v: np.ndarray) -> LayerFrame:
-    """The frame announcing layer ``index`` with payload K then V."""
-    kb, vb = as_bytes_view(k), as_bytes_view(v)
-    return LayerFrame(index=index, nbytes=kb.nbytes + vb.nbytes, checksum=checksum(kb, vb))
+def layer_frame_for(
+    index: int, k: np.ndarray, v: np.ndarray, scales: tuple[np.ndarray, np.ndarray] | None = None
+) -> LayerFrame:
+    """The frame announcing layer ``index`` with payload K then V (then K's, V's scales)."""
+    bufs = layer_buffers(k, v, scales)
+    return LayerFrame(index=index, nbytes=sum(b.nbytes for b in bufs), checksum=checksum(*bufs))
+
+
+def layer_buffers(
+    k: np.ndarray, v: np.ndarray, scales: tuple[np.ndarray, np.ndarray] | None = None
+) -> list[memoryview]:
+    """A layer's payload as byte views, in wire order: K, V, then K's and V's scales."""
+    bufs = [as_bytes_view(k), as_bytes_view(v)]
+    if scales is not None:
+        for s in scales:
+            if s.dtype != np.dtype("<f4") or s.ndim != 1:
+                raise WireFormatError(f"scales must be 1-d little-endian float32, got {s.dtype}")
+            bufs.append(as_bytes_view(s))
+    return bufs
 
 
 def as_bytes_view(a: np.ndarray) -> memoryview:
@@ -279,9 +345,13 @@ def header_for(
 def encode_kv(cache: KvCache) -> list[memoryview | bytes]:
     """The whole transfer as a list of buffers (header, then frame + K + V per layer)."""
     out: list[memoryview | bytes] = [encode_header(cache.header)]
+    scaled = cache.header.scales is not ScaleLayout.NONE
+    if scaled and len(cache.scales) != len(cache.layers):
+        raise WireFormatError("a scaled KV needs scales for every layer")
     for i, (k, v) in enumerate(cache.layers):
-        out.append(encode_layer_frame(layer_frame_for(i, k, v)))
-        out.extend((as_bytes_view(k), as_bytes_view(v)))
+        scales = cache.scales[i] if scaled else None
+        out.append(encode_layer_frame(layer_frame_for(i, k, v, scales)))
+        out.extend(layer_buffers(k, v, scales))
     return out
 
 
@@ -295,8 +365,10 @@ def header_length(prefix: bytes | memoryview) -> int:
     magic, version, flags, total = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise WireFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise WireFormatError(f"unsupported format version {version} (this is {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise WireFormatError(
+            f"unsupported format version {version} (this reads {READABLE_VERSIONS})"
+        )
     if flags:
         raise WireFormatError(f"unknown header flags {flags:#x}")
     if not _MIN_HEADER <= total <= MAX_HEADER_BYTES:
@@ -333,6 +405,20 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
     if payload > max_kv_bytes:
         raise WireFormatError(f"payload of {payload} bytes exceeds the limit of {max_kv_bytes}")
     end = total - _SUM.size
+    version = _PREFIX.unpack_from(buf)[1]
+    scales = ScaleLayout.NONE
+    if version >= 2:  # the scales byte sits last, right before the header checksum
+        end -= 1
+        if end < _PREFIX.size + _BODY.size:
+            raise WireFormatError("version 2 header too short for its scales field")
+        try:
+            scales = ScaleLayout(buf[end])
+        except ValueError:
+            raise WireFormatError(f"unknown scale layout {buf[end]}") from None
+        if scales is ScaleLayout.NONE:
+            raise WireFormatError("a version 2 header must declare scales (else it is version 1)")
+        if dtype not in SCALED_DTYPES:
+            raise WireFormatError(f"{dtype.name} KV cannot carry scales")
     pos = _PREFIX.size + _BODY.size
     if pos + rid_len + fp_len > end:
         raise WireFormatError("header too short for its request id and fingerprint")
@@ -363,7 +449,7 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
         layers.append(LayerShape(k=tuple(dims[:k_ndim]), v=tuple(dims[k_ndim:])))
     if pos != end:
         raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
-    header = KvHeader(rid, epoch, fp, dtype, tokens, tuple(layers), algo_e)
+    header = KvHeader(rid, epoch, fp, dtype, tokens, tuple(layers), algo_e, scales)
     if header.payload_bytes != payload:
         raise WireFormatError(
             f"declared payload {payload} bytes but layer shapes add up to {header.payload_bytes}"
@@ -460,12 +546,38 @@ def layer_views(h: KvHeader, payload: np.ndarray) -> Iterator[tuple[int, np.ndar
         yield i, k, v
 
 
+def scale_views(h: KvHeader, payload: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, (K scales, V scales) float32 views into the payload; [] when unscaled."""
+    if h.scales is ScaleLayout.NONE:
+        return []
+    out = []
+    for i, (layer, off) in enumerate(zip(h.layers, h.layer_offsets(), strict=True)):
+        pos = off + layer.nbytes(h.dtype)
+        nk, nv = h.scale_counts(i)
+        ks = payload[pos : pos + SCALE_ITEMSIZE * nk].view("<f4")
+        pos += SCALE_ITEMSIZE * nk
+        vs = payload[pos : pos + SCALE_ITEMSIZE * nv].view("<f4")
+        out.append((ks, vs))
+    return out
+
+
+def check_scales(scales: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Every scale must be a finite positive float: anything else would turn codes to junk."""
+    for i, pair in enumerate(scales):
+        for what, s in zip("KV", pair, strict=True):
+            if s.size and not (np.isfinite(s).all() and (s > 0).all()):
+                raise MalformedScalesError(f"layer {i} {what}: scales must be finite and > 0")
+
+
 def assemble(
     h: KvHeader, payload: np.ndarray, on_release: Callable[[], None] | None = None
 ) -> KvCache:
-    """Wrap a fully received and verified payload buffer as a KvCache (no copy)."""
+    """Wrap a fully received and verified payload buffer as a KvCache (no copy). A scaled
+    payload's scales are checked here (`MalformedScalesError`)."""
     layers = tuple((k, v) for _, k, v in layer_views(h, payload))
-    return KvCache(h, layers, [on_release] if on_release else [])
+    scales = scale_views(h, payload)
+    check_scales(scales)
+    return KvCache(h, layers, [on_release] if on_release else [], tuple(scales))
 
 
 def decode_kv(buf: bytes | memoryview, exp: Expectation) -> KvCache:

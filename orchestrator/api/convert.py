@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.api import common_pb2
+from orchestrator.api import common_pb2, worker_pb2
 from orchestrator.core.sampling import SamplingParams
+from transport.wire import DType
 
 _FINISH = {
     "": common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -17,6 +18,16 @@ _FINISH = {
     "error": common_pb2.FINISH_REASON_ERROR,
 }
 _FINISH_BACK = {v: k for k, v in _FINISH.items()}
+
+
+def kv_dtype_to_pb(dtype: DType | None) -> worker_pb2.KvDtype.ValueType:
+    """A wire dtype for a Prefill call (None: as computed). The enum's numbers are DType's."""
+    return worker_pb2.KvDtype.ValueType(0 if dtype is None else int(dtype))
+
+
+def kv_dtype_from_pb(value: worker_pb2.KvDtype.ValueType) -> DType | None:
+    """None for UNSPECIFIED; ValueError for a number this version does not know."""
+    return None if value == worker_pb2.KV_DTYPE_UNSPECIFIED else DType(int(value))
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:

@@ -15,6 +15,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from orchestrator.api import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -27,6 +28,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _KvDtype:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvDtypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvDtype.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_DTYPE_UNSPECIFIED: _KvDtype.ValueType  # 0
+    KV_DTYPE_FLOAT32: _KvDtype.ValueType  # 1
+    KV_DTYPE_FLOAT16: _KvDtype.ValueType  # 2
+    KV_DTYPE_BFLOAT16: _KvDtype.ValueType  # 3
+    KV_DTYPE_FLOAT8_E4M3: _KvDtype.ValueType  # 4
+    """e4m3 with one float32 scale per KV head (wire format version 2)."""
+
+class KvDtype(_KvDtype, metaclass=_KvDtypeEnumTypeWrapper):
+    """KV element types on the wire; the numbers are transport.wire.DType's codes."""
+
+KV_DTYPE_UNSPECIFIED: KvDtype.ValueType  # 0
+KV_DTYPE_FLOAT32: KvDtype.ValueType  # 1
+KV_DTYPE_FLOAT16: KvDtype.ValueType  # 2
+KV_DTYPE_BFLOAT16: KvDtype.ValueType  # 3
+KV_DTYPE_FLOAT8_E4M3: KvDtype.ValueType  # 4
+"""e4m3 with one float32 scale per KV head (wire format version 2)."""
+Global___KvDtype: _TypeAlias = KvDtype  # noqa: Y015
+
 @_typing.final
 class PrefillRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -37,12 +62,18 @@ class PrefillRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     FIRST_INDEX_FIELD_NUMBER: _builtins.int
     KV_TARGET_FIELD_NUMBER: _builtins.int
+    KV_DTYPE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     epoch: _builtins.int
     first_index: _builtins.int
     """Index of the output token this prefill samples (0, or later after a failover)."""
     kv_target: _builtins.str
     """The decode worker's KV transport address, "host:port"."""
+    kv_dtype: Global___KvDtype.ValueType
+    """The dtype the KV travels in, negotiated by the orchestrator for this prefill→decode
+    pair (orchestrator/core/kvdtype.py). The prefill worker converts its KV to it before
+    sending; the decode worker converts it back on receive. UNSPECIFIED: as computed.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens to prefill: the prompt, followed after a failover by the first_index output
@@ -60,10 +91,11 @@ class PrefillRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         first_index: _builtins.int = ...,
         kv_target: _builtins.str = ...,
+        kv_dtype: Global___KvDtype.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_index", b"first_index", "kv_target", b"kv_target", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_index", b"first_index", "kv_dtype", b"kv_dtype", "kv_target", b"kv_target", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -77,6 +109,7 @@ class PrefillResponse(_message.Message):
     KV_BYTES_FIELD_NUMBER: _builtins.int
     PREFILL_MS_FIELD_NUMBER: _builtins.int
     TRANSFER_MS_FIELD_NUMBER: _builtins.int
+    KV_DTYPE_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """Output token first_index."""
     kv_bytes: _builtins.int
@@ -84,7 +117,9 @@ class PrefillResponse(_message.Message):
     prefill_ms: _builtins.float
     """Prefill compute time."""
     transfer_ms: _builtins.float
-    """Time to send the KV to kv_target."""
+    """Time to convert the KV to its wire dtype and send it to kv_target."""
+    kv_dtype: Global___KvDtype.ValueType
+    """The dtype the KV travelled in."""
     def __init__(
         self,
         *,
@@ -92,10 +127,11 @@ class PrefillResponse(_message.Message):
         kv_bytes: _builtins.int = ...,
         prefill_ms: _builtins.float = ...,
         transfer_ms: _builtins.float = ...,
+        kv_dtype: Global___KvDtype.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "kv_bytes", b"kv_bytes", "prefill_ms", b"prefill_ms", "transfer_ms", b"transfer_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "kv_bytes", b"kv_bytes", "kv_dtype", b"kv_dtype", "prefill_ms", b"prefill_ms", "transfer_ms", b"transfer_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

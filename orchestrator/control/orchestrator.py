@@ -39,6 +39,7 @@ from orchestrator.core.breaker import Breakers
 from orchestrator.core.cost import PoolUsage, cost_fields
 from orchestrator.core.deadlines import StateDeadlines, overdue
 from orchestrator.core.hardware import CPU_HOST, PRICED_KINDS, GpuProfile, get_gpu
+from orchestrator.core.kvdtype import KvPolicy, negotiate_for
 from orchestrator.core.rates import Rates
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
@@ -87,6 +88,8 @@ class ControlSettings:
     (to any replica) and resume; with no client attached by then it is cancelled."""
     attach_refresh_s: float = 1.0
     """How often a client following a request from the journal says it is still there."""
+    kv_dtype: KvPolicy = KvPolicy.AUTO
+    """How the KV's wire dtype is chosen per prefill→decode pair (`orchestrator.core.kvdtype`)."""
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     """Early rejection (SLO, bounded queues, in-flight and tenant limits) and conditional
     disaggregation (`orchestrator.core.admission`)."""
@@ -822,6 +825,7 @@ class Orchestrator:
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
         tokens = run.prompt + run.output  # after a failover: prompt + what the client has
         sampling = convert.sampling_to_pb(run.inp.sampling)
+        kv = negotiate_for(prefill, decode, self.settings.kv_dtype, self.settings.prices)
         call = self.clients.get(prefill.address).prefill.Prefill(
             worker_pb2.PrefillRequest(
                 request_id=run.rid,
@@ -830,6 +834,7 @@ class Orchestrator:
                 sampling=sampling,
                 first_index=len(run.output),
                 kv_target=decode.kv_address,
+                kv_dtype=convert.kv_dtype_to_pb(kv.dtype),
             ),
             timeout=self.settings.prefill_timeout_s,
         )
@@ -854,7 +859,7 @@ class Orchestrator:
             epoch=run.epoch,
             target=State.TRANSFERRING,
             sources=frozenset({State.PREFILLING}),
-            fields={"kv_bytes": resp.kv_bytes, "timings": _json(run.timings)},
+            fields={"kv_bytes": resp.kv_bytes, "kv_dtype": kv.label, "timings": _json(run.timings)},
         )
         stream = self.clients.get(decode.address).decode.Decode(
             worker_pb2.DecodeRequest(

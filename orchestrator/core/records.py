@@ -31,6 +31,10 @@ class WorkerInfo:
     kv_used_bytes: int = 0
     active: int = 0
     gpu_kind: str = "cpu"
+    kv_dtype: str = ""
+    """The engine's KV dtype (`transport.wire.DType` name, lower case: "float32") when its
+    KV may be converted on the way to a decode worker; "" when it must travel as computed
+    (the simulated engine's KV bits carry token ids). See `orchestrator.core.kvdtype`."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -63,6 +67,8 @@ class RequestRecord:
     decode_worker: str = ""
     output_tokens: int = 0
     kv_bytes: int = 0
+    kv_dtype: str = ""
+    """The KV's negotiated wire dtype and why (`orchestrator.core.kvdtype.KvChoice.label`)."""
     finish_reason: str = ""
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
@@ -102,6 +108,7 @@ class RequestRecord:
             decode_worker=f.get("decode_worker", ""),
             output_tokens=int(f.get("output_tokens", "0")),
             kv_bytes=int(f.get("kv_bytes", "0")),
+            kv_dtype=f.get("kv_dtype", ""),
             finish_reason=f.get("finish_reason", ""),
             error=f.get("error", ""),
             timings=json.loads(f.get("timings", "{}")),

@@ -34,6 +34,9 @@ class ModelInfo:
     max_context: int
     eos_token_ids: tuple[int, ...]
     kv_dtype: DType
+    kv_convertible: bool = True
+    """The KV holds numbers a dtype conversion preserves (`transport.kvcodec`); False for an
+    engine whose KV bits mean something else (the simulated engine's carry token ids)."""
 
     def model_spec(self) -> ModelSpec:
         return ModelSpec(

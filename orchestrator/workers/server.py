@@ -32,7 +32,7 @@ from orchestrator.workers.engine import DecodeState, Engine
 from orchestrator.workers.metrics import WorkerMetrics
 from orchestrator.workers.text import TextDeltas
 from transport import errors as terr
-from transport import wire
+from transport import kvcodec, wire
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
 
@@ -161,6 +161,7 @@ class Worker:
             kv_used_bytes=self.kv_used(),
             active=self._batcher.active,
             gpu_kind=self.settings.gpu_kind,
+            kv_dtype=m.kv_dtype.name.lower() if m.kv_convertible else "",
         )
 
     async def _beat(self) -> None:
@@ -319,14 +320,26 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
         )
         prefill_ms = (time.perf_counter() - started) * 1000
         info = w.engine.info
-        header = wire.header_for(
-            request.request_id, int(request.epoch), info.fingerprint, info.kv_dtype, result.kv
-        )
+        try:
+            wire_dtype = convert.kv_dtype_from_pb(request.kv_dtype) or info.kv_dtype
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown kv_dtype")
+        if wire_dtype is not info.kv_dtype and not info.kv_convertible:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this engine's KV cannot be converted"
+            )
         sent = time.perf_counter()
         try:
+            layers = await _to_wire(result.kv, info.kv_dtype, wire_dtype)
+        except kvcodec.KvCodecError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV conversion: {exc}")
+        header = kvcodec.wire_header(
+            request.request_id, int(request.epoch), info.fingerprint, layers, wire_dtype
+        )
+        try:
             async with await w._sender.open(request.kv_target, header) as transfer:
-                for i, (k, v) in enumerate(result.kv):
-                    await transfer.send_layer(i, k, v)
+                for i, layer in enumerate(layers):
+                    await transfer.send_layer(i, layer.k, layer.v, layer.scales)
                 await transfer.finish()
         except terr.TransportError as exc:
             log.warning(
@@ -346,7 +359,20 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
             kv_bytes=header.payload_bytes,
             prefill_ms=prefill_ms,
             transfer_ms=transfer_s * 1000,
+            kv_dtype=convert.kv_dtype_to_pb(wire_dtype),
         )
+
+
+async def _to_wire(
+    kv: list[tuple[Any, Any]], source: wire.DType, target: wire.DType
+) -> list[kvcodec.EncodedLayer]:
+    """The prefill's KV in the negotiated wire dtype (converted in a thread: it is numpy work
+    proportional to the KV's size); as is, without a copy, when no conversion is asked."""
+    if target is source:
+        return [kvcodec.EncodedLayer(k, v) for k, v in kv]
+    return await asyncio.to_thread(
+        lambda: [kvcodec.encode_layer(k, v, source, target) for k, v in kv]
+    )
 
 
 class _Decode(worker_pb2_grpc.DecodeServiceServicer):
@@ -373,8 +399,17 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
                 f"KV covers {kv.header.token_count} tokens, request has {len(ids)}",
             )
         started = time.perf_counter()
+        adopt: wire.KvCache | list[tuple[Any, Any]] = kv
+        compute = w.engine.info.kv_dtype
+        if kv.header.dtype is not compute or kv.header.scales is not wire.ScaleLayout.NONE:
+            try:  # back to the dtype this engine computes in (`transport.kvcodec`)
+                adopt = await asyncio.to_thread(kvcodec.decode_layers, kv, compute)
+            except terr.WireFormatError as exc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, f"KV of {rid}: {exc}")
+            finally:
+                kv.release()
         state = await w.start_state(
-            kv,
+            adopt,
             ids,
             int(request.last_token),
             int(request.generated),

@@ -203,6 +203,7 @@ class SimEngine(Engine):
             max_context=SIM_MAX_CONTEXT,
             eos_token_ids=(m.vocab - 1,),
             kv_dtype=_KV_DTYPE,
+            kv_convertible=False,  # K's bits carry token ids, not numbers
         )
         self._words = m.vocab - 1
 

@@ -107,7 +107,7 @@ def raw_header(
     rid_len: int | None = None,
     fp_len: int | None = None,
     magic: bytes = MAGIC,
-    version: int = FORMAT_VERSION,
+    version: int = 1,
     flags: int = 0,
     total: int | None = None,
     extra: bytes = b"",
