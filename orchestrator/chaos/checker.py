@@ -69,13 +69,19 @@ def check_run(
     unrecovered: list[tuple[str, str]] = []
     for fault in history.faults:
         for rid in fault.affected:
+            # The first token produced after the fault: with the journal's length at the
+            # fault known, chunks already on their way (produced before it) don't count.
+            first_new = fault.journalled.get(rid, 0)
             after = next(
                 (
                     op
                     for op in history.ops
                     if op.request == rid
                     and op.t > fault.at
-                    and ((op.type == "chunk" and op.tokens) or op.type == "ok")
+                    and (
+                        (op.type == "chunk" and op.tokens and op.index + len(op.tokens) > first_new)
+                        or op.type == "ok"
+                    )
                 ),
                 None,
             )

@@ -123,11 +123,13 @@ class FaultExecutor:
                 record.resolved = name
                 record.affected = self._served_by(records, {name})
                 await self._process(fault, [name])
+                await self._note_journals(record)
             elif head == "pool":
                 names = self._alive(f"{sel}-")
                 record.resolved = ",".join(names) or f"{sel} pool already down"
                 record.affected = self._served_by(records, set(names))
                 await self._process(fault, names)
+                await self._note_journals(record)
             elif head == "orchestrator":
                 owners: dict[str, int] = {}
                 for r in records.values():
@@ -142,6 +144,9 @@ class FaultExecutor:
                 attached = self._attached(self.cluster.orchestrator_addresses[index])
                 record.affected = tuple(sorted(owned | attached))
                 await self._process(fault, [name])
+                # No journal mark: tokens the dead replica journalled but never relayed
+                # reach the client from the journal after its reconnect; that *is* the
+                # stream's recovery.
             elif head == "redis":
                 record.resolved = "redis"
                 record.affected = tuple(sorted(self.history.active_at(at)))
@@ -156,6 +161,13 @@ class FaultExecutor:
             log.exception("fault %s failed", fault.label())
             record.error = f"{type(exc).__name__}: {exc}"
         return record
+
+    async def _note_journals(self, record: FaultRecord) -> None:
+        """Once the fault took effect, how many tokens each affected request had journalled
+        (the checker's recovery starts at the next one). Unknown where the store can't be
+        read at once: the checker then counts the first token after the fault, as before."""
+        now = await self._records()
+        record.journalled = {rid: now[rid].output_tokens for rid in record.affected if rid in now}
 
     def _served_by(self, records: Mapping[str, RequestRecord], names: set[str]) -> tuple[str, ...]:
         hit = {

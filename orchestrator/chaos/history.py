@@ -44,6 +44,10 @@ class FaultRecord:
     error: str = ""
     wall_at: float = 0.0
     """Wall-clock time of the fault (to line it up with the processes' logs)."""
+    journalled: dict[str, int] = field(default_factory=dict)
+    """Affected request id → tokens in its journal once the fault took effect (a killed
+    process reaped, a stopped one signalled): tokens below that index were produced before
+    the fault, however late they reach the client, so they don't count as its recovery."""
 
     def label(self) -> str:
         return f"{self.kind} {self.resolved or self.target}"

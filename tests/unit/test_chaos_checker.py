@@ -51,6 +51,25 @@ def test_a_resumed_stream_that_tiles_the_output_is_clean() -> None:
     assert v.errors == {"UNAVAILABLE": 1}
 
 
+def test_tokens_produced_before_the_fault_are_not_its_recovery() -> None:
+    """The killed worker had journalled 3 tokens; chunks with indices below 3 that reach the
+    client after the kill were on their way already. Recovery is the first newer token."""
+    ops = [
+        Op(0.0, "invoke", "r0", 1),
+        Op(0.1, "chunk", "r0", 1, index=0, tokens=(10, 11)),
+        Op(0.41, "chunk", "r0", 1, index=2, tokens=(12,)),  # in flight at the kill
+        Op(0.9, "chunk", "r0", 1, index=3, tokens=(13, 14, 15)),  # from the new worker
+        Op(1.0, "ok", "r0", 1, code="length"),
+        *clean_r1(),
+    ]
+    fault = FaultRecord(0.4, "kill", "decode:busiest", "decode-0", ("r0",), journalled={"r0": 3})
+    v = check_run(history(ops, [fault]), REF, {"r0": "done", "r1": "done"})
+    assert v.recoveries == [("kill decode-0", "r0", pytest.approx(0.5))]
+    unmarked = FaultRecord(0.4, "kill", "decode:busiest", "decode-0", ("r0",))
+    v = check_run(history(ops, [unmarked]), REF, {"r0": "done", "r1": "done"})
+    assert v.recoveries == [("kill decode-0", "r0", pytest.approx(0.01))]  # no mark: as before
+
+
 def test_duplicates_gaps_and_truncation_are_counted() -> None:
     ops = [
         Op(0.0, "invoke", "r0", 1),
