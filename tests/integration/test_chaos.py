@@ -69,5 +69,7 @@ def test_scenario_short_seeded_run(name: str, tmp_path: Path, shared: LocalClust
     assert report["failed"] == 0, report
     assert result.violations == []
     assert report["faults"] == len(sc.plan(scenario, 0))
-    if any(f.kind in {"kill", "restart"} for f in sc.plan(scenario, 0)):
+    aimed = [f for f in sc.plan(scenario, 0) if not f.target.endswith(":random")]
+    if any(f.kind in {"kill", "restart"} for f in aimed):
         assert report["recoveries"] > 0  # the faults did hit streams
+    # (A fault on a random target may find it idle: random-mix's prefill kills often do.)
