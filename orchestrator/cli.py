@@ -465,6 +465,7 @@ def _bench_control_plane(args: argparse.Namespace) -> int:
         decode_gpu=args.decode_gpu,
         warmup=args.warmup,
         profile_dir=Path(args.profile_dir) if args.profile_dir else None,
+        orchestrator_args=tuple(args.orchestrator_arg),
     )
     try:
         result = run_bench(bench, log_level=args.log_level)
@@ -983,6 +984,13 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--decode-gpu", default="L4")
     bc.add_argument("--warmup", type=int, default=0, help="unmeasured requests (0: 2/worker)")
     bc.add_argument("--profile-dir", default="", help="cProfile each orchestrator into DIR")
+    bc.add_argument(
+        "--orchestrator-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="pass FLAG to every orchestrator, e.g. --orchestrator-arg=--max-inflight=300",
+    )
     bc.add_argument("--json", action="store_true", help="print one JSON object")
     bc.set_defaults(call=_bench_control_plane)
     bl = bsub.add_parser("load", help="drive concurrent requests at running orchestrators")

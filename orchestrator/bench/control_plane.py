@@ -57,6 +57,8 @@ class ControlPlaneBench:
     warmup: int = 0
     """Requests run (and not measured) before the load; 0: two per worker."""
     profile_dir: Path | None = None
+    orchestrator_args: tuple[str, ...] = ()
+    """Extra `pdorch orchestrator` flags (e.g. ``--max-inflight=300``: admission under load)."""
     timeout_s: float = 600.0
     """The whole load phase."""
 
@@ -124,10 +126,10 @@ def run_bench(b: ControlPlaneBench, log_level: str = "WARNING") -> dict[str, obj
                     cluster.start_sim_workers(role, n, sim, i)
         cluster.wait_live_workers(prefill, decode)
         for i in range(b.orchestrators):
-            extra = []
+            extra = list(b.orchestrator_args)
             if b.profile_dir is not None:
                 b.profile_dir.mkdir(parents=True, exist_ok=True)
-                extra = ["--profile", str(b.profile_dir / f"orchestrator-{i}.pstats")]
+                extra += ["--profile", str(b.profile_dir / f"orchestrator-{i}.pstats")]
             cluster.start_orchestrator(i, 0, *extra)
         targets = tuple(cluster.orchestrator_addresses)
         warmup = b.warmup or 2 * b.workers

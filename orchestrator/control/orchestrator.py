@@ -187,6 +187,8 @@ class Orchestrator:
         self._queue: dict[str, tuple[int, int]] = {}
         """Prefill worker id -> (requests, prompt tokens) this replica sent and not yet
         prefilled: the bounded queues admission checks."""
+        self._inflight = 0
+        """Calls in `generate` now (client streams on this replica)."""
         self.rates = Rates()
         """Measured prefill rates and KV transfer costs (admission and placement read them)."""
 
@@ -262,6 +264,26 @@ class Orchestrator:
     # ------------------------------------------------------------------------ generate
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
+        """Serve one call. ``max_inflight`` bounds the calls in progress from the first
+        await on, so a burst is refused at the door (`OverloadedError`, a retry-after)
+        instead of queueing inside the replica; a resubmission of a known request is not."""
+        limit = self.settings.admission.max_inflight
+        if limit and self._inflight >= limit:
+            known = bool(inp.request_id) and await self.store.get(inp.request_id) is not None
+            if not known:
+                if self.metrics is not None:
+                    self.metrics.rejections.labels("OverloadedError").inc()
+                raise errors.OverloadedError(
+                    f"this orchestrator serves {self._inflight} calls (limit {limit})", 1.0
+                )
+        self._inflight += 1
+        try:
+            async for chunk in self._generate(inp):
+                yield chunk
+        finally:
+            self._inflight -= 1
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
         started = time.monotonic()
         try:
             workers, ids = await self._admit(inp)

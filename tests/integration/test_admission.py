@@ -40,6 +40,7 @@ def cluster() -> Iterator[LocalCluster]:
             0, 0, "--ttft-slo-ms", "40", "--tenant-limit", "capped=1", "--aggregate-below", "0"
         )
         c.start_orchestrator(1, 0, "--aggregate-below", "auto", "--tenant-limit", "capped=1")
+        c.start_orchestrator(2, 0, "--max-inflight", "1")
         yield c
 
 
@@ -113,7 +114,7 @@ def test_a_request_that_would_miss_the_ttft_slo_is_refused_at_once(
 
 
 def test_a_tenant_at_its_limit_is_refused_on_every_replica(cluster: LocalCluster) -> None:
-    first, second = cluster.orchestrator_addresses
+    first, second = cluster.orchestrator_addresses[:2]
     long_run = request("drain me slowly", max_tokens=2048, request_id="adm-tenant-1")
 
     async def scenario() -> None:
@@ -170,3 +171,30 @@ def test_conditional_disaggregation_is_decided_and_recorded(cluster: LocalCluste
     assert (info.mode, info.placement) == (
         "disaggregated", "disaggregated (conditional disaggregation off)"
     )  # fmt: skip
+
+
+def test_calls_beyond_max_inflight_are_refused_at_the_door(cluster: LocalCluster) -> None:
+    address = cluster.orchestrator_addresses[2]  # --max-inflight 1
+    long_run = request("drain me slowly", max_tokens=2048, request_id="adm-door-1")
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            call = stub.Generate(long_run, timeout=120)
+            it = aiter(call)
+            await anext(it)  # one call in progress: the limit
+            err = await _refusal(address, request("hi", request_id="adm-door-2"))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "serves 1 calls (limit 1)" in (err.details() or "")
+            assert _retry_after(err) > 0
+            # A resubmission of the running request is not a new call: it follows it.
+            again = stub.Generate(long_run, timeout=120)
+            first = await anext(aiter(again))
+            assert first.index == 0
+            again.cancel()
+            async for _ in it:  # to its end
+                pass
+
+    run(scenario())
+    _, _, chunks = run(collect(address, request("hi", request_id="adm-door-2")))
+    assert chunks[-1].finish_reason
