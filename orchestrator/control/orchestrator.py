@@ -41,7 +41,13 @@ from orchestrator.core.deadlines import StateDeadlines, overdue
 from orchestrator.core.hardware import CPU_HOST, PRICED_KINDS, GpuProfile, get_gpu
 from orchestrator.core.kvdtype import KvPolicy, negotiate_for
 from orchestrator.core.rates import Rates
-from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
+from orchestrator.core.records import (
+    JournalEntry,
+    RequestRecord,
+    WorkerInfo,
+    body_hash,
+    unjournalled_after,
+)
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement, place
 from orchestrator.core.state import State
@@ -1094,15 +1100,17 @@ class Orchestrator:
             try:
                 await self.store.append(run.rid, run.epoch, entry)
             except errors.JournalGapError as gap:
-                # Redis came back without its last writes (AOF fsync window): journal again
-                # what it lost, from where its journal now ends.
-                lost = [e for e in run.entries if e.index >= gap.journal_end]
-                if not lost or lost[0].index != gap.journal_end:
+                # Redis came back without its last writes (AOF fsync window), or a write
+                # landed whose reply we never saw (cancelled mid-call): resync from the
+                # journal's end, writing again only what it lacks.
+                pending = unjournalled_after(run.entries, gap.journal_end)
+                if pending is None:
                     raise
-                log.warning(
-                    "request %s: re-journalling %d chunks lost by the store", run.rid, len(lost)
-                )
-                run.unjournalled = len(lost)
+                if gap.journal_end < entry.index:
+                    log.warning(
+                        "request %s: re-journalling %d chunks lost by the store", run.rid, pending
+                    )
+                run.unjournalled = pending
                 continue
             run.unjournalled -= 1
 

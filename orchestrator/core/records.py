@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -136,6 +137,23 @@ class JournalEntry:
     def from_json(cls, text: str | bytes) -> JournalEntry:
         index, ids, delta = json.loads(text)
         return cls(int(index), tuple(int(i) for i in ids), str(delta))
+
+
+def unjournalled_after(entries: Sequence[JournalEntry], journal_end: int) -> int | None:
+    """How many of ``entries`` (a writer's chunks, in order) the journal still lacks when
+    it ends at ``journal_end`` tokens; None when that end is no chunk boundary of ours.
+
+    Two ways the journal and its writer disagree: the store lost its last writes (a Redis
+    restart inside the AOF fsync window: the end is behind) or a write landed whose reply the
+    writer never saw (cancelled while awaiting it, connection dropped after the command ran:
+    the end is ahead). Both resync the same way: write again from the journal's end.
+    """
+    for i, e in enumerate(entries):
+        if e.index >= journal_end:
+            return len(entries) - i if e.index == journal_end else None
+    if entries and entries[-1].index + len(entries[-1].token_ids) == journal_end:
+        return 0
+    return None
 
 
 def body_hash(payload: object) -> str:

@@ -15,7 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo, body_hash
+from orchestrator.core.records import (
+    JournalEntry,
+    RequestRecord,
+    WorkerInfo,
+    body_hash,
+    unjournalled_after,
+)
 from orchestrator.core.state import State
 from orchestrator.workers.text import TextDeltas
 
@@ -269,6 +275,30 @@ def test_journal_entry_decodes_to_tuples() -> None:
     got = JournalEntry.from_json('[4, [9, 8], "x"]')
     assert got == JournalEntry(4, (9, 8), "x")
     assert isinstance(got.token_ids, tuple)
+
+
+_CHUNKS = [JournalEntry(0, (1, 2), "ab"), JournalEntry(2, (3,), "c"), JournalEntry(3, (4,), "d")]
+
+
+@pytest.mark.parametrize(
+    ("journal_end", "pending"),
+    [
+        (4, 0),  # all landed: the last write's reply was lost (cancelled while awaiting it)
+        (3, 1),  # the last chunk is missing
+        (2, 2),  # the store lost its last two writes (AOF fsync window)
+        (0, 3),  # it lost everything
+        (1, None),  # inside a chunk: no resync is safe
+        (5, None),  # past what this writer produced: not its journal
+    ],
+)
+def test_unjournalled_after_resyncs_from_the_journal_end(
+    journal_end: int, pending: int | None
+) -> None:
+    assert unjournalled_after(_CHUNKS, journal_end) == pending
+
+
+def test_unjournalled_after_with_nothing_written() -> None:
+    assert unjournalled_after([], 0) is None
 
 
 # ------------------------------------------------------------------ body_hash
