@@ -15,9 +15,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,6 +26,7 @@ import grpc
 import tenacity
 
 from orchestrator import errors
+from orchestrator.aio import cancel_and_wait
 from orchestrator.api import convert, worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.control.metrics import ControlMetrics
@@ -143,6 +145,9 @@ class _Run:
     failovers: int = 0
     last_error: str = ""
     lease_lost: bool = False
+    cancelled: bool = False
+    """This replica cancelled the run (its client left, or a Cancel). Checked at every chunk
+    and watch step, so that a ``Task.cancel()`` lost on its way still ends the run."""
     entries: list[JournalEntry] = field(default_factory=list)
     """Every chunk relayed by this run, to re-journal what a restarted Redis lost."""
     unjournalled: int = 0
@@ -157,6 +162,26 @@ class _Run:
     kv_moved: int = 0
     queued: tuple[str, int] | None = None
     """(prefill worker, tokens) while this run waits in that worker's queue."""
+
+
+def _check(run: _Run) -> None:
+    """Raise what the run's flags say: taken over by a peer, or cancelled here."""
+    if run.lease_lost:
+        raise errors.LeaseLostError(f"request {run.rid!r} taken over")
+    if run.cancelled:
+        raise asyncio.CancelledError(f"request {run.rid!r} cancelled")
+
+
+def _backoff(initial_s: float, max_s: float) -> Callable[[tenacity.RetryCallState], float]:
+    """Seconds before failover attempt n + 1: ``initial_s * 2**(n-1)`` plus up to 1 s of
+    jitter, capped at ``max_s`` — tenacity's ``wait_exponential_jitter`` spelled out (its
+    ``initial`` is deprecated from 9.2 for ``multiplier``, which 9.0 lacks)."""
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        exp = initial_s * 2.0 ** min(state.attempt_number - 1, 64)
+        return min(exp + random.uniform(0.0, 1.0), max_s)  # noqa: S311 - jitter, not crypto
+
+    return wait
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -424,6 +449,19 @@ class Orchestrator:
         finally:
             self._driving.pop(run.rid, None)
 
+    def _stop_driving(self, rid: str) -> None:
+        """Cancel the run driven here, if any: its task, and the flag its checkpoints read.
+
+        The cancel alone can be lost (see ``orchestrator.aio.cancel_and_wait``: redis-py's
+        sends under Python 3.11); cancelling again could interrupt the handler recording the
+        end, so the flag ends the run instead, at its next chunk or watch step."""
+        run = self._leased.get(rid)
+        if run is not None:
+            run.cancelled = True
+        task = self._driving.get(rid)
+        if task is not None:
+            task.cancel()
+
     def _detached(self, run: _Run, task: asyncio.Task[None]) -> None:
         """The last local client left: give it ``detach_grace_s`` to come back (here, or on
         another replica — followers mark the request attached in the store), else cancel."""
@@ -443,7 +481,7 @@ class Orchestrator:
                     deadline = time.monotonic() + grace
                 elif time.monotonic() > deadline:
                     log.info("request %s: no client for %.0fs, cancelling", run.rid, grace)
-                    task.cancel()
+                    self._stop_driving(run.rid)
                     return
 
         watcher = asyncio.create_task(watch(), name=f"pdorch-detached-{run.rid}")
@@ -464,7 +502,7 @@ class Orchestrator:
             self._lease_keeper = asyncio.create_task(self._keep_leases(), name="pdorch-leases")
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(s.max_attempts),
-            wait=tenacity.wait_exponential_jitter(initial=s.retry_initial_s, max=s.retry_max_s),
+            wait=_backoff(s.retry_initial_s, s.retry_max_s),
             retry=tenacity.retry_if_exception(_retryable),
             reraise=True,
         )
@@ -538,18 +576,16 @@ class Orchestrator:
         leases are released, so a peer takes each over at once, epoch + 1)."""
         self._stopping = True
         if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+            await cancel_and_wait(self._reaper)
+        for run in self._leased.values():
+            run.cancelled = True  # in case a task's cancel below is lost (see _stop_driving)
         tasks = [*self._resumed, *self._driving.values()]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._lease_keeper is not None:  # last: hand-offs above keep their leases till done
-            self._lease_keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_keeper
+            await cancel_and_wait(self._lease_keeper)
 
     async def _reap(self) -> None:
         scanned = time.monotonic()
@@ -600,9 +636,7 @@ class Orchestrator:
                 continue
             if await self.store.expire(rid, state, epoch, updated, reason):
                 log.warning("request %s: failed by the reaper: %s", rid, reason)
-                task = self._driving.get(rid)
-                if task is not None:
-                    task.cancel()  # stuck here: stop it (its end is recorded already)
+                self._stop_driving(rid)  # stuck here: stop it (its end is recorded already)
 
     async def _resume(self, rid: str, epoch: int) -> None:
         """Finish a request taken over from a dead replica, from its journal."""
@@ -984,8 +1018,7 @@ class Orchestrator:
                 done, _ = await asyncio.wait({task}, timeout=self.settings.watch_interval_s)
                 if done:
                     return task.result()
-                if run.lease_lost:
-                    raise errors.LeaseLostError(f"request {run.rid!r} taken over")
+                _check(run)
                 if not await self._alive(worker):
                     raise errors.WorkerError(
                         worker.worker_id, "missed its heartbeats", retryable=True
@@ -1007,8 +1040,7 @@ class Orchestrator:
                     done, _ = await asyncio.wait({nxt}, timeout=step)
                     if done:
                         break
-                    if run.lease_lost:
-                        raise errors.LeaseLostError(f"request {run.rid!r} taken over")
+                    _check(run)
                     silent += step
                     if silent >= self.settings.token_timeout_s:
                         raise errors.WorkerError(
@@ -1035,8 +1067,7 @@ class Orchestrator:
         finish = ""
         async with contextlib.aclosing(stream):
             async for chunk in stream:
-                if run.lease_lost:
-                    raise errors.LeaseLostError(f"request {run.rid!r} taken over")
+                _check(run)
                 ids = list(chunk.token_ids)
                 delta = chunk.text
                 reason = convert.finish_from_pb(chunk.finish_reason)
@@ -1199,9 +1230,7 @@ class Orchestrator:
             raise errors.NotFoundError(f"no request {rid!r}")
         if record.state.terminal:
             return record.state
-        task = self._driving.get(rid)
-        if task is not None:  # driven here: cancelling it cancels the worker calls too
-            task.cancel()
+        self._stop_driving(rid)  # driven here: cancelling it cancels the worker calls too
         with contextlib.suppress(errors.StaleEpochError, errors.InvalidTransitionError):
             await self.store.transition(
                 rid,

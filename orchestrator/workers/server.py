@@ -12,7 +12,6 @@ store): ``publish(WorkerInfo)`` every ``heartbeat_interval_s``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ import grpc
 from grpc_health.v1 import _async as health_aio  # the asyncio servicer (no stubs)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.aio import cancel_and_wait
 from orchestrator.api import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.sampling import SamplingParams
@@ -175,9 +175,7 @@ class Worker:
     async def stop(self) -> None:
         """Drain: stop heartbeating, finish in-flight calls within the grace, then close."""
         if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
+            await cancel_and_wait(self._heartbeat)  # publishing to Redis: one cancel can be lost
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(self.settings.drain_grace_s)

@@ -3,43 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-import redis
-
-from orchestrator.cluster import free_port, redis_server_binary
 from orchestrator.control.clients import WorkerClients
 from orchestrator.control.orchestrator import ControlSettings, Orchestrator
 from orchestrator.core.records import JournalEntry, RequestRecord
 from orchestrator.core.state import State
 from orchestrator.store.redis_store import RedisStore, StoreSettings
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(tmp_path)]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
-    deadline = time.monotonic() + 10
-    while True:
-        with contextlib.suppress(redis.RedisError):
-            if client.ping():
-                break
-        assert time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)  # polling readiness with a deadline
-    client.close()
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_fully_journalled_request_is_finished_by_the_replica_taking_it_over(
