@@ -15,10 +15,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -170,18 +169,6 @@ def _check(run: _Run) -> None:
         raise errors.LeaseLostError(f"request {run.rid!r} taken over")
     if run.cancelled:
         raise asyncio.CancelledError(f"request {run.rid!r} cancelled")
-
-
-def _backoff(initial_s: float, max_s: float) -> Callable[[tenacity.RetryCallState], float]:
-    """Seconds before failover attempt n + 1: ``initial_s * 2**(n-1)`` plus up to 1 s of
-    jitter, capped at ``max_s`` — tenacity's ``wait_exponential_jitter`` spelled out (its
-    ``initial`` is deprecated from 9.2 for ``multiplier``, which 9.0 lacks)."""
-
-    def wait(state: tenacity.RetryCallState) -> float:
-        exp = initial_s * 2.0 ** min(state.attempt_number - 1, 64)
-        return min(exp + random.uniform(0.0, 1.0), max_s)  # noqa: S311 - jitter, not crypto
-
-    return wait
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -502,7 +489,7 @@ class Orchestrator:
             self._lease_keeper = asyncio.create_task(self._keep_leases(), name="pdorch-leases")
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(s.max_attempts),
-            wait=_backoff(s.retry_initial_s, s.retry_max_s),
+            wait=tenacity.wait_exponential_jitter(multiplier=s.retry_initial_s, max=s.retry_max_s),
             retry=tenacity.retry_if_exception(_retryable),
             reraise=True,
         )
