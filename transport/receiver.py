@@ -264,9 +264,16 @@ class _Receive:
         if not self.ready:
             return
         batch = [(self.frames[i], self.view(i)) for i in self.ready]
-        task = asyncio.create_task(_verify(batch), name="pdorch-kv-verify")
-        self.verifying[task] = len(batch)
         self.ready = []
+        parts = [batch]
+        if not self.receiving and len(batch) > 1 and _nbytes(batch) >= _SPLIT_TAIL_BYTES:
+            # Nothing left to land: this is the tail every transfer waits on, and the copy
+            # no longer needs a core. Two threads verify it in half the time.
+            half = len(batch) // 2
+            parts = [batch[:half], batch[half:]]
+        for part in parts:
+            task = asyncio.create_task(_verify(part), name="pdorch-kv-verify")
+            self.verifying[task] = len(part)
 
     async def _on_message(self, msg: control.Message) -> None:
         if msg.kind is control.Kind.ABORT:
@@ -291,8 +298,16 @@ class _Receive:
         return frame
 
 
+_SPLIT_TAIL_BYTES = 4 << 20
+"""A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""
+
+
+def _nbytes(batch: list[tuple[wire.LayerFrame, memoryview]]) -> int:
+    return sum(frame.nbytes for frame, _ in batch)
+
+
 async def _verify(batch: list[tuple[wire.LayerFrame, memoryview]]) -> None:
-    if sum(frame.nbytes for frame, _ in batch) >= 1 << 20:
+    if _nbytes(batch) >= 1 << 20:
         await asyncio.to_thread(_verify_all, batch)
     else:
         _verify_all(batch)
