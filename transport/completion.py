@@ -62,7 +62,8 @@ class CompletionPoller:
             with self._lock:
                 self._pending.append(waiter)
                 self._start()
-                self._wake.set()
+                if not self._wake.is_set():  # set() costs a futex wake-up: only when idle
+                    self._wake.set()
             try:
                 await waiter.future
             finally:

@@ -13,6 +13,7 @@ the first transfer after a receiver restarts connects afresh.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -60,6 +61,11 @@ class KvSender:
         self._pools: dict[str, _Pool] = {}
         self._started = False
         self._closed = False
+        self.checksummer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pdorch-kv-checksum"
+        )
+        """Out-of-band segments are checksummed one after the other, in order: two at once
+        competed with the copy for memory bandwidth and delayed the first one's frames."""
         self.payload_hook: PayloadHook | None = None
         """Fault injection (`transport.testing.FaultInjector`): sees each layer's buffers after
         its checksum was taken and returns the buffers to send instead."""
@@ -173,6 +179,7 @@ class KvSender:
             while pool.idle:
                 await pool.idle.pop().close()
         await self._plane.close()
+        self.checksummer.shutdown(wait=False)
 
 
 def _checksums(views: list[list[memoryview]]) -> list[int]:
@@ -290,7 +297,11 @@ class OutgoingTransfer:
         try:
             views = [summed for _, summed, _ in parts]
             if sum(b.nbytes for layer in views for b in layer) >= _THREAD_CHECKSUM_BYTES:
-                sums = await asyncio.to_thread(_checksums, views)
+                loop = asyncio.get_running_loop()
+                try:
+                    sums = await loop.run_in_executor(self._sender.checksummer, _checksums, views)
+                except RuntimeError as exc:  # the executor was shut down: sender closed
+                    raise errors.TransportClosedError(f"sender closed: {exc}") from exc
             else:
                 sums = _checksums(views)
             frames = b"".join(

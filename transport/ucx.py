@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import logging
 import os
 from collections.abc import Sequence
@@ -202,14 +203,21 @@ def _one_buffer(buffers: Sequence[memoryview]) -> memoryview | np.ndarray:
     into one buffer (a memcpy)."""
     if len(buffers) == 1:
         return buffers[0]
-    arrays = [np.frombuffer(b, dtype=np.uint8) for b in buffers]
-    start = arrays[0].ctypes.data
-    end = start
-    for a in arrays:
-        if a.ctypes.data != end:
-            return np.concatenate(arrays)
-        end += a.nbytes
-    return np.lib.stride_tricks.as_strided(arrays[0], shape=(end - start,), strides=(1,))
+    start = end = _address(buffers[0])
+    for b in buffers:
+        if _address(b) != end:
+            return np.concatenate([np.frombuffer(b, dtype=np.uint8) for b in buffers])
+        end += b.nbytes
+    first = np.frombuffer(buffers[0], dtype=np.uint8)
+    return np.lib.stride_tricks.as_strided(first, shape=(end - start,), strides=(1,))
+
+
+def _address(b: memoryview) -> int:
+    """Where a contiguous buffer's bytes start (ctypes is ~4x faster than numpy here: 32
+    buffers a segment)."""
+    if b.readonly or not b.nbytes:  # ctypes needs a writable, non-empty buffer
+        return int(np.frombuffer(b, dtype=np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(b))
 
 
 def _abort(ep: Any) -> None:

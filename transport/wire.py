@@ -173,10 +173,23 @@ class KvHeader:
     layers: tuple[LayerShape, ...]
     checksum_algo: ChecksumAlgo = ChecksumAlgo.XXH3_64
     scales: ScaleLayout = ScaleLayout.NONE
+    _offsets: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    """Cache: each layer's offset, then the payload's end (a transfer asks hundreds of times)."""
+
+    def _layout(self) -> tuple[int, ...]:
+        offsets = self._offsets
+        if offsets is None:
+            pos, acc = 0, [0]
+            for i, layer in enumerate(self.layers):
+                pos += layer.nbytes(self.dtype) + SCALE_ITEMSIZE * sum(self.scale_counts(i))
+                acc.append(pos)
+            offsets = tuple(acc)
+            object.__setattr__(self, "_offsets", offsets)  # frozen: a cache, not state
+        return offsets
 
     @property
     def payload_bytes(self) -> int:
-        return sum(self.layer_nbytes(i) for i in range(len(self.layers)))
+        return self._layout()[-1]
 
     @property
     def version(self) -> int:
@@ -192,17 +205,14 @@ class KvHeader:
 
     def layer_nbytes(self, index: int) -> int:
         """Payload bytes of layer ``index``: K and V, and their scales if any."""
-        return self.layers[index].nbytes(self.dtype) + SCALE_ITEMSIZE * sum(
-            self.scale_counts(index)
-        )
+        if not 0 <= index < len(self.layers):
+            raise IndexError(f"layer {index} of {len(self.layers)}")
+        offsets = self._layout()
+        return offsets[index + 1] - offsets[index]
 
     def layer_offsets(self) -> list[int]:
         """Byte offset of each layer in a contiguous payload buffer."""
-        offsets, pos = [], 0
-        for i in range(len(self.layers)):
-            offsets.append(pos)
-            pos += self.layer_nbytes(i)
-        return offsets
+        return list(self._layout()[:-1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ encoder, so that every check of the decoder can be reached on its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import struct
 import tracemalloc
@@ -1155,3 +1156,19 @@ def test_segments_group_consecutive_layers(
     layers = tuple(LayerShape(k=(n,), v=(n,)) for n in sizes)  # float32: 8 * n bytes
     header = KvHeader("r", 1, "fp", DType.FLOAT32, 1, layers)
     assert wire_segments(header, target * 8) == expected
+
+
+@given(headers(), st.integers(min_value=1, max_value=4))
+def test_cached_layout_matches_the_shapes_and_follows_replace(h: KvHeader, extra: int) -> None:
+    """Sizes and offsets are cached on the (frozen) header; a replaced header recomputes."""
+    sizes = [h.layer_nbytes(i) for i in range(len(h.layers))]
+    assert sizes == [
+        layer.nbytes(h.dtype) + 4 * sum(h.scale_counts(i)) for i, layer in enumerate(h.layers)
+    ]
+    assert h.layer_offsets() == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert h.payload_bytes == sum(sizes)
+    longer = dataclasses.replace(h, layers=h.layers + h.layers[:1] * extra)
+    assert longer.payload_bytes == h.payload_bytes + extra * sizes[0]
+    assert longer == dataclasses.replace(longer)  # the cache takes no part in equality
+    with pytest.raises(IndexError):
+        h.layer_nbytes(len(h.layers))
