@@ -942,7 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--size", default="64MiB", help="KV bytes per transfer (e.g. 64MiB)")
     bt.add_argument("--iters", type=int, default=10)
     bt.add_argument("--layers", type=int, default=32, help="layers the KV is split into")
-    bt.add_argument("--rounds", type=int, default=3, help="alternations of ours/reference")
+    bt.add_argument(
+        "--rounds", type=int, default=5, help="alternations of ours/reference (medians compared)"
+    )
     bt.add_argument("--json", action="store_true", help="print one JSON object")
     bt.set_defaults(call=_bench_transport)
     bp = bsub.add_parser(

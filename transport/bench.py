@@ -233,7 +233,7 @@ async def _interleaved(
     return ours, ref
 
 
-def run(backend: str, size: int, iters: int, layers: int = 32, rounds: int = 3) -> BenchResult:
+def run(backend: str, size: int, iters: int, layers: int = 32, rounds: int = 5) -> BenchResult:
     """Alternate ours and the reference ``rounds`` times; compare the medians (noisy host)."""
     if iters < 1 or layers < 1 or rounds < 1:
         raise BenchError("--iters, --layers and --rounds must be at least 1")

@@ -7,7 +7,7 @@ checksums need. Sleeping between reads is no better: the event loop's timers hav
 resolution (epoll), so each completion would be seen up to 1 ms late.
 
 `CompletionPoller` reads the flags instead from one daemon thread, every ``interval_s``
-(0.1 ms) while any request is pending and not at all otherwise, and wakes each waiter in its
+(0.2 ms) while any request is pending and not at all otherwise, and wakes each waiter in its
 own event loop (``call_soon_threadsafe``). Cost: a wake-up of a few microseconds per
 interval while transfers are in flight; latency: about one interval.
 """
@@ -45,7 +45,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 class CompletionPoller:
-    def __init__(self, interval_s: float = 100e-6) -> None:
+    def __init__(self, interval_s: float = 200e-6) -> None:
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._pending: list[_Waiter] = []
