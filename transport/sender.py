@@ -61,11 +61,9 @@ class KvSender:
         self._pools: dict[str, _Pool] = {}
         self._started = False
         self._closed = False
-        self.checksummer = concurrent.futures.ThreadPoolExecutor(
+        self._checksummer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="pdorch-kv-checksum"
         )
-        """Out-of-band segments are checksummed one after the other, in order: two at once
-        competed with the copy for memory bandwidth and delayed the first one's frames."""
         self.payload_hook: PayloadHook | None = None
         """Fault injection (`transport.testing.FaultInjector`): sees each layer's buffers after
         its checksum was taken and returns the buffers to send instead."""
@@ -179,17 +177,23 @@ class KvSender:
             while pool.idle:
                 await pool.idle.pop().close()
         await self._plane.close()
-        self.checksummer.shutdown(wait=False)
+        self._checksummer.shutdown(wait=False)
+
+    async def checksums(self, layers: list[list[memoryview]]) -> list[int]:
+        """Each layer's checksum. Large batches go to this sender's one checksum thread,
+        one batch after the other in order: two at once competed with the copy for memory
+        bandwidth and delayed the first segment's frames."""
+        if sum(b.nbytes for layer in layers for b in layer) < _THREAD_CHECKSUM_BYTES:
+            return _checksums(layers)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._checksummer, _checksums, layers)
+        except RuntimeError as exc:  # the executor was shut down: the sender is closed
+            raise errors.TransportClosedError(f"sender closed: {exc}") from exc
 
 
-def _checksums(views: list[list[memoryview]]) -> list[int]:
-    return [wire.checksum(*layer) for layer in views]
-
-
-async def _checksum(bufs: list[memoryview]) -> int:
-    if sum(b.nbytes for b in bufs) >= _THREAD_CHECKSUM_BYTES:
-        return await asyncio.to_thread(wire.checksum, *bufs)
-    return wire.checksum(*bufs)
+def _checksums(layers: list[list[memoryview]]) -> list[int]:
+    return [wire.checksum(*layer) for layer in layers]
 
 
 class OutgoingTransfer:
@@ -258,7 +262,7 @@ class OutgoingTransfer:
         nbytes = sum(b.nbytes for b in summed)
         try:
             if plane.inline:
-                csum = await _checksum(summed)
+                (csum,) = await self._sender.checksums([summed])
                 await self._send_frame(wire.LayerFrame(index, nbytes, csum))
                 await self._link.send_payload(sent, self._wait_s())
             else:
@@ -295,15 +299,7 @@ class OutgoingTransfer:
             plane.send(self._link.peer, tag, bufs), name=f"pdorch-kv-payload-{seg}"
         )
         try:
-            views = [summed for _, summed, _ in parts]
-            if sum(b.nbytes for layer in views for b in layer) >= _THREAD_CHECKSUM_BYTES:
-                loop = asyncio.get_running_loop()
-                try:
-                    sums = await loop.run_in_executor(self._sender.checksummer, _checksums, views)
-                except RuntimeError as exc:  # the executor was shut down: sender closed
-                    raise errors.TransportClosedError(f"sender closed: {exc}") from exc
-            else:
-                sums = _checksums(views)
+            sums = await self._sender.checksums([summed for _, summed, _ in parts])
             frames = b"".join(
                 wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))
                 for (i, summed, _), c in zip(parts, sums, strict=True)
