@@ -1,0 +1,30 @@
+"""free_port: ports that nothing else on the machine can take before our child binds them."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from orchestrator import cluster
+from orchestrator.cluster import _ephemeral_floor, free_port
+
+
+def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
+    floor = _ephemeral_floor()
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)  # never handed out twice
+    assert all(20000 <= p < floor for p in ports)  # no bind(0) or connect() can take them
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # and free to bind
+
+
+def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draw lands on a port someone holds: the next draw is taken instead."""
+    held = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", held))
+        draws = iter([held - 20000, held - 20000 + 1])
+        monkeypatch.setattr(cluster.secrets, "randbelow", lambda _n: next(draws))
+        cluster._recent_ports.clear()
+        assert cluster.free_port() == held + 1
