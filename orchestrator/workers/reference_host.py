@@ -1,0 +1,339 @@
+"""The reference runtime behind the worker API: a synchronous `Engine` on one thread.
+
+Engine calls run on the worker's engine thread (`batcher.EngineRunner`); decode steps of
+every active sequence are interleaved by the `DecodeBatcher`. KV moves through pdorch's
+transport: a prefill pushes the prompt's KV with the `KvSender`, a decode worker's
+`KvReceiver` holds it until the Decode call claims it. Used for the transformers engine
+and the simulated one (which brings its own runner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from orchestrator.api import common_pb2, convert, worker_pb2
+from orchestrator.core.sampling import SamplingParams
+from orchestrator.workers.batcher import DecodeBatcher, EngineRunner
+from orchestrator.workers.batcher import Sequence as DecodeSequence
+from orchestrator.workers.engine import DecodeState, Engine
+from orchestrator.workers.host import Context, EngineHost
+from orchestrator.workers.metrics import WorkerMetrics
+from orchestrator.workers.text import TextDeltas
+from transport import errors as terr
+from transport import kvcodec, wire
+from transport.receiver import KvReceiver
+from transport.sender import KvSender
+
+log = logging.getLogger(__name__)
+
+BLAME_KEY = "pdorch-blame"
+"""Trailing metadata on a failed Prefill: ``kv-target`` when the KV's receiver (the decode
+worker) failed — gone, stalled or full — rather than this prefill worker."""
+_TARGET_FAULTS = (terr.PeerLostError, terr.TransferTimeoutError, terr.BudgetExceededError)
+
+
+def status_for(exc: terr.TransportError) -> grpc.StatusCode:
+    if isinstance(exc, terr.StaleEpochError):
+        return grpc.StatusCode.ABORTED
+    if isinstance(exc, terr.WireFormatError):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, terr.TransferTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.UNAVAILABLE
+
+
+class ReferenceHost(EngineHost):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        kv_capacity_bytes: int,
+        max_batch: int,
+        sender: KvSender | None = None,
+        receiver: KvReceiver | None = None,
+        metrics: WorkerMetrics | None = None,
+        runner: EngineRunner | None = None,
+    ) -> None:
+        self.engine = engine
+        self.info = engine.info
+        self.transport = receiver.backend if receiver is not None else ""
+        self.metrics = metrics
+        self._capacity = kv_capacity_bytes
+        self._sender = sender
+        self._receiver = receiver
+        self._runner = runner if runner is not None else EngineRunner(engine)
+        """Where engine calls run: the engine thread; a simulated engine's own runner."""
+        self._batcher = DecodeBatcher(self._runner, max_batch)
+        self._kv_used = 0
+
+    async def start(self, host: str, kv_port: int) -> str:
+        address = ""
+        if self._receiver is not None:
+            address = await self._receiver.start(host, kv_port)
+        if self._sender is not None:
+            await self._sender.start()
+        self._batcher.start()
+        return address
+
+    async def close(self) -> None:
+        await self._batcher.close()
+        if self._sender is not None:
+            await self._sender.close()
+        if self._receiver is not None:
+            await self._receiver.close()
+        self._runner.shutdown()
+
+    def active(self) -> int:
+        return self._batcher.active
+
+    def kv_used(self) -> int:
+        return self._kv_used + (self._receiver.inbox.bytes_in_use if self._receiver else 0)
+
+    def kv_capacity(self) -> int:
+        return self._capacity
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self._runner.call(self.engine.tokenize, text)
+
+    async def chat_tokens(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        return await self._runner.call(self.engine.chat_tokens, messages)
+
+    # ------------------------------------------------------------------------- decoding
+
+    async def stream(
+        self,
+        request_id: str,
+        state: DecodeState,
+        max_tokens: int,
+        prompt_tokens: int,
+        context: Context,
+        compute_s: float = 0.0,
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """Emit the token already sampled (index generated-1), then decode to the end.
+
+        Each chunk carries the engine time spent on the request since the previous one
+        (``compute_s``: what this worker spent before decoding, e.g. the prefill)."""
+        eos = set(self.engine.info.eos_token_ids)
+        output = list(state.token_ids[prompt_tokens:])
+        last = output[-1]
+        text = TextDeltas(self.engine.detokenize, output[:-1])
+        index = state.generated - 1
+        first_ms = compute_s * 1000
+        if last in eos:
+            yield worker_pb2.TokenChunk(
+                index=index, finish_reason=common_pb2.FINISH_REASON_EOS, compute_ms=first_ms
+            )
+            return
+        yield worker_pb2.TokenChunk(
+            index=index, token_ids=[last], text=text.push([last]), compute_ms=first_ms
+        )
+        if state.generated >= max_tokens:
+            yield worker_pb2.TokenChunk(
+                index=state.generated,
+                text=text.flush(),
+                finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            )
+            return
+        seq = DecodeSequence(request_id, state)
+        self._batcher.add(seq)
+        reported = 0.0
+
+        def spent() -> float:
+            nonlocal reported
+            delta, reported = seq.compute_s - reported, seq.compute_s
+            return delta * 1000
+
+        try:
+            while True:
+                got = await seq.tokens.get()
+                batch = [got]
+                while not seq.tokens.empty():  # coalesce what is already there
+                    batch.append(seq.tokens.get_nowait())
+                ids: list[int] = []
+                finish = common_pb2.FINISH_REASON_UNSPECIFIED
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        await context.abort(grpc.StatusCode.INTERNAL, f"decode failed: {item}")
+                    assert isinstance(item, int)
+                    if item in eos:
+                        finish = common_pb2.FINISH_REASON_EOS
+                        break
+                    ids.append(item)
+                    if index + 1 + len(ids) >= max_tokens:
+                        finish = common_pb2.FINISH_REASON_LENGTH
+                        break
+                if ids:
+                    delta = text.push(ids)
+                    yield worker_pb2.TokenChunk(
+                        index=index + 1, token_ids=ids, text=delta, compute_ms=spent()
+                    )
+                    index += len(ids)
+                if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    yield worker_pb2.TokenChunk(
+                        index=index + 1,
+                        text=text.flush(),
+                        finish_reason=finish,
+                        compute_ms=spent(),
+                    )
+                    return
+        finally:
+            self._batcher.remove(seq)
+            self._kv_used = max(0, self._kv_used - self.engine.kv_bytes(state))
+
+    async def start_state(
+        self,
+        kv: wire.KvCache | list[tuple[Any, Any]],
+        token_ids: list[int],
+        last: int,
+        generated: int,
+        sampling: SamplingParams,
+    ) -> DecodeState:
+        layers = kv.layers if isinstance(kv, wire.KvCache) else kv
+        state = await self._runner.call(
+            self.engine.start_decode, list(layers), token_ids, last, generated, sampling
+        )
+        if isinstance(kv, wire.KvCache):
+            kv.release()
+        self._kv_used += self.engine.kv_bytes(state)
+        return state
+
+    # ----------------------------------------------------------------------------- RPCs
+
+    async def generate(
+        self, request: worker_pb2.AggregatedRequest, context: Context
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        ids = list(request.token_ids)
+        sampling = convert.sampling_from_pb(request.sampling)
+        first_index = int(request.first_index)
+        started = time.perf_counter()
+        result = await self._runner.call(self.engine.prefill, ids, sampling, first_index, None)
+        state = await self.start_state(
+            result.kv, ids, result.first_token, first_index + 1, sampling
+        )
+        async for chunk in self.stream(
+            request.request_id,
+            state,
+            int(request.max_tokens),
+            int(request.prompt_tokens),
+            context,
+            time.perf_counter() - started,  # the prefill, on this worker
+        ):
+            yield chunk
+
+    async def prefill(
+        self, request: worker_pb2.PrefillRequest, context: Context
+    ) -> worker_pb2.PrefillResponse:
+        if not request.kv_target or self._sender is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no KV target or sender")
+        assert self._sender is not None
+        ids = list(request.token_ids)
+        sampling = convert.sampling_from_pb(request.sampling)
+        started = time.perf_counter()
+        result = await self._runner.call(
+            self.engine.prefill, ids, sampling, int(request.first_index), None
+        )
+        prefill_ms = (time.perf_counter() - started) * 1000
+        info = self.engine.info
+        try:
+            wire_dtype = convert.kv_dtype_from_pb(request.kv_dtype) or info.kv_dtype
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown kv_dtype")
+        if wire_dtype is not info.kv_dtype and not info.kv_convertible:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this engine's KV cannot be converted"
+            )
+        sent = time.perf_counter()
+        try:
+            layers = await _to_wire(result.kv, info.kv_dtype, wire_dtype)
+        except kvcodec.KvCodecError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV conversion: {exc}")
+        header = kvcodec.wire_header(
+            request.request_id, int(request.epoch), info.fingerprint, layers, wire_dtype
+        )
+        try:
+            async with await self._sender.open(request.kv_target, header) as transfer:
+                for i, layer in enumerate(layers):
+                    await transfer.send_layer(i, layer.k, layer.v, layer.scales)
+                await transfer.finish()
+        except terr.TransportError as exc:
+            log.warning(
+                "KV transfer of %s to %s failed: %s", request.request_id, request.kv_target, exc
+            )
+            if isinstance(exc, _TARGET_FAULTS):  # the receiving end is the one to avoid
+                context.set_trailing_metadata(((BLAME_KEY, "kv-target"),))
+            await context.abort(status_for(exc), f"KV transfer failed: {exc}")
+        transfer_s = time.perf_counter() - sent
+        if self.metrics is not None:
+            self.metrics.prefill_seconds.observe(prefill_ms / 1000)
+            self.metrics.compute_seconds.inc(prefill_ms / 1000)
+            self.metrics.transfer_seconds.inc(transfer_s)
+            self.metrics.kv_sent_bytes.inc(header.payload_bytes)
+        return worker_pb2.PrefillResponse(
+            first_token=result.first_token,
+            kv_bytes=header.payload_bytes,
+            prefill_ms=prefill_ms,
+            transfer_ms=transfer_s * 1000,
+            kv_dtype=convert.kv_dtype_to_pb(wire_dtype),
+        )
+
+    async def decode(
+        self, request: worker_pb2.DecodeRequest, context: Context
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        if self._receiver is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        assert self._receiver is not None
+        rid, epoch = request.request_id, int(request.epoch)
+        try:
+            kv = await self._receiver.take(rid, epoch, request.kv_timeout_s or 30.0)
+        except terr.TransportError as exc:
+            await context.abort(status_for(exc), f"no usable KV for {rid}: {exc}")
+        ids = list(request.token_ids)
+        if kv.header.token_count != len(ids):
+            kv.release()
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV covers {kv.header.token_count} tokens, request has {len(ids)}",
+            )
+        started = time.perf_counter()
+        adopt: wire.KvCache | list[tuple[Any, Any]] = kv
+        compute = self.engine.info.kv_dtype
+        if kv.header.dtype is not compute or kv.header.scales is not wire.ScaleLayout.NONE:
+            try:  # back to the dtype this engine computes in (`transport.kvcodec`)
+                adopt = await asyncio.to_thread(kvcodec.decode_layers, kv, compute)
+            except terr.WireFormatError as exc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, f"KV of {rid}: {exc}")
+            finally:
+                kv.release()
+        state = await self.start_state(
+            adopt,
+            ids,
+            int(request.last_token),
+            int(request.generated),
+            convert.sampling_from_pb(request.sampling),
+        )
+        adopted_s = time.perf_counter() - started
+        async for chunk in self.stream(
+            rid, state, int(request.max_tokens), int(request.prompt_tokens), context, adopted_s
+        ):
+            yield chunk
+
+    async def release(self, request: worker_pb2.ReleaseRequest) -> bool:
+        return self._receiver.discard(request.request_id) if self._receiver else False
+
+
+async def _to_wire(
+    kv: list[tuple[Any, Any]], source: wire.DType, target: wire.DType
+) -> list[kvcodec.EncodedLayer]:
+    """The prefill's KV in the negotiated wire dtype (converted in a thread: it is numpy work
+    proportional to the KV's size); as is, without a copy, when no conversion is asked."""
+    if target is source:
+        return [kvcodec.EncodedLayer(k, v) for k, v in kv]
+    return await asyncio.to_thread(
+        lambda: [kvcodec.encode_layer(k, v, source, target) for k, v in kv]
+    )
