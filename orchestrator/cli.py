@@ -42,19 +42,52 @@ async def _run_worker(args: argparse.Namespace) -> int:
     if args.count != 1:
         print("pdorch worker: --count needs --sim", file=sys.stderr)
         return 2
-    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.workers.metrics import WorkerMetrics  # noqa: PLC0415
     from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
-    from orchestrator.workers.server import Worker, WorkerSettings  # noqa: PLC0415
-    from transport.backends import make_receiver, make_sender  # noqa: PLC0415
-    from transport.base import TransportSettings  # noqa: PLC0415
 
     if args.torch_threads > 0:
         import torch  # noqa: PLC0415 - only workers need torch
 
         torch.set_num_threads(args.torch_threads)
+    metrics = WorkerMetrics()
+    if args.engine == "vllm":
+        return await _run_worker_with(args, _vllm_host(args, metrics), metrics)
     engine = await asyncio.to_thread(
         load_engine, args.model, Path(args.model_cache) if args.model_cache else None
     )
+    return await _run_worker_with(args, engine, metrics)
+
+
+def _vllm_host(args: argparse.Namespace, metrics: Any) -> Any:
+    """``--engine vllm``: vLLM's async engine hosted in this process (the ``vllm`` extra)."""
+    from orchestrator.workers.model_files import ensure_smollm2  # noqa: PLC0415
+    from orchestrator.workers.vllm.engine import VllmHost, VllmSettings  # noqa: PLC0415
+
+    if args.model != "smollm2":
+        raise SystemExit("pdorch worker --engine vllm: only --model smollm2")
+    model_dir = ensure_smollm2(Path(args.model_cache) if args.model_cache else None)
+    return VllmHost(
+        VllmSettings(
+            model_dir=model_dir,
+            name=args.model,
+            role=args.role,
+            kv_cache_bytes=(args.kv_capacity_mib or 1024) << 20,
+            transport=args.transport,
+            kv_hold_s=args.kv_hold,
+        ),
+        metrics,
+    )
+
+
+async def _run_worker_with(args: argparse.Namespace, engine: Any, metrics: Any) -> int:
+    """Serve ``engine`` (an `Engine`, or an `EngineHost` that moves KV itself) until
+    signalled, then drain."""
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.workers.host import EngineHost  # noqa: PLC0415
+    from orchestrator.workers.server import Worker, WorkerSettings  # noqa: PLC0415
+    from transport.backends import make_receiver, make_sender  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
+
     store = RedisStore(StoreSettings(url=args.redis))
     tsettings = TransportSettings(kv_hold_s=args.kv_hold)
     settings = WorkerSettings(
@@ -71,21 +104,19 @@ async def _run_worker(args: argparse.Namespace) -> int:
         kv_advertise=args.kv_advertise,
         gpu_kind=args.gpu_kind,
     )
-    sender = make_sender(args.transport, tsettings)
-    if args.inject_kv_stall > 0 or args.kv_fault or args.kv_fault_file:  # chaos/testing only
-        _attach_kv_fault(sender, args)
+    hosted = isinstance(engine, EngineHost)
+    sender = None if hosted else make_sender(args.transport, tsettings)
+    if sender is not None and (args.inject_kv_stall > 0 or args.kv_fault or args.kv_fault_file):
+        _attach_kv_fault(sender, args)  # chaos/testing only
     receiver = (
         make_receiver(args.transport, tsettings, engine.info.model_spec())
-        if args.role == "decode"
+        if args.role == "decode" and not hosted
         else None
     )
 
     async def publish(info: object) -> None:
         await store.heartbeat(info, settings.heartbeat_ttl_s)  # type: ignore[arg-type]
 
-    from orchestrator.workers.metrics import WorkerMetrics  # noqa: PLC0415
-
-    metrics = WorkerMetrics()
     worker = Worker(engine, settings, publish, sender=sender, receiver=receiver, metrics=metrics)
     metrics.watch(worker.kv_used, worker.active_sequences)
     metrics_server = _serve_metrics(metrics.registry, args.host, args.metrics_port)
@@ -870,6 +901,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --sim: this many workers in this process (ids <worker-id>-0..N-1)",
     )
     w.add_argument("--max-batch", type=int, default=0, help="decode batch (16; simulated: 256)")
+    w.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="reference: pdorch's transformers engine; vllm: vLLM's async engine (the vllm "
+        "extra; --model smollm2; --kv-capacity-mib sizes its block pool, default 1024)",
+    )
     w.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     w.set_defaults(run=_run_worker)
 

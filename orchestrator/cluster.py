@@ -129,6 +129,8 @@ class Proc:
 class LocalCluster:
     model: str = "tiny"
     transport: str = "ucx"
+    engine: str = "reference"
+    """Workers' ``--engine``: reference, or vllm (run from the vllm extra's environment)."""
     prefill_workers: int = 1
     decode_workers: int = 2
     orchestrators: int = 1
@@ -241,6 +243,7 @@ class LocalCluster:
             # several workers share this machine's cores: one engine thread each
             "--torch-threads", "1",
             "--heartbeat-ttl", str(self.heartbeat_ttl_s),
+            "--engine", self.engine,
         )  # fmt: skip
         if self.model_cache is not None:
             args += ["--model-cache", str(self.model_cache)]

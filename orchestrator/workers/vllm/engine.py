@@ -1,0 +1,493 @@
+"""vLLM behind the worker API: `VllmHost` hosts vLLM's ``AsyncLLM`` in the worker process.
+
+``AsyncLLM`` runs vLLM's engine core in a child process (started with ``spawn``) and
+schedules continuous batches itself: every request admitted decodes in the same step as the
+others. The host turns the worker API's three calls into vLLM requests:
+
+* **Generate** (aggregated): the prompt (+ tokens already generated, after a failover) as
+  a token prompt; vLLM's per-step deltas become `TokenChunk`s (`accounting.ChunkStream`).
+* **Prefill**: the same with ``max_tokens=1`` and pdorch's connector parameters
+  (`kv.prefill_params`): vLLM's worker process pushes the prompt's KV blocks to the decode
+  worker through pdorch's transport; the call returns when the connector reports the
+  transfer's end, success or failure (`kv.prefill_result`).
+* **Decode**: the prompt + the tokens sent so far + the last sampled token, with
+  `kv.decode_params`: vLLM loads the pushed KV for all but the last token into its own
+  blocks, computes the last one and continues decoding.
+
+The connector code (inside vLLM's processes) and the decode side's receiver are
+`orchestrator.workers.vllm.kv`'s; this module only uses its interface. Cost per request and
+the KV room for heartbeats come from vLLM's per-step scheduler statistics, read by a stat
+logger (`accounting`). Sampling is vLLM's own: greedy is argmax as in the reference engine;
+a seeded request draws from vLLM's per-request generator seeded with the request's seed, so
+it reproduces vLLM's own output for that seed — but not the reference engine's draws, and
+a continuation after a failover (a new vLLM request) starts that generator afresh.
+
+Imports vLLM at module level: only the composition root imports this module, and only for
+``--engine vllm`` (the ``vllm`` extra's environment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import xxhash
+from vllm import SamplingParams as VllmSampling
+from vllm import TokensPrompt
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from orchestrator.api import convert, worker_pb2
+from orchestrator.workers.engine import ModelInfo
+from orchestrator.workers.host import Context, EngineHost
+from orchestrator.workers.metrics import WorkerMetrics
+from orchestrator.workers.reference_host import BLAME_KEY
+from orchestrator.workers.vllm.accounting import BlockPool, ChunkStream, StepLedger
+from transport.wire import DType
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": DType.FLOAT32, "float16": DType.FLOAT16, "bfloat16": DType.BFLOAT16}
+_WEIGHTS_GLOB = "*.safetensors"
+_KV_MODULE = "orchestrator.workers.vllm.kv"
+
+
+@dataclass(frozen=True, slots=True)
+class VllmSettings:
+    model_dir: Path
+    """A local Hugging Face-format directory (config, tokenizer, safetensors)."""
+    name: str = "smollm2"
+    """The model name workers publish."""
+    role: str = "decode"
+    """prefill, decode (both serve aggregated Generate too)."""
+    dtype: str = "float32"
+    """Weights and KV dtype; the CPU backend computes in float32 here."""
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 1 << 30
+    """vLLM's KV block pool (the CPU backend's ``VLLM_CPU_KVCACHE_SPACE``)."""
+    max_num_seqs: int = 128
+    """Requests one step may batch."""
+    enforce_eager: bool = True
+    """No graph capture: the CPU backend's compile step costs more than it saves here."""
+    transport: str = "tcp"
+    """pdorch's KV transport backend for the connector (ucx or tcp)."""
+    kv_hold_s: float = 30.0
+    """Decode side: free a pushed KV nobody claims after this long."""
+    kv_timeout_s: float = 30.0
+    """How long either side waits on a transfer before failing it."""
+
+
+class KvInterface(Protocol):
+    """What this module uses of `orchestrator.workers.vllm.kv` (written by its owner; see
+    the top of its docstring): imported when a prefill or decode role starts."""
+
+    def connector_config(
+        self,
+        role: str,
+        *,
+        backend: str,
+        kv_address: str | None,
+        fingerprint: str,
+        hold_s: float,
+        timeout_s: float,
+    ) -> dict[str, Any]: ...
+
+    def prefill_params(
+        self, request_id: str, epoch: int, target: str, kv_dtype: str
+    ) -> dict[str, Any]: ...
+
+    def prefill_result(self, kv_transfer_params: dict[str, Any] | None) -> Any: ...
+
+    def decode_params(self, request_id: str, epoch: int, num_tokens: int) -> dict[str, Any]: ...
+
+    DecodeKvControl: Any
+
+
+class _StepStats(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped to mypy
+    """vLLM's stat-logger hook, called in the output handler once per engine step."""
+
+    def __init__(self, ledger: StepLedger, host: VllmHost) -> None:
+        self._ledger = ledger
+        self._host = host
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is None:
+            return
+        details = scheduler_stats.iteration_details
+        if details is not None and not details.is_dummy:
+            self._ledger.step(
+                details.elapsed_ms / 1000,
+                details.num_ctx_requests + details.num_generation_requests,
+            )
+        self._host.kv_usage = float(scheduler_stats.kv_cache_usage)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class VllmHost(EngineHost):
+    def __init__(self, settings: VllmSettings, metrics: WorkerMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.transport = ""
+        self.kv_usage = 0.0
+        """Fraction of vLLM's blocks in use, from the last step's statistics."""
+        self._ledger = StepLedger()
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._blocks = 0
+        self._block_size = 0
+        self._active = 0
+        self._ids = itertools.count()
+        self._kv: KvInterface | None = None
+        self._control: Any = None
+        self.info = model_info(settings)  # fingerprint filled in by start()
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    async def start(self, host: str, kv_port: int) -> str:
+        s = self.settings
+        fingerprint = await asyncio.to_thread(_fingerprint, s)
+        self.info = model_info(s, fingerprint)
+        kv_address = ""
+        transfer: dict[str, Any] | None = None
+        self._kv = _load_kv()
+        if self._kv is None:
+            log.warning(
+                "pdorch's vLLM connector (%s) is not installed: this worker serves aggregated "
+                "Generate only; Prefill and Decode fail with FAILED_PRECONDITION",
+                _KV_MODULE,
+            )
+        elif s.role in ("prefill", "decode"):
+            if s.role == "decode":
+                self._control = self._kv.DecodeKvControl(
+                    backend=s.transport, host=host, port=kv_port, fingerprint=fingerprint,
+                    hold_s=s.kv_hold_s, timeout_s=s.kv_timeout_s,
+                )  # fmt: skip
+                kv_address = await self._control.start()
+                self.transport = s.transport
+            transfer = self._kv.connector_config(
+                s.role,
+                backend=s.transport,
+                kv_address=kv_address or None,
+                fingerprint=fingerprint,
+                hold_s=s.kv_hold_s,
+                timeout_s=s.kv_timeout_s,
+            )
+        args = AsyncEngineArgs(
+            model=str(s.model_dir),
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            enforce_eager=s.enforce_eager,
+            kv_cache_memory_bytes=s.kv_cache_bytes,
+            max_num_seqs=s.max_num_seqs,
+            disable_log_stats=True,  # no vLLM stat printing; our own logger still records
+            enable_logging_iteration_details=True,  # step time and batch size, for cost
+            kv_transfer_config=transfer,
+        )
+        started = time.perf_counter()
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[lambda _config, _index: _StepStats(self._ledger, self)]
+        )
+        cache = self._llm.vllm_config.cache_config
+        self._blocks = int(cache.num_gpu_blocks or 0)
+        self._block_size = int(cache.block_size)
+        self._tokenizer = self._llm.get_tokenizer()
+        log.info(
+            "vLLM engine up in %.1f s: %d blocks of %d tokens (%d MiB of KV)",
+            time.perf_counter() - started,
+            self._blocks,
+            self._block_size,
+            self.pool().capacity_bytes >> 20,
+        )
+        return kv_address
+
+    async def close(self) -> None:
+        if self._control is not None:
+            await self._control.close()
+        if self._llm is not None:
+            await asyncio.to_thread(self._llm.shutdown)
+            self._llm = None
+
+    def pool(self) -> BlockPool:
+        return BlockPool(
+            self._blocks, self._block_size, self.info.kv_bytes_per_token(), self.kv_usage
+        )
+
+    def active(self) -> int:
+        return self._active
+
+    def kv_used(self) -> int:
+        held = int(self._control.held_bytes()) if self._control is not None else 0
+        return self.pool().used_bytes + held
+
+    def kv_capacity(self) -> int:
+        return self.pool().capacity_bytes
+
+    def engine_busy_s(self) -> float:
+        """vLLM's step time so far (all requests together)."""
+        return self._ledger.busy_s
+
+    # ------------------------------------------------------------------------ tokenizer
+
+    async def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    async def chat_tokens(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        text = self._tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+        return await self.tokenize(str(text))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return str(
+            self._tokenizer.decode(
+                list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        )
+
+    # ----------------------------------------------------------------------------- RPCs
+
+    def _sampling(
+        self,
+        msg: Any,
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> Any:
+        p = convert.sampling_from_pb(msg)
+        return VllmSampling(
+            max_tokens=max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=None if p.greedy else p.seed,
+            stop_token_ids=list(self.info.eos_token_ids),
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,  # text deltas are ours (`accounting.ChunkStream`)
+            extra_args=({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None),
+        )
+
+    async def _outputs(
+        self, request_id: str, epoch: int, prompt: list[int], sampling: Any, context: Context
+    ) -> AsyncGenerator[tuple[Any, float], None]:
+        """vLLM's outputs for one request, each with the engine time charged to it since
+        the previous one (ms). Closing the iterator aborts the request in vLLM."""
+        vllm_id = f"{request_id}@{epoch}#{next(self._ids)}"  # unique even for a retry
+        mark = self._ledger.mark()
+        self._active += 1
+        try:
+            gen = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), sampling, vllm_id)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    now = self._ledger.mark()
+                    yield out, (now - mark) * 1000
+                    mark = now
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM engine died: {exc}")
+        except ValueError as exc:  # vLLM's validation (VLLMValidationError is one)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"vLLM refused: {exc}")
+        finally:
+            self._active -= 1
+
+    async def _stream(
+        self,
+        request_id: str,
+        epoch: int,
+        prompt: list[int],
+        sampling: Any,
+        stream: ChunkStream,
+        context: Context,
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        outputs = self._outputs(request_id, epoch, prompt, sampling, context)
+        async with contextlib.aclosing(outputs):
+            async for out, spent_ms in outputs:
+                completion = out.outputs[0]
+                finish = completion.finish_reason if out.finished else None
+                try:
+                    chunks = stream.push(completion.token_ids, finish, spent_ms)
+                except ValueError as exc:  # aborted inside vLLM
+                    await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+                for chunk in chunks:
+                    yield chunk
+                if stream.finished:
+                    return
+        await context.abort(grpc.StatusCode.INTERNAL, "vLLM ended the stream unfinished")
+
+    async def generate(
+        self, request: worker_pb2.AggregatedRequest, context: Context
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        ids = list(request.token_ids)
+        first, limit = int(request.first_index), int(request.max_tokens)
+        if first >= limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first_index >= max_tokens")
+        stream = ChunkStream(
+            self.detokenize,
+            first_index=first,
+            max_tokens=limit,
+            eos=self.info.eos_token_ids,
+            prior=ids[int(request.prompt_tokens) :],
+        )
+        sampling = self._sampling(request.sampling, limit - first)
+        async for chunk in self._stream(
+            request.request_id, int(request.epoch), ids, sampling, stream, context
+        ):
+            yield chunk
+
+    async def prefill(
+        self, request: worker_pb2.PrefillRequest, context: Context
+    ) -> worker_pb2.PrefillResponse:
+        if self._kv is None or not request.kv_target:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker, or no KV target"
+            )
+        assert self._kv is not None
+        rid, epoch = request.request_id, int(request.epoch)
+        try:
+            wire_dtype = convert.kv_dtype_from_pb(request.kv_dtype) or self.info.kv_dtype
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown kv_dtype")
+        params = self._kv.prefill_params(rid, epoch, request.kv_target, wire_dtype.name.lower())
+        sampling = self._sampling(request.sampling, 1, params)
+        started = time.perf_counter()
+        first: int | None = None
+        spent_ms = 0.0
+        transfer_params: dict[str, Any] | None = None
+        outputs = self._outputs(rid, epoch, list(request.token_ids), sampling, context)
+        async with contextlib.aclosing(outputs):
+            async for out, ms in outputs:
+                spent_ms += ms
+                if out.outputs[0].token_ids and first is None:
+                    first = int(out.outputs[0].token_ids[0])
+                if out.finished:
+                    transfer_params = out.kv_transfer_params
+        result = self._kv.prefill_result(transfer_params)
+        if first is None or not result.ok:
+            log.warning("prefill of %s to %s failed: %s", rid, request.kv_target, result.error)
+            if result.retryable:  # the receiving end is the one to avoid
+                context.set_trailing_metadata(((BLAME_KEY, "kv-target"),))
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {result.error or 'no token'}"
+            )
+        assert first is not None
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        transfer_ms = float(result.transfer_ms)
+        if self.metrics is not None:
+            self.metrics.prefill_seconds.observe(spent_ms / 1000)
+            self.metrics.compute_seconds.inc(spent_ms / 1000)
+            self.metrics.transfer_seconds.inc(transfer_ms / 1000)
+            self.metrics.kv_sent_bytes.inc(int(result.kv_bytes))
+        return worker_pb2.PrefillResponse(
+            first_token=first,
+            kv_bytes=int(result.kv_bytes),
+            prefill_ms=max(0.0, elapsed_ms - transfer_ms),
+            transfer_ms=transfer_ms,
+            kv_dtype=convert.kv_dtype_to_pb(wire_dtype),
+        )
+
+    async def decode(
+        self, request: worker_pb2.DecodeRequest, context: Context
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        if self._kv is None or self._control is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        assert self._kv is not None
+        rid, epoch = request.request_id, int(request.epoch)
+        ids = list(request.token_ids)
+        generated, limit = int(request.generated), int(request.max_tokens)
+        prompt_tokens = int(request.prompt_tokens)
+        stream = ChunkStream(
+            self.detokenize,
+            first_index=generated - 1,
+            max_tokens=limit,
+            eos=self.info.eos_token_ids,
+            prior=ids[prompt_tokens:],
+        )
+        for chunk in stream.push([int(request.last_token)], None, 0.0):
+            yield chunk  # the token the prefill sampled, as the reference engine sends it
+        if stream.finished:  # ended on it: the pushed KV is not needed
+            self._control.release(rid, epoch)
+            return
+        params = self._kv.decode_params(rid, epoch, len(ids))
+        sampling = self._sampling(request.sampling, limit - generated, params)
+        async for chunk in self._stream(
+            rid, epoch, [*ids, int(request.last_token)], sampling, stream, context
+        ):
+            yield chunk
+
+    async def release(self, request: worker_pb2.ReleaseRequest) -> bool:
+        if self._control is None:
+            return False
+        return bool(self._control.release(request.request_id, int(request.epoch)))
+
+
+def _load_kv() -> KvInterface | None:
+    """pdorch's connector interface (its own module, owned with the connector); None in a
+    tree that does not ship it yet."""
+    try:
+        module: Any = importlib.import_module(_KV_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != _KV_MODULE:
+            raise
+        return None
+    return module  # type: ignore[no-any-return]
+
+
+def model_info(s: VllmSettings, fingerprint: str = "") -> ModelInfo:
+    config = json.loads((s.model_dir / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    return ModelInfo(
+        name=s.name,
+        fingerprint=fingerprint,
+        n_layers=int(config["num_hidden_layers"]),
+        kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=int(config.get("head_dim", int(config["hidden_size"]) // heads)),
+        vocab_size=int(config["vocab_size"]),
+        max_context=s.max_model_len,
+        eos_token_ids=_eos_ids(s.model_dir, config),
+        kv_dtype=_DTYPES[s.dtype],
+    )
+
+
+def _eos_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:
+    """End-of-sequence ids as the reference engine takes them: the generation config's,
+    else the model config's."""
+    path = model_dir / "generation_config.json"
+    source = json.loads(path.read_text()) if path.exists() else config
+    eos = source.get("eos_token_id", config.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(sorted({int(eos)} if isinstance(eos, int) else {int(i) for i in eos}))
+
+
+def _fingerprint(s: VllmSettings) -> str:
+    """``vllm-<model_type>-<layers>L-<dtype>-<xxh3-128>`` over the config and
+    every weight file's bytes. Distinct from the reference engine's (its KV is laid out in
+    vLLM's blocks), so the two engines never exchange KV."""
+    config = json.loads((s.model_dir / "config.json").read_text())
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(config, sort_keys=True).encode())
+    h.update(s.dtype.encode())
+    for path in sorted(s.model_dir.glob(_WEIGHTS_GLOB)):
+        with path.open("rb") as f:
+            while block := f.read(16 << 20):
+                h.update(block)
+    layers = int(config["num_hidden_layers"])
+    return f"vllm-{config.get('model_type', 'model')}-{layers}L-{s.dtype}-{h.hexdigest()}"

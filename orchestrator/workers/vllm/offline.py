@@ -1,0 +1,95 @@
+"""vLLM on its own, no pdorch: the reference that pdorch's vLLM workers are checked against.
+
+``python -m orchestrator.workers.vllm.offline --model-dir DIR [--max-tokens N]
+[--temperature T --seed S]`` renders each prompt (the 20 of `pdorch bench precision`, or
+one per line of ``--prompts``) with the model's chat template, runs them all through
+``vllm.LLM.generate`` in one call — what a user of vLLM would do — with the engine settings
+`engine.VllmSettings` gives pdorch's workers, and prints one JSON object:
+``{"requests": [{"prompt": ..., "prompt_ids": [...], "output_ids": [...],
+"finish": ...}]}``. End-of-sequence tokens are not in ``output_ids`` (pdorch does not
+stream them). A separate process: vLLM starts its engine core with ``spawn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from orchestrator.bench.precision import prompts_from_text
+from orchestrator.workers.vllm.engine import VllmSettings, model_info
+
+
+def default_prompts() -> list[str]:
+    """`pdorch bench precision`'s 20 shipped chat prompts."""
+    text = resources.files("orchestrator.bench").joinpath("precision_prompts.txt").read_text()
+    return prompts_from_text(text)
+
+
+def run(
+    settings: VllmSettings,
+    prompts: Sequence[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[dict[str, object]]:
+    from vllm import LLM, SamplingParams, TokensPrompt  # noqa: PLC0415 - a heavy import
+
+    llm = LLM(
+        model=str(settings.model_dir),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        enforce_eager=settings.enforce_eager,
+        kv_cache_memory_bytes=settings.kv_cache_bytes,
+        max_num_seqs=settings.max_num_seqs,
+    )
+    tokenizer = llm.get_tokenizer()
+    eos = set(model_info(settings).eos_token_ids)
+    prompt_ids = []
+    for p in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids.append(list(tokenizer.encode(str(text), add_special_tokens=False)))
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=None if temperature == 0 else seed,
+        stop_token_ids=sorted(eos),
+    )
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], sampling)
+    return [
+        {
+            "prompt": p,
+            "prompt_ids": ids,
+            "output_ids": [int(t) for t in out.outputs[0].token_ids if t not in eos],
+            "finish": out.outputs[0].finish_reason,
+        }
+        for p, ids, out in zip(prompts, prompt_ids, outputs, strict=True)
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.workers.vllm.offline")
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--prompts", default="", help="file: one prompt per line (default: 20)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    prompts = (
+        [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        if args.prompts
+        else default_prompts()
+    )
+    settings = VllmSettings(model_dir=Path(args.model_dir))
+    requests = run(settings, prompts, args.max_tokens, args.temperature, args.seed)
+    print(json.dumps({"requests": requests}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
