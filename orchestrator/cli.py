@@ -507,6 +507,24 @@ def _bench_control_plane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engine(args: argparse.Namespace) -> int:
+    from orchestrator.bench.engine_batching import (  # noqa: PLC0415
+        EngineBench,
+        format_result,
+        run_bench,
+    )
+
+    bench = EngineBench(
+        engine=args.engine,
+        concurrency=tuple(int(c) for c in args.concurrency.split(",")),
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+    )
+    result = run_bench(bench, log_level=args.log_level)
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
 def _bench_load(args: argparse.Namespace) -> int:
     from orchestrator.bench.load import LoadSpec, run_load  # noqa: PLC0415
 
@@ -1033,6 +1051,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bc.add_argument("--json", action="store_true", help="print one JSON object")
     bc.set_defaults(call=_bench_control_plane)
+    be = bsub.add_parser(
+        "engine",
+        help="TTFT/TPOT of concurrent streams on one worker (does the engine batch them?)",
+    )
+    be.add_argument("--engine", choices=("reference", "vllm"), default="vllm")
+    be.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts")
+    be.add_argument("--rounds", type=_positive_int, default=2, help="requests per stream")
+    be.add_argument("--max-tokens", type=_positive_int, default=64)
+    be.add_argument("--json", action="store_true", help="print one JSON object")
+    be.set_defaults(call=_bench_engine)
     bl = bsub.add_parser("load", help="drive concurrent requests at running orchestrators")
     bl.add_argument("--target", default="127.0.0.1:50051", help="host:port[,host:port...]")
     bl.add_argument("--requests", type=_positive_int, default=1000)
