@@ -26,12 +26,13 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
+    # Imported after the environment is set (vLLM reads it at import).
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-    from orchestrator.workers.vllm import kv
-    from orchestrator.workers.vllm.kv_loop import LoopThread
+    from orchestrator.workers.vllm import kv  # noqa: PLC0415
+    from orchestrator.workers.vllm.kv_loop import LoopThread  # noqa: PLC0415
 
     control = None
     loop = LoopThread("test-kv-control")
@@ -78,11 +79,17 @@ def main() -> None:
         extra: dict[str, Any] = {}
         max_tokens = int(cmd.get("max_tokens", 1))
         if op == "prefill":
-            params = kv.prefill_params(cmd["request_id"], cmd["epoch"], cmd["target"], cmd.get("kv_dtype", ""))
+            params = kv.prefill_params(
+                cmd["request_id"], cmd["epoch"], cmd["target"], cmd.get("kv_dtype", "")
+            )
             extra = {"kv_transfer_params": params}
             max_tokens = 1
         elif op == "decode":
-            extra = {"kv_transfer_params": kv.decode_params(cmd["request_id"], cmd["epoch"], len(cmd["ids"]) - 1)}
+            extra = {
+                "kv_transfer_params": kv.decode_params(
+                    cmd["request_id"], cmd["epoch"], len(cmd["ids"]) - 1
+                )
+            }
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra or None)
         try:
             (out,) = llm.generate([TokensPrompt(prompt_token_ids=cmd["ids"])], sp, use_tqdm=False)

@@ -75,6 +75,19 @@ class PdorchWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return PdorchWorkerMetadata({**self.outcomes, **other.outcomes})
 
 
+def _adopt_vllm_logging() -> None:
+    """Our loggers in vLLM's processes write where vLLM's do (vLLM configures only its own
+    "vllm" logger there, so ours would otherwise lose everything below WARNING)."""
+    ours = logging.getLogger("orchestrator.workers.vllm")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.level or logging.INFO)
+    ours.propagate = False
+
+
 class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(
         self,
@@ -83,6 +96,7 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _adopt_vllm_logging()
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._config = WorkerConfig.from_extra(extra)
         block_size = int(vllm_config.cache_config.block_size)
@@ -102,7 +116,8 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert self._worker is not None and isinstance(connector_metadata, PdorchMetadata)
+        assert self._worker is not None
+        assert isinstance(connector_metadata, PdorchMetadata)
         m = connector_metadata
         self._worker.begin_step(StepPlan(saves=m.saves, loads=m.loads, cancels=m.cancels))
 

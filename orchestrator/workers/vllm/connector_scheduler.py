@@ -24,12 +24,17 @@ arrives first is kept until ``request_finished``. A result never filled reads as
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from orchestrator.workers.vllm import kv_layout, kv_params
 
 log = logging.getLogger(__name__)
+
+
+BlocksOf = Callable[[str], list[int]]
+"""A scheduled request's block ids (from vLLM's KV cache manager)."""
 
 
 class RequestLike(Protocol):
@@ -95,7 +100,9 @@ class SchedulerSide:
         try:
             return kv_params.parse(request.kv_transfer_params)
         except kv_params.ParamsError as exc:
-            log.error("request %s: invalid pdorch kv_transfer_params: %s", request.request_id, exc)
+            log.error(  # noqa: TRY400 - the message says it all; no traceback wanted
+                "request %s: invalid pdorch kv_transfer_params: %s", request.request_id, exc
+            )
             return None
 
     def load_tokens(self, request: RequestLike, params: kv_params.DecodeParams) -> int:
@@ -179,7 +186,3 @@ class SchedulerSide:
         for rid in list(self._results):
             log.error("request %s finished without a KV transfer outcome", rid)
         self._results.clear()
-
-
-class BlocksOf(Protocol):
-    def __call__(self, req_id: str) -> list[int]: ...

@@ -117,7 +117,9 @@ class LayerViews:
         if t.dim() == 5 and t.shape[0] == 2 and t.shape[2] == block_size:
             # Flash-attention style: [2, blocks, block_size, kv_heads, head_dim].
             return t[0], t[1], "2BNHC"
-        raise ValueError(f"unsupported KV cache tensor shape {tuple(t.shape)} (block size {block_size})")
+        raise ValueError(
+            f"unsupported KV cache tensor shape {tuple(t.shape)} (block size {block_size})"
+        )
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -138,6 +140,8 @@ class _Push:
     queue: asyncio.Queue[tuple[int, np.ndarray, np.ndarray] | None]
     future: concurrent.futures.Future[kv_params.PrefillTransfer]
     layers_put: int = 0
+    gather_s: float = 0.0
+    first_layer_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -201,7 +205,9 @@ class WorkerSide:
             host, _, port = self.config.kv_address.rpartition(":")
             address = self._loop.submit(self._receiver.start(host, int(port))).result(30)
             self._control = self._loop.submit(self._control_link(address))
-            log.info("pdorch KV receiver on %s (%s), layout %s", address, self.config.backend, layout)
+            log.info(
+                "pdorch KV receiver on %s (%s), layout %s", address, self.config.backend, layout
+            )
 
     def shutdown(self) -> None:
         self._loop.stop(self._close())
@@ -221,15 +227,17 @@ class WorkerSide:
             future = self._loop.submit(self._push(spec, queue))
             self._pushes.append(_Push(spec, queue, future))
         for rid in plan.cancels:
-            load = self._loads.get(rid)
-            if load is not None:
-                load.cancelled = True
-                load.future.cancel()
-        for spec in plan.loads:
+            loading = self._loads.get(rid)
+            if loading is not None:
+                loading.cancelled = True
+                loading.future.cancel()
+        for load in plan.loads:
             assert self._receiver is not None, "a KV load on a prefill engine"
-            p = spec.params
-            future = self._loop.submit(self._receiver.take(p.request_id, p.epoch, self.config.timeout_s))
-            self._loads[spec.req_id] = _Load(spec, future)
+            p = load.params
+            taking = self._loop.submit(
+                self._receiver.take(p.request_id, p.epoch, self.config.timeout_s)
+            )
+            self._loads[load.req_id] = _Load(load, taking)
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._pushes:
@@ -239,10 +247,13 @@ class WorkerSide:
         index = views.index[layer_name]
         started = time.perf_counter()
         for push in self._pushes:
+            t = time.perf_counter()
             ids = torch.tensor(push.spec.block_ids, dtype=torch.long)
             k, v = to_numpy(views.k[index][ids]), to_numpy(views.v[index][ids])
             self._loop.call(push.queue.put_nowait, (index, k, v))
             push.layers_put += 1
+            push.first_layer_at = push.first_layer_at or t
+            push.gather_s += time.perf_counter() - t
         self.stats.gather_s += time.perf_counter() - started
 
     def wait_for_save(self) -> None:
@@ -267,6 +278,17 @@ class WorkerSide:
                 outcome = kv_params.PrefillTransfer(ok=False, error=f"KV push failed: {exc!r}")
             tail_ms = (time.perf_counter() - started) * 1000
             self._outcomes[push.spec.req_id] = {**outcome.to_dict(), "tail_ms": tail_ms}
+            log.info(
+                "KV push of %s: ok=%s %d bytes, %.1f ms open to verified, layers computed "
+                "over %.1f ms (gather %.1f ms), step waited %.1f ms after the last layer",
+                push.spec.params.request_id,
+                outcome.ok,
+                outcome.kv_bytes,
+                outcome.transfer_ms,
+                (started - push.first_layer_at) * 1000 if push.first_layer_at else 0.0,
+                push.gather_s * 1000,
+                tail_ms,
+            )
             self.stats.pushes += 1
             self.stats.transfer_s += outcome.transfer_ms / 1000
         self.stats.tail_s += time.perf_counter() - started
@@ -316,7 +338,9 @@ class WorkerSide:
                 ok=False, error=f"KV transfer exceeded {self.config.timeout_s}s", retryable=True
             )
         except terr.TransportError as exc:
-            log.warning("KV push of %s epoch %s to %s failed: %s", p.request_id, p.epoch, p.target, exc)
+            log.warning(
+                "KV push of %s epoch %s to %s failed: %s", p.request_id, p.epoch, p.target, exc
+            )
             return kv_params.PrefillTransfer(ok=False, error=str(exc), retryable=exc.retryable)
         return kv_params.PrefillTransfer(
             ok=True,
@@ -362,13 +386,13 @@ class WorkerSide:
                 )
                 return False
             self._copy_in(cache, load.spec)
-            self.stats.loads += 1
-            return True
         except terr.WireFormatError as exc:
             log.warning("KV of %s could not be decoded: %s", p.request_id, exc)
             return False
         finally:
             cache.release()
+        self.stats.loads += 1
+        return True
 
     def _copy_in(self, cache: wire.KvCache, spec: LoadSpec) -> None:
         views = self._views
@@ -384,8 +408,16 @@ class WorkerSide:
         for i, (k, v) in enumerate(layers):
             views.k[i][dst] = to_torch(k[src], dtype).to(views.k[i].device)
             views.v[i][dst] = to_torch(v[src], dtype).to(views.v[i].device)
-        self.stats.copy_s += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.stats.copy_s += took
         self.stats.copy_bytes += cache.nbytes
+        log.info(
+            "KV load of %s: %d blocks (%d bytes) copied into vLLM's blocks in %.2f ms",
+            spec.params.request_id,
+            len(plan.dst),
+            cache.nbytes,
+            took * 1000,
+        )
 
     # ------------------------------------------------------------------ control link
 

@@ -163,7 +163,9 @@ class DecodeKvControl:
         try:
             hello = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"the vLLM KV connector did not connect within {timeout_s}s") from None
+            raise TimeoutError(
+                f"the vLLM KV connector did not connect within {timeout_s}s"
+            ) from None
         self.kv_address = str(hello["kv_address"])
         self.backend = str(hello.get("backend", ""))
         return self.kv_address

@@ -56,7 +56,9 @@ class LoopThread:
         """Call ``fn(*args)`` on the loop, soon (fire and forget)."""
         self.loop.call_soon_threadsafe(fn, *args)
 
-    def stop(self, closing: Coroutine[Any, Any, None] | None = None, timeout_s: float = 5.0) -> None:
+    def stop(
+        self, closing: Coroutine[Any, Any, None] | None = None, timeout_s: float = 5.0
+    ) -> None:
         """Run ``closing`` (if any), cancel what is left, stop the loop. Idempotent."""
         if self._thread is None or self._loop is None:
             if closing is not None:

@@ -79,7 +79,7 @@ def parse(params: dict[str, Any] | None) -> PrefillParams | DecodeParams | None:
         raise ParamsError(f"{KEY!r} must be a dict, got {type(p).__name__}")
     role = p.get("role")
     rid, epoch = p.get("request_id"), p.get("epoch")
-    if not isinstance(rid, str) or not rid or not _is_int(epoch) or epoch < 0:
+    if not isinstance(rid, str) or not rid or not isinstance(epoch, int) or _negative(epoch):
         raise ParamsError(f"bad request id or epoch in {p!r}")
     if role == "prefill":
         target, dtype = p.get("target"), p.get("kv_dtype", "")
@@ -90,14 +90,15 @@ def parse(params: dict[str, Any] | None) -> PrefillParams | DecodeParams | None:
         return PrefillParams(rid, epoch, target, dtype)
     if role == "decode":
         n = p.get("num_tokens")
-        if not _is_int(n) or n <= 0:
+        if not isinstance(n, int) or _negative(n) or n == 0:
             raise ParamsError(f"bad num_tokens {n!r}")
         return DecodeParams(rid, epoch, n)
     raise ParamsError(f"unknown role {role!r}")
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _negative(x: int) -> bool:
+    """A bool is an int to Python; here it is as wrong as a negative number."""
+    return isinstance(x, bool) or x < 0
 
 
 @dataclass(frozen=True, slots=True)
