@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import json
 import logging
@@ -38,12 +37,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import xxhash
 from vllm import SamplingParams as VllmSampling
 from vllm import TokensPrompt
+from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -55,14 +55,15 @@ from orchestrator.workers.engine import ModelInfo
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
 from orchestrator.workers.reference_host import BLAME_KEY
+from orchestrator.workers.vllm import kv
 from orchestrator.workers.vllm.accounting import BlockPool, ChunkStream, StepLedger
+from orchestrator.workers.vllm.kv_params import DTYPES as KV_DTYPES
 from transport.wire import DType
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": DType.FLOAT32, "float16": DType.FLOAT16, "bfloat16": DType.BFLOAT16}
 _WEIGHTS_GLOB = "*.safetensors"
-_KV_MODULE = "orchestrator.workers.vllm.kv"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,32 +89,6 @@ class VllmSettings:
     """Decode side: free a pushed KV nobody claims after this long."""
     kv_timeout_s: float = 30.0
     """How long either side waits on a transfer before failing it."""
-
-
-class KvInterface(Protocol):
-    """What this module uses of `orchestrator.workers.vllm.kv` (written by its owner; see
-    the top of its docstring): imported when a prefill or decode role starts."""
-
-    def connector_config(
-        self,
-        role: str,
-        *,
-        backend: str,
-        kv_address: str | None,
-        fingerprint: str,
-        hold_s: float,
-        timeout_s: float,
-    ) -> dict[str, Any]: ...
-
-    def prefill_params(
-        self, request_id: str, epoch: int, target: str, kv_dtype: str
-    ) -> dict[str, Any]: ...
-
-    def prefill_result(self, kv_transfer_params: dict[str, Any] | None) -> Any: ...
-
-    def decode_params(self, request_id: str, epoch: int, num_tokens: int) -> dict[str, Any]: ...
-
-    DecodeKvControl: Any
 
 
 class _StepStats(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped to mypy
@@ -158,8 +133,9 @@ class VllmHost(EngineHost):
         self._block_size = 0
         self._active = 0
         self._ids = itertools.count()
-        self._kv: KvInterface | None = None
-        self._control: Any = None
+        self._connector = False
+        """pdorch's KV connector is loaded (prefill and decode roles)."""
+        self._control: kv.DecodeKvControl | None = None
         self.info = model_info(settings)  # fingerprint filled in by start()
 
     # ------------------------------------------------------------------------ lifecycle
@@ -170,28 +146,18 @@ class VllmHost(EngineHost):
         self.info = model_info(s, fingerprint)
         kv_address = ""
         transfer: dict[str, Any] | None = None
-        self._kv = _load_kv()
-        if self._kv is None:
-            log.warning(
-                "pdorch's vLLM connector (%s) is not installed: this worker serves aggregated "
-                "Generate only; Prefill and Decode fail with FAILED_PRECONDITION",
-                _KV_MODULE,
-            )
-        elif s.role in ("prefill", "decode"):
-            if s.role == "decode":
-                self._control = self._kv.DecodeKvControl(
-                    backend=s.transport, host=host, port=kv_port, fingerprint=fingerprint,
-                    hold_s=s.kv_hold_s, timeout_s=s.kv_timeout_s,
-                )  # fmt: skip
-                kv_address = await self._control.start()
-                self.transport = s.transport
-            transfer = self._kv.connector_config(
+        if s.role in ("prefill", "decode"):
+            self._connector = True
+            if s.role == "decode":  # the connector's receiver reports to us over this socket
+                self._control = kv.DecodeKvControl()
+            transfer = kv.connector_config(
                 s.role,
                 backend=s.transport,
-                kv_address=kv_address or None,
+                kv_address=f"{host}:{kv_port}" if s.role == "decode" else None,
                 fingerprint=fingerprint,
                 hold_s=s.kv_hold_s,
                 timeout_s=s.kv_timeout_s,
+                control_path=self._control.control_path if self._control else None,
             )
         args = AsyncEngineArgs(
             model=str(s.model_dir),
@@ -202,7 +168,7 @@ class VllmHost(EngineHost):
             max_num_seqs=s.max_num_seqs,
             disable_log_stats=True,  # no vLLM stat printing; our own logger still records
             enable_logging_iteration_details=True,  # step time and batch size, for cost
-            kv_transfer_config=transfer,
+            kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
         )
         started = time.perf_counter()
         self._llm = AsyncLLM.from_engine_args(
@@ -212,6 +178,9 @@ class VllmHost(EngineHost):
         self._blocks = int(cache.num_gpu_blocks or 0)
         self._block_size = int(cache.block_size)
         self._tokenizer = self._llm.get_tokenizer()
+        if self._control is not None:  # the connector inside vLLM listens by now
+            kv_address = await self._control.start(s.kv_timeout_s)
+            self.transport = self._control.backend or s.transport
         log.info(
             "vLLM engine up in %.1f s: %d blocks of %d tokens (%d MiB of KV)",
             time.perf_counter() - started,
@@ -355,17 +324,17 @@ class VllmHost(EngineHost):
     async def prefill(
         self, request: worker_pb2.PrefillRequest, context: Context
     ) -> worker_pb2.PrefillResponse:
-        if self._kv is None or not request.kv_target:
+        if not self._connector or not request.kv_target:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker, or no KV target"
             )
-        assert self._kv is not None
         rid, epoch = request.request_id, int(request.epoch)
         try:
             wire_dtype = convert.kv_dtype_from_pb(request.kv_dtype) or self.info.kv_dtype
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown kv_dtype")
-        params = self._kv.prefill_params(rid, epoch, request.kv_target, wire_dtype.name.lower())
+        wire_name = next(n for n, d in KV_DTYPES.items() if d is wire_dtype)
+        params = kv.prefill_params(rid, epoch, request.kv_target, wire_name)
         sampling = self._sampling(request.sampling, 1, params)
         started = time.perf_counter()
         first: int | None = None
@@ -379,7 +348,7 @@ class VllmHost(EngineHost):
                     first = int(out.outputs[0].token_ids[0])
                 if out.finished:
                     transfer_params = out.kv_transfer_params
-        result = self._kv.prefill_result(transfer_params)
+        result = kv.prefill_result(transfer_params)
         if first is None or not result.ok:
             log.warning("prefill of %s to %s failed: %s", rid, request.kv_target, result.error)
             if result.retryable:  # the receiving end is the one to avoid
@@ -406,9 +375,9 @@ class VllmHost(EngineHost):
     async def decode(
         self, request: worker_pb2.DecodeRequest, context: Context
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        if self._kv is None or self._control is None:
+        if self._control is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
-        assert self._kv is not None
+        assert self._control is not None
         rid, epoch = request.request_id, int(request.epoch)
         ids = list(request.token_ids)
         generated, limit = int(request.generated), int(request.max_tokens)
@@ -423,9 +392,9 @@ class VllmHost(EngineHost):
         for chunk in stream.push([int(request.last_token)], None, 0.0):
             yield chunk  # the token the prefill sampled, as the reference engine sends it
         if stream.finished:  # ended on it: the pushed KV is not needed
-            self._control.release(rid, epoch)
+            await self._control.release(rid, epoch)
             return
-        params = self._kv.decode_params(rid, epoch, len(ids))
+        params = kv.decode_params(rid, epoch, len(ids))
         sampling = self._sampling(request.sampling, limit - generated, params)
         async for chunk in self._stream(
             rid, epoch, [*ids, int(request.last_token)], sampling, stream, context
@@ -435,19 +404,7 @@ class VllmHost(EngineHost):
     async def release(self, request: worker_pb2.ReleaseRequest) -> bool:
         if self._control is None:
             return False
-        return bool(self._control.release(request.request_id, int(request.epoch)))
-
-
-def _load_kv() -> KvInterface | None:
-    """pdorch's connector interface (its own module, owned with the connector); None in a
-    tree that does not ship it yet."""
-    try:
-        module: Any = importlib.import_module(_KV_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != _KV_MODULE:
-            raise
-        return None
-    return module  # type: ignore[no-any-return]
+        return bool(await self._control.release(request.request_id, int(request.epoch)))
 
 
 def model_info(s: VllmSettings, fingerprint: str = "") -> ModelInfo:
