@@ -558,6 +558,7 @@ def _demo(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         serve=args.serve,
         http_port=args.http_port,
+        engine=args.engine,
     )
 
 
@@ -969,6 +970,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="then keep the cluster up with the OpenAI-compatible gateway until Ctrl-C",
     )
     d.add_argument("--http-port", type=int, default=0, help="--serve: gateway port (0: free)")
+    d.add_argument(
+        "--engine",
+        choices=("reference", "vllm"),
+        default="reference",
+        help="the workers' engine (vllm: run from the vllm extra's environment, --model smollm2)",
+    )
     d.set_defaults(call=_demo)
 
     co = sub.add_parser("cost", help="what each tenant's requests cost so far")

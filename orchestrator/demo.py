@@ -179,21 +179,27 @@ def run_demo(
     max_tokens: int,
     serve: bool = False,
     http_port: int = 0,
+    engine: str = "reference",
 ) -> int:
     """Run the demo; with ``serve``, keep the cluster up afterwards with the OpenAI-compatible
-    gateway on ``http_port`` (0: a free one) until SIGINT or SIGTERM."""
+    gateway on ``http_port`` (0: a free one) until SIGINT or SIGTERM. ``engine`` "vllm": the
+    workers host vLLM (one decode worker: each vLLM engine holds its own block pool)."""
+    decode_workers = 1 if engine == "vllm" else 2
 
     def say(text: str) -> None:
         if not as_json:
             print(text, file=sys.stderr)
 
     say(
-        f"starting Redis, 1 prefill + 2 decode workers ({model}, KV over {transport}) "
+        f"starting Redis, 1 prefill + {decode_workers} decode workers ({model} on {engine}, "
+        f"KV over {transport}) "
         "and an orchestrator ..."
     )
     cluster = LocalCluster(
         model=model,
         transport=transport,
+        engine=engine,
+        decode_workers=decode_workers,
         model_cache=model_cache,
         gateway=serve,
         gateway_port=http_port,
