@@ -17,6 +17,8 @@ from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 MAX_TOKENS = 24
 Request = orchestrator_pb2.GenerateRequest
+Run = list[dict[str, Any]]
+"""One offline run: per prompt, its text, prompt ids, output ids and finish reason."""
 
 
 def model_dir() -> Path:
@@ -25,22 +27,38 @@ def model_dir() -> Path:
     return ensure_smollm2()
 
 
+SEEDED = (0.8, 7)
+"""Temperature and seed of the seeded-sampling comparison."""
+
+
 @pytest.fixture(scope="session")
-def offline() -> list[dict[str, Any]]:
-    """vLLM's own greedy outputs for the 20 shipped prompts (one batch, as a user runs it)."""
+def offline_runs() -> tuple[Run, Run]:
+    """vLLM's own outputs for the 20 shipped prompts, greedy and seeded (each run one batch,
+    as a user runs it), from one engine in its own process."""
     argv = [sys.executable, "-m", "orchestrator.workers.vllm.offline",
-            "--model-dir", str(model_dir()), "--max-tokens", str(MAX_TOKENS)]  # fmt: skip
+            "--model-dir", str(model_dir()), "--max-tokens", str(MAX_TOKENS),
+            "--sampling", "0:0", "--sampling", f"{SEEDED[0]}:{SEEDED[1]}"]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["requests"]
-    assert len(got) == 20
-    return list(got)
+    greedy_run, seeded_run = json.loads(proc.stdout.strip().splitlines()[-1])["runs"]
+    assert len(greedy_run) == len(seeded_run) == 20
+    return greedy_run, seeded_run
 
 
-def greedy(ids: list[int], rid: str) -> orchestrator_pb2.GenerateRequest:
-    req = orchestrator_pb2.GenerateRequest(
-        request_id=rid, max_tokens=MAX_TOKENS, sampling=common_pb2.SamplingParams(temperature=0)
-    )
+@pytest.fixture(scope="session")
+def offline(
+    offline_runs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """vLLM's own greedy outputs for the 20 shipped prompts."""
+    return offline_runs[0]
+
+
+def greedy(
+    ids: list[int], rid: str, temperature: float = 0.0, seed: int = 0
+) -> orchestrator_pb2.GenerateRequest:
+    """A request for prompt ``ids`` (greedy unless a temperature is given)."""
+    sampling = common_pb2.SamplingParams(temperature=temperature, seed=seed)
+    req = orchestrator_pb2.GenerateRequest(request_id=rid, max_tokens=MAX_TOKENS, sampling=sampling)
     req.tokens.ids.extend(ids)
     return req
 

@@ -18,7 +18,7 @@ import pytest
 from orchestrator.api import orchestrator_pb2
 from orchestrator.cluster import LocalCluster
 from tests.integration.conftest import wait_for, workers
-from tests.vllm.conftest import generate, greedy, mismatches, token_ids
+from tests.vllm.conftest import SEEDED, generate, greedy, mismatches, token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -78,3 +78,21 @@ def test_concurrent_streams_batch_and_match(
     per_token_alone = cost(alone[0]) / len(token_ids(alone[0]))
     per_token = sum(cost(s) for s in together) / sum(len(token_ids(s)) for s in together)
     assert per_token < 0.6 * per_token_alone, (per_token, per_token_alone)
+
+
+def test_seeded_sampling_through_pdorch_equals_vllm_offline(
+    cluster: LocalCluster,
+    offline_runs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+) -> None:
+    """Temperature and seed reach vLLM's own per-request generator: a seeded request gives
+    vLLM's own tokens for that seed (and they are not the greedy ones)."""
+    greedy_run, seeded_run = offline_runs
+    chosen = seeded_run[:8]
+    temperature, seed = SEEDED
+    reqs = [
+        greedy(list(r["prompt_ids"]), f"seeded-{i}", temperature, seed)
+        for i, r in enumerate(chosen)
+    ]
+    streams = asyncio.run(generate(cluster.orchestrator_addresses[0], reqs, 4))
+    assert mismatches(chosen, streams) == []
+    assert [r["output_ids"] for r in chosen] != [r["output_ids"] for r in greedy_run[:8]]

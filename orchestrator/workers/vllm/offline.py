@@ -1,13 +1,14 @@
 """vLLM on its own, no pdorch: the reference that pdorch's vLLM workers are checked against.
 
 ``python -m orchestrator.workers.vllm.offline --model-dir DIR [--max-tokens N]
-[--temperature T --seed S]`` renders each prompt (the 20 of `pdorch bench precision`, or
+[--sampling T:SEED ...]`` renders each prompt (the 20 of `pdorch bench precision`, or
 one per line of ``--prompts``) with the model's chat template, runs them all through
 ``vllm.LLM.generate`` in one call — what a user of vLLM would do — with the engine settings
 `engine.VllmSettings` gives pdorch's workers, and prints one JSON object:
-``{"requests": [{"prompt": ..., "prompt_ids": [...], "output_ids": [...],
-"finish": ...}]}``. End-of-sequence tokens are not in ``output_ids`` (pdorch does not
-stream them). A separate process: vLLM starts its engine core with ``spawn``.
+``{"runs": [[{"prompt": ..., "prompt_ids": [...], "output_ids": [...],
+"finish": ...}, ...], ...]}``, one run per ``--sampling``. End-of-sequence tokens are not
+in ``output_ids`` (pdorch does not stream them). A separate process: vLLM starts its engine
+core with ``spawn``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def run(
     settings: VllmSettings,
     prompts: Sequence[str],
     max_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-) -> list[dict[str, object]]:
+    samplings: Sequence[tuple[float, int]] = ((0.0, 0),),
+) -> list[list[dict[str, object]]]:
+    """Per (temperature, seed) of ``samplings``: every prompt's outputs (temperature 0:
+    greedy, no seed)."""
     from vllm import LLM, SamplingParams, TokensPrompt  # noqa: PLC0415 - a heavy import
 
     llm = LLM(
@@ -54,22 +56,32 @@ def run(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
         )
         prompt_ids.append(list(tokenizer.encode(str(text), add_special_tokens=False)))
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        seed=None if temperature == 0 else seed,
-        stop_token_ids=sorted(eos),
-    )
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], sampling)
-    return [
-        {
-            "prompt": p,
-            "prompt_ids": ids,
-            "output_ids": [int(t) for t in out.outputs[0].token_ids if t not in eos],
-            "finish": out.outputs[0].finish_reason,
-        }
-        for p, ids, out in zip(prompts, prompt_ids, outputs, strict=True)
-    ]
+    runs = []
+    for temperature, seed in samplings:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=None if temperature == 0 else seed,
+            stop_token_ids=sorted(eos),
+        )
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in prompt_ids], sampling)
+        runs.append(
+            [
+                {
+                    "prompt": p,
+                    "prompt_ids": ids,
+                    "output_ids": [int(t) for t in out.outputs[0].token_ids if t not in eos],
+                    "finish": out.outputs[0].finish_reason,
+                }
+                for p, ids, out in zip(prompts, prompt_ids, outputs, strict=True)
+            ]
+        )
+    return runs
+
+
+def _sampling(text: str) -> tuple[float, int]:
+    temperature, _, seed = text.partition(":")
+    return float(temperature), int(seed or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,8 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--prompts", default="", help="file: one prompt per line (default: 20)")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sampling",
+        type=_sampling,
+        action="append",
+        default=[],
+        metavar="T:SEED",
+        help="temperature:seed of a run (repeatable; default one greedy run, 0:0)",
+    )
     args = ap.parse_args(argv)
     prompts = (
         [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
@@ -86,8 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else default_prompts()
     )
     settings = VllmSettings(model_dir=Path(args.model_dir))
-    requests = run(settings, prompts, args.max_tokens, args.temperature, args.seed)
-    print(json.dumps({"requests": requests}), flush=True)
+    runs = run(settings, prompts, args.max_tokens, args.sampling or [(0.0, 0)])
+    print(json.dumps({"runs": runs}), flush=True)
     return 0
 
 
