@@ -31,7 +31,8 @@ import redis.exceptions as rexc
 
 from orchestrator import errors
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
-from orchestrator.core.state import State, sources_for
+from orchestrator.core.state import Edge, State
+from orchestrator.store.lua import PRELUDE
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,7 @@ if limit > 0 then
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[2]))
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now = now_ms()
 redis.call('HSET', KEYS[1], 'updated_at', now)
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 redis.call('SADD', KEYS[2], KEYS[1])
@@ -84,8 +84,7 @@ for i = 1, n do
     out[i] = 1
   elseif not holder and ARGV[3] == '1' then
     local cur = redis.call('HMGET', rec, 'owner', 'epoch', 'state')
-    if cur[1] == ARGV[1] and cur[2] == ARGV[3 + i] and cur[3] ~= 'done'
-        and cur[3] ~= 'failed' and cur[3] ~= 'cancelled' then
+    if cur[1] == ARGV[1] and cur[2] == ARGV[3 + i] and not TERMINAL[cur[3]] then
       redis.call('SET', lease, ARGV[1], 'PX', tonumber(ARGV[2]))
       out[i] = 1
     else
@@ -116,51 +115,47 @@ return 0
 """
 
 # KEYS[1] record, KEYS[2] lease, KEYS[3] active set. ARGV[1] new owner, ARGV[2] lease ms.
-# Takes over a live request whose owner's lease expired: epoch + 1, back to queued.
-# Returns {1, new_epoch}; {0} lease still held; {-1} missing; {-3, state} already ended.
+# Takes over a live request whose owner's lease expired: the take_over edge (epoch + 1,
+# back to queued). Returns {1, new_epoch}; {0} lease still held; {-1} missing; {-3, state}
+# already ended.
 _TAKEOVER = """
 local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
 if not cur[1] then
   redis.call('SREM', KEYS[3], KEYS[1])
   return {-1}
 end
-if cur[1] == 'done' or cur[1] == 'failed' or cur[1] == 'cancelled' then
+local edge = EDGES.take_over
+if not edge.src[cur[1]] then
   redis.call('SREM', KEYS[3], KEYS[1])
   return {-3, cur[1]}
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {0} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
-local epoch = tonumber(cur[2]) + 1
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-redis.call('HSET', KEYS[1], 'state', 'queued', 'epoch', tostring(epoch), 'owner', ARGV[1],
-  'updated_at', now)
+local epoch = tonumber(cur[2]) + edge.bump
+redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', tostring(epoch), 'owner', ARGV[1],
+  'updated_at', now_ms())
 return {1, epoch}
 """
 
 # KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease (both cleared on a terminal state).
-# ARGV[1] expected epoch, ARGV[2] new state, ARGV[3] new epoch,
-# ARGV[4] allowed source states separated by ',', ARGV[5..] field/value pairs to set.
+# ARGV[1] expected epoch, ARGV[2] the edge's name (`EDGES`), ARGV[3..] field/value pairs.
 # Returns {1, state, epoch} on success; {-1} missing; {-2, state, epoch} epoch mismatch;
-# {-3, state, epoch} state not an allowed source.
+# {-3, state, epoch} state not one of the edge's sources.
 _TRANSITION = """
+local edge = EDGES[ARGV[2]]
+if not edge then return redis.error_reply('unknown edge ' .. ARGV[2]) end
 local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
 if not cur[1] then return {-1} end
 if cur[2] ~= ARGV[1] then return {-2, cur[1], cur[2]} end
-local ok = false
-for s in string.gmatch(ARGV[4], '[^,]+') do
-  if s == cur[1] then ok = true end
-end
-if not ok then return {-3, cur[1], cur[2]} end
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'epoch', ARGV[3], 'updated_at', now)
-if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
-if ARGV[2] == 'done' or ARGV[2] == 'failed' or ARGV[2] == 'cancelled' then
+if not edge.src[cur[1]] then return {-3, cur[1], cur[2]} end
+local epoch = tostring(tonumber(cur[2]) + edge.bump)
+redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', epoch, 'updated_at', now_ms())
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+if TERMINAL[edge.dst] then
   redis.call('SREM', KEYS[2], KEYS[1])
   redis.call('DEL', KEYS[3])
 end
-return {1, ARGV[2], ARGV[3]}
+return {1, edge.dst, epoch}
 """
 
 # KEYS[1] record, KEYS[2] journal. ARGV[1] epoch, ARGV[2] first index, ARGV[3] token count,
@@ -171,13 +166,12 @@ _APPEND = """
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'output_tokens', 'state')
 if not cur[1] then return {-1} end
 if cur[1] ~= ARGV[1] then return {-2, cur[1]} end
-if cur[3] == 'done' or cur[3] == 'failed' or cur[3] == 'cancelled' then return {-3, cur[3]} end
+if TERMINAL[cur[3]] then return {-3, cur[3]} end
 if cur[2] ~= ARGV[2] then return {-4, cur[2]} end
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
 local n = redis.call('HINCRBY', KEYS[1], 'output_tokens', tonumber(ARGV[3]))
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now = now_ms()
 redis.call('HSET', KEYS[1], 'updated_at', now)
 return {1, n}
 """
@@ -189,7 +183,8 @@ return {1, n}
 _EXPIRE = """
 local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'updated_at')
 if not cur[1] or cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] or cur[3] ~= ARGV[3] then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'failed', 'finish_reason', 'error', 'error', ARGV[4])
+if not EDGES.expire.src[cur[1]] then return 0 end
+redis.call('HSET', KEYS[1], 'state', EDGES.expire.dst, 'finish_reason', 'error', 'error', ARGV[4])
 redis.call('SREM', KEYS[2], KEYS[1])
 redis.call('DEL', KEYS[3])
 return 1
@@ -248,17 +243,17 @@ class RedisStore:
         )
         # redis-py's asyncio API is only partly typed: Any at this one boundary.
         self._redis: Any = aioredis.Redis.from_pool(pool)  # owns the pool: closes it
-        self._create: Any = self._redis.register_script(_CREATE)
-        self._transition: Any = self._redis.register_script(_TRANSITION)
-        self._append: Any = self._redis.register_script(_APPEND)
-        self._set: Any = self._redis.register_script(_SET)
+        self._create: Any = self._redis.register_script(PRELUDE + _CREATE)
+        self._transition: Any = self._redis.register_script(PRELUDE + _TRANSITION)
+        self._append: Any = self._redis.register_script(PRELUDE + _APPEND)
+        self._set: Any = self._redis.register_script(PRELUDE + _SET)
         self._workers = f"{settings.prefix}:workers"
         self._active = f"{settings.prefix}:active"
-        self._refresh: Any = self._redis.register_script(_REFRESH)
-        self._refresh_many: Any = self._redis.register_script(_REFRESH_MANY)
-        self._release: Any = self._redis.register_script(_RELEASE)
-        self._expire: Any = self._redis.register_script(_EXPIRE)
-        self._takeover: Any = self._redis.register_script(_TAKEOVER)
+        self._refresh: Any = self._redis.register_script(PRELUDE + _REFRESH)
+        self._refresh_many: Any = self._redis.register_script(PRELUDE + _REFRESH_MANY)
+        self._release: Any = self._redis.register_script(PRELUDE + _RELEASE)
+        self._expire: Any = self._redis.register_script(PRELUDE + _EXPIRE)
+        self._takeover: Any = self._redis.register_script(PRELUDE + _TAKEOVER)
         self._parsed: dict[str, WorkerInfo] = {}
         """Heartbeat JSON -> WorkerInfo, from the last `workers` call: a heartbeat changes
         once per interval, while `workers` runs for every request (200 parses each)."""
@@ -329,32 +324,24 @@ class RedisStore:
     async def transition(
         self,
         request_id: str,
+        edge: Edge,
         *,
         epoch: int,
-        target: State,
-        new_epoch: int | None = None,
-        sources: frozenset[State] | None = None,
         fields: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Atomically move the request to ``target`` if it is at ``epoch`` in an allowed state."""
+    ) -> int:
+        """Atomically take ``edge`` if the request is at ``epoch`` in one of the edge's sources;
+        the request's epoch afterwards (one more for a reassignment)."""
         if fields and {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch are set by the transition itself")
-        allowed = sources if sources is not None else sources_for(target)
         flat = [str(x) for kv in (fields or {}).items() for x in kv]
         async with _translated("transition"):
             res = await self._transition(
                 keys=[self._req(request_id), self._active, self._lease(request_id)],
-                args=[
-                    epoch,
-                    str(target),
-                    epoch if new_epoch is None else new_epoch,
-                    ",".join(sorted(str(s) for s in allowed)),
-                    *flat,
-                ],
+                args=[epoch, edge.wire, *flat],
             )
         code = int(res[0])
         if code == 1:
-            return
+            return int(res[2])
         if code == -1:
             raise errors.NotFoundError(f"no request {request_id!r}")
         state, cur_epoch = res[1], res[2]
@@ -363,7 +350,7 @@ class RedisStore:
                 f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
             )
         raise errors.InvalidTransitionError(
-            f"request {request_id!r} is {state}; cannot move to {target}"
+            f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
         )
 
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:

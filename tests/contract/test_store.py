@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ import redis.asyncio as aioredis
 from orchestrator import errors
 from orchestrator.cluster import free_port, redis_server_binary
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
-from orchestrator.core.state import State
+from orchestrator.core.state import ENDING, Edge, State, apply
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -226,7 +227,7 @@ def test_duplicate_create_returns_the_existing_record(settings: StoreSettings) -
         async with opened(settings) as store:
             first = record(body="1" * 32)
             assert await store.create(first) is None
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
             again = await store.create(record(body="2" * 32))
             assert stored(again) == replace(first, state=State.PREFILLING)  # untouched
 
@@ -251,11 +252,7 @@ def test_transition_from_an_allowed_source(settings: StoreSettings) -> None:
         async with opened(settings) as store:
             await store.create(record())
             await store.transition(
-                "r1",
-                epoch=0,
-                target=State.PREFILLING,
-                sources=frozenset({State.QUEUED}),
-                fields={"prefill_worker": "p1", "kv_bytes": 42},
+                "r1", Edge.PREFILL, epoch=0, fields={"prefill_worker": "p1", "kv_bytes": 42}
             )
             got = await store.get("r1")
             assert got is not None
@@ -269,8 +266,8 @@ def test_transition_walks_the_happy_path(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store:
             await store.create(record())
-            for target in (State.PREFILLING, State.TRANSFERRING, State.DECODING, State.DONE):
-                await store.transition("r1", epoch=0, target=target)
+            for edge in (Edge.PREFILL, Edge.KV_SENT, Edge.KV_ADOPTED, Edge.FINISH):
+                await store.transition("r1", edge, epoch=0)
             got = await store.get("r1")
             assert got is not None
             assert got.state is State.DONE
@@ -284,7 +281,7 @@ def test_stale_epoch_is_refused(settings: StoreSettings) -> None:
             await store.create(record(epoch=2))
             for wrong in (1, 3):
                 with pytest.raises(errors.StaleEpochError):
-                    await store.transition("r1", epoch=wrong, target=State.PREFILLING)
+                    await store.transition("r1", Edge.PREFILL, epoch=wrong)
             got = await store.get("r1")
             assert got is not None
             assert (got.state, got.epoch) == (State.QUEUED, 2)
@@ -296,14 +293,10 @@ def test_wrong_state_is_refused(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
             with pytest.raises(errors.InvalidTransitionError, match="prefilling") as info:
                 await store.transition(
-                    "r1",
-                    epoch=0,
-                    target=State.DECODING,
-                    sources=frozenset({State.QUEUED}),
-                    fields={"decode_worker": "d9"},
+                    "r1", Edge.AGGREGATE, epoch=0, fields={"decode_worker": "d9"}
                 )
             assert info.type is errors.InvalidTransitionError
             got = await store.get("r1")
@@ -313,16 +306,41 @@ def test_wrong_state_is_refused(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def test_default_sources_follow_the_state_machine(settings: StoreSettings) -> None:
+def test_sources_follow_the_state_machine(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store:
             await store.create(record())
             with pytest.raises(errors.InvalidTransitionError):
-                await store.transition("r1", epoch=0, target=State.DONE)  # queued -> done
-            await store.transition("r1", epoch=0, target=State.DECODING)  # aggregated
-            await store.transition("r1", epoch=0, target=State.CANCELLED)
+                await store.transition("r1", Edge.KV_ADOPTED, epoch=0)  # queued: no KV sent
+            await store.transition("r1", Edge.AGGREGATE, epoch=0)
+            await store.transition("r1", Edge.CANCEL, epoch=0)
             with pytest.raises(errors.InvalidTransitionError):
-                await store.transition("r1", epoch=0, target=State.FAILED)  # already ended
+                await store.transition("r1", Edge.FAIL, epoch=0)  # already ended
+
+    run(scenario)
+
+
+def test_every_edge_in_redis_agrees_with_the_python_rule(settings: StoreSettings) -> None:
+    # The Lua scripts are rendered from `core.state`: from every state, each edge does in Redis
+    # exactly what `apply` says (target and epoch), or is refused with nothing written.
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            for edge, state in itertools.product(Edge, State):
+                rid = f"{edge.wire}-{state}"
+                await store.create(record(rid, epoch=3))
+                await client.hset(f"{settings.prefix}:req:{rid}", "state", str(state))
+                try:
+                    expected: tuple[State, int] | None = apply(edge, state, 3)
+                except errors.InvalidTransitionError:
+                    expected = None
+                if expected is None:
+                    with pytest.raises(errors.InvalidTransitionError):
+                        await store.transition(rid, edge, epoch=3)
+                else:
+                    assert await store.transition(rid, edge, epoch=3) == expected[1]
+                got = await store.get(rid)
+                assert got is not None
+                assert (got.state, got.epoch) == (expected or (state, 3)), (edge, state)
 
     run(scenario)
 
@@ -331,7 +349,7 @@ def test_transition_of_unknown_request_is_not_found(settings: StoreSettings) -> 
     async def scenario() -> None:
         async with opened(settings) as store:
             with pytest.raises(errors.NotFoundError):
-                await store.transition("nobody", epoch=0, target=State.PREFILLING)
+                await store.transition("nobody", Edge.PREFILL, epoch=0)
 
     run(scenario)
 
@@ -340,14 +358,14 @@ def test_new_epoch_fences_the_old_one(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
-            await store.transition("r1", epoch=0, target=State.QUEUED, new_epoch=1)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
+            assert await store.transition("r1", Edge.REQUEUE, epoch=0) == 1
             got = await store.get("r1")
             assert got is not None
             assert (got.state, got.epoch) == (State.QUEUED, 1)
             with pytest.raises(errors.StaleEpochError):
-                await store.transition("r1", epoch=0, target=State.PREFILLING)
-            await store.transition("r1", epoch=1, target=State.PREFILLING)
+                await store.transition("r1", Edge.PREFILL, epoch=0)
+            await store.transition("r1", Edge.PREFILL, epoch=1)
 
     run(scenario)
 
@@ -387,10 +405,8 @@ def test_concurrent_transitions_have_exactly_one_winner(
             async def attempt(i: int) -> None:
                 await (a if i % 2 else b).transition(
                     "r1",
+                    Edge.REQUEUE if bump else Edge.PREFILL,
                     epoch=0,
-                    target=State.PREFILLING,
-                    new_epoch=1 if bump else None,
-                    sources=frozenset({State.QUEUED}),
                     fields={"owner": f"o{i}"},
                 )
 
@@ -402,7 +418,7 @@ def test_concurrent_transitions_have_exactly_one_winner(
             got = await a.get("r1")
             assert got is not None
             assert (got.state, got.epoch, got.owner) == (
-                State.PREFILLING,
+                State.QUEUED if bump else State.PREFILLING,
                 1 if bump else 0,
                 f"o{winners[0]}",
             )
@@ -464,8 +480,8 @@ def test_journal_is_epoch_checked(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
-            await store.transition("r1", epoch=0, target=State.QUEUED, new_epoch=1)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
+            await store.transition("r1", Edge.REQUEUE, epoch=0)
             for wrong in (0, 2):
                 with pytest.raises(errors.StaleEpochError):
                     await store.append("r1", wrong, JournalEntry(0, (1,), "a"))
@@ -480,9 +496,9 @@ def test_journal_is_refused_after_the_request_ended(settings: StoreSettings, end
     async def scenario() -> None:
         async with opened(settings) as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.DECODING)
+            await store.transition("r1", Edge.AGGREGATE, epoch=0)
             await store.append("r1", 0, JournalEntry(0, (1,), "a"))
-            await store.transition("r1", epoch=0, target=end)
+            await store.transition("r1", ENDING[end], epoch=0)
             with pytest.raises(errors.RequestEndedError, match=str(end)):
                 await store.append("r1", 0, JournalEntry(1, (2,), "b"))
             assert await store.journal("r1") == [JournalEntry(0, (1,), "a")]
@@ -587,15 +603,15 @@ def test_scripts_survive_a_script_cache_flush(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store, raw(settings.url) as client:
             await store.create(record("r1"))
-            await store.transition("r1", epoch=0, target=State.DECODING)
+            await store.transition("r1", Edge.AGGREGATE, epoch=0)
             await store.append("r1", 0, JournalEntry(0, (1,), "a"))
             loads_before = await script_loads(client)
             assert await client.script_flush() is True
-            await store.transition("r1", epoch=0, target=State.DONE)
+            await store.transition("r1", Edge.FINISH, epoch=0)
             assert await client.script_flush() is True
             assert await store.create(record("r2")) is None
             assert await client.script_flush() is True
-            await store.transition("r2", epoch=0, target=State.DECODING)
+            await store.transition("r2", Edge.AGGREGATE, epoch=0)
             assert await client.script_flush() is True
             assert await store.append("r2", 0, JournalEntry(0, (1,), "a")) == 1
             got = await store.get("r1")
@@ -620,7 +636,7 @@ def every_call(store: RedisStore) -> list[Callable[[], Awaitable[object]]]:
         store.ping,
         lambda: store.create(record("r2")),
         lambda: store.get("r1"),
-        lambda: store.transition("r1", epoch=0, target=State.PREFILLING),
+        lambda: store.transition("r1", Edge.PREFILL, epoch=0),
         lambda: store.set_fields("r1", {"owner": "x"}),
         lambda: store.append("r1", 0, JournalEntry(0, (1,), "a")),
         lambda: store.journal("r1"),
@@ -725,8 +741,8 @@ def test_a_lapsed_lease_nobody_took_is_retaken_only_by_its_owner(
                 assert await store.release_lease(rid, "orch-1")  # as if it lapsed
             assert await store.take_over("b", "orch-2") == 2  # a peer took b over
             assert await store.release_lease("b", "orch-2")  # ... and its lease lapsed too
-            await store.transition("c", epoch=1, target=State.DECODING)
-            await store.transition("c", epoch=1, target=State.DONE)
+            await store.transition("c", Edge.AGGREGATE, epoch=1)
+            await store.transition("c", Edge.FINISH, epoch=1)
             held = await store.refresh_leases([("a", 1), ("b", 1), ("c", 1), ("d", 2)], "orch-1")
             # a: retaken; b: the record names orch-2 at epoch 2; c: ended; d: wrong epoch.
             assert held == [True, False, False, False]
@@ -785,7 +801,7 @@ def test_progress_time_moves_with_every_write(settings: StoreSettings) -> None:
                 return after
 
             await asyncio.sleep(0.005)  # the clock must tick between two writes
-            await store.transition("p1", epoch=1, target=State.DECODING)
+            await store.transition("p1", Edge.AGGREGATE, epoch=1)
             t1 = await moved(created)
             await asyncio.sleep(0.005)
             await store.append("p1", 1, JournalEntry(0, (1, 2), "ab"))
@@ -799,7 +815,7 @@ def test_expire_fails_only_a_request_that_made_no_progress(settings: StoreSettin
     async def scenario() -> None:
         async with opened(settings) as store:
             assert await store.create(record("x1", epoch=1)) is None
-            await store.transition("x1", epoch=1, target=State.DECODING)
+            await store.transition("x1", Edge.AGGREGATE, epoch=1)
             seen = (await store.progress(["x1"]))["x1"]
             await asyncio.sleep(0.005)
             await store.append("x1", 1, JournalEntry(0, (7,), "z"))  # progress after the read
@@ -838,8 +854,8 @@ def test_tenant_limit_counts_live_requests_of_that_tenant_only(settings: StoreSe
             assert again is not None
             assert again.request_id == "t1"
             # Ending one (done) and expiring another (a reaper) free their slots.
-            await store.transition("t1", epoch=1, target=State.DECODING)
-            await store.transition("t1", epoch=1, target=State.DONE)
+            await store.transition("t1", Edge.AGGREGATE, epoch=1)
+            await store.transition("t1", Edge.FINISH, epoch=1)
             assert await store.create(of("t3", "acme"), tenant_limit=2) is None
             state, epoch, updated = (await store.progress(["t2"]))["t2"]
             assert await store.expire("t2", state, epoch, updated, "stuck")
