@@ -23,6 +23,11 @@ lint: venv
 test: lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The inner loop (well under a minute): lint, the pure unit tests and the store and
+# transport contract suites; `make test` runs everything.
+check: lint
+	$(VENV)/bin/pytest -q tests/unit tests/contract -m "not slow" $(PYTEST_ARGS)
+
 # The main job: for now, the transport benchmark on both backends, side by side with
 # ucx_perftest (see README).
 demo: venv
