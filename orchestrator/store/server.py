@@ -1,7 +1,8 @@
 """A local ``redis-server`` process: the one launcher for the local cluster and the tests.
 
 `RedisServer` starts redis-server on loopback (a free port unless told one), with or without
-an append-only file, in a working directory, and returns only once it answers PING — or
+an append-only file, in a working directory, and returns only once it answers — itself, not
+another server that happened to hold the port (checked by process id) — or
 raises `RedisServerError` with the tail of its log when it exits or stays silent past the
 deadline. It stops in phases (SIGTERM, then SIGKILL), can be killed outright or sent any
 signal (SIGSTOP: a hung server), and restarts on the same port and directory, so a server
@@ -85,7 +86,7 @@ class RedisServer:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> RedisServer:
-        """Start the process and wait until it answers PING; killed again on failure."""
+        """Start the process and wait until it answers; killed again on failure."""
         if self.running:
             raise RedisServerError(f"redis-server on {self.port} is running already")
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +124,8 @@ class RedisServer:
                     code = None if self.proc is None else self.proc.returncode
                     raise RedisServerError(f"redis-server exited {code}: {self.tail()}")
                 with contextlib.suppress(redis.RedisError):
-                    if client.ping():
+                    # Ours, not another server that holds the port (ours then exits).
+                    if client.info("server").get("process_id") == self.proc.pid:
                         return
                 if time.monotonic() > deadline:
                     raise RedisServerError(
