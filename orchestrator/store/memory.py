@@ -18,16 +18,18 @@ How it keeps the contract:
   injectable clock in seconds (`time.monotonic` by default); `ManualClock` lets a test move
   time forward instead of waiting. ``updated_at`` and `now_ms` are that clock in ms.
 - **Replicas and outages.** `peer` is a second client of the same data (another replica);
-  `available` and `fail_next` make calls fail with `UnavailableError`, as an outage of the
-  shared store would, for every client of it.
+  `available` and `fail_next` make calls fail with `UnavailableError` before they take effect,
+  as an outage of the shared store would, for every client of it; `lose_replies` after they
+  took effect (a connection dropped after the command ran).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -87,6 +89,7 @@ class _Data:
     worker_index: set[str] = field(default_factory=set)
     available: bool = True
     failures_left: int = 0
+    lost_replies_left: int = 0
 
     def live(self, table: dict[str, _Expiring[T]], key: str) -> _Expiring[T] | None:
         """The entry under ``key`` unless its TTL ran out (then it is dropped, as Redis
@@ -109,10 +112,9 @@ class MemoryStore:
         settings: StoreSettings | None = None,
         *,
         clock: Clock = time.monotonic,
-        _data: _Data | None = None,
     ) -> None:
         self._settings = settings or StoreSettings(url="memory://")
-        self._data = _data or _Data(clock)
+        self._data = _Data(clock)
 
     @property
     def settings(self) -> StoreSettings:
@@ -120,7 +122,9 @@ class MemoryStore:
 
     def peer(self) -> MemoryStore:
         """Another client of the same data (a second orchestrator replica)."""
-        return MemoryStore(self._settings, clock=self._data.clock, _data=self._data)
+        twin = MemoryStore(self._settings, clock=self._data.clock)
+        twin._data = self._data
+        return twin
 
     # ------------------------------------------------------------------ fault injection
 
@@ -137,8 +141,16 @@ class MemoryStore:
         """The next ``n`` calls (of any peer) fail with `UnavailableError`, writing nothing."""
         self._data.failures_left = n
 
-    async def _enter(self, what: str) -> _Data:
-        """The round trip: yield once, then fail if the store is "down"."""
+    def lose_replies(self, n: int = 1) -> None:
+        """The next ``n`` calls (of any peer) take effect but fail with `UnavailableError`,
+        as when the connection drops after Redis ran the command: the caller can't tell
+        whether its write landed (see `orchestrator.core.records.unjournalled_after`)."""
+        self._data.lost_replies_left = n
+
+    @contextlib.asynccontextmanager
+    async def _call(self, what: str) -> AsyncIterator[_Data]:
+        """One round trip: yield to the loop once, fail if the store is "down", run the
+        body (atomic: it never awaits), then fail if the reply is to be lost."""
         await asyncio.sleep(0)
         data = self._data
         if not data.available:
@@ -146,44 +158,48 @@ class MemoryStore:
         if data.failures_left > 0:
             data.failures_left -= 1
             raise errors.UnavailableError(f"request store unreachable during {what}: injected")
-        return data
+        yield data
+        if data.lost_replies_left > 0:
+            data.lost_replies_left -= 1
+            raise errors.UnavailableError(f"request store unreachable during {what}: reply lost")
 
     async def close(self) -> None:
         return None
 
     async def ping(self) -> None:
-        await self._enter("ping")
+        async with self._call("ping"):
+            pass
 
     # ------------------------------------------------------------------------ requests
 
     async def create(self, record: RequestRecord, tenant_limit: int = 0) -> RequestRecord | None:
-        d = await self._enter("create")
-        rid = record.request_id
-        existing = d.live(d.records, rid)
-        if existing is not None:
-            return RequestRecord.from_fields(dict(existing.value))
-        if tenant_limit > 0:
-            live = d.tenant_live.setdefault(record.tenant, set())
-            live &= d.active  # ended, expired or reaped requests no longer count
-            if len(live) >= tenant_limit:
-                raise errors.OverloadedError(
-                    f"tenant {record.tenant!r} has {len(live)} requests in flight "
-                    f"(limit {tenant_limit})",
-                    1.0,
-                )
-            live.add(rid)
-        now = d.clock()
-        fields = record.to_fields()
-        fields["updated_at"] = str(d.now_ms())
-        d.records[rid] = _Expiring(fields, now + self._settings.record_ttl_s)
-        d.active.add(rid)
-        d.leases[rid] = _Expiring(record.owner, now + self._settings.lease_ttl_s)
-        return None
+        async with self._call("create") as d:
+            rid = record.request_id
+            existing = d.live(d.records, rid)
+            if existing is not None:
+                return RequestRecord.from_fields(dict(existing.value))
+            if tenant_limit > 0:
+                live = d.tenant_live.setdefault(record.tenant, set())
+                live &= d.active  # ended, expired or reaped requests no longer count
+                if len(live) >= tenant_limit:
+                    raise errors.OverloadedError(
+                        f"tenant {record.tenant!r} has {len(live)} requests in flight "
+                        f"(limit {tenant_limit})",
+                        1.0,
+                    )
+                live.add(rid)
+            now = d.clock()
+            fields = record.to_fields()
+            fields["updated_at"] = str(d.now_ms())
+            d.records[rid] = _Expiring(fields, now + self._settings.record_ttl_s)
+            d.active.add(rid)
+            d.leases[rid] = _Expiring(record.owner, now + self._settings.lease_ttl_s)
+            return None
 
     async def get(self, request_id: str) -> RequestRecord | None:
-        d = await self._enter("get")
-        rec = d.live(d.records, request_id)
-        return None if rec is None else RequestRecord.from_fields(dict(rec.value))
+        async with self._call("get") as d:
+            rec = d.live(d.records, request_id)
+            return None if rec is None else RequestRecord.from_fields(dict(rec.value))
 
     async def transition(
         self,
@@ -195,67 +211,69 @@ class MemoryStore:
     ) -> int:
         if fields and {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch are set by the transition itself")
-        d = await self._enter("transition")
-        rec = d.live(d.records, request_id)
-        if rec is None:
-            raise errors.NotFoundError(f"no request {request_id!r}")
-        cur = rec.value
-        state, cur_epoch = State(cur["state"]), int(cur["epoch"])
-        if cur["epoch"] != str(epoch):
-            raise errors.StaleEpochError(
-                f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
-            )
-        try:
-            target, new_epoch = apply(edge, state, cur_epoch)
-        except errors.InvalidTransitionError as exc:
-            raise errors.InvalidTransitionError(
-                f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
-            ) from exc
-        cur.update(state=str(target), epoch=str(new_epoch), updated_at=str(d.now_ms()))
-        cur.update({k: str(v) for k, v in (fields or {}).items()})
-        if target in TERMINAL:
-            d.active.discard(request_id)
-            d.leases.pop(request_id, None)
-        return new_epoch
+        async with self._call("transition") as d:
+            rec = d.live(d.records, request_id)
+            if rec is None:
+                raise errors.NotFoundError(f"no request {request_id!r}")
+            cur = rec.value
+            state, cur_epoch = State(cur["state"]), int(cur["epoch"])
+            if cur["epoch"] != str(epoch):
+                raise errors.StaleEpochError(
+                    f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
+                )
+            try:
+                target, new_epoch = apply(edge, state, cur_epoch)
+            except errors.InvalidTransitionError as exc:
+                raise errors.InvalidTransitionError(
+                    f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
+                ) from exc
+            cur.update(state=str(target), epoch=str(new_epoch), updated_at=str(d.now_ms()))
+            cur.update({k: str(v) for k, v in (fields or {}).items()})
+            if target in TERMINAL:
+                d.active.discard(request_id)
+                d.leases.pop(request_id, None)
+            return new_epoch
 
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         if {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch change only through transition()")
-        d = await self._enter("set_fields")
-        rec = d.live(d.records, request_id)
-        if rec is None:
-            raise errors.NotFoundError(f"no request {request_id!r}")
-        rec.value.update({k: str(v) for k, v in fields.items()})
+        async with self._call("set_fields") as d:
+            rec = d.live(d.records, request_id)
+            if rec is None:
+                raise errors.NotFoundError(f"no request {request_id!r}")
+            rec.value.update({k: str(v) for k, v in fields.items()})
 
     async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
-        d = await self._enter("journal append")
-        rec = d.live(d.records, request_id)
-        if rec is None:
-            raise errors.NotFoundError(f"no request {request_id!r}")
-        cur = rec.value
-        if cur["epoch"] != str(epoch):
-            raise errors.StaleEpochError(f"request {request_id!r}: journal epoch {epoch} is stale")
-        if State(cur["state"]) in TERMINAL:
-            raise errors.RequestEndedError(f"request {request_id!r} is {cur['state']}")
-        end = cur.get("output_tokens", "0")
-        if end != str(entry.index):
-            raise errors.JournalGapError(
-                f"request {request_id!r}: chunk at {entry.index} but journal ends at {end}",
-                int(end),
-            )
-        journal = d.live(d.journals, request_id) or _Expiring[list[str]]([])
-        journal.value.append(entry.to_json())
-        journal.expires_at = d.clock() + self._settings.record_ttl_s
-        d.journals[request_id] = journal
-        count = int(end) + len(entry.token_ids)
-        cur.update(output_tokens=str(count), updated_at=str(d.now_ms()))
-        return count
+        async with self._call("journal append") as d:
+            rec = d.live(d.records, request_id)
+            if rec is None:
+                raise errors.NotFoundError(f"no request {request_id!r}")
+            cur = rec.value
+            if cur["epoch"] != str(epoch):
+                raise errors.StaleEpochError(
+                    f"request {request_id!r}: journal epoch {epoch} is stale"
+                )
+            if State(cur["state"]) in TERMINAL:
+                raise errors.RequestEndedError(f"request {request_id!r} is {cur['state']}")
+            end = cur.get("output_tokens", "0")
+            if end != str(entry.index):
+                raise errors.JournalGapError(
+                    f"request {request_id!r}: chunk at {entry.index} but journal ends at {end}",
+                    int(end),
+                )
+            journal = d.live(d.journals, request_id) or _Expiring[list[str]]([])
+            journal.value.append(entry.to_json())
+            journal.expires_at = d.clock() + self._settings.record_ttl_s
+            d.journals[request_id] = journal
+            count = int(end) + len(entry.token_ids)
+            cur.update(output_tokens=str(count), updated_at=str(d.now_ms()))
+            return count
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
-        d = await self._enter("journal read")
-        journal = d.live(d.journals, request_id)
-        raw: list[str] = [] if journal is None else journal.value[start:]
-        return [JournalEntry.from_json(r) for r in raw]
+        async with self._call("journal read") as d:
+            journal = d.live(d.journals, request_id)
+            raw: list[str] = [] if journal is None else journal.value[start:]
+            return [JournalEntry.from_json(r) for r in raw]
 
     # ------------------------------------------------------------------ ownership
 
@@ -264,15 +282,15 @@ class MemoryStore:
         return None if lease is None else lease.value
 
     async def release_lease(self, request_id: str, owner: str) -> bool:
-        d = await self._enter("lease release")
-        if self._holder(d, request_id) != owner:
-            return False
-        del d.leases[request_id]
-        return True
+        async with self._call("lease release") as d:
+            if self._holder(d, request_id) != owner:
+                return False
+            del d.leases[request_id]
+            return True
 
     async def refresh_lease(self, request_id: str, owner: str) -> bool:
-        d = await self._enter("lease refresh")
-        return self._refresh(d, request_id, owner)
+        async with self._call("lease refresh") as d:
+            return self._refresh(d, request_id, owner)
 
     def _refresh(self, d: _Data, request_id: str, owner: str) -> bool:
         if self._holder(d, request_id) != owner:
@@ -285,134 +303,134 @@ class MemoryStore:
     ) -> list[bool]:
         if not driven:
             return []
-        d = await self._enter("lease refresh")
-        out = []
-        for rid, epoch in driven:
-            if self._refresh(d, rid, owner):
-                out.append(True)
-                continue
-            rec = d.live(d.records, rid)
-            if retake and rec is not None and self._holder(d, rid) is None:
-                cur = rec.value
-                mine = cur.get("owner") == owner and cur["epoch"] == str(epoch)
-                if mine and State(cur["state"]) not in TERMINAL:
-                    d.leases[rid] = _Expiring(owner, d.clock() + self._settings.lease_ttl_s)
+        async with self._call("lease refresh") as d:
+            out = []
+            for rid, epoch in driven:
+                if self._refresh(d, rid, owner):
                     out.append(True)
                     continue
-            out.append(False)
-        return out
+                rec = d.live(d.records, rid)
+                if retake and rec is not None and self._holder(d, rid) is None:
+                    cur = rec.value
+                    mine = cur.get("owner") == owner and cur["epoch"] == str(epoch)
+                    if mine and State(cur["state"]) not in TERMINAL:
+                        d.leases[rid] = _Expiring(owner, d.clock() + self._settings.lease_ttl_s)
+                        out.append(True)
+                        continue
+                out.append(False)
+            return out
 
     async def lease_holders(self, request_ids: list[str]) -> list[str | None]:
         if not request_ids:
             return []
-        d = await self._enter("lease holders")
-        return [self._holder(d, rid) for rid in request_ids]
+        async with self._call("lease holders") as d:
+            return [self._holder(d, rid) for rid in request_ids]
 
     async def take_over(self, request_id: str, owner: str) -> int | None:
-        d = await self._enter("take over")
-        rec = d.live(d.records, request_id)
-        if rec is None:
-            d.active.discard(request_id)
-            return None
-        cur = rec.value
-        state = State(cur["state"])
-        if state not in Edge.TAKE_OVER.sources:
-            d.active.discard(request_id)
-            return None
-        if self._holder(d, request_id) is not None:
-            return None
-        target, epoch = apply(Edge.TAKE_OVER, state, int(cur["epoch"]))
-        d.leases[request_id] = _Expiring(owner, d.clock() + self._settings.lease_ttl_s)
-        cur.update(state=str(target), epoch=str(epoch), owner=owner, updated_at=str(d.now_ms()))
-        return epoch
+        async with self._call("take over") as d:
+            rec = d.live(d.records, request_id)
+            if rec is None:
+                d.active.discard(request_id)
+                return None
+            cur = rec.value
+            state = State(cur["state"])
+            if state not in Edge.TAKE_OVER.sources:
+                d.active.discard(request_id)
+                return None
+            if self._holder(d, request_id) is not None:
+                return None
+            target, epoch = apply(Edge.TAKE_OVER, state, int(cur["epoch"]))
+            d.leases[request_id] = _Expiring(owner, d.clock() + self._settings.lease_ttl_s)
+            cur.update(state=str(target), epoch=str(epoch), owner=owner, updated_at=str(d.now_ms()))
+            return epoch
 
     async def now_ms(self) -> float:
-        d = await self._enter("time")
-        return d.now_ms()
+        async with self._call("time") as d:
+            return d.now_ms()
 
     async def progress(self, request_ids: list[str]) -> dict[str, tuple[State, int, str]]:
-        d = await self._enter("progress")
-        out = {}
-        for rid in request_ids:
-            rec = d.live(d.records, rid)
-            if rec is not None:
-                f = rec.value
-                out[rid] = (State(f["state"]), int(f["epoch"]), f.get("updated_at") or "0")
-        return out
+        async with self._call("progress") as d:
+            out = {}
+            for rid in request_ids:
+                rec = d.live(d.records, rid)
+                if rec is not None:
+                    f = rec.value
+                    out[rid] = (State(f["state"]), int(f["epoch"]), f.get("updated_at") or "0")
+            return out
 
     async def expire(
         self, request_id: str, state: State, epoch: int, updated_at: str, error: str
     ) -> bool:
-        d = await self._enter("expire")
-        rec = d.live(d.records, request_id)
-        if rec is None:
-            return False
-        f = rec.value
-        seen = (str(state), str(epoch), updated_at)
-        if (f["state"], f["epoch"], f.get("updated_at")) != seen:
-            return False
-        if State(f["state"]) not in Edge.EXPIRE.sources:
-            return False
-        target, _ = apply(Edge.EXPIRE, State(f["state"]), int(f["epoch"]))
-        f.update(state=str(target), finish_reason="error", error=error)
-        d.active.discard(request_id)
-        d.leases.pop(request_id, None)
-        return True
+        async with self._call("expire") as d:
+            rec = d.live(d.records, request_id)
+            if rec is None:
+                return False
+            f = rec.value
+            seen = (str(state), str(epoch), updated_at)
+            if (f["state"], f["epoch"], f.get("updated_at")) != seen:
+                return False
+            if State(f["state"]) not in Edge.EXPIRE.sources:
+                return False
+            target, _ = apply(Edge.EXPIRE, State(f["state"]), int(f["epoch"]))
+            f.update(state=str(target), finish_reason="error", error=error)
+            d.active.discard(request_id)
+            d.leases.pop(request_id, None)
+            return True
 
     async def active(self) -> list[str]:
-        d = await self._enter("active requests")
-        return sorted(d.active)
+        async with self._call("active requests") as d:
+            return sorted(d.active)
 
     # ------------------------------------------------------------------ tenants, clients
 
     async def add_tenant_cost(self, tenant: str, cost: Mapping[str, Any]) -> None:
-        d = await self._enter("tenant cost")
-        totals = d.costs.setdefault(tenant, {})
-        totals["requests"] = totals.get("requests", 0.0) + 1
-        for name in _COST_FLOATS:
-            totals[name] = totals.get(name, 0.0) + float(cost.get(name, 0.0))
-        totals["transfer_bytes"] = totals.get("transfer_bytes", 0.0) + int(
-            cost.get("transfer_bytes", 0)
-        )
+        async with self._call("tenant cost") as d:
+            totals = d.costs.setdefault(tenant, {})
+            totals["requests"] = totals.get("requests", 0.0) + 1
+            for name in _COST_FLOATS:
+                totals[name] = totals.get(name, 0.0) + float(cost.get(name, 0.0))
+            totals["transfer_bytes"] = totals.get("transfer_bytes", 0.0) + int(
+                cost.get("transfer_bytes", 0)
+            )
 
     async def tenant_costs(self) -> dict[str, dict[str, float]]:
-        d = await self._enter("tenant costs")
-        return {t: dict(d.costs[t]) for t in sorted(d.costs)}
+        async with self._call("tenant costs") as d:
+            return {t: dict(d.costs[t]) for t in sorted(d.costs)}
 
     async def touch_client(self, request_id: str, ttl_s: float) -> None:
-        d = await self._enter("touch_client")
-        d.clients[request_id] = _Expiring(True, d.clock() + ttl_s)
+        async with self._call("touch_client") as d:
+            d.clients[request_id] = _Expiring(True, d.clock() + ttl_s)
 
     async def client_attached(self, request_id: str) -> bool:
-        d = await self._enter("client_attached")
-        return d.live(d.clients, request_id) is not None
+        async with self._call("client_attached") as d:
+            return d.live(d.clients, request_id) is not None
 
     # ------------------------------------------------------------------------- workers
 
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        d = await self._enter("heartbeat")
-        d.heartbeats[info.worker_id] = _Expiring(info, d.clock() + ttl_s)
-        d.worker_index.add(info.worker_id)
+        async with self._call("heartbeat") as d:
+            d.heartbeats[info.worker_id] = _Expiring(info, d.clock() + ttl_s)
+            d.worker_index.add(info.worker_id)
 
     async def deregister(self, worker_id: str) -> None:
-        d = await self._enter("deregister")
-        d.heartbeats.pop(worker_id, None)
-        d.worker_index.discard(worker_id)
+        async with self._call("deregister") as d:
+            d.heartbeats.pop(worker_id, None)
+            d.worker_index.discard(worker_id)
 
     async def worker_alive(self, worker_id: str) -> bool:
-        d = await self._enter("worker heartbeat")
-        return d.live(d.heartbeats, worker_id) is not None
+        async with self._call("worker heartbeat") as d:
+            return d.live(d.heartbeats, worker_id) is not None
 
     async def workers(self) -> list[WorkerInfo]:
-        d = await self._enter("list workers")
-        out = []
-        for wid in sorted(d.worker_index):
-            beat = d.live(d.heartbeats, wid)
-            if beat is None:
-                d.worker_index.discard(wid)  # pruned, as the Redis store prunes its index
-            else:
-                out.append(beat.value)
-        return out
+        async with self._call("list workers") as d:
+            out = []
+            for wid in sorted(d.worker_index):
+                beat = d.live(d.heartbeats, wid)
+                if beat is None:
+                    d.worker_index.discard(wid)  # pruned, as the Redis store prunes its index
+                else:
+                    out.append(beat.value)
+            return out
 
     # ------------------------------------------------------------------ for tests
 

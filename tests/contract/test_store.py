@@ -718,6 +718,13 @@ def test_an_unavailable_memory_store_fails_every_call() -> None:
         got = await store.get("r1")
         assert got is not None
         assert got.state is State.PREFILLING
+        store.lose_replies(1)  # the write lands, its reply does not
+        with pytest.raises(errors.UnavailableError, match="reply lost"):
+            await peer.append("r1", 0, JournalEntry(0, (1,), "a"))
+        with pytest.raises(errors.JournalGapError) as gap:
+            await peer.append("r1", 0, JournalEntry(0, (1,), "a"))  # the writer's retry
+        assert gap.value.journal_end == 1
+        assert await store.journal("r1") == [JournalEntry(0, (1,), "a")]
 
     run(scenario)
 
