@@ -5,14 +5,8 @@ writes — no read-modify-write from Python — so two orchestrators, or an orch
 reaper, can never both win. redis-py's `Script` re-loads a script on NOSCRIPT (the script
 cache is lost when Redis restarts or fails over).
 
-Keys (``P`` is the configured prefix, ``pdorch`` by default):
-
-    P:req:{id}            hash   the `RequestRecord`
-    P:req:{id}:journal    list   `JournalEntry` JSON, contiguous token indices from 0
-    P:req:{id}:client     string set with a TTL while a client follows the request elsewhere
-    P:tenant:{t}:live     set    record keys of the tenant's live requests (only with a limit)
-    P:workers             set    worker ids that have registered
-    P:worker:{id}         string `WorkerInfo` JSON, with a TTL: the heartbeat
+It meets the store contract, `orchestrator.store.base.Store`. The key layout is
+`orchestrator.store.keys`.
 
 Redis errors are translated here: connection problems and timeouts become
 `UnavailableError`; script refusals become `StaleEpochError`/`InvalidTransitionError`.
@@ -23,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -32,7 +25,11 @@ import redis.exceptions as rexc
 from orchestrator import errors
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import Edge, State
+from orchestrator.store.keys import Keys
 from orchestrator.store.lua import PRELUDE
+from orchestrator.store.settings import StoreSettings
+
+__all__ = ["RedisStore", "StoreSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -199,24 +196,6 @@ return 1
 """
 
 
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "pdorch"
-    socket_timeout_s: float = 2.0
-    """Every Redis call; a hung Redis surfaces as UnavailableError, not a hang."""
-    connect_timeout_s: float = 1.0
-    lease_ttl_s: float = 3.0
-    """An orchestrator owns a request while it refreshes this lease; then others take over."""
-    record_ttl_s: int = 24 * 3600
-    """How long finished requests stay queryable (and resubmittable idempotently)."""
-    max_connections: int = 128
-    """Connections to Redis at most; more concurrent calls wait for one (a request in flight
-    makes one call at a time, so thousands of requests share these)."""
-    pool_timeout_s: float = 5.0
-    """Longest wait for a free connection before the call fails as unavailable."""
-
-
 @contextlib.asynccontextmanager
 async def _translated(what: str) -> AsyncIterator[None]:
     try:
@@ -247,8 +226,9 @@ class RedisStore:
         self._transition: Any = self._redis.register_script(PRELUDE + _TRANSITION)
         self._append: Any = self._redis.register_script(PRELUDE + _APPEND)
         self._set: Any = self._redis.register_script(PRELUDE + _SET)
-        self._workers = f"{settings.prefix}:workers"
-        self._active = f"{settings.prefix}:active"
+        self._keys = Keys(settings.prefix)
+        self._workers = self._keys.workers
+        self._active = self._keys.active
         self._refresh: Any = self._redis.register_script(PRELUDE + _REFRESH)
         self._refresh_many: Any = self._redis.register_script(PRELUDE + _REFRESH_MANY)
         self._release: Any = self._redis.register_script(PRELUDE + _RELEASE)
@@ -257,21 +237,6 @@ class RedisStore:
         self._parsed: dict[str, WorkerInfo] = {}
         """Heartbeat JSON -> WorkerInfo, from the last `workers` call: a heartbeat changes
         once per interval, while `workers` runs for every request (200 parses each)."""
-
-    def _lease(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}:owner"
-
-    def _req(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}"
-
-    def _client(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}:client"
-
-    def _journal(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}:journal"
-
-    def _worker(self, wid: str) -> str:
-        return f"{self.settings.prefix}:worker:{wid}"
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -290,10 +255,10 @@ class RedisStore:
         fields = record.to_fields()
         flat = [x for kv in fields.items() for x in kv]
         rid = record.request_id
-        tenant_live = f"{self.settings.prefix}:tenant:{record.tenant}:live"
+        tenant_live = self._keys.tenant_live(record.tenant)
         async with _translated("create"):
             res = await self._create(
-                keys=[self._req(rid), self._active, self._lease(rid), tenant_live],
+                keys=[self._keys.request(rid), self._active, self._keys.lease(rid), tenant_live],
                 args=[
                     record.body_hash,
                     self.settings.record_ttl_s,
@@ -318,7 +283,7 @@ class RedisStore:
 
     async def get(self, request_id: str) -> RequestRecord | None:
         async with _translated("get"):
-            fields = await self._redis.hgetall(self._req(request_id))
+            fields = await self._redis.hgetall(self._keys.request(request_id))
         return RequestRecord.from_fields(fields) if fields else None
 
     async def transition(
@@ -336,7 +301,7 @@ class RedisStore:
         flat = [str(x) for kv in (fields or {}).items() for x in kv]
         async with _translated("transition"):
             res = await self._transition(
-                keys=[self._req(request_id), self._active, self._lease(request_id)],
+                keys=[self._keys.request(request_id), self._active, self._keys.lease(request_id)],
                 args=[epoch, edge.wire, *flat],
             )
         code = int(res[0])
@@ -359,7 +324,7 @@ class RedisStore:
             raise ValueError("state and epoch change only through transition()")
         flat = [str(x) for kv in fields.items() for x in kv]
         async with _translated("set_fields"):
-            found = await self._set(keys=[self._req(request_id)], args=flat)
+            found = await self._set(keys=[self._keys.request(request_id)], args=flat)
         if not int(found):
             raise errors.NotFoundError(f"no request {request_id!r}")
 
@@ -367,7 +332,7 @@ class RedisStore:
         """Journal a relayed chunk; returns the new output token count."""
         async with _translated("journal append"):
             res = await self._append(
-                keys=[self._req(request_id), self._journal(request_id)],
+                keys=[self._keys.request(request_id), self._keys.journal(request_id)],
                 args=[
                     epoch,
                     entry.index,
@@ -392,7 +357,7 @@ class RedisStore:
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
         async with _translated("journal read"):
-            raw = await self._redis.lrange(self._journal(request_id), start, -1)
+            raw = await self._redis.lrange(self._keys.journal(request_id), start, -1)
         return [JournalEntry.from_json(r) for r in raw]
 
     # ------------------------------------------------------------------ ownership
@@ -400,13 +365,13 @@ class RedisStore:
     async def release_lease(self, request_id: str, owner: str) -> bool:
         """Give up ``owner``'s lease (shutting down): a peer may take the request over now."""
         async with _translated("lease release"):
-            return bool(int(await self._release(keys=[self._lease(request_id)], args=[owner])))
+            return bool(int(await self._release(keys=[self._keys.lease(request_id)], args=[owner])))
 
     async def refresh_lease(self, request_id: str, owner: str) -> bool:
         """Extend ``owner``'s lease on the request; False if it is no longer the owner."""
         async with _translated("lease refresh"):
             held = await self._refresh(
-                keys=[self._lease(request_id)],
+                keys=[self._keys.lease(request_id)],
                 args=[owner, int(self.settings.lease_ttl_s * 1000)],
             )
         return bool(int(held))
@@ -418,7 +383,7 @@ class RedisStore:
         keeper); with ``retake``, a lapsed lease nobody took is taken again (see the script)."""
         if not driven:
             return []
-        keys = [k for rid, _ in driven for k in (self._lease(rid), self._req(rid))]
+        keys = [k for rid, _ in driven for k in (self._keys.lease(rid), self._keys.request(rid))]
         args = [owner, int(self.settings.lease_ttl_s * 1000), "1" if retake else "0"]
         async with _translated("lease refresh"):
             held = await self._refresh_many(keys=keys, args=args + [e for _, e in driven])
@@ -431,13 +396,13 @@ class RedisStore:
         if not request_ids:
             return []
         async with _translated("lease holders"):
-            return list(await self._redis.mget([self._lease(r) for r in request_ids]))
+            return list(await self._redis.mget([self._keys.lease(r) for r in request_ids]))
 
     async def take_over(self, request_id: str, owner: str) -> int | None:
         """Become the owner of a live request whose lease expired; returns the new epoch."""
         async with _translated("take over"):
             res = await self._takeover(
-                keys=[self._req(request_id), self._lease(request_id), self._active],
+                keys=[self._keys.request(request_id), self._keys.lease(request_id), self._active],
                 args=[owner, int(self.settings.lease_ttl_s * 1000)],
             )
         return int(res[1]) if int(res[0]) == 1 else None
@@ -453,7 +418,7 @@ class RedisStore:
         async with _translated("progress"):
             pipe = self._redis.pipeline(transaction=False)
             for rid in request_ids:
-                pipe.hmget(self._req(rid), "state", "epoch", "updated_at")
+                pipe.hmget(self._keys.request(rid), "state", "epoch", "updated_at")
             rows = await pipe.execute()
         return {
             rid: (State(row[0]), int(row[1]), row[2] or "0")
@@ -467,14 +432,14 @@ class RedisStore:
         """Fail a request that made no progress since (state, epoch, updated_at) was read."""
         async with _translated("expire"):
             done = await self._expire(
-                keys=[self._req(request_id), self._active, self._lease(request_id)],
+                keys=[self._keys.request(request_id), self._active, self._keys.lease(request_id)],
                 args=[str(state), str(epoch), updated_at, error],
             )
         return bool(int(done))
 
     async def add_tenant_cost(self, tenant: str, cost: Mapping[str, Any]) -> None:
         """Add a finished request's cost to its tenant's running totals."""
-        key = f"{self.settings.prefix}:tenant:{tenant}"
+        key = self._keys.tenant_cost(tenant)
         async with _translated("tenant cost"):
             pipe = self._redis.pipeline(transaction=True)
             pipe.hincrby(key, "requests", 1)
@@ -482,54 +447,53 @@ class RedisStore:
                          "transfer_usd"):  # fmt: skip
                 pipe.hincrbyfloat(key, name, float(cost.get(name, 0.0)))
             pipe.hincrby(key, "transfer_bytes", int(cost.get("transfer_bytes", 0)))
-            pipe.sadd(f"{self.settings.prefix}:tenants", tenant)
+            pipe.sadd(self._keys.tenants, tenant)
             await pipe.execute()
 
     async def tenant_costs(self) -> dict[str, dict[str, float]]:
         """Every tenant's totals: requests, usd, GPU-seconds per pool, transfer."""
         async with _translated("tenant costs"):
-            tenants = sorted(await self._redis.smembers(f"{self.settings.prefix}:tenants"))
+            tenants = sorted(await self._redis.smembers(self._keys.tenants))
             out = {}
             for tenant in tenants:
-                raw = await self._redis.hgetall(f"{self.settings.prefix}:tenant:{tenant}")
+                raw = await self._redis.hgetall(self._keys.tenant_cost(tenant))
                 out[tenant] = {k: float(v) for k, v in raw.items()}
         return out
 
     async def touch_client(self, request_id: str, ttl_s: float) -> None:
         """A client is attached to the request (following it) for the next ``ttl_s``."""
         async with _translated("touch_client"):
-            await self._redis.set(self._client(request_id), "1", px=int(ttl_s * 1000))
+            await self._redis.set(self._keys.client(request_id), "1", px=int(ttl_s * 1000))
 
     async def client_attached(self, request_id: str) -> bool:
         async with _translated("client_attached"):
-            return bool(await self._redis.exists(self._client(request_id)))
+            return bool(await self._redis.exists(self._keys.client(request_id)))
 
     async def active(self) -> list[str]:
         """Ids of requests not yet in a terminal state."""
-        prefix = f"{self.settings.prefix}:req:"
         async with _translated("active requests"):
             keys = await self._redis.smembers(self._active)
-        return sorted(k[len(prefix) :] for k in keys if k.startswith(prefix))
+        return sorted(rid for k in keys if (rid := self._keys.request_id(k)) is not None)
 
     # ------------------------------------------------------------------------- workers
 
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         async with _translated("heartbeat"):
             pipe = self._redis.pipeline(transaction=True)
-            pipe.set(self._worker(info.worker_id), info.to_json(), px=int(ttl_s * 1000))
+            pipe.set(self._keys.worker(info.worker_id), info.to_json(), px=int(ttl_s * 1000))
             pipe.sadd(self._workers, info.worker_id)
             await pipe.execute()
 
     async def deregister(self, worker_id: str) -> None:
         async with _translated("deregister"):
             pipe = self._redis.pipeline(transaction=True)
-            pipe.delete(self._worker(worker_id))
+            pipe.delete(self._keys.worker(worker_id))
             pipe.srem(self._workers, worker_id)
             await pipe.execute()
 
     async def worker_alive(self, worker_id: str) -> bool:
         async with _translated("worker heartbeat"):
-            return bool(await self._redis.exists(self._worker(worker_id)))
+            return bool(await self._redis.exists(self._keys.worker(worker_id)))
 
     async def workers(self) -> list[WorkerInfo]:
         """Workers whose heartbeat is alive (expired ones are pruned from the index)."""
@@ -537,7 +501,7 @@ class RedisStore:
             ids = sorted(await self._redis.smembers(self._workers))
             if not ids:
                 return []
-            values = await self._redis.mget([self._worker(i) for i in ids])
+            values = await self._redis.mget([self._keys.worker(i) for i in ids])
             dead = [i for i, v in zip(ids, values, strict=True) if v is None]
             if dead:
                 await self._redis.srem(self._workers, *dead)
