@@ -152,7 +152,17 @@ def _run_control_plane(args: argparse.Namespace) -> int:
     from orchestrator.cluster import ClusterError  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
 
-    bench = ControlPlaneBench(
+    try:
+        result = run_bench(control_plane_bench(args), log_level=args.log_level)
+    except (ConfigError, ClusterError) as exc:
+        print(f"pdorch bench control-plane: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
+    return ControlPlaneBench(
         workers=args.workers,
         prefill_workers=args.prefill_workers,
         concurrency=args.concurrency,
@@ -169,13 +179,6 @@ def _run_control_plane(args: argparse.Namespace) -> int:
         profile_dir=Path(args.profile_dir) if args.profile_dir else None,
         orchestrator_args=tuple(args.orchestrator_arg),
     )
-    try:
-        result = run_bench(bench, log_level=args.log_level)
-    except (ConfigError, ClusterError) as exc:
-        print(f"pdorch bench control-plane: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2) if args.json else format_result(result))
-    return 0
 
 
 # ----------------------------------------------------------------------------------- load
@@ -198,15 +201,7 @@ def _load(bl: argparse.ArgumentParser) -> None:
 def _run_load(args: argparse.Namespace) -> int:
     from orchestrator.bench.load import run_load  # noqa: PLC0415
 
-    spec = LoadSpec(
-        targets=tuple(t for t in args.target.split(",") if t),
-        requests=args.requests,
-        concurrency=args.concurrency,
-        max_tokens=args.max_tokens,
-        prompt_words=args.prompt_words,
-        offset=args.offset,
-    )
-    result = asyncio.run(run_load(spec))
+    result = asyncio.run(run_load(load_spec(args)))
     if args.samples:  # for `bench control-plane`, which merges several clients
         print(result.to_json())
     elif args.json:
@@ -215,3 +210,14 @@ def _run_load(args: argparse.Namespace) -> int:
         for key, value in result.summary().items():
             print(f"{key}: {value}")
     return 0
+
+
+def load_spec(args: argparse.Namespace) -> LoadSpec:
+    return LoadSpec(
+        targets=tuple(t for t in args.target.split(",") if t),
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        offset=args.offset,
+    )

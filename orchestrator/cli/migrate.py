@@ -123,7 +123,7 @@ def _proxy_flags(p: argparse.ArgumentParser, mode: str) -> None:
     p.set_defaults(run=_serve)
 
 
-def _settings(args: argparse.Namespace, mode: str) -> MigrationSettings:
+def migration_settings(args: argparse.Namespace, mode: str) -> MigrationSettings:
     return MigrationSettings(
         name=args.name,
         mode=mode,
@@ -163,7 +163,7 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await service.serve(_settings(args, args.migrate_command), args.redis, stop)
+        await service.serve(migration_settings(args, args.migrate_command), args.redis, stop)
     except PdorchError as exc:
         print(f"pdorch migrate {args.migrate_command}: {exc}", file=sys.stderr)
         return 2

@@ -38,11 +38,14 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 async def run(args: argparse.Namespace) -> int:
     from orchestrator.operator.runner import run_operator  # noqa: PLC0415 - imports kopf
 
-    config = OperatorConfig(
+    await run_operator(operator_config(args))
+    return 0
+
+
+def operator_config(args: argparse.Namespace) -> OperatorConfig:
+    return OperatorConfig(
         namespaces=tuple(args.namespace),
         resync_interval_s=args.resync_interval,
         server=args.server or None,
         liveness_endpoint=args.liveness or None,
     )
-    await run_operator(config)
-    return 0

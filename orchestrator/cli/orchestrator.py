@@ -169,7 +169,11 @@ def _admission_flags(o: argparse.ArgumentParser) -> None:
     )
 
 
-def _settings(args: argparse.Namespace) -> ControlSettings:
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(args.host, args.port, args.drain_grace, args.metrics_port)
+
+
+def control_settings(args: argparse.Namespace) -> ControlSettings:
     """The control plane's settings from the flags (ConfigError on a bad value)."""
     from orchestrator.core.admission import (  # noqa: PLC0415
         parse_aggregate_below,
@@ -210,11 +214,11 @@ async def run(args: argparse.Namespace) -> int:
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
 
     try:
-        settings = _settings(args)
+        settings = control_settings(args)
     except ConfigError as exc:
         print(f"pdorch orchestrator: {exc}", file=sys.stderr)
         return 2
-    serving = ServerSettings(args.host, args.port, args.drain_grace, args.metrics_port)
+    serving = server_settings(args)
     store = RedisStore(StoreSettings(url=args.redis))
     clients = WorkerClients()
     metrics = ControlMetrics()

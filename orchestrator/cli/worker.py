@@ -143,7 +143,7 @@ def _fault_spec(text: str) -> str:
     return text
 
 
-def _settings(args: argparse.Namespace, **chosen: Any) -> WorkerSettings:
+def worker_settings(args: argparse.Namespace, **chosen: Any) -> WorkerSettings:
     """The worker's settings from its flags. ``chosen``: fields this kind of worker sets
     (a simulated GPU's KV room and batch), overridden by ``--kv-capacity-mib`` and
     ``--max-batch`` when given; what neither sets keeps the dataclass's default."""
@@ -184,7 +184,7 @@ async def run(args: argparse.Namespace) -> int:
     )
     store = RedisStore(StoreSettings(url=args.redis))
     tsettings = TransportSettings(kv_hold_s=args.kv_hold)
-    settings = _settings(
+    settings = worker_settings(
         args, advertise=args.advertise, kv_advertise=args.kv_advertise, gpu_kind=args.gpu_kind
     )
     sender = make_sender(args.transport, tsettings)
@@ -236,7 +236,7 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
     # Heartbeats only: a few connections, not one per worker beating at the same moment.
     store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
     tsettings = TransportSettings(kv_hold_s=args.kv_hold)
-    base = _settings(
+    base = worker_settings(
         args,
         kv_capacity_bytes=spec.kv_capacity_bytes,
         max_batch=SIM_MAX_BATCH,
