@@ -1,5 +1,11 @@
 """The `pdorch` parser, built from the command modules, and `main`: parse, set up logging,
-run the chosen command (a plain ``call``, or an async ``run`` in a fresh event loop)."""
+run the chosen command (a plain ``call``, or an async ``run`` in a fresh event loop).
+
+`main` builds only the chosen command's parser: a first pass with every command as a bare
+name finds it. Building a command's parser imports the settings its defaults come from (the
+worker's, the control plane's: grpc, redis), so `pdorch plan` stays as quick to start as it
+was; `build_parser()` without ``only`` builds them all (tests, documentation).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from orchestrator.cli import (
     bench,
@@ -22,7 +29,7 @@ from orchestrator.cli import (
     plan,
     worker,
 )
-from orchestrator.cli.common import Commands, Parents, add_logging_flags, parents
+from orchestrator.cli.common import Commands, Parents, add_logging_flags
 
 DESCRIPTION = """`pdorch` command line: the composition root.
 
@@ -30,32 +37,56 @@ The only module that reads the environment and picks concrete parts (the Redis s
 UCX or TCP transport, the engine) and wires them together.
 """
 
-Register = Callable[[Commands, Parents, Mapping[str, str]], None]
 
-COMMANDS: tuple[Register, ...] = (
-    orchestrator.register,
-    worker.register,
-    operator.register,
-    generate.register,
-    demo.register,
-    cost.register,
-    chaos.register,
-    migrate.register,
-    bench.register,
-    plan.register,
+class Command(Protocol):
+    """What a command module provides (`orchestrator.cli.worker`, ...)."""
+
+    NAME: str
+    HELP: str
+
+    def register(self, sub: Commands, parents: Parents, env: Mapping[str, str]) -> None: ...
+
+
+COMMANDS: tuple[Command, ...] = (
+    orchestrator,
+    worker,
+    operator,
+    generate,
+    demo,
+    cost,
+    chaos,
+    migrate,
+    bench,
+    plan,
 )
 """In the order `pdorch --help` lists them."""
 
+ALL = None
+NAMES_ONLY = ""
 
-def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+
+def build_parser(
+    env: Mapping[str, str] | None = None, only: str | None = ALL
+) -> argparse.ArgumentParser:
+    """The parser of every command, or with ``only``, of that command alone: the others are
+    bare names (listed by ``--help``, taking any arguments)."""
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(prog="pdorch", description=DESCRIPTION)
     add_logging_flags(p, env, top=True)
     sub = p.add_subparsers(dest="command", required=True)
-    shared = parents(env)
-    for register in COMMANDS:
-        register(sub, shared, env)
+    shared = Parents(env)
+    for command in COMMANDS:
+        if only is ALL or only == command.NAME:
+            command.register(sub, shared, env)
+        else:
+            sub.add_parser(command.NAME, help=command.HELP, add_help=False)
     return p
+
+
+def _chosen(argv: Sequence[str] | None) -> str:
+    """The command ``argv`` names (usage errors and the top-level ``--help`` exit here)."""
+    known, _rest = build_parser(only=NAMES_ONLY).parse_known_args(argv)
+    return str(known.command)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -80,7 +111,7 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(only=_chosen(argv)).parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if getattr(args, "call", None) is not None:

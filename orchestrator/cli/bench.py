@@ -13,18 +13,22 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.bench.control_plane import ControlPlaneBench
-from orchestrator.bench.load import LoadSpec
 from orchestrator.cli.common import Commands, Parents, add_command, default, positive_int
 from orchestrator.cli.orchestrator import ServerSettings
 
+if TYPE_CHECKING:
+    from orchestrator.bench.control_plane import ControlPlaneBench
+    from orchestrator.bench.load import LoadSpec
+
+
+NAME = "bench"
+HELP = "benchmarks (ratios against a reference in the same run)"
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    b = add_command(
-        sub, "bench", parents, help="benchmarks (ratios against a reference in the same run)"
-    )
+    b = add_command(sub, NAME, parents, help=HELP)
     bsub = b.add_subparsers(dest="bench", required=True)
     _transport(add_command(
         bsub, "transport", parents, parents.json,
@@ -119,6 +123,8 @@ def _run_precision(args: argparse.Namespace) -> int:
 
 
 def _control_plane(bc: argparse.ArgumentParser) -> None:
+    from orchestrator.bench.control_plane import ControlPlaneBench  # noqa: PLC0415 - cluster
+
     def flag(name: str, field: str, **kw: Any) -> None:
         bc.add_argument(name, default=default(ControlPlaneBench, field), **kw)
 
@@ -162,6 +168,8 @@ def _run_control_plane(args: argparse.Namespace) -> int:
 
 
 def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
+    from orchestrator.bench.control_plane import ControlPlaneBench  # noqa: PLC0415
+
     return ControlPlaneBench(
         workers=args.workers,
         prefill_workers=args.prefill_workers,
@@ -185,6 +193,8 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
 
 
 def _load(bl: argparse.ArgumentParser) -> None:
+    from orchestrator.bench.load import LoadSpec  # noqa: PLC0415 - imports grpc
+
     def flag(name: str, field: str, **kw: Any) -> None:
         bl.add_argument(name, default=default(LoadSpec, field), **kw)
 
@@ -213,6 +223,8 @@ def _run_load(args: argparse.Namespace) -> int:
 
 
 def load_spec(args: argparse.Namespace) -> LoadSpec:
+    from orchestrator.bench.load import LoadSpec  # noqa: PLC0415
+
     return LoadSpec(
         targets=tuple(t for t in args.target.split(",") if t),
         requests=args.requests,

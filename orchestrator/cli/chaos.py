@@ -10,9 +10,12 @@ from pathlib import Path
 
 from orchestrator.cli.common import Commands, Parents, add_command, positive_int
 
+NAME = "chaos"
+HELP = "chaos-test failover on a local cluster"
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    c = add_command(sub, "chaos", parents, help="chaos-test failover on a local cluster")
+    c = add_command(sub, NAME, parents, help=HELP)
     csub = c.add_subparsers(dest="chaos_command", required=True)
     cl = add_command(csub, "list", parents, help="list the shipped scenarios")
     cl.set_defaults(call=_list)

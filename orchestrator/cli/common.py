@@ -4,6 +4,10 @@ and the small pieces every server command runs (signals, the metrics endpoint).
 
 Defaults come from the settings the flags fill (`default`), so a default lives in one place:
 the dataclass field. The environment is read here and in the command modules only.
+
+Settings modules are imported where a command's parser is built, not when this package is:
+`pdorch plan` builds only the plan parser (`orchestrator.cli.app`) and never loads grpc,
+redis or the worker code.
 """
 
 from __future__ import annotations
@@ -11,16 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from orchestrator.errors import ConfigError
-from orchestrator.planning.planconfig import parse_price
-from orchestrator.store.redis_store import StoreSettings
-from transport.backends import BACKENDS
 
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``add_subparsers()`` returns: each command module adds its command to it."""
@@ -45,18 +46,66 @@ def default(cls: type[Any], name: str) -> Any:
     raise AttributeError(f"{cls.__name__} has no field {name!r}")
 
 
-@dataclass(frozen=True)
 class Parents:
-    """Parent parsers (``add_parser(parents=[...])``) for the flags several commands share."""
+    """Parent parsers (``add_parser(parents=[...])``) for the flags several commands share,
+    each built on first use: a command's parser reads only the settings it needs."""
 
-    logging: argparse.ArgumentParser
-    """``--log-level``/``--log-format`` after a subcommand; every command takes them."""
-    json: argparse.ArgumentParser
-    redis: argparse.ArgumentParser
-    model: argparse.ArgumentParser
-    """The engine's weights (workers, demo, precision bench) — not a performance preset."""
-    model_cache: argparse.ArgumentParser
-    transport: argparse.ArgumentParser
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = env
+
+    @functools.cached_property
+    def logging(self) -> argparse.ArgumentParser:
+        """``--log-level``/``--log-format`` after a subcommand; every command takes them."""
+        p = _parent()
+        add_logging_flags(p, self._env, top=False)
+        return p
+
+    @functools.cached_property
+    def json(self) -> argparse.ArgumentParser:
+        p = _parent()
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        return p
+
+    @functools.cached_property
+    def redis(self) -> argparse.ArgumentParser:
+        from orchestrator.store.redis_store import StoreSettings  # noqa: PLC0415 - imports redis
+
+        p = _parent()
+        p.add_argument(
+            "--redis",
+            default=self._env.get("PDORCH_REDIS_URL", default(StoreSettings, "url")),
+            help="Redis URL (default: $PDORCH_REDIS_URL, else %(default)s)",
+        )
+        return p
+
+    @functools.cached_property
+    def model(self) -> argparse.ArgumentParser:
+        """The engine's weights (workers, demo, precision bench) — not a performance preset."""
+        p = _parent()
+        p.add_argument("--model", choices=ENGINE_MODELS, default="smollm2")
+        return p
+
+    @functools.cached_property
+    def model_cache(self) -> argparse.ArgumentParser:
+        p = _parent()
+        p.add_argument(
+            "--model-cache",
+            default=self._env.get("PDORCH_MODEL_CACHE", ""),
+            help="where model weights are cached (default: $PDORCH_MODEL_CACHE, else the default)",
+        )
+        return p
+
+    @functools.cached_property
+    def transport(self) -> argparse.ArgumentParser:
+        from transport.backends import BACKENDS  # noqa: PLC0415 - imports the UCX backend
+
+        p = _parent()
+        p.add_argument("--transport", choices=BACKENDS, default="ucx")
+        return p
+
+
+def _parent() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(add_help=False)
 
 
 def add_logging_flags(p: argparse.ArgumentParser, env: Mapping[str, str], *, top: bool) -> None:
@@ -75,33 +124,6 @@ def add_logging_flags(p: argparse.ArgumentParser, env: Mapping[str, str], *, top
         default="text" if top else argparse.SUPPRESS,
         help="text, or one JSON object a line (default: text)",
     )
-
-
-def parents(env: Mapping[str, str]) -> Parents:
-    def parent() -> argparse.ArgumentParser:
-        return argparse.ArgumentParser(add_help=False)
-
-    logs = parent()
-    add_logging_flags(logs, env, top=False)
-    as_json = parent()
-    as_json.add_argument("--json", action="store_true", help="print one JSON object")
-    redis = parent()
-    redis.add_argument(
-        "--redis",
-        default=env.get("PDORCH_REDIS_URL", default(StoreSettings, "url")),
-        help="Redis URL (default: $PDORCH_REDIS_URL, else %(default)s)",
-    )
-    model = parent()
-    model.add_argument("--model", choices=ENGINE_MODELS, default="smollm2")
-    cache = parent()
-    cache.add_argument(
-        "--model-cache",
-        default=env.get("PDORCH_MODEL_CACHE", ""),
-        help="where model weights are cached (default: $PDORCH_MODEL_CACHE, else the default)",
-    )
-    transport = parent()
-    transport.add_argument("--transport", choices=BACKENDS, default="ucx")
-    return Parents(logs, as_json, redis, model, cache, transport)
 
 
 def add_command(
@@ -126,6 +148,8 @@ def positive_int(text: str) -> int:
 
 def price(text: str) -> tuple[str, float]:
     """``KIND=USD`` per GPU-hour."""
+    from orchestrator.planning.planconfig import parse_price  # noqa: PLC0415
+
     try:
         return parse_price(text)
     except ConfigError as exc:

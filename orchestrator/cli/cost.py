@@ -10,12 +10,12 @@ from collections.abc import Mapping
 
 from orchestrator.cli.common import Commands, Parents, add_command
 
+NAME = "cost"
+HELP = "what each tenant's requests cost so far"
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    co = add_command(
-        sub, "cost", parents, parents.redis, parents.json,
-        help="what each tenant's requests cost so far",
-    )  # fmt: skip
+    co = add_command(sub, NAME, parents, parents.redis, parents.json, help=HELP)
     co.set_defaults(run=run)
 
 

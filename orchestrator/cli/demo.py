@@ -9,17 +9,20 @@ from pathlib import Path
 
 from orchestrator.cli.common import Commands, Parents, add_command
 
+NAME = "demo"
+HELP = "start a local cluster and run prompts through it"
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     d = add_command(
         sub,
-        "demo",
+        NAME,
         parents,
         parents.model,
         parents.model_cache,
         parents.transport,
         parents.json,
-        help="start a local cluster and run prompts through it",
+        help=HELP,
     )
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument(

@@ -9,9 +9,12 @@ from collections.abc import Mapping
 from orchestrator.cli.common import Commands, Parents, add_command
 from orchestrator.cli.orchestrator import ServerSettings
 
+NAME = "generate"
+HELP = "stream a completion from an orchestrator"
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    g = add_command(sub, "generate", parents, help="stream a completion from an orchestrator")
+    g = add_command(sub, NAME, parents, help=HELP)
     g.add_argument("prompt")
     g.add_argument("--orchestrator", default=ServerSettings().address)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message")

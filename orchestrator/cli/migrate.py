@@ -25,12 +25,16 @@ _MODES = (
 )
 
 
+NAME = "migrate"
+HELP = "move an OpenAI service's traffic onto pdorch: shadow, canary, status, report"
+
+
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     m = add_command(
         sub,
-        "migrate",
+        NAME,
         parents,
-        help="move an OpenAI service's traffic onto pdorch: shadow, canary, status, report",
+        help=HELP,
         description="A proxy in front of the existing OpenAI-compatible service and pdorch; "
         "see README 'Migration'.",
     )

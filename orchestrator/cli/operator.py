@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from orchestrator.cli.common import Commands, Parents, add_command, default
 from orchestrator.operator.config import OperatorConfig
 
+NAME = "operator"
+HELP = "run the Kubernetes operator (DisaggregatedService)"
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    op = add_command(
-        sub, "operator", parents, help="run the Kubernetes operator (DisaggregatedService)"
-    )
+    op = add_command(sub, NAME, parents, help=HELP)
     op.add_argument(
         "--namespace", action="append", required=True, help="serve this namespace (repeatable)"
     )

@@ -23,13 +23,9 @@ from orchestrator.cli.common import (
     serve_metrics,
     until_signalled,
 )
-from orchestrator.control.orchestrator import ControlSettings
-from orchestrator.core.admission import AdmissionPolicy
-from orchestrator.core.kvdtype import KvPolicy
-from orchestrator.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
-    from orchestrator.control.orchestrator import Orchestrator
+    from orchestrator.control.orchestrator import ControlSettings, Orchestrator
     from orchestrator.gateway.server import HttpServer
 
 
@@ -66,8 +62,16 @@ SERVER_OPTIONS = (
 )
 
 
+NAME = "orchestrator"
+HELP = "run an orchestrator replica"
+
+
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    o = add_command(sub, "orchestrator", parents, parents.redis, help="run an orchestrator replica")
+    from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415 - grpc
+    from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415 - numpy
+    from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
+
+    o = add_command(sub, NAME, parents, parents.redis, help=HELP)
     o.add_argument("--host", default=default(ServerSettings, "host"))
     o.add_argument("--port", type=int, default=default(ServerSettings, "port"))
     o.add_argument("--replica-id", default=env.get("HOSTNAME", "orchestrator"))
@@ -128,6 +132,8 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 def _admission_flags(o: argparse.ArgumentParser) -> None:
+    from orchestrator.core.admission import AdmissionPolicy  # noqa: PLC0415
+
     o.add_argument(
         "--ttft-slo-ms",
         type=float,
@@ -175,11 +181,14 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 def control_settings(args: argparse.Namespace) -> ControlSettings:
     """The control plane's settings from the flags (ConfigError on a bad value)."""
+    from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415
     from orchestrator.core.admission import (  # noqa: PLC0415
+        AdmissionPolicy,
         parse_aggregate_below,
         parse_tenant_limits,
     )
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
+    from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
 
     prices = with_prices(PRICED_KINDS, dict(args.price))
     admission = AdmissionPolicy(
@@ -265,6 +274,7 @@ def _gateway(args: argparse.Namespace, control: Orchestrator) -> HttpServer:
             f"(pip install 'pdorch[gateway]'): {exc}"
         ) from exc
     from orchestrator.gateway.backend import OrchestratorBackend  # noqa: PLC0415
+    from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
 
     app = Gateway(OrchestratorBackend(control), GatewaySettings(api_key=args.api_key)).app
     return HttpServer(app, args.http_host or args.host, args.http_port, args.drain_grace)

@@ -33,13 +33,17 @@ _FLAGS = {
 """Document key ← flag (dest), for the flags laid over the document as they are."""
 
 
+NAME = "plan"
+HELP = "estimate cost and goodput of colocated and disaggregated layouts"
+
+
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     pl = add_command(
         sub,
-        "plan",
+        NAME,
         parents,
         parents.json,
-        help="estimate cost and goodput of colocated and disaggregated layouts",
+        help=HELP,
         description="Roofline estimates of colocated and prefill/decode-split layouts on GPU "
         "kinds: replicas, TTFT, TPOT, goodput and cost per 1,000 requests, and a "
         "recommendation. Flags override --config; see README 'Planner'.",

@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli.common import (
     Commands,
@@ -27,8 +27,9 @@ from orchestrator.cli.common import (
     serve_metrics,
     until_signalled,
 )
-from orchestrator.workers.server import WorkerSettings
-from transport.base import TransportSettings
+
+if TYPE_CHECKING:
+    from orchestrator.workers.server import WorkerSettings
 
 log = logging.getLogger("pdorch")
 
@@ -37,16 +38,23 @@ SIM_MAX_BATCH = 256
 CPU batch is `WorkerSettings.max_batch`."""
 
 
+NAME = "worker"
+HELP = "run a prefill or decode worker"
+
+
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
+    from orchestrator.workers.server import WorkerSettings  # noqa: PLC0415 - imports grpc
+    from transport.base import TransportSettings  # noqa: PLC0415
+
     w = add_command(
         sub,
-        "worker",
+        NAME,
         parents,
         parents.redis,
         parents.model,
         parents.model_cache,
         parents.transport,
-        help="run a prefill or decode worker",
+        help=HELP,
     )
     w.add_argument("--role", choices=("prefill", "decode"), required=True)
     w.add_argument("--host", default=default(WorkerSettings, "host"))
@@ -147,6 +155,8 @@ def worker_settings(args: argparse.Namespace, **chosen: Any) -> WorkerSettings:
     """The worker's settings from its flags. ``chosen``: fields this kind of worker sets
     (a simulated GPU's KV room and batch), overridden by ``--kv-capacity-mib`` and
     ``--max-batch`` when given; what neither sets keeps the dataclass's default."""
+    from orchestrator.workers.server import WorkerSettings  # noqa: PLC0415
+
     if args.kv_capacity_mib:
         chosen["kv_capacity_bytes"] = args.kv_capacity_mib << 20
     if args.max_batch:
@@ -174,6 +184,7 @@ async def run(args: argparse.Namespace) -> int:
     from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
     from orchestrator.workers.server import Worker  # noqa: PLC0415
     from transport.backends import make_receiver, make_sender  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
 
     if args.torch_threads > 0:
         import torch  # noqa: PLC0415 - only workers need torch
@@ -225,6 +236,7 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
     from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
     from orchestrator.workers.server import Worker  # noqa: PLC0415
     from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
     from transport.tcp import TcpDataPlane, tcp_receiver  # noqa: PLC0415
 
     try:

@@ -88,6 +88,31 @@ def test_python_dash_m_runs_the_cli() -> None:
     assert "Traceback" not in done.stderr
 
 
+def test_a_command_parser_loads_only_its_own_settings() -> None:
+    """`main` builds the chosen command's parser alone: `pdorch plan` and `pdorch --help`
+    start without grpc, redis, the worker or the control plane."""
+    code = (
+        "import sys; from orchestrator.cli import build_parser; from orchestrator.cli.app "
+        "import NAMES_ONLY; build_parser(only='plan'); build_parser(only=NAMES_ONLY); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'grpc', 'redis', 'torch'})); "
+        "print(sorted(m for m in sys.modules if m.startswith(('orchestrator.workers', "
+        "'orchestrator.control', 'orchestrator.store'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split("\n")[:2] == ["[]", "[]"], done.stdout
+
+
+def test_the_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for path in ALL_COMMANDS:
+        if len(path) == 1:
+            assert f"    {path[0]} " in out
+
+
 def test_an_unknown_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--no-such-flag"])
