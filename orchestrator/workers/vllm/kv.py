@@ -183,6 +183,7 @@ class DecodeKvControl:
                     break
                 msg = kv_channel.decode(line)
                 if msg.get("op") == "hello":
+                    self.kv_address = str(msg.get("kv_address", ""))  # a restart may move it
                     if self._hello is not None and not self._hello.done():
                         self._hello.set_result(msg)
                     continue
