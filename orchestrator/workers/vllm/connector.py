@@ -34,8 +34,9 @@ heads, head_dim 64, 128-token blocks = 46 KB of KV per token; medians):
 - staging copy on the decode side (received buffer -> vLLM's blocks, all layers):
   3.1 ms for 256 tokens (11.8 MB), 9.4 ms for 1024 (47 MB), 27 ms for 4096 (189 MB),
   i.e. 4-7 GB/s; the prefill's per-layer gather costs about the same (3.8 / 11.9 / 58 ms).
-- the layer-wise push: see the figures in `connector_worker` (tail the step waits after
-  its last layer vs the whole transfer).
+- the layer-wise push: the transfer ended inside the prefill's forward (the step waited
+  < 0.1 ms after its last layer) for 256- and 1024-token prompts; P/D prefill time equal to
+  the same engine's without a push, within noise (figures in `connector_worker`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,17 @@ with ``timeout_s``; the model runner thread copies the arrived blocks into vLLM'
 ``get_transfer_results`` (one scatter per layer for K and V), releases the buffer and reports
 the request finished. Any failure (timeout, stale epoch, refused or broken transfer, token
 count mismatch) reports it failed; vLLM then ends it with an error and frees its blocks.
+Measured in real vLLM engines here (SmolLM2-135M fp32, TCP, two engine processes on a 2-core VM
+shared with other jobs; 3 runs each): the transfer ends *inside* the prefill's forward — the
+step waited 0.02-0.04 ms after its last layer for 256- and 1024-token prompts (11.8 / 47 MB),
+so the layer-wise push hides the whole transfer behind compute; a P/D prefill took 2.0 s /
+7.1 s (medians) against 1.9 s / 7.1 s for the same engine without a push. The per-layer gather
+is on the forward's path: 30-60 ms per prompt under that load (3.8 / 12 ms on an idle core).
+The decode's staging copy took 2.9-5.0 ms (256 tokens) and 8.6-13 ms (1024 tokens) per request.
+Caveat: the transport's loop thread and vLLM's model runner share one GIL; on a busy machine
+a layer's hand-off can wait a switch interval (5 ms), which is what stretches transfers to the
+length of the forward; this is invisible while compute is longer than the transfer.
+
 Why staged: the push starts before the decode request exists, so there are no blocks to land
 in yet; landing straight into blocks needs the decode to allocate first and pull (one-sided
 reads: the transport v2 issue), which this block-shaped wire layout is ready for.
