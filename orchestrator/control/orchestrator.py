@@ -51,7 +51,7 @@ from orchestrator.core.records import (
 )
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement, place
-from orchestrator.core.state import State
+from orchestrator.core.state import Edge, State
 from orchestrator.store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -509,7 +509,7 @@ class Orchestrator:
                 with contextlib.suppress(errors.PdorchError):
                     await self.store.release_lease(run.rid, self.owner)
             elif not run.lease_lost:
-                await self._finish(run, State.CANCELLED, "cancelled", "")
+                await self._finish(run, Edge.CANCEL, "cancelled", "")
             raise
         except errors.LeaseLostError:
             raise  # the new owner records the end
@@ -524,7 +524,7 @@ class Orchestrator:
                 # This replica lost the request (its lease lapsed and a peer takes it over):
                 # what failed here is not the request's fate; the new owner continues it.
                 raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
-            await self._finish(run, State.FAILED, "error", str(exc))
+            await self._finish(run, Edge.FAIL, "error", str(exc))
             raise
         finally:
             if self._leased.get(run.rid) is run:
@@ -651,10 +651,7 @@ class Orchestrator:
             if len(run.output) >= record.max_tokens:
                 # The old owner journalled every token, then lost its lease before recording
                 # the end: record it (there is nothing left to generate).
-                await self.store.transition(
-                    rid, epoch=epoch, target=State.DECODING, sources=frozenset({State.QUEUED})
-                )
-                await self._finish(run, State.DONE, "length", "")
+                await self._finish(run, Edge.FINISH, "length", "")
                 return
             workers = await self.store.workers()
             async for _ in self._drive(run, workers):
@@ -677,14 +674,8 @@ class Orchestrator:
             raise errors.NotFoundError(f"request {run.rid!r} vanished")
         if record.state.terminal:
             raise errors.RequestEndedError(f"request {run.rid!r} is {record.state}")
-        new_epoch = record.epoch + 1
-        await self.store.transition(
-            run.rid,
-            epoch=record.epoch,
-            target=State.QUEUED,
-            new_epoch=new_epoch,
-            sources=frozenset({record.state}),
-            fields={"failovers": run.failovers},
+        new_epoch = await self.store.transition(
+            run.rid, Edge.REQUEUE, epoch=record.epoch, fields={"failovers": run.failovers}
         )
         log.warning(
             "request %s: failover %d after %s; epoch %d -> %d, resuming at token %d",
@@ -698,9 +689,6 @@ class Orchestrator:
         remaining = run.inp.max_tokens - len(run.output)
         if remaining <= 0:
             # Every token is out: what failed after the last one only cost the finish.
-            await self.store.transition(
-                run.rid, epoch=run.epoch, target=State.DECODING, sources=frozenset({State.QUEUED})
-            )
             yield await self._complete(run, "length")
             return
         now = time.monotonic()
@@ -840,9 +828,8 @@ class Orchestrator:
         prefill, decode = placement.prefill, placement.decode
         await self.store.transition(
             run.rid,
+            Edge.PREFILL,
             epoch=run.epoch,
-            target=State.PREFILLING,
-            sources=frozenset({State.QUEUED}),
             fields={
                 "mode": Mode.DISAGGREGATED,
                 "placement": placement.reason,
@@ -905,9 +892,8 @@ class Orchestrator:
         run.gpu_kind["decode"] = decode.gpu_kind
         await self.store.transition(
             run.rid,
+            Edge.KV_SENT,
             epoch=run.epoch,
-            target=State.TRANSFERRING,
-            sources=frozenset({State.PREFILLING}),
             fields={"kv_bytes": resp.kv_bytes, "kv_dtype": kv.label, "timings": _json(run.timings)},
         )
         stream = self.clients.get(decode.address).decode.Decode(
@@ -929,12 +915,7 @@ class Orchestrator:
                 async for chunk in self._watched(stream, decode, run):
                     if first:  # the decode worker adopted the KV
                         first = False
-                        await self.store.transition(
-                            run.rid,
-                            epoch=run.epoch,
-                            target=State.DECODING,
-                            sources=frozenset({State.TRANSFERRING}),
-                        )
+                        await self.store.transition(run.rid, Edge.KV_ADOPTED, epoch=run.epoch)
                     yield chunk
         finally:
             stream.cancel()  # a stop string, a failover or a cancelled client ends it early
@@ -963,9 +944,8 @@ class Orchestrator:
         run.gpu_kind.setdefault("aggregated", worker.gpu_kind)
         await self.store.transition(
             run.rid,
+            Edge.AGGREGATE,
             epoch=run.epoch,
-            target=State.DECODING,
-            sources=frozenset({State.QUEUED}),
             fields={
                 "mode": Mode.AGGREGATED,
                 "placement": placement.reason,
@@ -1098,7 +1078,7 @@ class Orchestrator:
         produced = len(run.output)
         if run.first_token_at is not None and produced > 1:
             run.timings["tpot_ms"] = (now - run.first_token_at) * 1000 / (produced - 1)
-        record = await self._finish(run, State.DONE, finish, "")
+        record = await self._finish(run, Edge.FINISH, finish, "")
         return OutChunk(run.rid, produced, [], "", finish, run.timings, record)
 
     async def _journal(self, run: _Run, entry: JournalEntry) -> None:
@@ -1147,16 +1127,15 @@ class Orchestrator:
             else:
                 return
 
-    async def _finish(
-        self, run: _Run, state: State, reason: str, error: str
-    ) -> RequestRecord | None:
+    async def _finish(self, run: _Run, edge: Edge, reason: str, error: str) -> RequestRecord | None:
+        state = edge.target
         cost = self._cost(run)
         try:
             await self._settle(run)
             await self.store.transition(
                 run.rid,
+                edge,
                 epoch=run.epoch,
-                target=state,
                 fields={
                     "finish_reason": reason,
                     "timings": _json(run.timings),
@@ -1220,10 +1199,7 @@ class Orchestrator:
         self._stop_driving(rid)  # driven here: cancelling it cancels the worker calls too
         with contextlib.suppress(errors.StaleEpochError, errors.InvalidTransitionError):
             await self.store.transition(
-                rid,
-                epoch=record.epoch,
-                target=State.CANCELLED,
-                fields={"finish_reason": "cancelled"},
+                rid, Edge.CANCEL, epoch=record.epoch, fields={"finish_reason": "cancelled"}
             )
         got = await self.store.get(rid)
         return got.state if got else State.CANCELLED

@@ -5,14 +5,8 @@ writes — no read-modify-write from Python — so two orchestrators, or an orch
 reaper, can never both win. redis-py's `Script` re-loads a script on NOSCRIPT (the script
 cache is lost when Redis restarts or fails over).
 
-Keys (``P`` is the configured prefix, ``pdorch`` by default):
-
-    P:req:{id}            hash   the `RequestRecord`
-    P:req:{id}:journal    list   `JournalEntry` JSON, contiguous token indices from 0
-    P:req:{id}:client     string set with a TTL while a client follows the request elsewhere
-    P:tenant:{t}:live     set    record keys of the tenant's live requests (only with a limit)
-    P:workers             set    worker ids that have registered
-    P:worker:{id}         string `WorkerInfo` JSON, with a TTL: the heartbeat
+It meets the store contract, `orchestrator.store.base.Store`. The key layout is
+`orchestrator.store.keys`.
 
 Redis errors are translated here: connection problems and timeouts become
 `UnavailableError`; script refusals become `StaleEpochError`/`InvalidTransitionError`.
@@ -23,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -31,7 +24,12 @@ import redis.exceptions as rexc
 
 from orchestrator import errors
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
-from orchestrator.core.state import State, sources_for
+from orchestrator.core.state import Edge, State
+from orchestrator.store.keys import Keys
+from orchestrator.store.lua import PRELUDE
+from orchestrator.store.settings import StoreSettings
+
+__all__ = ["RedisStore", "StoreSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +56,7 @@ if limit > 0 then
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[2]))
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now = now_ms()
 redis.call('HSET', KEYS[1], 'updated_at', now)
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 redis.call('SADD', KEYS[2], KEYS[1])
@@ -84,8 +81,7 @@ for i = 1, n do
     out[i] = 1
   elseif not holder and ARGV[3] == '1' then
     local cur = redis.call('HMGET', rec, 'owner', 'epoch', 'state')
-    if cur[1] == ARGV[1] and cur[2] == ARGV[3 + i] and cur[3] ~= 'done'
-        and cur[3] ~= 'failed' and cur[3] ~= 'cancelled' then
+    if cur[1] == ARGV[1] and cur[2] == ARGV[3 + i] and not TERMINAL[cur[3]] then
       redis.call('SET', lease, ARGV[1], 'PX', tonumber(ARGV[2]))
       out[i] = 1
     else
@@ -116,51 +112,47 @@ return 0
 """
 
 # KEYS[1] record, KEYS[2] lease, KEYS[3] active set. ARGV[1] new owner, ARGV[2] lease ms.
-# Takes over a live request whose owner's lease expired: epoch + 1, back to queued.
-# Returns {1, new_epoch}; {0} lease still held; {-1} missing; {-3, state} already ended.
+# Takes over a live request whose owner's lease expired: the take_over edge (epoch + 1,
+# back to queued). Returns {1, new_epoch}; {0} lease still held; {-1} missing; {-3, state}
+# already ended.
 _TAKEOVER = """
 local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
 if not cur[1] then
   redis.call('SREM', KEYS[3], KEYS[1])
   return {-1}
 end
-if cur[1] == 'done' or cur[1] == 'failed' or cur[1] == 'cancelled' then
+local edge = EDGES.take_over
+if not edge.src[cur[1]] then
   redis.call('SREM', KEYS[3], KEYS[1])
   return {-3, cur[1]}
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {0} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
-local epoch = tonumber(cur[2]) + 1
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-redis.call('HSET', KEYS[1], 'state', 'queued', 'epoch', tostring(epoch), 'owner', ARGV[1],
-  'updated_at', now)
+local epoch = tonumber(cur[2]) + edge.bump
+redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', tostring(epoch), 'owner', ARGV[1],
+  'updated_at', now_ms())
 return {1, epoch}
 """
 
 # KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease (both cleared on a terminal state).
-# ARGV[1] expected epoch, ARGV[2] new state, ARGV[3] new epoch,
-# ARGV[4] allowed source states separated by ',', ARGV[5..] field/value pairs to set.
+# ARGV[1] expected epoch, ARGV[2] the edge's name (`EDGES`), ARGV[3..] field/value pairs.
 # Returns {1, state, epoch} on success; {-1} missing; {-2, state, epoch} epoch mismatch;
-# {-3, state, epoch} state not an allowed source.
+# {-3, state, epoch} state not one of the edge's sources.
 _TRANSITION = """
+local edge = EDGES[ARGV[2]]
+if not edge then return redis.error_reply('unknown edge ' .. ARGV[2]) end
 local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
 if not cur[1] then return {-1} end
 if cur[2] ~= ARGV[1] then return {-2, cur[1], cur[2]} end
-local ok = false
-for s in string.gmatch(ARGV[4], '[^,]+') do
-  if s == cur[1] then ok = true end
-end
-if not ok then return {-3, cur[1], cur[2]} end
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'epoch', ARGV[3], 'updated_at', now)
-if #ARGV > 4 then redis.call('HSET', KEYS[1], unpack(ARGV, 5)) end
-if ARGV[2] == 'done' or ARGV[2] == 'failed' or ARGV[2] == 'cancelled' then
+if not edge.src[cur[1]] then return {-3, cur[1], cur[2]} end
+local epoch = tostring(tonumber(cur[2]) + edge.bump)
+redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', epoch, 'updated_at', now_ms())
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+if TERMINAL[edge.dst] then
   redis.call('SREM', KEYS[2], KEYS[1])
   redis.call('DEL', KEYS[3])
 end
-return {1, ARGV[2], ARGV[3]}
+return {1, edge.dst, epoch}
 """
 
 # KEYS[1] record, KEYS[2] journal. ARGV[1] epoch, ARGV[2] first index, ARGV[3] token count,
@@ -171,13 +163,12 @@ _APPEND = """
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'output_tokens', 'state')
 if not cur[1] then return {-1} end
 if cur[1] ~= ARGV[1] then return {-2, cur[1]} end
-if cur[3] == 'done' or cur[3] == 'failed' or cur[3] == 'cancelled' then return {-3, cur[3]} end
+if TERMINAL[cur[3]] then return {-3, cur[3]} end
 if cur[2] ~= ARGV[2] then return {-4, cur[2]} end
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
 local n = redis.call('HINCRBY', KEYS[1], 'output_tokens', tonumber(ARGV[3]))
-local t = redis.call('TIME')
-local now = tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local now = now_ms()
 redis.call('HSET', KEYS[1], 'updated_at', now)
 return {1, n}
 """
@@ -189,7 +180,8 @@ return {1, n}
 _EXPIRE = """
 local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'updated_at')
 if not cur[1] or cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] or cur[3] ~= ARGV[3] then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'failed', 'finish_reason', 'error', 'error', ARGV[4])
+if not EDGES.expire.src[cur[1]] then return 0 end
+redis.call('HSET', KEYS[1], 'state', EDGES.expire.dst, 'finish_reason', 'error', 'error', ARGV[4])
 redis.call('SREM', KEYS[2], KEYS[1])
 redis.call('DEL', KEYS[3])
 return 1
@@ -202,24 +194,6 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "pdorch"
-    socket_timeout_s: float = 2.0
-    """Every Redis call; a hung Redis surfaces as UnavailableError, not a hang."""
-    connect_timeout_s: float = 1.0
-    lease_ttl_s: float = 3.0
-    """An orchestrator owns a request while it refreshes this lease; then others take over."""
-    record_ttl_s: int = 24 * 3600
-    """How long finished requests stay queryable (and resubmittable idempotently)."""
-    max_connections: int = 128
-    """Connections to Redis at most; more concurrent calls wait for one (a request in flight
-    makes one call at a time, so thousands of requests share these)."""
-    pool_timeout_s: float = 5.0
-    """Longest wait for a free connection before the call fails as unavailable."""
 
 
 @contextlib.asynccontextmanager
@@ -248,35 +222,21 @@ class RedisStore:
         )
         # redis-py's asyncio API is only partly typed: Any at this one boundary.
         self._redis: Any = aioredis.Redis.from_pool(pool)  # owns the pool: closes it
-        self._create: Any = self._redis.register_script(_CREATE)
-        self._transition: Any = self._redis.register_script(_TRANSITION)
-        self._append: Any = self._redis.register_script(_APPEND)
-        self._set: Any = self._redis.register_script(_SET)
-        self._workers = f"{settings.prefix}:workers"
-        self._active = f"{settings.prefix}:active"
-        self._refresh: Any = self._redis.register_script(_REFRESH)
-        self._refresh_many: Any = self._redis.register_script(_REFRESH_MANY)
-        self._release: Any = self._redis.register_script(_RELEASE)
-        self._expire: Any = self._redis.register_script(_EXPIRE)
-        self._takeover: Any = self._redis.register_script(_TAKEOVER)
+        self._create: Any = self._redis.register_script(PRELUDE + _CREATE)
+        self._transition: Any = self._redis.register_script(PRELUDE + _TRANSITION)
+        self._append: Any = self._redis.register_script(PRELUDE + _APPEND)
+        self._set: Any = self._redis.register_script(PRELUDE + _SET)
+        self._keys = Keys(settings.prefix)
+        self._workers = self._keys.workers
+        self._active = self._keys.active
+        self._refresh: Any = self._redis.register_script(PRELUDE + _REFRESH)
+        self._refresh_many: Any = self._redis.register_script(PRELUDE + _REFRESH_MANY)
+        self._release: Any = self._redis.register_script(PRELUDE + _RELEASE)
+        self._expire: Any = self._redis.register_script(PRELUDE + _EXPIRE)
+        self._takeover: Any = self._redis.register_script(PRELUDE + _TAKEOVER)
         self._parsed: dict[str, WorkerInfo] = {}
         """Heartbeat JSON -> WorkerInfo, from the last `workers` call: a heartbeat changes
         once per interval, while `workers` runs for every request (200 parses each)."""
-
-    def _lease(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}:owner"
-
-    def _req(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}"
-
-    def _client(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}:client"
-
-    def _journal(self, rid: str) -> str:
-        return f"{self.settings.prefix}:req:{rid}:journal"
-
-    def _worker(self, wid: str) -> str:
-        return f"{self.settings.prefix}:worker:{wid}"
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -295,10 +255,10 @@ class RedisStore:
         fields = record.to_fields()
         flat = [x for kv in fields.items() for x in kv]
         rid = record.request_id
-        tenant_live = f"{self.settings.prefix}:tenant:{record.tenant}:live"
+        tenant_live = self._keys.tenant_live(record.tenant)
         async with _translated("create"):
             res = await self._create(
-                keys=[self._req(rid), self._active, self._lease(rid), tenant_live],
+                keys=[self._keys.request(rid), self._active, self._keys.lease(rid), tenant_live],
                 args=[
                     record.body_hash,
                     self.settings.record_ttl_s,
@@ -323,38 +283,30 @@ class RedisStore:
 
     async def get(self, request_id: str) -> RequestRecord | None:
         async with _translated("get"):
-            fields = await self._redis.hgetall(self._req(request_id))
+            fields = await self._redis.hgetall(self._keys.request(request_id))
         return RequestRecord.from_fields(fields) if fields else None
 
     async def transition(
         self,
         request_id: str,
+        edge: Edge,
         *,
         epoch: int,
-        target: State,
-        new_epoch: int | None = None,
-        sources: frozenset[State] | None = None,
         fields: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Atomically move the request to ``target`` if it is at ``epoch`` in an allowed state."""
+    ) -> int:
+        """Atomically take ``edge`` if the request is at ``epoch`` in one of the edge's sources;
+        the request's epoch afterwards (one more for a reassignment)."""
         if fields and {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch are set by the transition itself")
-        allowed = sources if sources is not None else sources_for(target)
         flat = [str(x) for kv in (fields or {}).items() for x in kv]
         async with _translated("transition"):
             res = await self._transition(
-                keys=[self._req(request_id), self._active, self._lease(request_id)],
-                args=[
-                    epoch,
-                    str(target),
-                    epoch if new_epoch is None else new_epoch,
-                    ",".join(sorted(str(s) for s in allowed)),
-                    *flat,
-                ],
+                keys=[self._keys.request(request_id), self._active, self._keys.lease(request_id)],
+                args=[epoch, edge.wire, *flat],
             )
         code = int(res[0])
         if code == 1:
-            return
+            return int(res[2])
         if code == -1:
             raise errors.NotFoundError(f"no request {request_id!r}")
         state, cur_epoch = res[1], res[2]
@@ -363,7 +315,7 @@ class RedisStore:
                 f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
             )
         raise errors.InvalidTransitionError(
-            f"request {request_id!r} is {state}; cannot move to {target}"
+            f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
         )
 
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
@@ -372,7 +324,7 @@ class RedisStore:
             raise ValueError("state and epoch change only through transition()")
         flat = [str(x) for kv in fields.items() for x in kv]
         async with _translated("set_fields"):
-            found = await self._set(keys=[self._req(request_id)], args=flat)
+            found = await self._set(keys=[self._keys.request(request_id)], args=flat)
         if not int(found):
             raise errors.NotFoundError(f"no request {request_id!r}")
 
@@ -380,7 +332,7 @@ class RedisStore:
         """Journal a relayed chunk; returns the new output token count."""
         async with _translated("journal append"):
             res = await self._append(
-                keys=[self._req(request_id), self._journal(request_id)],
+                keys=[self._keys.request(request_id), self._keys.journal(request_id)],
                 args=[
                     epoch,
                     entry.index,
@@ -405,7 +357,7 @@ class RedisStore:
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
         async with _translated("journal read"):
-            raw = await self._redis.lrange(self._journal(request_id), start, -1)
+            raw = await self._redis.lrange(self._keys.journal(request_id), start, -1)
         return [JournalEntry.from_json(r) for r in raw]
 
     # ------------------------------------------------------------------ ownership
@@ -413,13 +365,13 @@ class RedisStore:
     async def release_lease(self, request_id: str, owner: str) -> bool:
         """Give up ``owner``'s lease (shutting down): a peer may take the request over now."""
         async with _translated("lease release"):
-            return bool(int(await self._release(keys=[self._lease(request_id)], args=[owner])))
+            return bool(int(await self._release(keys=[self._keys.lease(request_id)], args=[owner])))
 
     async def refresh_lease(self, request_id: str, owner: str) -> bool:
         """Extend ``owner``'s lease on the request; False if it is no longer the owner."""
         async with _translated("lease refresh"):
             held = await self._refresh(
-                keys=[self._lease(request_id)],
+                keys=[self._keys.lease(request_id)],
                 args=[owner, int(self.settings.lease_ttl_s * 1000)],
             )
         return bool(int(held))
@@ -431,7 +383,7 @@ class RedisStore:
         keeper); with ``retake``, a lapsed lease nobody took is taken again (see the script)."""
         if not driven:
             return []
-        keys = [k for rid, _ in driven for k in (self._lease(rid), self._req(rid))]
+        keys = [k for rid, _ in driven for k in (self._keys.lease(rid), self._keys.request(rid))]
         args = [owner, int(self.settings.lease_ttl_s * 1000), "1" if retake else "0"]
         async with _translated("lease refresh"):
             held = await self._refresh_many(keys=keys, args=args + [e for _, e in driven])
@@ -444,13 +396,13 @@ class RedisStore:
         if not request_ids:
             return []
         async with _translated("lease holders"):
-            return list(await self._redis.mget([self._lease(r) for r in request_ids]))
+            return list(await self._redis.mget([self._keys.lease(r) for r in request_ids]))
 
     async def take_over(self, request_id: str, owner: str) -> int | None:
         """Become the owner of a live request whose lease expired; returns the new epoch."""
         async with _translated("take over"):
             res = await self._takeover(
-                keys=[self._req(request_id), self._lease(request_id), self._active],
+                keys=[self._keys.request(request_id), self._keys.lease(request_id), self._active],
                 args=[owner, int(self.settings.lease_ttl_s * 1000)],
             )
         return int(res[1]) if int(res[0]) == 1 else None
@@ -466,7 +418,7 @@ class RedisStore:
         async with _translated("progress"):
             pipe = self._redis.pipeline(transaction=False)
             for rid in request_ids:
-                pipe.hmget(self._req(rid), "state", "epoch", "updated_at")
+                pipe.hmget(self._keys.request(rid), "state", "epoch", "updated_at")
             rows = await pipe.execute()
         return {
             rid: (State(row[0]), int(row[1]), row[2] or "0")
@@ -480,14 +432,14 @@ class RedisStore:
         """Fail a request that made no progress since (state, epoch, updated_at) was read."""
         async with _translated("expire"):
             done = await self._expire(
-                keys=[self._req(request_id), self._active, self._lease(request_id)],
+                keys=[self._keys.request(request_id), self._active, self._keys.lease(request_id)],
                 args=[str(state), str(epoch), updated_at, error],
             )
         return bool(int(done))
 
     async def add_tenant_cost(self, tenant: str, cost: Mapping[str, Any]) -> None:
         """Add a finished request's cost to its tenant's running totals."""
-        key = f"{self.settings.prefix}:tenant:{tenant}"
+        key = self._keys.tenant_cost(tenant)
         async with _translated("tenant cost"):
             pipe = self._redis.pipeline(transaction=True)
             pipe.hincrby(key, "requests", 1)
@@ -495,54 +447,53 @@ class RedisStore:
                          "transfer_usd"):  # fmt: skip
                 pipe.hincrbyfloat(key, name, float(cost.get(name, 0.0)))
             pipe.hincrby(key, "transfer_bytes", int(cost.get("transfer_bytes", 0)))
-            pipe.sadd(f"{self.settings.prefix}:tenants", tenant)
+            pipe.sadd(self._keys.tenants, tenant)
             await pipe.execute()
 
     async def tenant_costs(self) -> dict[str, dict[str, float]]:
         """Every tenant's totals: requests, usd, GPU-seconds per pool, transfer."""
         async with _translated("tenant costs"):
-            tenants = sorted(await self._redis.smembers(f"{self.settings.prefix}:tenants"))
+            tenants = sorted(await self._redis.smembers(self._keys.tenants))
             out = {}
             for tenant in tenants:
-                raw = await self._redis.hgetall(f"{self.settings.prefix}:tenant:{tenant}")
+                raw = await self._redis.hgetall(self._keys.tenant_cost(tenant))
                 out[tenant] = {k: float(v) for k, v in raw.items()}
         return out
 
     async def touch_client(self, request_id: str, ttl_s: float) -> None:
         """A client is attached to the request (following it) for the next ``ttl_s``."""
         async with _translated("touch_client"):
-            await self._redis.set(self._client(request_id), "1", px=int(ttl_s * 1000))
+            await self._redis.set(self._keys.client(request_id), "1", px=int(ttl_s * 1000))
 
     async def client_attached(self, request_id: str) -> bool:
         async with _translated("client_attached"):
-            return bool(await self._redis.exists(self._client(request_id)))
+            return bool(await self._redis.exists(self._keys.client(request_id)))
 
     async def active(self) -> list[str]:
         """Ids of requests not yet in a terminal state."""
-        prefix = f"{self.settings.prefix}:req:"
         async with _translated("active requests"):
             keys = await self._redis.smembers(self._active)
-        return sorted(k[len(prefix) :] for k in keys if k.startswith(prefix))
+        return sorted(rid for k in keys if (rid := self._keys.request_id(k)) is not None)
 
     # ------------------------------------------------------------------------- workers
 
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         async with _translated("heartbeat"):
             pipe = self._redis.pipeline(transaction=True)
-            pipe.set(self._worker(info.worker_id), info.to_json(), px=int(ttl_s * 1000))
+            pipe.set(self._keys.worker(info.worker_id), info.to_json(), px=int(ttl_s * 1000))
             pipe.sadd(self._workers, info.worker_id)
             await pipe.execute()
 
     async def deregister(self, worker_id: str) -> None:
         async with _translated("deregister"):
             pipe = self._redis.pipeline(transaction=True)
-            pipe.delete(self._worker(worker_id))
+            pipe.delete(self._keys.worker(worker_id))
             pipe.srem(self._workers, worker_id)
             await pipe.execute()
 
     async def worker_alive(self, worker_id: str) -> bool:
         async with _translated("worker heartbeat"):
-            return bool(await self._redis.exists(self._worker(worker_id)))
+            return bool(await self._redis.exists(self._keys.worker(worker_id)))
 
     async def workers(self) -> list[WorkerInfo]:
         """Workers whose heartbeat is alive (expired ones are pruned from the index)."""
@@ -550,7 +501,7 @@ class RedisStore:
             ids = sorted(await self._redis.smembers(self._workers))
             if not ids:
                 return []
-            values = await self._redis.mget([self._worker(i) for i in ids])
+            values = await self._redis.mget([self._keys.worker(i) for i in ids])
             dead = [i for i, v in zip(ids, values, strict=True) if v is None]
             if dead:
                 await self._redis.srem(self._workers, *dead)

@@ -1,4 +1,10 @@
-"""`RedisStore` against a real `redis-server` on loopback, started by this module.
+"""The store contract (`orchestrator.store.base.Store`), run against both implementations:
+`RedisStore` on a real `redis-server` on loopback, started by this module, and `MemoryStore`.
+
+Every semantic test takes the `backend` fixture and runs once per implementation. Tests that
+need a real Redis by nature (key TTLs, the script cache, killed, restarted or hung servers)
+take `settings` or `doomed` and run against Redis only; the in-memory store's own TTL and
+outage behaviour is covered in ``tests/unit/test_memory_store.py``.
 
 Each test runs its scenario under `asyncio.run` with a hard deadline and works under its own
 key prefix, so the tests share one server without seeing each other's keys. Nothing waits on
@@ -9,9 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import itertools
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
@@ -23,10 +28,14 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator import errors
-from orchestrator.cluster import free_port, redis_server_binary
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
-from orchestrator.core.state import State
+from orchestrator.core.state import ENDING, Edge, State, apply
+from orchestrator.ports import free_port
+from orchestrator.store.base import Store
+from orchestrator.store.keys import Keys
+from orchestrator.store.memory import MemoryStore
 from orchestrator.store.redis_store import RedisStore, StoreSettings
+from orchestrator.store.server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,72 +43,14 @@ T = TypeVar("T")
 
 SOCKET_TIMEOUT_S = 0.5
 """Short, so a hung or dead server is noticed fast; a healthy loopback call takes ~0.1 ms."""
-STARTUP_DEADLINE_S = 10.0
 
 
 # ------------------------------------------------------------------ a real redis-server
 
 
-@dataclass
-class RedisServer:
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
-def start_redis(workdir: Path, port: int = 0) -> RedisServer:
-    """Start redis-server on loopback (no persistence) and wait until it answers PING."""
-    port = port or free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / f"redis-{port}.log"
-    argv = [
-        redis_server_binary(),
-        *("--port", str(port), "--bind", "127.0.0.1"),
-        *("--save", "", "--appendonly", "no"),
-        *("--dir", str(workdir), "--logfile", str(log)),
-    ]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    server = RedisServer(port, proc, log)
-    try:
-        wait_for_ping(server)
-    except BaseException:
-        server.kill()
-        raise
-    return server
-
-
-def wait_for_ping(server: RedisServer) -> None:
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    client = redis.Redis(port=server.port, socket_connect_timeout=0.2, socket_timeout=0.2)
-    try:
-        while True:
-            if server.proc.poll() is not None:
-                tail = server.log.read_text() if server.log.exists() else ""
-                raise RuntimeError(f"redis-server exited {server.proc.returncode}: {tail[-2000:]}")
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server not answering PING on {server.port}")
-            time.sleep(0.01)  # poll interval while waiting on a condition with a deadline
-    finally:
-        client.close()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    s = start_redis(tmp_path_factory.mktemp("redis"))
+    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
     try:
         yield s
     finally:
@@ -109,17 +60,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 @pytest.fixture
 def doomed(tmp_path: Path) -> Iterator[RedisServer]:
     """A server of the test's own, which the test may kill or stop."""
-    s = start_redis(tmp_path)
+    s = RedisServer(tmp_path).start()
     try:
         yield s
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(s.proc.pid, signal.SIGCONT)
         s.kill()
 
 
 @pytest.fixture
 def settings(server: RedisServer, request: pytest.FixtureRequest) -> StoreSettings:
+    """Settings for a `RedisStore` on the module's server, under the test's own prefix."""
     return StoreSettings(
         url=server.url,
         prefix=f"test:{request.node.name}",
@@ -127,6 +77,49 @@ def settings(server: RedisServer, request: pytest.FixtureRequest) -> StoreSettin
         connect_timeout_s=SOCKET_TIMEOUT_S,
         record_ttl_s=600,
     )
+
+
+# ------------------------------------------------------------------ the implementations
+
+
+@dataclass
+class Backend:
+    """One implementation under test: `open` gives clients (replicas) of one shared state."""
+
+    settings: StoreSettings
+    memory: MemoryStore | None = None
+    """The in-memory store whose peers `open` hands out; None: Redis."""
+
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[Store]:
+        store: Store = RedisStore(self.settings) if self.memory is None else self.memory.peer()
+        try:
+            yield store
+        finally:
+            await store.close()
+
+    async def force_state(self, request_id: str, state: State) -> None:
+        """Put a record in any state behind the store's back (no edge leads everywhere)."""
+        if self.memory is not None:
+            self.memory.force_state(request_id, state)
+            return
+        async with raw(self.settings.url) as client:
+            await client.hset(Keys(self.settings.prefix).request(request_id), "state", str(state))
+
+    async def worker_index(self) -> set[str]:
+        """The registered-worker index as stored, expired workers not yet pruned included."""
+        if self.memory is not None:
+            return self.memory.worker_index()
+        async with raw(self.settings.url) as client:
+            return set(await client.smembers(Keys(self.settings.prefix).workers))
+
+
+@pytest.fixture(params=["redis", "memory"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    if request.param == "memory":
+        settings = StoreSettings(url="memory://", record_ttl_s=600)
+        return Backend(settings, MemoryStore(settings))
+    return Backend(request.getfixturevalue("settings"))
 
 
 # ------------------------------------------------------------------ helpers
@@ -141,6 +134,7 @@ def run(scenario: Callable[[], Coroutine[Any, Any, T]], limit_s: float = 10.0) -
 
 @contextlib.asynccontextmanager
 async def opened(settings: StoreSettings) -> AsyncIterator[RedisStore]:
+    """A Redis store (for the Redis-only tests)."""
     store = RedisStore(settings)
     try:
         yield store
@@ -204,40 +198,41 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float, wha
 # ------------------------------------------------------------------ records
 
 
-def test_create_then_get_round_trips(settings: StoreSettings) -> None:
+def test_create_then_get_round_trips(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.create(record()) is None
             assert stored(await store.get("r1")) == record()
 
     run(scenario)
 
 
-def test_get_unknown_is_none(settings: StoreSettings) -> None:
+def test_get_unknown_is_none(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.get("nobody") is None
 
     run(scenario)
 
 
-def test_duplicate_create_returns_the_existing_record(settings: StoreSettings) -> None:
+def test_duplicate_create_returns_the_existing_record(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             first = record(body="1" * 32)
             assert await store.create(first) is None
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
             again = await store.create(record(body="2" * 32))
             assert stored(again) == replace(first, state=State.PREFILLING)  # untouched
 
     run(scenario)
 
 
+# Redis only: reads the key's TTL (memory: test_memory_store.py, records expire).
 def test_create_sets_the_record_ttl(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store, raw(settings.url) as client:
             await store.create(record())
-            ttl = await client.ttl(f"{settings.prefix}:req:r1")
+            ttl = await client.ttl(Keys(settings.prefix).request("r1"))
             assert 0 < ttl <= settings.record_ttl_s
 
     run(scenario)
@@ -246,16 +241,12 @@ def test_create_sets_the_record_ttl(settings: StoreSettings) -> None:
 # ------------------------------------------------------------------ transitions
 
 
-def test_transition_from_an_allowed_source(settings: StoreSettings) -> None:
+def test_transition_from_an_allowed_source(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
             await store.transition(
-                "r1",
-                epoch=0,
-                target=State.PREFILLING,
-                sources=frozenset({State.QUEUED}),
-                fields={"prefill_worker": "p1", "kv_bytes": 42},
+                "r1", Edge.PREFILL, epoch=0, fields={"prefill_worker": "p1", "kv_bytes": 42}
             )
             got = await store.get("r1")
             assert got is not None
@@ -265,12 +256,12 @@ def test_transition_from_an_allowed_source(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def test_transition_walks_the_happy_path(settings: StoreSettings) -> None:
+def test_transition_walks_the_happy_path(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
-            for target in (State.PREFILLING, State.TRANSFERRING, State.DECODING, State.DONE):
-                await store.transition("r1", epoch=0, target=target)
+            for edge in (Edge.PREFILL, Edge.KV_SENT, Edge.KV_ADOPTED, Edge.FINISH):
+                await store.transition("r1", edge, epoch=0)
             got = await store.get("r1")
             assert got is not None
             assert got.state is State.DONE
@@ -278,13 +269,13 @@ def test_transition_walks_the_happy_path(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def test_stale_epoch_is_refused(settings: StoreSettings) -> None:
+def test_stale_epoch_is_refused(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record(epoch=2))
             for wrong in (1, 3):
                 with pytest.raises(errors.StaleEpochError):
-                    await store.transition("r1", epoch=wrong, target=State.PREFILLING)
+                    await store.transition("r1", Edge.PREFILL, epoch=wrong)
             got = await store.get("r1")
             assert got is not None
             assert (got.state, got.epoch) == (State.QUEUED, 2)
@@ -292,18 +283,14 @@ def test_stale_epoch_is_refused(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def test_wrong_state_is_refused(settings: StoreSettings) -> None:
+def test_wrong_state_is_refused(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
             with pytest.raises(errors.InvalidTransitionError, match="prefilling") as info:
                 await store.transition(
-                    "r1",
-                    epoch=0,
-                    target=State.DECODING,
-                    sources=frozenset({State.QUEUED}),
-                    fields={"decode_worker": "d9"},
+                    "r1", Edge.AGGREGATE, epoch=0, fields={"decode_worker": "d9"}
                 )
             assert info.type is errors.InvalidTransitionError
             got = await store.get("r1")
@@ -313,48 +300,74 @@ def test_wrong_state_is_refused(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def test_default_sources_follow_the_state_machine(settings: StoreSettings) -> None:
+def test_sources_follow_the_state_machine(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
             with pytest.raises(errors.InvalidTransitionError):
-                await store.transition("r1", epoch=0, target=State.DONE)  # queued -> done
-            await store.transition("r1", epoch=0, target=State.DECODING)  # aggregated
-            await store.transition("r1", epoch=0, target=State.CANCELLED)
+                await store.transition("r1", Edge.KV_ADOPTED, epoch=0)  # queued: no KV sent
+            await store.transition("r1", Edge.AGGREGATE, epoch=0)
+            await store.transition("r1", Edge.CANCEL, epoch=0)
             with pytest.raises(errors.InvalidTransitionError):
-                await store.transition("r1", epoch=0, target=State.FAILED)  # already ended
+                await store.transition("r1", Edge.FAIL, epoch=0)  # already ended
 
     run(scenario)
 
 
-def test_transition_of_unknown_request_is_not_found(settings: StoreSettings) -> None:
+def test_every_edge_in_the_store_agrees_with_the_python_rule(backend: Backend) -> None:
+    # The Lua scripts are rendered from `core.state`: from every state, each edge does in Redis
+    # (and in memory) exactly what `apply` says (target and epoch), or is refused with nothing
+    # written.
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
+            for edge, state in itertools.product(Edge, State):
+                rid = f"{edge.wire}-{state}"
+                await store.create(record(rid, epoch=3))
+                await backend.force_state(rid, state)
+                try:
+                    expected: tuple[State, int] | None = apply(edge, state, 3)
+                except errors.InvalidTransitionError:
+                    expected = None
+                if expected is None:
+                    with pytest.raises(errors.InvalidTransitionError):
+                        await store.transition(rid, edge, epoch=3)
+                else:
+                    assert await store.transition(rid, edge, epoch=3) == expected[1]
+                got = await store.get(rid)
+                assert got is not None
+                assert (got.state, got.epoch) == (expected or (state, 3)), (edge, state)
+
+    run(scenario)
+
+
+def test_transition_of_unknown_request_is_not_found(backend: Backend) -> None:
+    async def scenario() -> None:
+        async with backend.open() as store:
             with pytest.raises(errors.NotFoundError):
-                await store.transition("nobody", epoch=0, target=State.PREFILLING)
+                await store.transition("nobody", Edge.PREFILL, epoch=0)
 
     run(scenario)
 
 
-def test_new_epoch_fences_the_old_one(settings: StoreSettings) -> None:
+def test_new_epoch_fences_the_old_one(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
-            await store.transition("r1", epoch=0, target=State.QUEUED, new_epoch=1)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
+            assert await store.transition("r1", Edge.REQUEUE, epoch=0) == 1
             got = await store.get("r1")
             assert got is not None
             assert (got.state, got.epoch) == (State.QUEUED, 1)
             with pytest.raises(errors.StaleEpochError):
-                await store.transition("r1", epoch=0, target=State.PREFILLING)
-            await store.transition("r1", epoch=1, target=State.PREFILLING)
+                await store.transition("r1", Edge.PREFILL, epoch=0)
+            await store.transition("r1", Edge.PREFILL, epoch=1)
 
     run(scenario)
 
 
-def test_set_fields_writes_informational_fields(settings: StoreSettings) -> None:
+def test_set_fields_writes_informational_fields(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
             await store.set_fields("r1", {"decode_worker": "d1", "kv_bytes": 7})
             got = await store.get("r1")
@@ -365,9 +378,9 @@ def test_set_fields_writes_informational_fields(settings: StoreSettings) -> None
 
 
 @pytest.mark.parametrize("field", ["state", "epoch"])
-def test_set_fields_refuses_state_and_epoch(settings: StoreSettings, field: str) -> None:
+def test_set_fields_refuses_state_and_epoch(backend: Backend, field: str) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
             with pytest.raises(ValueError, match="transition"):
                 await store.set_fields("r1", {field: "1", "owner": "x"})
@@ -377,20 +390,16 @@ def test_set_fields_refuses_state_and_epoch(settings: StoreSettings, field: str)
 
 
 @pytest.mark.parametrize("bump", [True, False], ids=["new-epoch", "same-epoch"])
-def test_concurrent_transitions_have_exactly_one_winner(
-    settings: StoreSettings, bump: bool
-) -> None:
+def test_concurrent_transitions_have_exactly_one_winner(backend: Backend, bump: bool) -> None:
     async def scenario() -> None:
-        async with opened(settings) as a, opened(settings) as b:  # two orchestrators
+        async with backend.open() as a, backend.open() as b:  # two orchestrators
             await a.create(record())
 
             async def attempt(i: int) -> None:
                 await (a if i % 2 else b).transition(
                     "r1",
+                    Edge.REQUEUE if bump else Edge.PREFILL,
                     epoch=0,
-                    target=State.PREFILLING,
-                    new_epoch=1 if bump else None,
-                    sources=frozenset({State.QUEUED}),
                     fields={"owner": f"o{i}"},
                 )
 
@@ -402,7 +411,7 @@ def test_concurrent_transitions_have_exactly_one_winner(
             got = await a.get("r1")
             assert got is not None
             assert (got.state, got.epoch, got.owner) == (
-                State.PREFILLING,
+                State.QUEUED if bump else State.PREFILLING,
                 1 if bump else 0,
                 f"o{winners[0]}",
             )
@@ -413,9 +422,9 @@ def test_concurrent_transitions_have_exactly_one_winner(
 # ------------------------------------------------------------------ journal
 
 
-def test_journal_appends_contiguously_and_reads_from_an_offset(settings: StoreSettings) -> None:
+def test_journal_appends_contiguously_and_reads_from_an_offset(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
             first = JournalEntry(0, (10, 11, 12), "abc")
             second = JournalEntry(3, (13,), "d")
@@ -433,20 +442,18 @@ def test_journal_appends_contiguously_and_reads_from_an_offset(settings: StoreSe
     run(scenario)
 
 
-def test_journal_of_unknown_request_is_empty(settings: StoreSettings) -> None:
+def test_journal_of_unknown_request_is_empty(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.journal("nobody") == []
 
     run(scenario)
 
 
 @pytest.mark.parametrize(("index", "what"), [(0, "duplicate"), (1, "overlap"), (3, "gap")])
-def test_journal_refuses_out_of_place_chunks(
-    settings: StoreSettings, index: int, what: str
-) -> None:
+def test_journal_refuses_out_of_place_chunks(backend: Backend, index: int, what: str) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
             await store.append("r1", 0, JournalEntry(0, (1, 2), "ab"))
             with pytest.raises(errors.JournalGapError, match="journal ends at 2") as info:
@@ -460,12 +467,12 @@ def test_journal_refuses_out_of_place_chunks(
     run(scenario)
 
 
-def test_journal_is_epoch_checked(settings: StoreSettings) -> None:
+def test_journal_is_epoch_checked(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.PREFILLING)
-            await store.transition("r1", epoch=0, target=State.QUEUED, new_epoch=1)
+            await store.transition("r1", Edge.PREFILL, epoch=0)
+            await store.transition("r1", Edge.REQUEUE, epoch=0)
             for wrong in (0, 2):
                 with pytest.raises(errors.StaleEpochError):
                     await store.append("r1", wrong, JournalEntry(0, (1,), "a"))
@@ -476,13 +483,13 @@ def test_journal_is_epoch_checked(settings: StoreSettings) -> None:
 
 
 @pytest.mark.parametrize("end", [State.DONE, State.FAILED, State.CANCELLED])
-def test_journal_is_refused_after_the_request_ended(settings: StoreSettings, end: State) -> None:
+def test_journal_is_refused_after_the_request_ended(backend: Backend, end: State) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             await store.create(record())
-            await store.transition("r1", epoch=0, target=State.DECODING)
+            await store.transition("r1", Edge.AGGREGATE, epoch=0)
             await store.append("r1", 0, JournalEntry(0, (1,), "a"))
-            await store.transition("r1", epoch=0, target=end)
+            await store.transition("r1", ENDING[end], epoch=0)
             with pytest.raises(errors.RequestEndedError, match=str(end)):
                 await store.append("r1", 0, JournalEntry(1, (2,), "b"))
             assert await store.journal("r1") == [JournalEntry(0, (1,), "a")]
@@ -490,21 +497,22 @@ def test_journal_is_refused_after_the_request_ended(settings: StoreSettings, end
     run(scenario)
 
 
-def test_journal_of_unknown_request_is_not_found(settings: StoreSettings) -> None:
+def test_journal_of_unknown_request_is_not_found(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             with pytest.raises(errors.NotFoundError):
                 await store.append("nobody", 0, JournalEntry(0, (1,), "a"))
 
     run(scenario)
 
 
+# Redis only: reads the key's TTL (memory: test_memory_store.py, journals expire).
 def test_journal_expires_with_the_record(settings: StoreSettings) -> None:
     async def scenario() -> None:
         async with opened(settings) as store, raw(settings.url) as client:
             await store.create(record())
             await store.append("r1", 0, JournalEntry(0, (1,), "a"))
-            ttl = await client.ttl(f"{settings.prefix}:req:r1:journal")
+            ttl = await client.ttl(Keys(settings.prefix).journal("r1"))
             assert 0 < ttl <= settings.record_ttl_s
 
     run(scenario)
@@ -513,9 +521,9 @@ def test_journal_expires_with_the_record(settings: StoreSettings) -> None:
 # ------------------------------------------------------------------ workers
 
 
-def test_heartbeat_lists_workers(settings: StoreSettings) -> None:
+def test_heartbeat_lists_workers(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.workers() == []
             await store.heartbeat(info("w2"), ttl_s=30)
             await store.heartbeat(info("w1"), ttl_s=30)
@@ -526,22 +534,22 @@ def test_heartbeat_lists_workers(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def test_deregister_removes_a_worker(settings: StoreSettings) -> None:
+def test_deregister_removes_a_worker(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store, raw(settings.url) as client:
+        async with backend.open() as store:
             await store.heartbeat(info("w1"), ttl_s=30)
             await store.heartbeat(info("w2"), ttl_s=30)
             await store.deregister("w1")
             await store.deregister("never-registered")
             assert await store.workers() == [info("w2")]
-            assert await client.smembers(f"{settings.prefix}:workers") == {"w2"}
+            assert await backend.worker_index() == {"w2"}
 
     run(scenario)
 
 
-def test_expired_heartbeat_drops_the_worker(settings: StoreSettings) -> None:
+def test_expired_heartbeat_drops_the_worker(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store, raw(settings.url) as client:
+        async with backend.open() as store:
             await store.heartbeat(info("short"), ttl_s=0.3)
             await store.heartbeat(info("long"), ttl_s=30)
             assert [w.worker_id for w in await store.workers()] == ["long", "short"]
@@ -551,14 +559,14 @@ def test_expired_heartbeat_drops_the_worker(settings: StoreSettings) -> None:
 
             await eventually(short_gone, 5.0, "the 0.3 s heartbeat to expire")
             # The index is pruned too, not just filtered.
-            assert await client.smembers(f"{settings.prefix}:workers") == {"long"}
+            assert await backend.worker_index() == {"long"}
 
     run(scenario)
 
 
-def test_worker_alive_follows_the_heartbeat(settings: StoreSettings) -> None:
+def test_worker_alive_follows_the_heartbeat(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert not await store.worker_alive("w1")
             await store.heartbeat(info("w1"), ttl_s=30)
             await store.heartbeat(info("w2"), ttl_s=0.3)
@@ -582,20 +590,21 @@ async def script_loads(client: Any) -> int:
     return int(stats.get("cmdstat_script|load", {}).get("calls", 0))
 
 
+# Redis only: NOSCRIPT after a flushed script cache exists only in Redis.
 def test_scripts_survive_a_script_cache_flush(settings: StoreSettings) -> None:
     # NOSCRIPT (as after a restart or failover): the store must reload its Lua and carry on.
     async def scenario() -> None:
         async with opened(settings) as store, raw(settings.url) as client:
             await store.create(record("r1"))
-            await store.transition("r1", epoch=0, target=State.DECODING)
+            await store.transition("r1", Edge.AGGREGATE, epoch=0)
             await store.append("r1", 0, JournalEntry(0, (1,), "a"))
             loads_before = await script_loads(client)
             assert await client.script_flush() is True
-            await store.transition("r1", epoch=0, target=State.DONE)
+            await store.transition("r1", Edge.FINISH, epoch=0)
             assert await client.script_flush() is True
             assert await store.create(record("r2")) is None
             assert await client.script_flush() is True
-            await store.transition("r2", epoch=0, target=State.DECODING)
+            await store.transition("r2", Edge.AGGREGATE, epoch=0)
             assert await client.script_flush() is True
             assert await store.append("r2", 0, JournalEntry(0, (1,), "a")) == 1
             got = await store.get("r1")
@@ -615,12 +624,12 @@ def doomed_settings(url: str) -> StoreSettings:
     )
 
 
-def every_call(store: RedisStore) -> list[Callable[[], Awaitable[object]]]:
+def every_call(store: Store) -> list[Callable[[], Awaitable[object]]]:
     return [
         store.ping,
         lambda: store.create(record("r2")),
         lambda: store.get("r1"),
-        lambda: store.transition("r1", epoch=0, target=State.PREFILLING),
+        lambda: store.transition("r1", Edge.PREFILL, epoch=0),
         lambda: store.set_fields("r1", {"owner": "x"}),
         lambda: store.append("r1", 0, JournalEntry(0, (1,), "a")),
         lambda: store.journal("r1"),
@@ -631,7 +640,7 @@ def every_call(store: RedisStore) -> list[Callable[[], Awaitable[object]]]:
     ]
 
 
-async def assert_unavailable_fast(store: RedisStore) -> None:
+async def assert_unavailable_fast(store: Store) -> None:
     for call in every_call(store):
         started = time.monotonic()
         with pytest.raises(errors.UnavailableError, match="unreachable"):
@@ -639,6 +648,7 @@ async def assert_unavailable_fast(store: RedisStore) -> None:
         assert time.monotonic() - started < SOCKET_TIMEOUT_S, call
 
 
+# Redis only: a killed server (memory: test_an_unavailable_memory_store_fails_every_call).
 def test_killed_redis_is_unavailable_not_a_hang(doomed: RedisServer) -> None:
     async def scenario() -> None:
         async with opened(doomed_settings(doomed.url)) as store:
@@ -649,23 +659,22 @@ def test_killed_redis_is_unavailable_not_a_hang(doomed: RedisServer) -> None:
     run(scenario)
 
 
-def test_store_recovers_when_redis_comes_back(doomed: RedisServer, tmp_path: Path) -> None:
+# Redis only: a restarted server and the connection pool reconnecting.
+def test_store_recovers_when_redis_comes_back(doomed: RedisServer) -> None:
     async def scenario() -> None:
         async with opened(doomed_settings(doomed.url)) as store:
             await store.ping()
             doomed.kill()
             with pytest.raises(errors.UnavailableError):
                 await store.ping()
-            revived = start_redis(tmp_path / "again", port=doomed.port)
-            try:
-                await store.ping()
-                assert await store.create(record("r1")) is None
-            finally:
-                revived.kill()
+            doomed.restart()  # the same port
+            await store.ping()
+            assert await store.create(record("r1")) is None
 
     run(scenario)
 
 
+# Redis only: connections refused.
 def test_never_started_redis_is_unavailable() -> None:
     nobody = f"redis://127.0.0.1:{free_port()}/0"  # a free port: connections are refused
 
@@ -676,11 +685,12 @@ def test_never_started_redis_is_unavailable() -> None:
     run(scenario)
 
 
+# Redis only: a stopped server and the socket timeout.
 def test_hung_redis_times_out_as_unavailable(doomed: RedisServer) -> None:
     async def scenario() -> None:
         async with opened(doomed_settings(doomed.url)) as store:
             await store.ping()
-            os.kill(doomed.proc.pid, signal.SIGSTOP)  # the fixture resumes and kills it
+            doomed.signal(signal.SIGSTOP)  # the fixture kills it
             started = time.monotonic()
             with pytest.raises(errors.UnavailableError) as info:
                 await store.get("r1")
@@ -691,12 +701,40 @@ def test_hung_redis_times_out_as_unavailable(doomed: RedisServer) -> None:
     run(scenario)
 
 
+def test_an_unavailable_memory_store_fails_every_call() -> None:
+    # The in-memory store's outage switch, for fast outage tests of the control plane.
+    async def scenario() -> None:
+        store = MemoryStore()
+        peer = store.peer()
+        await store.create(record("r1"))
+        store.available = False  # an outage of the shared store: every client sees it
+        await assert_unavailable_fast(peer)
+        store.available = True
+        store.fail_next(2)
+        for _ in range(2):
+            with pytest.raises(errors.UnavailableError, match="unreachable"):
+                await peer.transition("r1", Edge.PREFILL, epoch=0)
+        await peer.transition("r1", Edge.PREFILL, epoch=0)  # nothing was written before
+        got = await store.get("r1")
+        assert got is not None
+        assert got.state is State.PREFILLING
+        store.lose_replies(1)  # the write lands, its reply does not
+        with pytest.raises(errors.UnavailableError, match="reply lost"):
+            await peer.append("r1", 0, JournalEntry(0, (1,), "a"))
+        with pytest.raises(errors.JournalGapError) as gap:
+            await peer.append("r1", 0, JournalEntry(0, (1,), "a"))  # the writer's retry
+        assert gap.value.journal_end == 1
+        assert await store.journal("r1") == [JournalEntry(0, (1,), "a")]
+
+    run(scenario)
+
+
 # ------------------------------------------------------------------ hand-off and attachment
 
 
-def test_lease_holders_and_refreshes_in_one_call(settings: StoreSettings) -> None:
+def test_lease_holders_and_refreshes_in_one_call(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.lease_holders([]) == []
             assert await store.create(record("l1", epoch=1)) is None  # owner orch-1
             assert await store.create(record("l2", epoch=1)) is None
@@ -713,20 +751,20 @@ def test_lease_holders_and_refreshes_in_one_call(settings: StoreSettings) -> Non
 
 
 def test_a_lapsed_lease_nobody_took_is_retaken_only_by_its_owner(
-    settings: StoreSettings,
+    backend: Backend,
 ) -> None:
     """A replica whose event loop stalled past its lease TTL gets the lease back if no peer
     took the request over meanwhile; never after a takeover, a hand-off or the end."""
 
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             for rid in ("a", "b", "c", "d"):
                 assert await store.create(record(rid, epoch=1)) is None  # owner orch-1
                 assert await store.release_lease(rid, "orch-1")  # as if it lapsed
             assert await store.take_over("b", "orch-2") == 2  # a peer took b over
             assert await store.release_lease("b", "orch-2")  # ... and its lease lapsed too
-            await store.transition("c", epoch=1, target=State.DECODING)
-            await store.transition("c", epoch=1, target=State.DONE)
+            await store.transition("c", Edge.AGGREGATE, epoch=1)
+            await store.transition("c", Edge.FINISH, epoch=1)
             held = await store.refresh_leases([("a", 1), ("b", 1), ("c", 1), ("d", 2)], "orch-1")
             # a: retaken; b: the record names orch-2 at epoch 2; c: ended; d: wrong epoch.
             assert held == [True, False, False, False]
@@ -736,9 +774,9 @@ def test_a_lapsed_lease_nobody_took_is_retaken_only_by_its_owner(
     run(scenario)
 
 
-def test_release_lease_lets_a_peer_take_over_at_once(settings: StoreSettings) -> None:
+def test_release_lease_lets_a_peer_take_over_at_once(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.create(record("h1", epoch=1)) is None  # owner orch-1
             assert await store.take_over("h1", "orch-2") is None  # the lease is held
             assert not await store.release_lease("h1", "orch-2")  # not the holder: no-op
@@ -752,9 +790,9 @@ def test_release_lease_lets_a_peer_take_over_at_once(settings: StoreSettings) ->
     run(scenario)
 
 
-def test_client_attachment_expires(settings: StoreSettings) -> None:
+def test_client_attachment_expires(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert not await store.client_attached("c1")
             await store.touch_client("c1", 0.3)
             assert await store.client_attached("c1")
@@ -770,9 +808,9 @@ def test_client_attachment_expires(settings: StoreSettings) -> None:
 # ------------------------------------------------------------------ deadlines
 
 
-def test_progress_time_moves_with_every_write(settings: StoreSettings) -> None:
+def test_progress_time_moves_with_every_write(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.create(record("p1", epoch=1)) is None
             ((state, epoch, created),) = (await store.progress(["p1", "nope"])).values()
             assert (state, epoch) == (State.QUEUED, 1)
@@ -785,7 +823,7 @@ def test_progress_time_moves_with_every_write(settings: StoreSettings) -> None:
                 return after
 
             await asyncio.sleep(0.005)  # the clock must tick between two writes
-            await store.transition("p1", epoch=1, target=State.DECODING)
+            await store.transition("p1", Edge.AGGREGATE, epoch=1)
             t1 = await moved(created)
             await asyncio.sleep(0.005)
             await store.append("p1", 1, JournalEntry(0, (1, 2), "ab"))
@@ -795,11 +833,11 @@ def test_progress_time_moves_with_every_write(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def test_expire_fails_only_a_request_that_made_no_progress(settings: StoreSettings) -> None:
+def test_expire_fails_only_a_request_that_made_no_progress(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
             assert await store.create(record("x1", epoch=1)) is None
-            await store.transition("x1", epoch=1, target=State.DECODING)
+            await store.transition("x1", Edge.AGGREGATE, epoch=1)
             seen = (await store.progress(["x1"]))["x1"]
             await asyncio.sleep(0.005)
             await store.append("x1", 1, JournalEntry(0, (7,), "z"))  # progress after the read
@@ -820,9 +858,9 @@ def test_expire_fails_only_a_request_that_made_no_progress(settings: StoreSettin
 # ------------------------------------------------------------------ tenant limits
 
 
-def test_tenant_limit_counts_live_requests_of_that_tenant_only(settings: StoreSettings) -> None:
+def test_tenant_limit_counts_live_requests_of_that_tenant_only(backend: Backend) -> None:
     async def scenario() -> None:
-        async with opened(settings) as store:
+        async with backend.open() as store:
 
             def of(rid: str, tenant: str) -> RequestRecord:
                 return replace(record(rid, epoch=1), tenant=tenant)
@@ -838,8 +876,8 @@ def test_tenant_limit_counts_live_requests_of_that_tenant_only(settings: StoreSe
             assert again is not None
             assert again.request_id == "t1"
             # Ending one (done) and expiring another (a reaper) free their slots.
-            await store.transition("t1", epoch=1, target=State.DECODING)
-            await store.transition("t1", epoch=1, target=State.DONE)
+            await store.transition("t1", Edge.AGGREGATE, epoch=1)
+            await store.transition("t1", Edge.FINISH, epoch=1)
             assert await store.create(of("t3", "acme"), tenant_limit=2) is None
             state, epoch, updated = (await store.progress(["t2"]))["t2"]
             assert await store.expire("t2", state, epoch, updated, "stuck")

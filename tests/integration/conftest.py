@@ -4,9 +4,7 @@ a bare Redis per test for tests that drive an in-process Orchestrator."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,31 +14,17 @@ import pytest
 import redis
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from orchestrator.cluster import LocalCluster, free_port, redis_server_binary
+from orchestrator.cluster import LocalCluster
 from orchestrator.core.records import WorkerInfo
+from orchestrator.store.keys import Keys
+from orchestrator.store.server import RedisServer
 from transport.ucx import ucx_available
 
 
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(tmp_path)]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
-    deadline = time.monotonic() + 10
-    while True:
-        with contextlib.suppress(redis.RedisError):
-            if client.ping():
-                break
-        assert time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)  # polling readiness with a deadline
-    client.close()
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
+    with RedisServer(tmp_path) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="package")
@@ -55,8 +39,9 @@ def workers(cluster: LocalCluster) -> list[WorkerInfo]:
     client = redis.Redis(port=cluster.redis_port, decode_responses=True)
     try:
         out = []
-        for wid in client.smembers("pdorch:workers"):
-            raw = client.get(f"pdorch:worker:{wid}")
+        keys = Keys()  # the cluster's stores use the default prefix
+        for wid in client.smembers(keys.workers):
+            raw = client.get(keys.worker(str(wid)))
             if raw is not None:
                 out.append(WorkerInfo(**json.loads(raw)))
         return out

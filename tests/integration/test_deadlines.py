@@ -9,7 +9,7 @@ from orchestrator.control.clients import WorkerClients
 from orchestrator.control.orchestrator import ControlSettings, Orchestrator
 from orchestrator.core.deadlines import StateDeadlines
 from orchestrator.core.records import RequestRecord
-from orchestrator.core.state import State
+from orchestrator.core.state import Edge, State
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 
 
@@ -28,7 +28,7 @@ def test_a_request_stuck_with_a_live_owner_is_failed_by_the_reaper(redis_url: st
         record = RequestRecord("stuck", State.QUEUED, 1, "h" * 32, 3, 8, time.time(),
                                owner="ghost", prompt_ids=[1, 2, 3])  # fmt: skip
         assert await store.create(record) is None
-        await store.transition("stuck", epoch=1, target=State.DECODING)
+        await store.transition("stuck", Edge.AGGREGATE, epoch=1)
         await control.start()
         started = time.monotonic()
         try:

@@ -18,6 +18,7 @@ from orchestrator.api import (
     worker_pb2_grpc,
 )
 from orchestrator.cluster import LocalCluster, free_port
+from orchestrator.store.keys import Keys
 from tests.integration.conftest import collect, request, run, wait_for, workers
 
 PROMPTS = [
@@ -304,7 +305,7 @@ def test_cost_per_request_and_tenant_and_prometheus_metrics(cluster: LocalCluste
         assert info.cost == cost
         client = redis.Redis(port=cluster.redis_port, decode_responses=True)
         try:
-            totals = client.hgetall("pdorch:tenant:team-a")
+            totals = client.hgetall(Keys().tenant_cost("team-a"))
         finally:
             client.close()
         assert int(totals["requests"]) >= 1

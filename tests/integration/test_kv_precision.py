@@ -16,6 +16,7 @@ import redis
 
 from orchestrator.api import orchestrator_pb2
 from orchestrator.cluster import LocalCluster
+from orchestrator.store.keys import Keys
 from orchestrator.workers.model_files import tiny_engine
 from tests.integration.conftest import collect, request, run
 from transport.ucx import ucx_available
@@ -58,7 +59,7 @@ def generate_all(address: str, tag: str) -> list[tuple[list[int], orchestrator_p
 def record_dtype(cluster: LocalCluster, rid: str) -> str:
     client = redis.Redis(port=cluster.redis_port, decode_responses=True)
     try:
-        return str(client.hget(f"pdorch:req:{rid}", "kv_dtype"))
+        return str(client.hget(Keys().request(rid), "kv_dtype"))
     finally:
         client.close()
 

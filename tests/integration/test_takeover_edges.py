@@ -8,7 +8,7 @@ import time
 from orchestrator.control.clients import WorkerClients
 from orchestrator.control.orchestrator import ControlSettings, Orchestrator
 from orchestrator.core.records import JournalEntry, RequestRecord
-from orchestrator.core.state import State
+from orchestrator.core.state import Edge, State
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 
 
@@ -26,7 +26,7 @@ def test_a_fully_journalled_request_is_finished_by_the_replica_taking_it_over(
         record = RequestRecord("full", State.QUEUED, 1, "h" * 32, 3, 4, time.time(),
                                owner="ghost", prompt_ids=[1, 2, 3])  # fmt: skip
         assert await store.create(record) is None
-        await store.transition("full", epoch=1, target=State.DECODING)
+        await store.transition("full", Edge.AGGREGATE, epoch=1)
         await store.append("full", 1, JournalEntry(0, (7, 8), " a b"))
         await store.append("full", 1, JournalEntry(2, (9, 10), " c d"))
         assert await store.release_lease("full", "ghost")  # the owner is gone

@@ -20,9 +20,20 @@ from orchestrator.workers.vllm.connector_scheduler import LoadSpec, SaveSpec, St
 from orchestrator.workers.vllm.connector_worker import LayerViews, WorkerConfig, WorkerSide
 from orchestrator.workers.vllm.kv_loop import LoopThread
 from orchestrator.workers.vllm.kv_params import DecodeParams, PrefillParams
+from transport.ucx import ucx_available
 
 BS, HEADS, DIM, LAYERS, BLOCKS = 4, 2, 8, 3, 10
 LOAD_TIMEOUT_S = 1.0
+BACKENDS = [
+    pytest.param(
+        "ucx",
+        marks=[
+            pytest.mark.ucx,
+            pytest.mark.skipif(not ucx_available(), reason="ucxx not installed"),
+        ],
+    ),
+    "tcp",
+]
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
@@ -74,16 +85,18 @@ class Pair:
 
 
 @pytest.fixture
-def pair() -> Iterator[Pair]:
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A prefill and a decode side; TCP unless the test asks for a backend (indirect)."""
+    backend = getattr(request, "param", "tcp")
     src, dst = caches(1), caches(2)
-    prefill = WorkerSide(WorkerConfig("prefill", "tcp", "", "fp", 30.0, 5.0, ""), BS, 1000)
+    prefill = WorkerSide(WorkerConfig("prefill", backend, "", "fp", 30.0, 5.0, ""), BS, 1000)
     prefill.register(src)
     control = kv.DecodeKvControl(poll_s=0.05)
     loop = LoopThread("test-control")
     loop.start()
     started = loop.submit(control.start(10))
     cfg = WorkerConfig(
-        "decode", "tcp", "127.0.0.1:0", "fp", 30.0, LOAD_TIMEOUT_S, control.control_path
+        "decode", backend, "127.0.0.1:0", "fp", 30.0, LOAD_TIMEOUT_S, control.control_path
     )
     decode = WorkerSide(cfg, BS, 1000)
     decode.register(dst)
@@ -99,6 +112,7 @@ def _kv(c: dict[str, torch.Tensor], layer: int, block: int) -> torch.Tensor:
     return list(c.values())[layer][block]
 
 
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
 def test_pushed_blocks_land_in_the_decodes_blocks(pair: Pair) -> None:
     untouched = _kv(pair.dst, 0, 0).clone()
     outcome = pair.push("r1", 1, blocks=(3, 7), tokens=6)
@@ -130,6 +144,7 @@ def test_a_kv_that_never_arrives_fails_the_load_at_its_timeout(pair: Pair) -> No
     assert torch.equal(_kv(pair.dst, 0, 6), before)
 
 
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
 def test_stale_epochs_are_refused_before_any_block_is_written(pair: Pair) -> None:
     assert pair.push("z", 5, blocks=(1,), tokens=4)["ok"]
     zombie = pair.push("z", 4, blocks=(2,), tokens=4)

@@ -78,6 +78,7 @@ def test_prompt_files_and_the_default_set() -> None:
     assert len(set(prompts)) == 20
 
 
+@pytest.mark.slow  # runs the tiny model end to end (make test runs it)
 def test_fp16_keeps_the_tiny_models_tokens_and_the_kv_passes_through_the_wire() -> None:
     engine = tiny_engine()
     r = run_precision(engine, "fp16", ["What is the capital of France?", "Hello"], 24)
@@ -87,6 +88,7 @@ def test_fp16_keeps_the_tiny_models_tokens_and_the_kv_passes_through_the_wire() 
     assert r.recommended
 
 
+@pytest.mark.slow  # runs the tiny model end to end (make test runs it)
 def test_the_candidate_really_differs_when_the_kv_is_junk() -> None:
     """The comparison is sensitive: zeroed KV must change the tokens (no vacuous 100%)."""
     engine = tiny_engine()
@@ -109,6 +111,7 @@ def bench(*args: str, check: bool) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # runs the tiny model end to end (make test runs it)
 def test_cli_json(tmp_path: Path) -> None:
     out = bench("--prompts", "/dev/null", check=False)
     assert out.returncode == 2

@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from orchestrator import cluster
-from orchestrator.cluster import _ephemeral_floor, free_port
+from orchestrator import ports
+from orchestrator.ports import _ephemeral_floor, free_port
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
@@ -25,6 +25,6 @@ def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", held))
         draws = iter([held - 20000, held - 20000 + 1])
-        monkeypatch.setattr(cluster.secrets, "randbelow", lambda _n: next(draws))
-        cluster._recent_ports.clear()
-        assert cluster.free_port() == held + 1
+        monkeypatch.setattr("orchestrator.ports.secrets.randbelow", lambda _n: next(draws))
+        ports._recent_ports.clear()
+        assert ports.free_port() == held + 1

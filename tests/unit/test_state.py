@@ -1,13 +1,14 @@
-"""The request state machine (`orchestrator.core.state`), checked against a table written by hand.
+"""The request lifecycle (`orchestrator.core.state`), checked against a table written by hand.
 
 The expected table is read off the module docstring's diagram, not derived from the module's own
 tables, so a change to either the code or the drawing shows up here:
 
-    queued ──▶ prefilling ──▶ transferring ──▶ decoding ──▶ done
-      ▲ │           │                 │             │
-      │ └──▶ decoding (aggregated: one worker runs the whole request)
-      └─────────────┴─────────────────┴─────────────┘  requeued for failover, epoch + 1
-    any non-terminal ──▶ failed | cancelled
+    queued ─prefill─▶ prefilling ─kv_sent─▶ transferring ─kv_adopted─▶ decoding ─finish─▶ done
+      │ ▲                                                              ▲
+      │ └──────── requeue | take_over (epoch + 1) from any live state  │
+      ├──aggregate─────────────────────────────────────────────────────┘
+      └──finish──▶ done   (a failover or takeover found every token journalled already)
+    any live state ──fail | expire──▶ failed      any live state ──cancel──▶ cancelled
 """
 
 from __future__ import annotations
@@ -16,78 +17,85 @@ import itertools
 
 import pytest
 
-from orchestrator.core.state import TERMINAL, State, Transition, can_move, sources_for, transition
+from orchestrator.core.state import (
+    ENDING,
+    INITIAL,
+    LIVE,
+    TERMINAL,
+    Edge,
+    State,
+    apply,
+    can_move,
+    sources_for,
+)
 from orchestrator.errors import InvalidTransitionError
 
 Q, P, T, D = State.QUEUED, State.PREFILLING, State.TRANSFERRING, State.DECODING
 DONE, FAILED, CANCELLED = State.DONE, State.FAILED, State.CANCELLED
-
-# Every move drawn in the docstring, and whether it bumps the epoch (only requeueing does).
-DRAWN: dict[tuple[State, State], bool] = {
-    (Q, P): False,
-    (Q, D): False,  # aggregated
-    (P, T): False,
-    (T, D): False,
-    (D, DONE): False,
-    (P, Q): True,  # requeued for failover
-    (T, Q): True,
-    (D, Q): True,
-}
 NON_TERMINAL = (Q, P, T, D)
-ENDINGS: dict[tuple[State, State], bool] = {
-    (s, end): False for s in NON_TERMINAL for end in (FAILED, CANCELLED)
+
+# Every edge drawn in the docstring: its sources, its target, whether it bumps the epoch.
+DRAWN: dict[Edge, tuple[frozenset[State], State, bool]] = {
+    Edge.PREFILL: (frozenset({Q}), P, False),
+    Edge.KV_SENT: (frozenset({P}), T, False),
+    Edge.KV_ADOPTED: (frozenset({T}), D, False),
+    Edge.AGGREGATE: (frozenset({Q}), D, False),
+    Edge.FINISH: (frozenset({D, Q}), DONE, False),
+    Edge.REQUEUE: (frozenset(NON_TERMINAL), Q, True),
+    Edge.TAKE_OVER: (frozenset(NON_TERMINAL), Q, True),
+    Edge.FAIL: (frozenset(NON_TERMINAL), FAILED, False),
+    Edge.EXPIRE: (frozenset(NON_TERMINAL), FAILED, False),
+    Edge.CANCEL: (frozenset(NON_TERMINAL), CANCELLED, False),
 }
-
-# (source, target) -> bumps the epoch; a pair absent from this table is forbidden.
-EXPECTED: dict[tuple[State, State], bool] = {**DRAWN, **ENDINGS}
-
+# (source, target) pairs some edge allows.
+EXPECTED = {(s, t) for (sources, t, _) in DRAWN.values() for s in sources}
 ALL_PAIRS = list(itertools.product(State, State))
-ALLOWED_PAIRS = [pair for pair in ALL_PAIRS if pair in EXPECTED]
-FORBIDDEN_PAIRS = [pair for pair in ALL_PAIRS if pair not in EXPECTED]
 
 
 def pair_id(pair: tuple[State, State]) -> str:
     return f"{pair[0]}->{pair[1]}"
 
 
-def test_the_expected_table_names_only_real_states() -> None:
-    # Guards the table itself: a new State must be placed in it deliberately.
+def test_the_drawing_names_every_edge_and_state() -> None:
+    # Guards the table itself: a new State or Edge must be placed in it deliberately.
     assert set(State) == {Q, P, T, D, DONE, FAILED, CANCELLED}
-    assert len(ALLOWED_PAIRS) == len(EXPECTED) == 16
-    assert len(FORBIDDEN_PAIRS) == 49 - 16
+    assert set(DRAWN) == set(Edge)
+    assert len(EXPECTED) == 18
+
+
+@pytest.mark.parametrize("edge", list(Edge), ids=lambda e: e.wire)
+def test_each_edge_matches_the_drawing(edge: Edge) -> None:
+    sources, target, bumps = DRAWN[edge]
+    assert (edge.sources, edge.target, edge.rule.bumps_epoch) == (sources, target, bumps)
 
 
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=pair_id)
 def test_can_move_matches_the_table(pair: tuple[State, State]) -> None:
-    source, target = pair
-    assert can_move(source, target) is (pair in EXPECTED)
+    assert can_move(*pair) is (pair in EXPECTED)
 
 
-@pytest.mark.parametrize("pair", ALLOWED_PAIRS, ids=pair_id)
-def test_allowed_transition_keeps_or_bumps_the_epoch(pair: tuple[State, State]) -> None:
-    source, target = pair
-    bumps = EXPECTED[pair]
-    got = transition(source, target, 7)
-    assert got == Transition(
-        sources=frozenset({source}), target=target, epoch=7, new_epoch=8 if bumps else 7
-    )
-
-
-@pytest.mark.parametrize("pair", FORBIDDEN_PAIRS, ids=pair_id)
-def test_forbidden_transition_raises(pair: tuple[State, State]) -> None:
-    source, target = pair
-    with pytest.raises(InvalidTransitionError, match=f"from {source} to {target}"):
-        transition(source, target, 3)
+@pytest.mark.parametrize("edge", list(Edge), ids=lambda e: e.wire)
+@pytest.mark.parametrize("state", list(State))
+def test_apply_takes_an_edge_only_from_its_sources(edge: Edge, state: State) -> None:
+    sources, target, bumps = DRAWN[edge]
+    if state in sources:
+        assert apply(edge, state, 7) == (target, 8 if bumps else 7)
+    else:
+        with pytest.raises(InvalidTransitionError, match=f"cannot {edge.wire} from {state}"):
+            apply(edge, state, 7)
 
 
 @pytest.mark.parametrize("epoch", [0, 1, 41])
 def test_bump_is_relative_to_the_epoch_given(epoch: int) -> None:
-    assert transition(D, Q, epoch).new_epoch == epoch + 1
-    assert transition(P, T, epoch).new_epoch == epoch
+    assert apply(Edge.REQUEUE, D, epoch) == (Q, epoch + 1)
+    assert apply(Edge.REQUEUE, Q, epoch) == (Q, epoch + 1)  # a failed placement
+    assert apply(Edge.KV_SENT, P, epoch) == (T, epoch)
 
 
 def test_only_done_failed_cancelled_are_terminal() -> None:
     assert frozenset({DONE, FAILED, CANCELLED}) == TERMINAL
+    assert frozenset(NON_TERMINAL) == LIVE
+    assert INITIAL is Q
     for state in State:
         assert state.terminal is (state in {DONE, FAILED, CANCELLED}), state
 
@@ -96,28 +104,29 @@ def test_only_done_failed_cancelled_are_terminal() -> None:
 def test_terminal_states_allow_nothing(source: State) -> None:
     for target in State:
         assert not can_move(source, target), target
+    for edge in Edge:
         with pytest.raises(InvalidTransitionError):
-            transition(source, target, 0)
+            apply(edge, source, 0)
 
 
-@pytest.mark.parametrize("target", list(State))
-def test_sources_for_matches_the_table(target: State) -> None:
-    expected = frozenset(s for (s, t) in EXPECTED if t == target)
-    assert sources_for(target) == expected
+def test_ending_edges_lead_to_their_state() -> None:
+    assert set(ENDING) == set(TERMINAL)
+    for state, edge in ENDING.items():
+        assert edge.target is state
 
 
 def test_sources_for_by_hand() -> None:
-    assert sources_for(Q) == frozenset({P, T, D})
+    assert sources_for(Q) == frozenset(NON_TERMINAL)
     assert sources_for(P) == frozenset({Q})
     assert sources_for(T) == frozenset({P})
     assert sources_for(D) == frozenset({Q, T})
-    assert sources_for(DONE) == frozenset({D})
+    assert sources_for(DONE) == frozenset({D, Q})
     assert sources_for(FAILED) == frozenset(NON_TERMINAL)
     assert sources_for(CANCELLED) == frozenset(NON_TERMINAL)
 
 
-def test_states_are_their_wire_strings() -> None:
-    # The store writes str(state) into Redis and its Lua compares against these literals.
+def test_states_and_edges_are_their_wire_strings() -> None:
+    # The store writes str(state) into Redis; its Lua looks edges up by these names.
     assert [str(s) for s in State] == [
         "queued",
         "prefilling",
@@ -126,4 +135,16 @@ def test_states_are_their_wire_strings() -> None:
         "done",
         "failed",
         "cancelled",
+    ]
+    assert [e.wire for e in Edge] == [
+        "prefill",
+        "kv_sent",
+        "kv_adopted",
+        "aggregate",
+        "finish",
+        "requeue",
+        "take_over",
+        "fail",
+        "expire",
+        "cancel",
     ]

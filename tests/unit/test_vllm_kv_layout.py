@@ -222,3 +222,12 @@ def test_a_finished_load_is_not_cancelled() -> None:
     side.on_loads_finished({"v5"})
     side.request_finished(req)
     assert side.build([], lambda _: []).cancels == []
+
+
+def test_a_loaded_request_that_vllm_preempts_recomputes_instead_of_loading_again() -> None:
+    side = SchedulerSide(block_size=4)
+    req = FakeRequest("v6", kv.decode_params("r", 1, 4), 5, 5)
+    assert side.get_num_new_matched_tokens(req, 0) == (4, True)
+    side.update_state_after_alloc(req, [1, 2], 4)
+    side.on_loads_finished({"v6"})
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)

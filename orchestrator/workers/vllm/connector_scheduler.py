@@ -88,6 +88,9 @@ class SchedulerSide:
         """vLLM request id -> (params, prompt tokens), until pushed or finished."""
         self._loading: set[str] = set()
         """Decode requests whose load the worker has not reported finished yet."""
+        self._loaded: set[str] = set()
+        """Decode requests whose load is over: if vLLM preempts one later, it recomputes its
+        KV locally like any preempted request (the pushed KV was consumed)."""
         self._new_loads: list[LoadSpec] = []
         self._cancels: list[str] = []
         self._results: dict[str, dict[str, Any]] = {}
@@ -122,7 +125,8 @@ class SchedulerSide:
         if isinstance(params, kv_params.PrefillParams):
             self._prefills.setdefault(request.request_id, (params, request.num_prompt_tokens))
             return 0, False
-        if not isinstance(params, kv_params.DecodeParams) or request.request_id in self._loading:
+        rid = request.request_id
+        if not isinstance(params, kv_params.DecodeParams) or rid in self._loading | self._loaded:
             return 0, False
         count = self.load_tokens(request, params) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -157,6 +161,7 @@ class SchedulerSide:
     def request_finished(self, request: RequestLike) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._prefills.pop(rid, None)
+        self._loaded.discard(rid)
         if rid in self._loading:
             self._cancels.append(rid)  # vLLM keeps its blocks until the worker reports it
         params = self.params_of(request)
@@ -179,7 +184,9 @@ class SchedulerSide:
                 slot[kv_params.RESULT] = outcome
 
     def on_loads_finished(self, req_ids: set[str]) -> None:
-        self._loading.difference_update(req_ids)
+        done = self._loading & req_ids
+        self._loading -= done
+        self._loaded |= done
 
     def step_done(self) -> None:
         """End of one ``update_from_output``: a result not filled by now never will be."""

@@ -19,6 +19,17 @@ with ``timeout_s``; the model runner thread copies the arrived blocks into vLLM'
 ``get_transfer_results`` (one scatter per layer for K and V), releases the buffer and reports
 the request finished. Any failure (timeout, stale epoch, refused or broken transfer, token
 count mismatch) reports it failed; vLLM then ends it with an error and frees its blocks.
+Measured in real vLLM engines here (SmolLM2-135M fp32, TCP, two engine processes on a 2-core VM
+shared with other jobs; 3 runs each): the transfer ends *inside* the prefill's forward — the
+step waited 0.02-0.04 ms after its last layer for 256- and 1024-token prompts (11.8 / 47 MB),
+so the layer-wise push hides the whole transfer behind compute; a P/D prefill took 2.0 s /
+7.1 s (medians) against 1.9 s / 7.1 s for the same engine without a push. The per-layer gather
+is on the forward's path: 30-60 ms per prompt under that load (3.8 / 12 ms on an idle core).
+The decode's staging copy took 2.9-5.0 ms (256 tokens) and 8.6-13 ms (1024 tokens) per request.
+Caveat: the transport's loop thread and vLLM's model runner share one GIL; on a busy machine
+a layer's hand-off can wait a switch interval (5 ms), which is what stretches transfers to the
+length of the forward; this is invisible while compute is longer than the transfer.
+
 Why staged: the push starts before the decode request exists, so there are no blocks to land
 in yet; landing straight into blocks needs the decode to allocate first and pull (one-sided
 reads: the transport v2 issue), which this block-shaped wire layout is ready for.
@@ -29,9 +40,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,6 +81,8 @@ class WorkerConfig:
     hold_s: float
     timeout_s: float
     control_path: str
+    memory_budget_bytes: int = 0
+    """Decode: the receiver's budget; 0 means the transport's default."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> WorkerConfig:
@@ -80,6 +94,7 @@ class WorkerConfig:
             hold_s=float(extra["hold_s"]),
             timeout_s=float(extra["timeout_s"]),
             control_path=str(extra.get("control_path", "")),
+            memory_budget_bytes=int(extra.get("memory_budget_bytes") or 0),
         )
 
 
@@ -151,20 +166,6 @@ class _Load:
     cancelled: bool = False
 
 
-@dataclass(slots=True)
-class Stats:
-    """Timings the report and docstrings quote (cumulative, per process)."""
-
-    copy_s: float = 0.0
-    copy_bytes: int = 0
-    gather_s: float = 0.0
-    tail_s: float = 0.0
-    transfer_s: float = 0.0
-    pushes: int = 0
-    loads: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
-
-
 class WorkerSide:
     def __init__(self, config: WorkerConfig, block_size: int, max_tokens: int) -> None:
         self.config = config
@@ -179,7 +180,6 @@ class WorkerSide:
         self._outcomes: dict[str, dict[str, Any]] = {}
         self._loads: dict[str, _Load] = {}
         self._control: concurrent.futures.Future[None] | None = None
-        self.stats = Stats()
 
     @property
     def layout(self) -> kv_layout.BlockLayout:
@@ -195,6 +195,10 @@ class WorkerSide:
         settings = TransportSettings(
             transfer_timeout_s=self.config.timeout_s, kv_hold_s=self.config.hold_s
         )
+        if self.config.memory_budget_bytes:
+            settings = dataclasses.replace(
+                settings, memory_budget_bytes=self.config.memory_budget_bytes
+            )
         self._loop.start()
         if self.config.role == "prefill":
             self._sender = make_sender(self.config.backend, settings)
@@ -245,7 +249,6 @@ class WorkerSide:
         views = self._views
         assert views is not None
         index = views.index[layer_name]
-        started = time.perf_counter()
         for push in self._pushes:
             t = time.perf_counter()
             ids = torch.tensor(push.spec.block_ids, dtype=torch.long)
@@ -254,7 +257,6 @@ class WorkerSide:
             push.layers_put += 1
             push.first_layer_at = push.first_layer_at or t
             push.gather_s += time.perf_counter() - t
-        self.stats.gather_s += time.perf_counter() - started
 
     def wait_for_save(self) -> None:
         """Wait until every transfer opened this step is verified or failed."""
@@ -289,9 +291,6 @@ class WorkerSide:
                 push.gather_s * 1000,
                 tail_ms,
             )
-            self.stats.pushes += 1
-            self.stats.transfer_s += outcome.transfer_ms / 1000
-        self.stats.tail_s += time.perf_counter() - started
         self._pushes = []
 
     def take_outcomes(self) -> dict[str, dict[str, Any]]:
@@ -391,7 +390,6 @@ class WorkerSide:
             return False
         finally:
             cache.release()
-        self.stats.loads += 1
         return True
 
     def _copy_in(self, cache: wire.KvCache, spec: LoadSpec) -> None:
@@ -409,8 +407,6 @@ class WorkerSide:
             views.k[i][dst] = to_torch(k[src], dtype).to(views.k[i].device)
             views.v[i][dst] = to_torch(v[src], dtype).to(views.v[i].device)
         took = time.perf_counter() - started
-        self.stats.copy_s += took
-        self.stats.copy_bytes += cache.nbytes
         log.info(
             "KV load of %s: %d blocks (%d bytes) copied into vLLM's blocks in %.2f ms",
             spec.params.request_id,

@@ -12,6 +12,7 @@ Changes to the interface of /work/agents/vllm-interface.md (written here, as agr
   built and returns once the connector connected, with the KV address prefill workers push to.
   `release` is ``async`` (it is a round trip into the engine process) and returns whether KV
   was freed. `held_bytes()` is the last value polled (every ``poll_s``).
+- `connector_config` takes ``memory_budget_bytes`` (decode: the receiver's budget).
 - `prefill_result` also fills `PrefillTransfer.tail_ms` (see `kv_params.PrefillTransfer`).
 
 Typical use (the engine helper)::
@@ -72,6 +73,7 @@ def connector_config(
     hold_s: float,
     timeout_s: float,
     control_path: str | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> dict[str, Any]:
     """kwargs for ``vllm.config.KVTransferConfig`` that load pdorch's connector.
 
@@ -79,8 +81,10 @@ def connector_config(
     listens on ``kv_address`` ("host:port", port 0 picks one) and loads pushed KV.
     ``timeout_s``: prefill — a whole transfer; decode — how long a request's load waits for
     its KV before the request fails. ``hold_s``: decode — a received KV nobody loads within
-    this lease is freed. A load that fails ends the request with an error
-    (``kv_load_failure_policy="fail"``): vLLM never recomputes behind pdorch's back.
+    this lease is freed. ``memory_budget_bytes``: decode — KV held at once, in flight or
+    waiting to be loaded (the transport's default when None). A load that fails ends the
+    request with an error (``kv_load_failure_policy="fail"``): vLLM never recomputes behind
+    pdorch's back.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
@@ -101,6 +105,7 @@ def connector_config(
             "hold_s": float(hold_s),
             "timeout_s": float(timeout_s),
             "control_path": control_path or "",
+            "memory_budget_bytes": memory_budget_bytes or 0,
         },
     }
 
@@ -183,6 +188,7 @@ class DecodeKvControl:
                     break
                 msg = kv_channel.decode(line)
                 if msg.get("op") == "hello":
+                    self.kv_address = str(msg.get("kv_address", ""))  # a restart may move it
                     if self._hello is not None and not self._hello.done():
                         self._hello.set_result(msg)
                     continue
