@@ -6,6 +6,9 @@ STAMP  := $(VENV)/.installed
 VENV_VLLM  ?= .venv-vllm
 PY_VLLM    := $(VENV_VLLM)/bin/python
 STAMP_VLLM := $(VENV_VLLM)/.installed
+# Test files marked `vllm`, run in .venv-vllm (which lacks the other extras, so pytest is not
+# pointed at the whole tree there).
+VLLM_TESTS ?= tests/vllm tests/integration/test_vllm_connector.py
 
 .PHONY: venv venv-vllm demo test lint check bench clean proto
 
@@ -40,7 +43,7 @@ lint: venv
 
 test: lint venv-vllm
 	$(VENV)/bin/pytest -m "not vllm" $(PYTEST_ARGS)
-	$(VENV_VLLM)/bin/pytest -m vllm tests/vllm $(PYTEST_ARGS)
+	$(VENV_VLLM)/bin/pytest -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
 
 # The inner loop (well under a minute): lint, the pure unit tests and the store and
 # transport contract suites; `make test` runs everything.
