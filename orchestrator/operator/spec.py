@@ -20,6 +20,8 @@ from typing import Any
 from orchestrator.operator.errors import SpecError
 
 MODELS = ("tiny", "smollm2")  # `pdorch worker --model` choices
+ENGINES = ("reference", "vllm")  # `pdorch worker --engine` choices
+VLLM_MODELS = ("smollm2",)  # what `pdorch worker --engine vllm` serves
 TRANSPORTS = ("ucx", "tcp")  # `pdorch worker --transport` choices
 FALLBACKS = ("local", "fail")  # `pdorch orchestrator --fallback` choices
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -52,6 +54,7 @@ class Pool:
     tolerations: tuple[Mapping[str, Any], ...] = ()
     torch_threads: int = 0  # `--torch-threads`; 0: torch's default
     kv_capacity_mib: int = 2048  # `--kv-capacity-mib` (decode workers)
+    engine: str = "reference"  # `--engine`: reference (transformers) or vllm (the image's extra)
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     cache = model.child("cache")
     cache.only("persistentVolumeClaim")
     grace = r.integer("terminationGracePeriodSeconds", 30, minimum=5)
-    return ServiceSpec(
+    spec = ServiceSpec(
         image=r.string("image", required=True),
         model=model.choice("name", MODELS, "smollm2"),
         model_cache_claim=cache.string("persistentVolumeClaim") or None,
@@ -150,6 +153,21 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         failover=_failover(r.child("failover")),
         slo=_slo(r.child("slo")),
     )
+    _check_engines(spec)
+    return spec
+
+
+def _check_engines(spec: ServiceSpec) -> None:
+    """Both pools run one engine (a KV moves only between workers of the same engine and
+    model), and vLLM only the models it is set up for."""
+    if spec.prefill.engine != spec.decode.engine:
+        raise SpecError(
+            "spec.decode.engine",
+            f"{spec.decode.engine!r} differs from spec.prefill.engine {spec.prefill.engine!r}: "
+            "KV moves only between workers of one engine",
+        )
+    if spec.decode.engine == "vllm" and spec.model not in VLLM_MODELS:
+        raise SpecError("spec.model.name", f"engine vllm serves {', '.join(VLLM_MODELS)}")
 
 
 def _orchestrator(r: _Reader) -> OrchestratorPool:
@@ -160,7 +178,10 @@ def _orchestrator(r: _Reader) -> OrchestratorPool:
 
 
 def _pool(r: _Reader, *, decode: bool) -> Pool:
-    keys = ["replicas", "gpu", "resources", "image", "nodeSelector", "tolerations", "torchThreads"]
+    keys = [
+        "replicas", "gpu", "resources", "image", "nodeSelector", "tolerations", "torchThreads",
+        "engine",
+    ]  # fmt: skip
     r.only(*keys, *(["kvCapacityMiB"] if decode else []))
     gpu = r.child("gpu")
     gpu.only("product", "count")
@@ -175,6 +196,7 @@ def _pool(r: _Reader, *, decode: bool) -> Pool:
         tolerations=r.objects("tolerations"),
         torch_threads=r.integer("torchThreads", 0, minimum=0),
         kv_capacity_mib=r.integer("kvCapacityMiB", 2048, minimum=1),
+        engine=r.choice("engine", ENGINES, "reference"),
     )
 
 

@@ -13,6 +13,7 @@ the CLI's own parser). The mapping from the spec:
     failover.heartbeatTTLSeconds worker --heartbeat-ttl
     failover.kvHoldSeconds       decode worker --kv-hold
     decode.kvCapacityMiB         decode worker --kv-capacity-mib
+    <pool>.engine                worker --engine (reference | vllm)
     <pool>.torchThreads          worker --torch-threads
     <pool>.gpu                   node selector nvidia.com/gpu.product + nvidia.com/gpu limit
     redis                        env PDORCH_REDIS_URL (from the Secret, or the dev Service)
@@ -107,6 +108,8 @@ def worker_deployment(identity: Identity, spec: ServiceSpec, role: str, config_h
         args += ["--kv-hold", _num(spec.failover.kv_hold_s)]
     if pool.torch_threads:
         args += ["--torch-threads", str(pool.torch_threads)]
+    if pool.engine != "reference":
+        args += ["--engine", pool.engine]
     container = _container(
         role,
         pool.image or spec.image,

@@ -43,6 +43,7 @@ FULL_SPEC: dict[str, Any] = {
             {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
         ],
         "torchThreads": 4,
+        "engine": "reference",  # vllm needs model smollm2 (test_spec)
     },
     "decode": {
         "replicas": 5,
@@ -52,6 +53,7 @@ FULL_SPEC: dict[str, Any] = {
         "nodeSelector": {"topology.kubernetes.io/zone": "zone-b"},
         "tolerations": [{"key": "spot", "operator": "Exists"}],
         "torchThreads": 2,
+        "engine": "reference",
         "kvCapacityMiB": 16384,
     },
     "redis": {"urlSecret": {"name": "redis-credentials", "key": "uri"}},

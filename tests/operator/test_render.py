@@ -132,9 +132,18 @@ def test_workers_run_real_flags_from_the_spec(role: str) -> None:
     assert volume == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}}
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_vllm_pools_run_vllm_workers(role: str) -> None:
+    raw = spec_with(spec_with(MINIMAL_SPEC, "prefill.engine", "vllm"), "decode.engine", "vllm")
+    args = _cli_args(_container(rendered(raw), f"llama-{role}"))
+    assert (args.command, args.role, args.engine) == ("worker", role, "vllm")
+
+
 def test_worker_flags_left_at_their_defaults_are_not_passed() -> None:
     args = _cli_args(_container(rendered(MINIMAL_SPEC), "llama-prefill"))
     assert args.torch_threads == 0
+    assert args.engine == "reference"
+    assert "--engine" not in _container(rendered(MINIMAL_SPEC), "llama-prefill")["args"]
     assert "--kv-hold" not in _container(rendered(MINIMAL_SPEC), "llama-prefill")["args"]
 
 

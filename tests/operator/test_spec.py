@@ -121,6 +121,8 @@ def test_secret_key_defaults_to_url() -> None:
         ("terminationGracePeriodSeconds", 2, "spec.terminationGracePeriodSeconds"),
         ("slo.ttftMs", 0, "spec.slo.ttftMs"),
         ("logLevel", "TRACE", "spec.logLevel"),
+        ("decode.engine", "sglang", "spec.decode.engine"),
+        ("decode.engine", "vllm", "spec.decode.engine"),  # prefill still runs the reference
     ],
 )
 def test_invalid_field_is_named(path: str, value: Any, field: str) -> None:
@@ -128,6 +130,16 @@ def test_invalid_field_is_named(path: str, value: Any, field: str) -> None:
         parse_spec(spec_with(MINIMAL_SPEC, path, value))
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
+
+
+def test_both_pools_may_run_vllm_on_the_models_it_serves() -> None:
+    raw = spec_with(spec_with(MINIMAL_SPEC, "prefill.engine", "vllm"), "decode.engine", "vllm")
+    spec = parse_spec(raw)
+    assert (spec.prefill.engine, spec.decode.engine) == ("vllm", "vllm")
+    assert parse_spec(MINIMAL_SPEC).decode.engine == "reference"
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec_with(raw, "model", {"name": "tiny"}))
+    assert info.value.field == "spec.model.name"
 
 
 def test_spec_must_be_an_object() -> None:
