@@ -25,6 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import common_pb2, convert, worker_pb2, worker_pb2_grpc
+from orchestrator.api.protocol import (
+    BLAME_KEY,
+    BLAME_KV_TARGET,
+    blames_kv_target,
+    transport_status,
+)
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.workers.batcher import DecodeBatcher, EngineRunner, Sequence
@@ -61,22 +67,6 @@ class WorkerSettings:
     Service); empty: the listening address."""
     kv_advertise: str = ""
     """The same for the KV receiver (decode workers)."""
-
-
-BLAME_KEY = "pdorch-blame"
-"""Trailing metadata on a failed Prefill: ``kv-target`` when the KV's receiver (the decode
-worker) failed — gone, stalled or full — rather than this prefill worker."""
-_TARGET_FAULTS = (terr.PeerLostError, terr.TransferTimeoutError, terr.BudgetExceededError)
-
-
-def _status_for(exc: terr.TransportError) -> grpc.StatusCode:
-    if isinstance(exc, terr.StaleEpochError):
-        return grpc.StatusCode.ABORTED
-    if isinstance(exc, terr.WireFormatError):
-        return grpc.StatusCode.DATA_LOSS
-    if isinstance(exc, terr.TransferTimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.UNAVAILABLE
 
 
 class Worker:
@@ -343,9 +333,9 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
             log.warning(
                 "KV transfer of %s to %s failed: %s", request.request_id, request.kv_target, exc
             )
-            if isinstance(exc, _TARGET_FAULTS):  # the receiving end is the one to avoid
-                context.set_trailing_metadata(((BLAME_KEY, "kv-target"),))
-            await context.abort(_status_for(exc), f"KV transfer failed: {exc}")
+            if blames_kv_target(exc):  # the receiving end is the one to avoid
+                context.set_trailing_metadata(((BLAME_KEY, BLAME_KV_TARGET),))
+            await context.abort(transport_status(exc), f"KV transfer failed: {exc}")
         transfer_s = time.perf_counter() - sent
         if w.metrics is not None:
             w.metrics.prefill_seconds.observe(prefill_ms / 1000)
@@ -388,7 +378,7 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
         try:
             kv = await w._receiver.take(rid, epoch, request.kv_timeout_s or 30.0)
         except terr.TransportError as exc:
-            await context.abort(_status_for(exc), f"no usable KV for {rid}: {exc}")
+            await context.abort(transport_status(exc), f"no usable KV for {rid}: {exc}")
         ids = list(request.token_ids)
         if kv.header.token_count != len(ids):
             kv.release()
