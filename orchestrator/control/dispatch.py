@@ -26,7 +26,7 @@ from orchestrator.core.kvdtype import negotiate_for
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.scheduler import Mode, Placement
 from orchestrator.core.state import Edge
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 Chunks = AsyncGenerator[worker_pb2.TokenChunk, None]
 
@@ -34,7 +34,7 @@ Chunks = AsyncGenerator[worker_pb2.TokenChunk, None]
 class Dispatch:
     def __init__(
         self,
-        store: RedisStore,
+        store: Store,
         legs: WorkerLegs,
         ledger: Ledger,
         settings: ControlSettings,

@@ -43,7 +43,7 @@ from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.state import Edge
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def cause(exc: errors.WorkerError) -> str:
 class Failover:
     def __init__(
         self,
-        store: RedisStore,
+        store: Store,
         settings: ControlSettings,
         ledger: Ledger,
         dispatch: Dispatch,

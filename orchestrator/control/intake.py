@@ -23,7 +23,7 @@ from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.spec import GenerateInput, RequestSpec
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Admitted:
 class Intake:
     def __init__(
         self,
-        store: RedisStore,
+        store: Store,
         settings: ControlSettings,
         legs: WorkerLegs,
         ledger: Ledger,

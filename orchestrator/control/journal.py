@@ -16,7 +16,7 @@ import time
 from orchestrator import errors
 from orchestrator.control.run import Run
 from orchestrator.core.records import JournalEntry, unjournalled_after
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ SETTLE_MAX_DELAY_S = 1.0
 
 
 class JournalWriter:
-    def __init__(self, store: RedisStore, outage_s: float) -> None:
+    def __init__(self, store: Store, outage_s: float) -> None:
         self.store = store
         self.outage_s = outage_s
         """How long `settle` waits for an unreachable store."""

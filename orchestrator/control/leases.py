@@ -16,13 +16,13 @@ from orchestrator import errors
 from orchestrator.aio import cancel_and_wait
 from orchestrator.control.local import Local
 from orchestrator.control.run import Run
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
 
 
 class LeaseKeeper:
-    def __init__(self, store: RedisStore, local: Local, owner: str) -> None:
+    def __init__(self, store: Store, local: Local, owner: str) -> None:
         self.store = store
         self.local = local
         self.owner = owner

@@ -38,7 +38,7 @@ from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.spec import GenerateInput
 from orchestrator.core.state import State
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 __all__ = ["ControlSettings", "GenerateInput", "Orchestrator", "OutChunk", "cause"]
 
@@ -46,7 +46,7 @@ __all__ = ["ControlSettings", "GenerateInput", "Orchestrator", "OutChunk", "caus
 class Orchestrator:
     def __init__(
         self,
-        store: RedisStore,
+        store: Store,
         clients: WorkerClients,
         settings: ControlSettings,
         owner: str,

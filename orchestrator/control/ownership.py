@@ -29,7 +29,7 @@ from orchestrator.control.settings import ControlSettings
 from orchestrator.core.deadlines import overdue
 from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class Ownership:
     def __init__(
         self,
-        store: RedisStore,
+        store: Store,
         settings: ControlSettings,
         local: Local,
         failover: Failover,

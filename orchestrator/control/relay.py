@@ -26,7 +26,7 @@ from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import JournalEntry, RequestRecord
 from orchestrator.core.state import Edge
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def stop_cut(before: str, delta: str, stops: Sequence[str]) -> int | None:
 class Relay:
     def __init__(
         self,
-        store: RedisStore,
+        store: Store,
         settings: ControlSettings,
         writer: JournalWriter,
         metrics: ControlMetrics | None,

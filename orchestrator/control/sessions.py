@@ -27,7 +27,7 @@ from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.spec import GenerateInput
 from orchestrator.core.state import Edge, State
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ DETACH_POLL_S = 0.5
 class Sessions:
     def __init__(
         self,
-        store: RedisStore,
+        store: Store,
         settings: ControlSettings,
         intake: Intake,
         failover: Failover,
