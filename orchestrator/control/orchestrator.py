@@ -17,7 +17,7 @@ It also re-exports the names the fronts use (`GenerateInput`, `OutChunk`, `Contr
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from orchestrator import errors
 from orchestrator.control.clients import WorkerClients
@@ -76,10 +76,10 @@ class Orchestrator:
         except errors.UnavailableError:
             return True  # the store is down, not the worker: keep going
 
-    def generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
+    def generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
         return self.sessions.generate(inp)
 
-    def follow(self, rid: str, start: int = 0) -> AsyncIterator[OutChunk]:
+    def follow(self, rid: str, start: int = 0) -> AsyncGenerator[OutChunk, None]:
         """Stream a request this call does not drive, from its journal (resubmit, resume)."""
         return self.sessions.follow(rid, start)
 

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from orchestrator import errors
 from orchestrator.control.failover import Failover
@@ -56,7 +56,7 @@ class Sessions:
         self._inflight = 0
         """Calls in `generate` now (client streams on this replica)."""
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
+    async def generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
         """Serve one call. ``max_inflight`` bounds the calls in progress from the first
         await on, so a burst is refused at the door (`OverloadedError`, a retry-after)
         instead of queueing inside the replica; a resubmission of a known request is not."""
@@ -74,7 +74,7 @@ class Sessions:
         finally:
             self._inflight -= 1
 
-    async def _generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
+    async def _generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
         started = time.monotonic()
         admitted = await self.intake.admit(inp, len(self.local.tasks))
         record, existing = await self.intake.create(admitted.spec)
@@ -106,6 +106,8 @@ class Sessions:
                     raise item
                 if item.index + len(item.token_ids) > inp.resume_from or item.finish_reason:
                     yield item
+                if item.finish_reason:
+                    return  # the last chunk (a cancelled drive delivers nothing after it)
         finally:
             clients.discard(feed)
             if not task.done() and not clients:
@@ -163,7 +165,7 @@ class Sessions:
 
         self.local.spawn(watch(), f"pdorch-detached-{run.rid}")
 
-    async def follow(self, rid: str, start: int = 0) -> AsyncIterator[OutChunk]:
+    async def follow(self, rid: str, start: int = 0) -> AsyncGenerator[OutChunk, None]:
         """Stream a request this call does not drive, from its journal (resubmit, resume)."""
         entries_seen = 0
         touched = 0.0

@@ -68,7 +68,7 @@ def test_cost_message_and_record_round_trip() -> None:
 async def _call_error(phase: str) -> errors.WorkerError:
     """The WorkerError a failed worker call of ``phase`` raises (translated at the boundary)."""
     rpc = grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Stream removed"
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Stream removed", ""
     )
     try:
         async with translated("decode-0", phase):
