@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from orchestrator import errors
 from orchestrator.control.clients import WorkerClients
 from orchestrator.control.dispatch import Dispatch
-from orchestrator.control.failover import Failover, cause
+from orchestrator.control.failover import Failover
 from orchestrator.control.intake import Intake
 from orchestrator.control.journal import JournalWriter
 from orchestrator.control.leases import LeaseKeeper
@@ -40,7 +40,7 @@ from orchestrator.core.spec import GenerateInput
 from orchestrator.core.state import State
 from orchestrator.store.base import Store
 
-__all__ = ["ControlSettings", "GenerateInput", "Orchestrator", "OutChunk", "cause"]
+__all__ = ["ControlSettings", "GenerateInput", "Orchestrator", "OutChunk"]
 
 
 class Orchestrator:
