@@ -76,7 +76,7 @@ never retried: they are not this attempt's failure."""
 
 def phase_of(exc: BaseException) -> str:
     """The phase ``exc`` failed in ("" when it carries none)."""
-    return getattr(exc, "phase", "") if isinstance(exc, errors.WorkerError) else ""
+    return exc.phase if isinstance(exc, errors.WorkerError) else ""
 
 
 def verdict(exc: BaseException) -> Verdict:
