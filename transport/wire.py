@@ -419,17 +419,40 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
     scales = ScaleLayout.NONE
     if version >= 2:  # the scales byte sits last, right before the header checksum
         end -= 1
-        if end < _PREFIX.size + _BODY.size:
-            raise WireFormatError("version 2 header too short for its scales field")
-        try:
-            scales = ScaleLayout(buf[end])
-        except ValueError:
-            raise WireFormatError(f"unknown scale layout {buf[end]}") from None
-        if scales is ScaleLayout.NONE:
-            raise WireFormatError("a version 2 header must declare scales (else it is version 1)")
-        if dtype not in SCALED_DTYPES:
-            raise WireFormatError(f"{dtype.name} KV cannot carry scales")
+        scales = _decode_scales(buf, end, dtype)
     pos = _PREFIX.size + _BODY.size
+    rid, fp = _decode_ids(buf, pos, rid_len, fp_len, end)
+    pos += rid_len + fp_len
+    layers, pos = _decode_layers(buf, pos, end, n_layers, dtype)
+    if pos != end:
+        raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
+    header = KvHeader(rid, epoch, fp, dtype, tokens, tuple(layers), algo_e, scales)
+    if header.payload_bytes != payload:
+        raise WireFormatError(
+            f"declared payload {payload} bytes but layer shapes add up to {header.payload_bytes}"
+        )
+    return header
+
+
+def _decode_scales(buf: bytes | memoryview, end: int, dtype: DType) -> ScaleLayout:
+    """The scales byte of a version 2 header, at ``end``."""
+    if end < _PREFIX.size + _BODY.size:
+        raise WireFormatError("version 2 header too short for its scales field")
+    try:
+        scales = ScaleLayout(buf[end])
+    except ValueError:
+        raise WireFormatError(f"unknown scale layout {buf[end]}") from None
+    if scales is ScaleLayout.NONE:
+        raise WireFormatError("a version 2 header must declare scales (else it is version 1)")
+    if dtype not in SCALED_DTYPES:
+        raise WireFormatError(f"{dtype.name} KV cannot carry scales")
+    return scales
+
+
+def _decode_ids(
+    buf: bytes | memoryview, pos: int, rid_len: int, fp_len: int, end: int
+) -> tuple[str, str]:
+    """The request id and the model fingerprint, UTF-8, starting at ``pos``."""
     if pos + rid_len + fp_len > end:
         raise WireFormatError("header too short for its request id and fingerprint")
     try:
@@ -437,7 +460,13 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
         fp = bytes(buf[pos + rid_len : pos + rid_len + fp_len]).decode()
     except UnicodeDecodeError as exc:
         raise WireFormatError("request id or fingerprint is not UTF-8") from exc
-    pos += rid_len + fp_len
+    return rid, fp
+
+
+def _decode_layers(
+    buf: bytes | memoryview, pos: int, end: int, n_layers: int, dtype: DType
+) -> tuple[list[LayerShape], int]:
+    """``n_layers`` (K, V) shapes from ``pos``, each bounded; and the position after them."""
     layers: list[LayerShape] = []
     for i in range(n_layers):
         if pos + 2 > end:
@@ -457,14 +486,7 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
             if math.prod(max(d, 1) for d in part) * dtype.itemsize > _MAX_EXTENT:
                 raise WireFormatError(f"layer {i}: shape {part} is too large to address")
         layers.append(LayerShape(k=tuple(dims[:k_ndim]), v=tuple(dims[k_ndim:])))
-    if pos != end:
-        raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
-    header = KvHeader(rid, epoch, fp, dtype, tokens, tuple(layers), algo_e, scales)
-    if header.payload_bytes != payload:
-        raise WireFormatError(
-            f"declared payload {payload} bytes but layer shapes add up to {header.payload_bytes}"
-        )
-    return header
+    return layers, pos
 
 
 def check_expected(h: KvHeader, exp: Expectation) -> None:

@@ -29,8 +29,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
-
 from orchestrator.bench.load import LoadResult, LoadSpec, run_load
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.errors import ConfigError
@@ -95,6 +93,8 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def _cpu_s(pids: list[int]) -> float:
+    import psutil  # noqa: PLC0415 - a test dependency: `pdorch` parses its flags without it
+
     total = 0.0
     for pid in pids:
         try:

@@ -76,8 +76,8 @@ _WORDS = [
 class LoadSpec:
     targets: tuple[str, ...]
     """Orchestrator addresses (host:port); requests are spread over them round-robin."""
-    requests: int
-    concurrency: int
+    requests: int = 1000
+    concurrency: int = 100
     max_tokens: int = 16
     prompt_words: int = 100
     timeout_s: float = 300.0

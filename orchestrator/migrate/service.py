@@ -12,29 +12,24 @@ from orchestrator.gateway.server import HttpServer
 from orchestrator.migrate import plots, report
 from orchestrator.migrate.control import Control
 from orchestrator.migrate.proxy import Proxy
-from orchestrator.migrate.settings import MigrationSettings
+from orchestrator.migrate.settings import MigrationSettings, parse_listen
 from orchestrator.migrate.state import MigrationState
 
 log = logging.getLogger(__name__)
 
 
-async def serve(
-    settings: MigrationSettings,
-    redis_url: str,
-    host: str,
-    port: int,
-    stop: asyncio.Event,
-    drain_grace_s: float = 10.0,
-) -> None:
-    """Run the proxy until ``stop`` is set, then stop in phases: stop accepting and let
-    answers finish (``drain_grace_s``), let shadow calls finish, flush samples to Redis."""
+async def serve(settings: MigrationSettings, redis_url: str, stop: asyncio.Event) -> None:
+    """Run the proxy on ``settings.listen`` until ``stop`` is set, then stop in phases: stop
+    accepting and let answers finish (``drain_grace_s``), let shadow calls finish, flush
+    samples to Redis. A bad ``listen`` raises ConfigError; one that cannot be bound, OSError."""
+    host, port = parse_listen(settings.listen)
     state = MigrationState(redis_url, settings.name)
     control = Control(settings, state)
     proxy: Proxy | None = None
     try:
         await control.start()
         proxy = Proxy(control)
-        server = HttpServer(proxy.app, host, port, drain_grace_s)
+        server = HttpServer(proxy.app, host, port, settings.drain_grace_s)
         await server.start()
         log.info(
             "migration %s (%s) listening on %s: existing %s, pdorch %s",

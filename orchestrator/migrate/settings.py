@@ -111,6 +111,10 @@ class MigrationSettings:
     max_body_bytes: int = 4 << 20
     refresh_s: float = 1.0
     """How often the proxy re-reads mode and share from Redis (`pdorch migrate percent`)."""
+    listen: str = "127.0.0.1:8090"
+    """``HOST:PORT`` the proxy serves (`parse_listen`)."""
+    drain_grace_s: float = 10.0
+    """On SIGTERM: seconds answers in flight may finish before the proxy stops."""
 
     def __post_init__(self) -> None:
         check_name(self.name)

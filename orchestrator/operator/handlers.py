@@ -135,6 +135,14 @@ def _translate(exc: OperatorError, delay: float) -> kopf.TemporaryError | kopf.P
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     """Register every handler into `registry`, closed over `config` (nothing global)."""
     rt = _Runtime(config)
+    _register_process(registry, config, rt)
+    _register_resource(registry, config, rt)
+
+
+def _register_process(
+    registry: kopf.OperatorRegistry, config: OperatorConfig, rt: _Runtime
+) -> None:
+    """The operator process's own handlers: settings, login, cleanup."""
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -159,6 +167,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
         await rt.close()
+
+
+def _register_resource(
+    registry: kopf.OperatorRegistry, config: OperatorConfig, rt: _Runtime
+) -> None:
+    """The DisaggregatedService handlers: converge on create/update/resume/resync, teardown."""
 
     async def converge(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
         previous = body.get("status", {}).get("conditions") or []

@@ -1,4 +1,4 @@
-"""`pdorch plan`: input documents (`orchestrator.core.planconfig`), the table, the JSON, errors."""
+"""`pdorch plan`: input documents (`orchestrator.planning.planconfig`), table, JSON, errors."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ from typing import Any
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.core.planconfig import overlay, parse_price, parse_text, plan_request_from_mapping
-from orchestrator.core.traffic import Fixed, LogNormal
 from orchestrator.errors import ConfigError
+from orchestrator.planning.planconfig import (
+    overlay,
+    parse_price,
+    parse_text,
+    plan_request_from_mapping,
+)
+from orchestrator.planning.traffic import Fixed, LogNormal
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:

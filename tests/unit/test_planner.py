@@ -1,4 +1,4 @@
-"""The planner (`orchestrator.core.planner`) on hand-computed and characteristic cases.
+"""The planner (`orchestrator.planning.planner`) on hand-computed and characteristic cases.
 
 The hand-computed cases use the toy model and the SLOW GPU of test_perfmodel (see there for
 the FLOP and byte counts) with every efficiency 1, no memory headroom, pools sized to 100 %
@@ -19,9 +19,9 @@ import pytest
 
 from orchestrator.core.hardware import DEFAULT_GPUS, GpuProfile, with_prices
 from orchestrator.core.perfmodel import Efficiency, ModelConfig, get_model
-from orchestrator.core.planner import LayoutPlan, Plan, PlanOptions, PlanRequest, plan
-from orchestrator.core.traffic import Fixed, LogNormal, Slo, Traffic
 from orchestrator.errors import ConfigError
+from orchestrator.planning.planner import LayoutPlan, Plan, PlanOptions, PlanRequest, plan
+from orchestrator.planning.traffic import Fixed, LogNormal, Slo, Traffic
 
 TOY = ModelConfig(
     "toy", layers=2, hidden=1024, heads=8, kv_heads=2, intermediate=4096, vocab=1000, dtype="fp16"

@@ -1,4 +1,4 @@
-"""Traffic profiles and SLOs (`orchestrator.core.traffic`): deterministic distributions."""
+"""Traffic profiles and SLOs (`orchestrator.planning.traffic`): deterministic distributions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from orchestrator.core.traffic import (
+from orchestrator.errors import ConfigError
+from orchestrator.planning.traffic import (
     Fixed,
     LogNormal,
     Slo,
@@ -16,7 +17,6 @@ from orchestrator.core.traffic import (
     quantile_grid,
     tokens_at,
 )
-from orchestrator.errors import ConfigError
 
 
 @pytest.mark.parametrize(

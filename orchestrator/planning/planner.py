@@ -56,8 +56,8 @@ from orchestrator.core import perfmodel as pm
 from orchestrator.core.cost import PoolUsage, request_cost
 from orchestrator.core.hardware import TP_DEGREES, GpuProfile, get_gpu
 from orchestrator.core.perfmodel import Efficiency, ModelConfig
-from orchestrator.core.traffic import Slo, Traffic, quantile_grid, tokens_at
 from orchestrator.errors import ConfigError
+from orchestrator.planning.traffic import Slo, Traffic, quantile_grid, tokens_at
 
 
 @dataclass(frozen=True, slots=True)

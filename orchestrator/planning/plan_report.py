@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.core.perfmodel import kv_bytes_per_token
-from orchestrator.core.planner import LayoutPlan, Plan, PoolPlan
-from orchestrator.core.traffic import LengthDist, tokens_at
+from orchestrator.planning.planner import LayoutPlan, Plan, PoolPlan
+from orchestrator.planning.traffic import LengthDist, tokens_at
 
 
 def _length(dist: LengthDist, percentile: float) -> dict[str, Any]:

@@ -52,11 +52,20 @@ from typing import Any
 
 from orchestrator.core.hardware import gpu_table_from_mapping, with_prices
 from orchestrator.core.perfmodel import Efficiency, ModelConfig, get_model
-from orchestrator.core.planner import PlanOptions, PlanRequest
-from orchestrator.core.traffic import Slo, Traffic, parse_length
 from orchestrator.errors import ConfigError
+from orchestrator.planning.planner import PlanOptions, PlanRequest
+from orchestrator.planning.traffic import Slo, Traffic, parse_length
 
 DEFAULT_KINDS = ("H100", "A100", "L40S", "L4", "T4")
+DEFAULT_PRESET = "llama-3-8b"
+DEFAULT_RATE = 20.0
+"""Requests/s."""
+DEFAULT_PROMPT = "lognormal:1024:4096"
+DEFAULT_OUTPUT = 256
+DEFAULT_TTFT_MS = 1000.0
+DEFAULT_TPOT_MS = 50.0
+"""The defaults of what has no dataclass default; the rest are the defaults of `Slo`,
+`PlanOptions` and `Efficiency`."""
 
 _SECTIONS: dict[str, tuple[str, ...] | None] = {
     "model": (
@@ -166,7 +175,7 @@ def _model(table: Mapping[str, Any]) -> ModelConfig:
     if preset is not None and not isinstance(preset, str):
         raise ConfigError("model.preset", f"must be a string, got {preset!r}")
     if preset is None and not fields:
-        preset = "llama-3-8b"
+        preset = DEFAULT_PRESET
     if preset is not None:
         return replace(get_model(preset), **fields) if fields else get_model(preset)
     fields.setdefault("name", "custom")
@@ -184,37 +193,43 @@ def plan_request_from_mapping(data: Mapping[str, Any]) -> PlanRequest:
     model = _model(_section(data, "model"))
     t = _section(data, "traffic")
     traffic = Traffic(
-        rate=_num("traffic.rate", t.get("rate"), default=20.0),
-        prompt=parse_length(t.get("prompt", "lognormal:1024:4096"), "traffic.prompt"),
-        output=parse_length(t.get("output", 256), "traffic.output"),
+        rate=_num("traffic.rate", t.get("rate"), default=DEFAULT_RATE),
+        prompt=parse_length(t.get("prompt", DEFAULT_PROMPT), "traffic.prompt"),
+        output=parse_length(t.get("output", DEFAULT_OUTPUT), "traffic.output"),
     )
     s = _section(data, "slo")
-    slo = Slo(
-        ttft_s=_num("slo.ttft_ms", s.get("ttft_ms"), default=1000.0) / 1e3,
-        tpot_s=_num("slo.tpot_ms", s.get("tpot_ms"), default=50.0) / 1e3,
-        percentile=_num("slo.percentile", s.get("percentile"), default=0.9),
-    )
-    e = _section(data, "efficiency")
+    slo_fields = {
+        "ttft_s": _num("slo.ttft_ms", s.get("ttft_ms"), default=DEFAULT_TTFT_MS) / 1e3,
+        "tpot_s": _num("slo.tpot_ms", s.get("tpot_ms"), default=DEFAULT_TPOT_MS) / 1e3,
+    }
+    if s.get("percentile") is not None:  # else Slo's default
+        slo_fields["percentile"] = _num("slo.percentile", s["percentile"], default=math.nan)
+    slo = Slo(**slo_fields)
+    e, e0 = _section(data, "efficiency"), Efficiency()
     eff = Efficiency(
-        compute=_num("efficiency.compute", e.get("compute"), default=0.5),
-        memory=_num("efficiency.memory", e.get("memory"), default=0.8),
-        tp=_num("efficiency.tp", e.get("tp"), default=0.9),
+        compute=_num("efficiency.compute", e.get("compute"), default=e0.compute),
+        memory=_num("efficiency.memory", e.get("memory"), default=e0.memory),
+        tp=_num("efficiency.tp", e.get("tp"), default=e0.tp),
     )
-    p = _section(data, "plan")
-    max_batch = p.get("max_batch", 256)
+    p, p0 = _section(data, "plan"), PlanOptions()
+    max_batch = p.get("max_batch", p0.max_batch)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int):
         raise ConfigError("plan.max_batch", f"must be an integer, got {max_batch!r}")
-    allow = p.get("allow_fp16", False)
+    allow = p.get("allow_fp16", p0.allow_fp16_conversion)
     if not isinstance(allow, bool):
         raise ConfigError("plan.allow_fp16", f"must be true or false, got {allow!r}")
     options = PlanOptions(
-        link_gbps=_num("plan.link_gbps", p.get("link_gbps"), default=100.0),
+        link_gbps=_num("plan.link_gbps", p.get("link_gbps"), default=p0.link_gbps),
         transfer_usd_per_gb=_num(
-            "plan.transfer_usd_per_gb", p.get("transfer_usd_per_gb"), default=0.0
+            "plan.transfer_usd_per_gb", p.get("transfer_usd_per_gb"), default=p0.transfer_usd_per_gb
         ),
-        memory_headroom=_num("plan.memory_headroom", p.get("memory_headroom"), default=0.1),
+        memory_headroom=_num(
+            "plan.memory_headroom", p.get("memory_headroom"), default=p0.memory_headroom
+        ),
         max_batch=max_batch,
-        max_utilisation=_num("plan.max_utilisation", p.get("max_utilisation"), default=0.9),
+        max_utilisation=_num(
+            "plan.max_utilisation", p.get("max_utilisation"), default=p0.max_utilisation
+        ),
         allow_fp16_conversion=allow,
         efficiency=eff,
     )

@@ -1,0 +1,235 @@
+"""`pdorch bench`: transport throughput, KV precision, the control plane at scale, and the
+load generator it runs. Each reports ratios against a reference measured in the same run.
+
+`bench control-plane` and `bench load` flags fill `ControlPlaneBench` and `LoadSpec`; their
+defaults are those dataclasses' field defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.cli.common import Commands, Parents, add_command, default, positive_int
+from orchestrator.cli.orchestrator import ServerSettings
+
+if TYPE_CHECKING:
+    from orchestrator.bench.control_plane import ControlPlaneBench
+    from orchestrator.bench.load import LoadSpec
+
+
+NAME = "bench"
+HELP = "benchmarks (ratios against a reference in the same run)"
+
+
+def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
+    b = add_command(sub, NAME, parents, help=HELP)
+    bsub = b.add_subparsers(dest="bench", required=True)
+    _transport(add_command(
+        bsub, "transport", parents, parents.json,
+        help="KV transfer throughput vs ucx_perftest tag_bw",
+    ))  # fmt: skip
+    _precision(add_command(
+        bsub, "precision", parents, parents.model, parents.model_cache, parents.json,
+        help="token agreement with the KV converted for the wire (fp16/bf16/fp8) vs unchanged",
+        description="Runs each prompt greedily twice in this process from one prefill: with "
+        "the prompt's KV unchanged, and with it converted to --dtype and back (the wire "
+        "encoding included). Reports agreement (matched prefix / length), the first "
+        "divergence per prompt, and refuses to recommend a dtype (fp8) whose disagreement "
+        "exceeds 1%. See README 'KV precision'.",
+    ))  # fmt: skip
+    _control_plane(add_command(
+        bsub, "control-plane", parents, parents.json,
+        help="the real orchestrator, Redis and gRPC against simulated workers",
+        description="Starts Redis, simulated workers (pdorch worker --sim) and orchestrators, "
+        "drives concurrent requests through gRPC and reports admitted req/s, orchestration "
+        "overhead (client TTFT - worker TTFT) and CPU per request. See README 'Scale'.",
+    ))  # fmt: skip
+    _load(add_command(
+        bsub, "load", parents, parents.json,
+        help="drive concurrent requests at running orchestrators",
+    ))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ transport
+
+
+def _transport(bt: argparse.ArgumentParser) -> None:
+    bt.add_argument("--backend", choices=("ucx", "tcp"), default="ucx")
+    bt.add_argument("--size", default="64MiB", help="KV bytes per transfer (e.g. 64MiB)")
+    bt.add_argument("--iters", type=int, default=10)
+    bt.add_argument("--layers", type=int, default=32, help="layers the KV is split into")
+    bt.add_argument(
+        "--rounds", type=int, default=5, help="alternations of ours/reference (medians compared)"
+    )
+    bt.set_defaults(call=_run_transport)
+
+
+def _run_transport(args: argparse.Namespace) -> int:
+    from transport import bench  # noqa: PLC0415
+
+    try:
+        size = bench.parse_size(args.size)
+        result = bench.run(args.backend, size, args.iters, args.layers, args.rounds)
+    except bench.BenchError as exc:
+        print(f"pdorch bench transport: {exc}", file=sys.stderr)
+        return 2
+    print(result.json() if args.json else result.human())
+    return 0
+
+
+# ------------------------------------------------------------------------------ precision
+
+
+def _precision(bp: argparse.ArgumentParser) -> None:
+    bp.add_argument("--dtype", choices=("fp16", "bf16", "fp8"), default="fp8")
+    bp.add_argument("--prompts", default="", help="file: one prompt per line (default: 20)")
+    bp.add_argument("--max-tokens", type=positive_int, default=64)
+    bp.set_defaults(call=_run_precision)
+
+
+def _run_precision(args: argparse.Namespace) -> int:
+    from orchestrator.bench.precision import prompts_from_text, render  # noqa: PLC0415
+    from orchestrator.bench.precision_run import default_prompts, run_precision  # noqa: PLC0415
+    from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
+
+    if args.prompts:
+        try:
+            prompts = prompts_from_text(Path(args.prompts).read_text())
+        except OSError as exc:
+            print(f"pdorch bench precision: --prompts: {exc}", file=sys.stderr)
+            return 2
+        if not prompts:
+            print("pdorch bench precision: --prompts: no prompts in the file", file=sys.stderr)
+            return 2
+    else:
+        prompts = default_prompts()
+    engine = load_engine(args.model, Path(args.model_cache) if args.model_cache else None)
+
+    def progress(i: int, r: object) -> None:  # stderr: stdout stays one JSON object
+        print(f"  prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+
+    report = run_precision(engine, args.dtype, prompts, args.max_tokens, progress)
+    print(json.dumps(report.to_dict()) if args.json else render(report))
+    return 0
+
+
+# -------------------------------------------------------------------------- control plane
+
+
+def _control_plane(bc: argparse.ArgumentParser) -> None:
+    from orchestrator.bench.control_plane import ControlPlaneBench  # noqa: PLC0415 - cluster
+
+    def flag(name: str, field: str, **kw: Any) -> None:
+        bc.add_argument(name, default=default(ControlPlaneBench, field), **kw)
+
+    flag("--workers", "workers", type=positive_int)
+    flag("--prefill-workers", "prefill_workers", type=int, help="of --workers (0: half)")
+    flag("--concurrency", "concurrency", type=positive_int)
+    flag("--requests", "requests", type=positive_int)
+    flag("--orchestrators", "orchestrators", type=positive_int)
+    flag("--clients", "clients", type=positive_int, help="load processes")
+    flag("--fleet-processes", "fleet_processes", type=positive_int,
+         help="processes per worker role")  # fmt: skip
+    flag("--max-tokens", "max_tokens", type=positive_int)
+    flag("--prompt-words", "prompt_words", type=positive_int)
+    flag("--model", "model", help="performance-model preset")
+    flag("--prefill-gpu", "prefill_gpu")
+    flag("--decode-gpu", "decode_gpu")
+    flag("--warmup", "warmup", type=int, help="unmeasured requests (0: 2/worker)")
+    bc.add_argument("--profile-dir", default="", help="cProfile each orchestrator into DIR")
+    bc.add_argument(
+        "--orchestrator-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="pass FLAG to every orchestrator, e.g. --orchestrator-arg=--max-inflight=300",
+    )
+    bc.set_defaults(call=_run_control_plane)
+
+
+def _run_control_plane(args: argparse.Namespace) -> int:
+    from orchestrator.bench.control_plane import format_result, run_bench  # noqa: PLC0415
+    from orchestrator.cluster import ClusterError  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+
+    try:
+        result = run_bench(control_plane_bench(args), log_level=args.log_level)
+    except (ConfigError, ClusterError) as exc:
+        print(f"pdorch bench control-plane: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
+    from orchestrator.bench.control_plane import ControlPlaneBench  # noqa: PLC0415
+
+    return ControlPlaneBench(
+        workers=args.workers,
+        prefill_workers=args.prefill_workers,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        orchestrators=args.orchestrators,
+        clients=args.clients,
+        fleet_processes=args.fleet_processes,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        model=args.model,
+        prefill_gpu=args.prefill_gpu,
+        decode_gpu=args.decode_gpu,
+        warmup=args.warmup,
+        profile_dir=Path(args.profile_dir) if args.profile_dir else None,
+        orchestrator_args=tuple(args.orchestrator_arg),
+    )
+
+
+# ----------------------------------------------------------------------------------- load
+
+
+def _load(bl: argparse.ArgumentParser) -> None:
+    from orchestrator.bench.load import LoadSpec  # noqa: PLC0415 - imports grpc
+
+    def flag(name: str, field: str, **kw: Any) -> None:
+        bl.add_argument(name, default=default(LoadSpec, field), **kw)
+
+    bl.add_argument("--target", default=ServerSettings().address, help="host:port[,host:port...]")
+    flag("--requests", "requests", type=positive_int)
+    flag("--concurrency", "concurrency", type=positive_int)
+    flag("--max-tokens", "max_tokens", type=positive_int)
+    flag("--prompt-words", "prompt_words", type=positive_int)
+    flag("--offset", "offset", type=int, help="first request number")
+    bl.add_argument("--samples", action="store_true", help="print every sample as JSON")
+    bl.set_defaults(call=_run_load)
+
+
+def _run_load(args: argparse.Namespace) -> int:
+    from orchestrator.bench.load import run_load  # noqa: PLC0415
+
+    result = asyncio.run(run_load(load_spec(args)))
+    if args.samples:  # for `bench control-plane`, which merges several clients
+        print(result.to_json())
+    elif args.json:
+        print(json.dumps(result.summary(), indent=2))
+    else:
+        for key, value in result.summary().items():
+            print(f"{key}: {value}")
+    return 0
+
+
+def load_spec(args: argparse.Namespace) -> LoadSpec:
+    from orchestrator.bench.load import LoadSpec  # noqa: PLC0415
+
+    return LoadSpec(
+        targets=tuple(t for t in args.target.split(",") if t),
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        offset=args.offset,
+    )

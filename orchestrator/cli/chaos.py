@@ -1,0 +1,65 @@
+"""`pdorch chaos`: list the shipped failover scenarios, or run one on a local cluster and
+check its history."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from orchestrator.cli.common import Commands, Parents, add_command, positive_int
+
+NAME = "chaos"
+HELP = "chaos-test failover on a local cluster"
+
+
+def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
+    c = add_command(sub, NAME, parents, help=HELP)
+    csub = c.add_subparsers(dest="chaos_command", required=True)
+    cl = add_command(csub, "list", parents, help="list the shipped scenarios")
+    cl.set_defaults(call=_list)
+    cr = add_command(
+        csub,
+        "run",
+        parents,
+        parents.json,
+        parents.model_cache,
+        help="run a scenario (shipped name or YAML file) and check it",
+    )
+    cr.add_argument("scenario")
+    cr.add_argument("--seed", type=int, default=0, help="run i uses seed + i for its faults")
+    cr.add_argument("--runs", type=positive_int, default=1)
+    cr.add_argument("--out", default="", help="folder for histories and timelines")
+    cr.set_defaults(call=_run)
+
+
+def _list(args: argparse.Namespace) -> int:
+    from orchestrator.chaos.scenario import ScenarioError, load, shipped  # noqa: PLC0415
+
+    for name, path in sorted(shipped().items()):
+        try:
+            description = load(str(path)).description
+        except ScenarioError as exc:
+            description = f"(invalid: {exc})"
+        print(f"{name:24s} {description}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from orchestrator.chaos.runner import run_chaos  # noqa: PLC0415
+    from orchestrator.chaos.scenario import ScenarioError, load  # noqa: PLC0415
+
+    try:
+        scenario = load(args.scenario)
+    except ScenarioError as exc:
+        print(f"pdorch chaos: {exc}", file=sys.stderr)
+        return 2
+    return run_chaos(
+        scenario,
+        seed=args.seed,
+        runs=args.runs,
+        out_dir=Path(args.out) if args.out else None,
+        model_cache=Path(args.model_cache) if args.model_cache else None,
+        as_json=args.json,
+    )

@@ -1,0 +1,48 @@
+"""`pdorch demo`: start a local cluster (Redis, workers, an orchestrator) and run prompts
+through it; with ``--serve``, keep it up behind the OpenAI-compatible gateway."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+
+from orchestrator.cli.common import Commands, Parents, add_command
+
+NAME = "demo"
+HELP = "start a local cluster and run prompts through it"
+
+
+def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
+    d = add_command(
+        sub,
+        NAME,
+        parents,
+        parents.model,
+        parents.model_cache,
+        parents.transport,
+        parents.json,
+        help=HELP,
+    )
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument(
+        "--serve",
+        action="store_true",
+        help="then keep the cluster up with the OpenAI-compatible gateway until Ctrl-C",
+    )
+    d.add_argument("--http-port", type=int, default=0, help="--serve: gateway port (0: free)")
+    d.set_defaults(call=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from orchestrator.demo import run_demo  # noqa: PLC0415
+
+    return run_demo(
+        model=args.model,
+        transport=args.transport,
+        as_json=args.json,
+        model_cache=Path(args.model_cache) if args.model_cache else None,
+        max_tokens=args.max_tokens,
+        serve=args.serve,
+        http_port=args.http_port,
+    )

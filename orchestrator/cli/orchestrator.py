@@ -1,0 +1,280 @@
+"""`pdorch orchestrator`: one orchestrator replica — the control plane behind the gRPC client
+API (and, with ``--http-port``, the OpenAI-compatible gateway), with Redis as its store.
+
+Its flags fill `ControlSettings` (and the `AdmissionPolicy` in it), `GatewaySettings` and
+`ServerSettings` below; their defaults are those dataclasses' field defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.cli.common import (
+    Commands,
+    Parents,
+    add_command,
+    default,
+    price,
+    serve_metrics,
+    until_signalled,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.control.orchestrator import ControlSettings, Orchestrator
+    from orchestrator.gateway.server import HttpServer
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """The replica's process around the control plane: where it listens and how it stops.
+    Only the composition root builds servers, so these settings live here."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    """The gRPC client API; `pdorch generate` and `pdorch bench load` connect here."""
+    drain_grace_s: float = 10.0
+    """On SIGTERM: seconds in-flight streams may finish before they are handed off."""
+    metrics_port: int = 0
+    """Prometheus ``/metrics`` (0: off)."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+AGGREGATE_BELOW = "auto"
+"""`pdorch orchestrator`'s ``--aggregate-below``: the measured rates decide. (A bare
+`AdmissionPolicy` always disaggregates, which keeps placement in tests predictable.)"""
+
+SERVER_OPTIONS = (
+    # gRPC core holds calls the event loop has not picked up yet; by default it cancels one
+    # that waited 30 s and refuses beyond 1,000 waiting. A replica saturated by a burst
+    # (2,000 concurrent clients at 200 workers here) then cancels calls it would have
+    # served; admission (`--max-inflight`, `--max-queue`, the TTFT SLO) is where load is
+    # refused, with a reason and a retry-after.
+    ("grpc.server_max_unrequested_time_in_server", 600),
+    ("grpc.server.max_pending_requests", 65536),
+)
+
+
+NAME = "orchestrator"
+HELP = "run an orchestrator replica"
+
+
+def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
+    from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415 - grpc
+    from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415 - numpy
+    from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
+
+    o = add_command(sub, NAME, parents, parents.redis, help=HELP)
+    o.add_argument("--host", default=default(ServerSettings, "host"))
+    o.add_argument("--port", type=int, default=default(ServerSettings, "port"))
+    o.add_argument("--replica-id", default=env.get("HOSTNAME", "orchestrator"))
+    o.add_argument(
+        "--fallback", choices=("local", "fail"), default=default(ControlSettings, "fallback")
+    )
+    o.add_argument(
+        "--kv-dtype",
+        choices=tuple(p.value for p in KvPolicy),
+        default=default(ControlSettings, "kv_dtype").value,
+        help="KV wire dtype per prefill→decode pair: auto converts where the decode GPU holds "
+        "KV narrower (bf16→fp16 for T4); fp8 quarters float32's bytes (README: KV precision)",
+    )
+    o.add_argument(
+        "--drain-grace",
+        type=float,
+        default=default(ServerSettings, "drain_grace_s"),
+        help="on SIGTERM: seconds in-flight streams may finish before they are handed off",
+    )
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default(ServerSettings, "metrics_port"),
+        help="Prometheus /metrics (0: off)",
+    )
+    o.add_argument(
+        "--price",
+        type=price,
+        action="append",
+        default=[],
+        metavar="KIND=USD",
+        help="price per GPU-hour of a worker GPU kind, e.g. H100=2.1 (repeatable)",
+    )
+    o.add_argument(
+        "--transfer-usd-per-gb", type=float, default=default(ControlSettings, "transfer_usd_per_gb")
+    )
+    o.add_argument(
+        "--detach-grace",
+        type=float,
+        default=default(ControlSettings, "detach_grace_s"),
+        help="seconds a request keeps running after its client left, for it to resume",
+    )
+    _admission_flags(o)
+    o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
+    o.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP gateway on this port (0: any free port)",
+    )
+    o.add_argument("--http-host", default="", help="the gateway's address (default: --host)")
+    o.add_argument(
+        "--api-key",
+        default=env.get("PDORCH_API_KEY", default(GatewaySettings, "api_key")),
+        help="gateway: require 'Authorization: Bearer KEY' (default: $PDORCH_API_KEY; none)",
+    )
+    o.set_defaults(run=run)
+
+
+def _admission_flags(o: argparse.ArgumentParser) -> None:
+    from orchestrator.core.admission import AdmissionPolicy  # noqa: PLC0415
+
+    o.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=default(AdmissionPolicy, "ttft_slo_s") * 1000,
+        help="refuse (RESOURCE_EXHAUSTED + retry-after) requests whose estimated TTFT exceeds "
+        "this (0: no SLO check)",
+    )
+    o.add_argument(
+        "--max-queue",
+        type=int,
+        default=default(AdmissionPolicy, "max_queue"),
+        help="requests per prefill worker's queue, at most",
+    )
+    o.add_argument(
+        "--max-inflight",
+        type=int,
+        default=default(AdmissionPolicy, "max_inflight"),
+        help="requests this replica drives (0: no limit)",
+    )
+    o.add_argument(
+        "--tenant-limit",
+        action="append",
+        default=[],
+        metavar="TENANT=N",
+        help="requests in flight at most for a tenant, all replicas together (repeatable)",
+    )
+    o.add_argument(
+        "--default-tenant-limit",
+        type=int,
+        default=default(AdmissionPolicy, "default_tenant_limit"),
+        help="for other tenants (0: no limit)",
+    )
+    o.add_argument(
+        "--aggregate-below",
+        default=AGGREGATE_BELOW,
+        metavar="auto|N",
+        help="conditional disaggregation: 'auto' keeps prompts on the decode worker when the "
+        "measured rates say a transfer costs more; N: prompts under N tokens; 0: never",
+    )
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(args.host, args.port, args.drain_grace, args.metrics_port)
+
+
+def control_settings(args: argparse.Namespace) -> ControlSettings:
+    """The control plane's settings from the flags (ConfigError on a bad value)."""
+    from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415
+    from orchestrator.core.admission import (  # noqa: PLC0415
+        AdmissionPolicy,
+        parse_aggregate_below,
+        parse_tenant_limits,
+    )
+    from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
+    from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
+
+    prices = with_prices(PRICED_KINDS, dict(args.price))
+    admission = AdmissionPolicy(
+        ttft_slo_s=args.ttft_slo_ms / 1000,
+        max_queue=args.max_queue,
+        max_inflight=args.max_inflight,
+        tenant_limits=parse_tenant_limits(args.tenant_limit),
+        default_tenant_limit=args.default_tenant_limit,
+        aggregate_below=parse_aggregate_below(args.aggregate_below),
+    )
+    return ControlSettings(
+        fallback=args.fallback,
+        detach_grace_s=args.detach_grace,
+        prices=prices,
+        transfer_usd_per_gb=args.transfer_usd_per_gb,
+        kv_dtype=KvPolicy(args.kv_dtype),
+        admission=admission,
+    )
+
+
+async def run(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+    from grpc_health.v1 import _async as health_aio  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    from orchestrator.api import orchestrator_pb2_grpc  # noqa: PLC0415
+    from orchestrator.control.clients import WorkerClients  # noqa: PLC0415
+    from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
+    from orchestrator.control.orchestrator import Orchestrator  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+    from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+
+    try:
+        settings = control_settings(args)
+    except ConfigError as exc:
+        print(f"pdorch orchestrator: {exc}", file=sys.stderr)
+        return 2
+    serving = server_settings(args)
+    store = RedisStore(StoreSettings(url=args.redis))
+    clients = WorkerClients()
+    metrics = ControlMetrics()
+    control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
+    metrics_server = serve_metrics(metrics.registry, serving.host, serving.metrics_port)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(serving.address)
+    http = _gateway(args, control) if args.http_port is not None else None
+    await server.start()
+    await control.start()
+    try:
+        if http is not None:
+            await http.start()  # before SERVING: a ready orchestrator serves both
+            print(f"gateway {args.replica_id} ready on {http.url}/v1", flush=True)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        print(f"orchestrator {args.replica_id} ready on {serving.host}:{port}", flush=True)
+        await until_signalled()
+    finally:
+        await health.enter_graceful_shutdown()
+        # Both fronts stop accepting and drain their streams side by side.
+        stopping = [server.stop(serving.drain_grace_s)]
+        if http is not None:
+            stopping.append(http.stop())
+        await asyncio.gather(*stopping)
+        await control.stop()
+        await clients.close()
+        await store.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+    return 0
+
+
+def _gateway(args: argparse.Namespace, control: Orchestrator) -> HttpServer:
+    """The OpenAI-compatible gateway over this process's orchestrator (the `gateway` extra)."""
+    try:
+        from orchestrator.gateway.app import Gateway  # noqa: PLC0415 - imports starlette
+        from orchestrator.gateway.server import HttpServer  # noqa: PLC0415 - imports uvicorn
+    except ImportError as exc:
+        raise SystemExit(
+            f"pdorch orchestrator --http-port needs the gateway extra "
+            f"(pip install 'pdorch[gateway]'): {exc}"
+        ) from exc
+    from orchestrator.gateway.backend import OrchestratorBackend  # noqa: PLC0415
+    from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
+
+    app = Gateway(OrchestratorBackend(control), GatewaySettings(api_key=args.api_key)).app
+    return HttpServer(app, args.http_host or args.host, args.http_port, args.drain_grace)

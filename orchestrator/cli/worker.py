@@ -1,0 +1,321 @@
+"""`pdorch worker`: a prefill or decode worker serving a real model, or ``--sim`` workers
+(timings from the performance model, no model loaded), heartbeating into Redis.
+
+Its flags fill `WorkerSettings` and `TransportSettings`; their defaults are those dataclasses'
+field defaults. A flag left at 0 (``--kv-capacity-mib``, ``--max-batch``) is not passed on, so
+the settings' default (or the simulated GPU's) applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.cli.common import (
+    Commands,
+    Parents,
+    add_command,
+    default,
+    positive_int,
+    serve_metrics,
+    until_signalled,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.workers.server import WorkerSettings
+
+log = logging.getLogger("pdorch")
+
+SIM_MAX_BATCH = 256
+"""Decode batch of a simulated worker: a GPU's continuous batch, where the reference engine's
+CPU batch is `WorkerSettings.max_batch`."""
+
+
+NAME = "worker"
+HELP = "run a prefill or decode worker"
+
+
+def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
+    from orchestrator.workers.server import WorkerSettings  # noqa: PLC0415 - imports grpc
+    from transport.base import TransportSettings  # noqa: PLC0415
+
+    w = add_command(
+        sub,
+        NAME,
+        parents,
+        parents.redis,
+        parents.model,
+        parents.model_cache,
+        parents.transport,
+        help=HELP,
+    )
+    w.add_argument("--role", choices=("prefill", "decode"), required=True)
+    w.add_argument("--host", default=default(WorkerSettings, "host"))
+    w.add_argument("--port", type=int, default=default(WorkerSettings, "port"))
+    w.add_argument("--kv-port", type=int, default=default(WorkerSettings, "kv_port"))
+    w.add_argument("--worker-id", default=default(WorkerSettings, "worker_id"))
+    kv_mib = default(WorkerSettings, "kv_capacity_bytes") >> 20
+    w.add_argument(
+        "--kv-capacity-mib",
+        type=int,
+        default=0,
+        help=f"KV budget (default {kv_mib}; simulated: the GPU's memory beside the weights)",
+    )
+    w.add_argument(
+        "--heartbeat-ttl", type=float, default=default(WorkerSettings, "heartbeat_ttl_s")
+    )
+    w.add_argument(
+        "--kv-hold",
+        type=float,
+        default=default(TransportSettings, "kv_hold_s"),
+        help="free a received KV nobody claims after S",
+    )
+    w.add_argument(
+        "--torch-threads", type=int, default=0, help="CPU threads for the engine (0: torch's)"
+    )
+    w.add_argument(
+        "--gpu-kind",
+        default=env.get("PDORCH_GPU_KIND", default(WorkerSettings, "gpu_kind")),
+        help="the accelerator this worker runs on (priced by the orchestrators: H100, L4, ...)",
+    )
+    w.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    w.add_argument(
+        "--advertise",
+        default=default(WorkerSettings, "advertise"),
+        help="host:port to publish instead of the listener",
+    )
+    w.add_argument(
+        "--kv-advertise",
+        default=default(WorkerSettings, "kv_advertise"),
+        help="host:port to publish for the KV receiver",
+    )
+    _fault_flags(w)
+    w.add_argument(
+        "--sim",
+        default="",
+        metavar="MODEL@GPU",
+        help="simulated worker: no model, timings from the performance model, e.g. "
+        "llama-3-8b@H100 or llama-3-70b@H100x4 (TCP transport; see README 'Scale')",
+    )
+    w.add_argument(
+        "--count",
+        type=positive_int,
+        default=1,
+        help="with --sim: this many workers in this process (ids <worker-id>-0..N-1)",
+    )
+    w.add_argument(
+        "--max-batch",
+        type=int,
+        default=0,
+        help=f"decode batch ({default(WorkerSettings, 'max_batch')}; simulated: {SIM_MAX_BATCH})",
+    )
+    w.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
+    w.set_defaults(run=run)
+
+
+def _fault_flags(w: argparse.ArgumentParser) -> None:
+    w.add_argument(
+        "--kv-fault",
+        type=_fault_spec,
+        default="",
+        help="fault injection on outgoing KV, e.g. 'layer=1,corrupt=99,p=0.5,armed=0' "
+        "(keys: layer corrupt stall delay p seed armed); SIGUSR1 arms it, SIGUSR2 disarms",
+    )
+    w.add_argument(
+        "--kv-fault-file",
+        default="",
+        help="fault injection: SIGUSR1 reads the fault spec from this file and arms it",
+    )
+    w.add_argument(
+        "--inject-kv-stall",
+        type=float,
+        default=0.0,
+        help="fault injection: stall this many seconds in the middle of every KV send",
+    )
+
+
+def _fault_spec(text: str) -> str:
+    from transport.testing import FaultInjector  # noqa: PLC0415
+
+    try:
+        FaultInjector.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def worker_settings(args: argparse.Namespace, **chosen: Any) -> WorkerSettings:
+    """The worker's settings from its flags. ``chosen``: fields this kind of worker sets
+    (a simulated GPU's KV room and batch), overridden by ``--kv-capacity-mib`` and
+    ``--max-batch`` when given; what neither sets keeps the dataclass's default."""
+    from orchestrator.workers.server import WorkerSettings  # noqa: PLC0415
+
+    if args.kv_capacity_mib:
+        chosen["kv_capacity_bytes"] = args.kv_capacity_mib << 20
+    if args.max_batch:
+        chosen["max_batch"] = args.max_batch
+    return WorkerSettings(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        worker_id=args.worker_id,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        heartbeat_interval_s=args.heartbeat_ttl / 3,
+        **chosen,
+    )
+
+
+async def run(args: argparse.Namespace) -> int:
+    if args.sim:
+        return await _run_sim_workers(args)
+    if args.count != 1:
+        print("pdorch worker: --count needs --sim", file=sys.stderr)
+        return 2
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.workers.metrics import WorkerMetrics  # noqa: PLC0415
+    from orchestrator.workers.model_files import load_engine  # noqa: PLC0415
+    from orchestrator.workers.server import Worker  # noqa: PLC0415
+    from transport.backends import make_receiver, make_sender  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
+
+    if args.torch_threads > 0:
+        import torch  # noqa: PLC0415 - only workers need torch
+
+        torch.set_num_threads(args.torch_threads)
+    engine = await asyncio.to_thread(
+        load_engine, args.model, Path(args.model_cache) if args.model_cache else None
+    )
+    store = RedisStore(StoreSettings(url=args.redis))
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    settings = worker_settings(
+        args, advertise=args.advertise, kv_advertise=args.kv_advertise, gpu_kind=args.gpu_kind
+    )
+    sender = make_sender(args.transport, tsettings)
+    if args.inject_kv_stall > 0 or args.kv_fault or args.kv_fault_file:  # chaos/testing only
+        _attach_kv_fault(sender, args)
+    receiver = (
+        make_receiver(args.transport, tsettings, engine.info.model_spec())
+        if args.role == "decode"
+        else None
+    )
+
+    async def publish(info: object) -> None:
+        await store.heartbeat(info, settings.heartbeat_ttl_s)  # type: ignore[arg-type]
+
+    metrics = WorkerMetrics()
+    worker = Worker(engine, settings, publish, sender=sender, receiver=receiver, metrics=metrics)
+    metrics.watch(worker.kv_used, worker.active_sequences)
+    metrics_server = serve_metrics(metrics.registry, args.host, args.metrics_port)
+    await worker.start()
+    print(f"worker {worker.worker_id} ready on {worker.address} kv={worker.kv_address}", flush=True)
+    try:
+        await until_signalled()
+    finally:
+        log.info("worker %s draining", worker.worker_id)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        with contextlib.suppress(Exception):
+            await store.deregister(worker.worker_id)
+        await worker.stop()
+        await store.close()
+    return 0
+
+
+async def _run_sim_workers(args: argparse.Namespace) -> int:
+    """``--count`` simulated workers in this process (`orchestrator.workers.fleet`)."""
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+    from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
+    from orchestrator.workers.server import Worker  # noqa: PLC0415
+    from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec  # noqa: PLC0415
+    from transport.base import TransportSettings  # noqa: PLC0415
+    from transport.tcp import TcpDataPlane, tcp_receiver  # noqa: PLC0415
+
+    try:
+        spec = SimSpec.parse(args.sim)
+    except ConfigError as exc:
+        print(f"pdorch worker: --sim: {exc}", file=sys.stderr)
+        return 2
+    engine = SimEngine(spec)
+    # Heartbeats only: a few connections, not one per worker beating at the same moment.
+    store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    base = worker_settings(
+        args,
+        kv_capacity_bytes=spec.kv_capacity_bytes,
+        max_batch=SIM_MAX_BATCH,
+        gpu_kind=spec.gpu.name,
+    )
+
+    async def publish(info: object) -> None:
+        await store.heartbeat(info, base.heartbeat_ttl_s)  # type: ignore[arg-type]
+
+    count = args.count
+    prefill = args.role == "prefill"
+    sender = SharedSender(TcpDataPlane(), tsettings, users=count) if prefill else None
+    workers = [
+        Worker(
+            engine,
+            member_settings(base, i, count),
+            publish,
+            sender=sender,
+            receiver=(None if prefill else tcp_receiver(tsettings, engine.info.model_spec())),
+            runner=SimRunner(engine),
+        )
+        for i in range(count)
+    ]
+    fleet = WorkerFleet(workers)
+    try:
+        await fleet.start()  # stops what started if one fails
+    except BaseException:
+        await store.close()
+        raise
+    for w in workers:
+        print(f"worker {w.worker_id} ready on {w.address} kv={w.kv_address}", flush=True)
+    try:
+        await until_signalled()
+    finally:
+        log.info("%d simulated workers draining", count)
+        for w in workers:
+            with contextlib.suppress(Exception):
+                await store.deregister(w.worker_id)
+        await fleet.stop()
+        await store.close()
+    return 0
+
+
+def _attach_kv_fault(sender: object, args: argparse.Namespace) -> None:
+    """Fault injection on outgoing KV: SIGUSR1 arms it — re-reading ``--kv-fault-file`` when
+    given, so a chaos run can change the fault without restarting the worker — SIGUSR2
+    disarms it."""
+    from transport.testing import FaultInjector  # noqa: PLC0415
+
+    if args.kv_fault:
+        injector = FaultInjector.parse(args.kv_fault)  # validated by the parser already
+    elif args.kv_fault_file:
+        injector = FaultInjector(armed=False)
+    else:  # stall while sending layer 1 of every KV
+        injector = FaultInjector(layer=1, delay_s=args.inject_kv_stall)
+    injector.attach(sender)  # type: ignore[arg-type]
+
+    def arm() -> None:
+        if args.kv_fault_file:
+            try:
+                spec = FaultInjector.parse(Path(args.kv_fault_file).read_text().strip())
+            except (OSError, ValueError) as exc:
+                log.warning("kv fault file %s: %s", args.kv_fault_file, exc)
+                return
+            injector.configure(spec)
+        injector.armed = True
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, arm)
+    loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(injector, "armed", False))

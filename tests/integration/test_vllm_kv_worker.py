@@ -1,0 +1,205 @@
+"""The connector's worker side without vLLM: two `WorkerSide`s over real TCP on loopback.
+
+Paged caches are plain torch tensors in the CPU backend's layout ([blocks, kv_heads,
+block_size, 2 * head_dim]); the test plays the model runner (bind, save each layer, wait for
+the save; bind loads, poll transfer results) and checks which bytes land in which blocks.
+Runs in the main venv (torch, no vLLM); each case takes well under a second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from orchestrator.workers.vllm import kv, kv_layout
+from orchestrator.workers.vllm.connector_scheduler import LoadSpec, SaveSpec, StepPlan
+from orchestrator.workers.vllm.connector_worker import LayerViews, WorkerConfig, WorkerSide
+from orchestrator.workers.vllm.kv_loop import LoopThread
+from orchestrator.workers.vllm.kv_params import DecodeParams, PrefillParams
+from transport.ucx import ucx_available
+
+BS, HEADS, DIM, LAYERS, BLOCKS = 4, 2, 8, 3, 10
+LOAD_TIMEOUT_S = 1.0
+BACKENDS = [
+    pytest.param(
+        "ucx",
+        marks=[
+            pytest.mark.ucx,
+            pytest.mark.skipif(not ucx_available(), reason="ucxx not installed"),
+        ],
+    ),
+    "tcp",
+]
+
+
+def caches(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, HEADS, BS, 2 * DIM, generator=g)
+        for i in range(LAYERS)
+    }
+
+
+@dataclass
+class Pair:
+    prefill: WorkerSide
+    decode: WorkerSide
+    src: dict[str, torch.Tensor]
+    dst: dict[str, torch.Tensor]
+    control: kv.DecodeKvControl
+    control_loop: LoopThread
+    kv_address: str
+
+    def push(
+        self, rid: str, epoch: int, blocks: tuple[int, ...], tokens: int, dtype: str = ""
+    ) -> dict[str, object]:
+        spec = SaveSpec(
+            "v-" + rid, PrefillParams(rid, epoch, self.kv_address, dtype), blocks, tokens
+        )
+        self.prefill.begin_step(StepPlan(saves=[spec]))
+        for name, t in self.src.items():  # the forward: each layer saved as it is computed
+            self.prefill.save_layer(name, t)
+        self.prefill.wait_for_save()
+        return self.prefill.take_outcomes()["v-" + rid]
+
+    def load(
+        self, rid: str, epoch: int, tokens: int, block_ids: list[int], cancel: bool = False
+    ) -> tuple[set[str], set[str], float]:
+        plan = kv_layout.load_plan(block_ids, 0, tokens, BS)
+        spec = LoadSpec("d-" + rid, DecodeParams(rid, epoch, tokens), plan)
+        started = time.monotonic()
+        self.decode.begin_step(StepPlan(loads=[spec]))
+        if cancel:
+            self.decode.begin_step(StepPlan(cancels=["d-" + rid]))
+        deadline = started + LOAD_TIMEOUT_S + 5
+        while True:
+            finished, failed = self.decode.transfer_results()
+            if finished:
+                return finished, failed, time.monotonic() - started
+            assert time.monotonic() < deadline, "the load never ended"
+            time.sleep(0.01)  # the model runner polls once per engine step
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A prefill and a decode side; TCP unless the test asks for a backend (indirect)."""
+    backend = getattr(request, "param", "tcp")
+    src, dst = caches(1), caches(2)
+    prefill = WorkerSide(WorkerConfig("prefill", backend, "", "fp", 30.0, 5.0, ""), BS, 1000)
+    prefill.register(src)
+    control = kv.DecodeKvControl(poll_s=0.05)
+    loop = LoopThread("test-control")
+    loop.start()
+    started = loop.submit(control.start(10))
+    cfg = WorkerConfig(
+        "decode", backend, "127.0.0.1:0", "fp", 30.0, LOAD_TIMEOUT_S, control.control_path
+    )
+    decode = WorkerSide(cfg, BS, 1000)
+    decode.register(dst)
+    try:
+        yield Pair(prefill, decode, src, dst, control, loop, started.result(10))
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+        loop.stop(control.close())
+
+
+def _kv(c: dict[str, torch.Tensor], layer: int, block: int) -> torch.Tensor:
+    return list(c.values())[layer][block]
+
+
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
+def test_pushed_blocks_land_in_the_decodes_blocks(pair: Pair) -> None:
+    untouched = _kv(pair.dst, 0, 0).clone()
+    outcome = pair.push("r1", 1, blocks=(3, 7), tokens=6)
+    assert outcome["ok"], outcome
+    assert outcome["kv_bytes"] == LAYERS * 2 * 2 * HEADS * BS * DIM * 4
+    finished, failed, _ = pair.load("r1", 1, 6, [5, 1, 9])
+    assert finished == {"d-r1"}
+    assert not failed
+    for layer in range(LAYERS):
+        assert torch.equal(_kv(pair.dst, layer, 5), _kv(pair.src, layer, 3))
+        assert torch.equal(_kv(pair.dst, layer, 1), _kv(pair.src, layer, 7))
+    assert torch.equal(_kv(pair.dst, 0, 0), untouched)  # no other block written
+
+
+def test_fp16_on_the_wire_lands_within_its_rounding(pair: Pair) -> None:
+    outcome = pair.push("r16", 1, blocks=(2,), tokens=3, dtype="float16")
+    assert outcome["ok"], outcome
+    assert outcome["kv_bytes"] == LAYERS * 2 * HEADS * BS * DIM * 2
+    _, failed, _ = pair.load("r16", 1, 3, [4])
+    assert not failed
+    torch.testing.assert_close(_kv(pair.dst, 1, 4), _kv(pair.src, 1, 2), rtol=2**-10, atol=1e-6)
+
+
+def test_a_kv_that_never_arrives_fails_the_load_at_its_timeout(pair: Pair) -> None:
+    before = _kv(pair.dst, 0, 6).clone()
+    finished, failed, took = pair.load("nobody", 1, 4, [6])
+    assert finished == failed == {"d-nobody"}
+    assert LOAD_TIMEOUT_S <= took < LOAD_TIMEOUT_S + 2
+    assert torch.equal(_kv(pair.dst, 0, 6), before)
+
+
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
+def test_stale_epochs_are_refused_before_any_block_is_written(pair: Pair) -> None:
+    assert pair.push("z", 5, blocks=(1,), tokens=4)["ok"]
+    zombie = pair.push("z", 4, blocks=(2,), tokens=4)
+    assert not zombie["ok"]
+    assert "epoch" in str(zombie["error"])
+    assert zombie["retryable"] is False
+    before = _kv(pair.dst, 0, 8).clone()
+    _, failed, _ = pair.load("z", 4, 4, [8])  # a decode of the old epoch
+    assert failed == {"d-z"}
+    assert torch.equal(_kv(pair.dst, 0, 8), before)
+    _, failed, _ = pair.load("z", 5, 4, [8])  # the current epoch still loads
+    assert not failed
+    assert torch.equal(_kv(pair.dst, 0, 8), _kv(pair.src, 0, 1))
+
+
+def test_a_cancelled_load_writes_nothing(pair: Pair) -> None:
+    assert pair.push("c", 1, blocks=(4,), tokens=2)["ok"]
+    before = _kv(pair.dst, 2, 3).clone()
+    finished, failed, _ = pair.load("c", 1, 2, [3], cancel=True)
+    assert finished == failed == {"d-c"}
+    assert torch.equal(_kv(pair.dst, 2, 3), before)
+
+
+def test_push_to_nowhere_fails_retryably(pair: Pair) -> None:
+    pair.kv_address = "127.0.0.1:1"
+    outcome = pair.push("lost", 1, blocks=(0,), tokens=1)
+    assert not outcome["ok"]
+    assert outcome["retryable"] is True
+
+
+def test_release_frees_held_kv_and_respects_epochs(pair: Pair) -> None:
+    outcome = pair.push("h", 2, blocks=(0, 1), tokens=8)
+    assert outcome["ok"]
+    deadline = time.monotonic() + 5
+    while pair.control.held_bytes() != outcome["kv_bytes"]:
+        assert time.monotonic() < deadline, pair.control.held_bytes()
+        time.sleep(0.02)  # held bytes are polled every 50 ms here
+    release = pair.control_loop.submit
+    assert not release(pair.control.release("h", 1)).result(5)  # an older epoch frees nothing
+    assert release(pair.control.release("h", 2)).result(5)
+    while pair.control.held_bytes() != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    _, failed, _ = pair.load("h", 2, 8, [2, 3])  # released: nothing to load
+    assert failed == {"d-h"}
+
+
+def test_layer_views_split_the_cpu_layout_into_k_and_v() -> None:
+    c = caches(3)
+    views = LayerViews(c, BS)
+    t = next(iter(c.values()))
+    assert views.layout.block_shape == (HEADS, BS, DIM)
+    # K of (block 2, head 1) is the first BS rows of that (block, head)'s 2*BS rows of DIM.
+    rows = t[2, 1].reshape(2 * BS, DIM)
+    assert torch.equal(views.k[0][2, 1], rows[:BS])
+    assert torch.equal(views.v[0][2, 1], rows[BS:])
+    with pytest.raises(ValueError, match="unsupported"):
+        LayerViews({"x": torch.zeros(4, 2, 8, 16)}, BS)
