@@ -80,12 +80,15 @@ class LeaseLostError(PdorchError):
 
 
 class WorkerError(PdorchError):
-    """A worker call failed. ``retryable`` is set per instance from the cause."""
+    """A worker call failed. ``retryable`` is set per instance from the cause; ``phase``
+    names what failed (a call — ``prefill``, ``decode``, ``generate``, ``tokenize`` — or
+    ``heartbeat``, ``silence``, ``stream``), so failover and metrics never read the message."""
 
-    def __init__(self, worker: str, message: str, *, retryable: bool) -> None:
+    def __init__(self, worker: str, message: str, *, retryable: bool, phase: str = "other") -> None:
         super().__init__(f"worker {worker}: {message}")
         self.worker = worker
         self.retryable_instance = retryable
+        self.phase = phase
 
 
 class RequestFailedError(PdorchError):

@@ -10,15 +10,7 @@ import grpc
 
 from orchestrator import errors
 from orchestrator.api import worker_pb2_grpc
-
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.CANCELLED,
-}
+from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, RETRYABLE_CODES
 
 
 class WorkerStubs:
@@ -51,7 +43,7 @@ async def translated(worker: str, what: str, kv_target: str = "") -> AsyncIterat
 
     A prefill worker marks a failure of the KV's *receiver* (trailing metadata
     ``pdorch-blame: kv-target``); the error then names ``kv_target`` — the decode worker —
-    so that failover avoids the worker that actually failed."""
+    so that failover avoids the worker that actually failed. ``what`` is the error's phase."""
     try:
         yield
     except grpc.aio.AioRpcError as exc:
@@ -61,8 +53,11 @@ async def translated(worker: str, what: str, kv_target: str = "") -> AsyncIterat
         blamed = worker
         # grpc.aio.Metadata at run time: (key, value) pairs (the stubs say otherwise)
         metadata: Any = exc.trailing_metadata() or ()
-        if kv_target and ("pdorch-blame", "kv-target") in [tuple(m) for m in metadata]:
+        if kv_target and (BLAME_KEY, BLAME_KV_TARGET) in [tuple(m) for m in metadata]:
             blamed = kv_target
         raise errors.WorkerError(
-            blamed, f"{what}: {code.name}: {exc.details()}", retryable=code in _RETRYABLE
+            blamed,
+            f"{what}: {code.name}: {exc.details()}",
+            retryable=code in RETRYABLE_CODES,
+            phase=what,
         ) from exc

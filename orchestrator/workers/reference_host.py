@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from orchestrator.api import common_pb2, convert, worker_pb2
+from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, blames_kv_target, transport_status
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.workers.batcher import DecodeBatcher, EngineRunner
 from orchestrator.workers.batcher import Sequence as DecodeSequence
@@ -31,21 +32,6 @@ from transport.receiver import KvReceiver
 from transport.sender import KvSender
 
 log = logging.getLogger(__name__)
-
-BLAME_KEY = "pdorch-blame"
-"""Trailing metadata on a failed Prefill: ``kv-target`` when the KV's receiver (the decode
-worker) failed — gone, stalled or full — rather than this prefill worker."""
-_TARGET_FAULTS = (terr.PeerLostError, terr.TransferTimeoutError, terr.BudgetExceededError)
-
-
-def status_for(exc: terr.TransportError) -> grpc.StatusCode:
-    if isinstance(exc, terr.StaleEpochError):
-        return grpc.StatusCode.ABORTED
-    if isinstance(exc, terr.WireFormatError):
-        return grpc.StatusCode.DATA_LOSS
-    if isinstance(exc, terr.TransferTimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.UNAVAILABLE
 
 
 class ReferenceHost(EngineHost):
@@ -265,9 +251,9 @@ class ReferenceHost(EngineHost):
             log.warning(
                 "KV transfer of %s to %s failed: %s", request.request_id, request.kv_target, exc
             )
-            if isinstance(exc, _TARGET_FAULTS):  # the receiving end is the one to avoid
-                context.set_trailing_metadata(((BLAME_KEY, "kv-target"),))
-            await context.abort(status_for(exc), f"KV transfer failed: {exc}")
+            if blames_kv_target(exc):  # the receiving end is the one to avoid
+                context.set_trailing_metadata(((BLAME_KEY, BLAME_KV_TARGET),))
+            await context.abort(transport_status(exc), f"KV transfer failed: {exc}")
         transfer_s = time.perf_counter() - sent
         if self.metrics is not None:
             self.metrics.prefill_seconds.observe(prefill_ms / 1000)
@@ -292,7 +278,7 @@ class ReferenceHost(EngineHost):
         try:
             kv = await self._receiver.take(rid, epoch, request.kv_timeout_s or 30.0)
         except terr.TransportError as exc:
-            await context.abort(status_for(exc), f"no usable KV for {rid}: {exc}")
+            await context.abort(transport_status(exc), f"no usable KV for {rid}: {exc}")
         ids = list(request.token_ids)
         if kv.header.token_count != len(ids):
             kv.release()

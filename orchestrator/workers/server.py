@@ -31,11 +31,11 @@ from orchestrator.workers.batcher import EngineRunner
 from orchestrator.workers.engine import Engine
 from orchestrator.workers.host import EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
-from orchestrator.workers.reference_host import BLAME_KEY, ReferenceHost
+from orchestrator.workers.reference_host import ReferenceHost
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
 
-__all__ = ["BLAME_KEY", "Publish", "Worker", "WorkerSettings"]
+__all__ = ["Publish", "Worker", "WorkerSettings"]
 
 log = logging.getLogger(__name__)
 

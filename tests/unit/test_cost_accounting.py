@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 from prometheus_client import generate_latest
 
 from orchestrator import errors
 from orchestrator.api import convert
+from orchestrator.control.clients import translated
+from orchestrator.control.failover import CAUSES
+from orchestrator.control.failover import cause as failover_cause
+from orchestrator.control.legs import heartbeat_lost
 from orchestrator.control.metrics import ControlMetrics
-from orchestrator.control.orchestrator import _cause
 from orchestrator.core.cost import PoolUsage, cost_fields
 from orchestrator.core.hardware import CPU_HOST, DEFAULT_GPUS, PRICED_KINDS, get_gpu
-from orchestrator.core.records import RequestRecord
+from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.state import State
 from orchestrator.workers.metrics import WorkerMetrics
 
@@ -59,18 +65,41 @@ def test_cost_message_and_record_round_trip() -> None:
     assert convert.cost_to_pb({}).usd == 0.0  # a record from before costs existed
 
 
+async def _call_error(phase: str) -> errors.WorkerError:
+    """The WorkerError a failed worker call of ``phase`` raises (translated at the boundary)."""
+    rpc = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Stream removed", ""
+    )
+    try:
+        async with translated("decode-0", phase):
+            raise rpc
+    except errors.WorkerError as exc:
+        return exc
+    raise AssertionError("not translated")
+
+
 @pytest.mark.parametrize(
-    ("message", "cause"),
+    ("phase", "cause"),
     [
-        ("decode: UNAVAILABLE: Stream removed", "decode"),
-        ("prefill: DEADLINE_EXCEEDED: late", "prefill"),
-        ("generate: UNAVAILABLE: reset", "generate"),
-        ("missed its heartbeats", "heartbeat"),
+        ("decode", "decode"),
+        ("prefill", "prefill"),
+        ("generate", "generate"),
+        ("heartbeat", "heartbeat"),
         ("something else", "other"),
     ],
 )
-def test_failover_causes_are_a_bounded_set(message: str, cause: str) -> None:
-    assert _cause(errors.WorkerError("decode-0", message, retryable=True)) == cause
+def test_failover_causes_are_a_bounded_set(phase: str, cause: str) -> None:
+    """The cause is the failed phase, carried by the error's type — never read from text."""
+    exc: errors.WorkerError
+    if phase in ("decode", "prefill", "generate"):
+        exc = asyncio.run(_call_error(phase))
+    elif phase == "heartbeat":
+        worker = WorkerInfo("decode-0", "decode", "a:1", "", "tcp", "m", "f", 8, 8, 1, 8)
+        exc = heartbeat_lost(worker)
+    else:
+        exc = errors.WorkerError("decode-0", phase, retryable=True)
+    assert failover_cause(exc) == cause
+    assert cause in CAUSES
 
 
 def test_control_metrics_count_what_finished() -> None:

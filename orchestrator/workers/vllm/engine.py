@@ -51,10 +51,10 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from orchestrator.api import convert, worker_pb2
+from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
 from orchestrator.workers.engine import ModelInfo
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
-from orchestrator.workers.reference_host import BLAME_KEY
 from orchestrator.workers.vllm import kv
 from orchestrator.workers.vllm.accounting import BlockPool, ChunkStream, StepLedger
 from orchestrator.workers.vllm.kv_params import DTYPES as KV_DTYPES
@@ -352,7 +352,7 @@ class VllmHost(EngineHost):
         if first is None or not result.ok:
             log.warning("prefill of %s to %s failed: %s", rid, request.kv_target, result.error)
             if result.retryable:  # the receiving end is the one to avoid
-                context.set_trailing_metadata(((BLAME_KEY, "kv-target"),))
+                context.set_trailing_metadata(((BLAME_KEY, BLAME_KV_TARGET),))
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {result.error or 'no token'}"
             )

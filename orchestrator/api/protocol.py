@@ -1,0 +1,54 @@
+"""What workers and the orchestrator agree on beyond the generated messages.
+
+The `.proto` files say what a call carries; this module says how a failed worker call is
+read: the status code a transport failure becomes (set by a worker), which codes are worth
+retrying on another worker (read by the orchestrator), and the trailing metadata that names
+the KV's receiver as the one that failed. Both sides import these names, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from transport import errors as terr
+
+BLAME_KEY = "pdorch-blame"
+"""Trailing metadata on a failed Prefill saying which side of the KV transfer failed."""
+BLAME_KV_TARGET = "kv-target"
+"""`BLAME_KEY`'s value when the KV's receiver (the decode worker) failed — gone, stalled or
+full — rather than the prefill worker that reports it."""
+
+RETRYABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+"""Status codes of a worker call that another worker (or a later try) may not repeat."""
+
+_TARGET_FAULTS = (terr.PeerLostError, terr.TransferTimeoutError, terr.BudgetExceededError)
+
+_TRANSPORT_STATUS: tuple[tuple[type[terr.TransportError], grpc.StatusCode], ...] = (
+    (terr.StaleEpochError, grpc.StatusCode.ABORTED),
+    (terr.WireFormatError, grpc.StatusCode.DATA_LOSS),
+    (terr.TransferTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+"""First match wins (StaleEpochError is a WireFormatError); anything else is UNAVAILABLE.
+Every code here is in `RETRYABLE_CODES`: a failed KV transfer is re-prefilled elsewhere."""
+
+
+def transport_status(exc: terr.TransportError) -> grpc.StatusCode:
+    """The status a worker aborts a call with when moving the KV failed with ``exc``."""
+    for cls, code in _TRANSPORT_STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.UNAVAILABLE
+
+
+def blames_kv_target(exc: terr.TransportError) -> bool:
+    """Whether ``exc`` is the receiving end's fault (the decode worker is the one to avoid)."""
+    return isinstance(exc, _TARGET_FAULTS)

@@ -1,0 +1,178 @@
+"""One attempt on its placement: the worker legs in order, each step recorded in the store.
+
+Disaggregated: ``prefill`` (queued → prefilling), the prefill leg — which moves the KV to the
+decode worker — then ``kv_sent`` (→ transferring), the decode stream, and ``kv_adopted``
+(→ decoding) at its first chunk. KV the decode worker may hold but never adopted is released
+on any way out. Aggregated: ``aggregate`` (queued → decoding) and one worker's stream.
+
+Every transition names its `Edge` and carries the attempt's epoch, so an attempt that was
+fenced off (a failover, a takeover) cannot move the request. What happens when a leg fails
+is `orchestrator.control.failover`'s business; this module only runs the legs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+
+from orchestrator.api import convert, worker_pb2
+from orchestrator.control.ledger import Booking, Ledger
+from orchestrator.control.legs import WorkerLegs
+from orchestrator.control.metrics import ControlMetrics
+from orchestrator.control.relay import as_json
+from orchestrator.control.run import Run
+from orchestrator.control.settings import ControlSettings
+from orchestrator.core.kvdtype import negotiate_for
+from orchestrator.core.records import WorkerInfo
+from orchestrator.core.scheduler import Mode, Placement
+from orchestrator.core.state import Edge
+from orchestrator.store.base import Store
+
+Chunks = AsyncGenerator[worker_pb2.TokenChunk, None]
+
+
+class Dispatch:
+    def __init__(
+        self,
+        store: Store,
+        legs: WorkerLegs,
+        ledger: Ledger,
+        settings: ControlSettings,
+        metrics: ControlMetrics | None,
+    ) -> None:
+        self.store = store
+        self.legs = legs
+        self.ledger = ledger
+        self.settings = settings
+        self.metrics = metrics
+
+    def stream(self, run: Run, booking: Booking) -> Chunks:
+        """The worker token stream of this attempt, in the booked placement's mode."""
+        placement = booking.placement
+        if placement.mode is Mode.DISAGGREGATED:
+            return self._disaggregated(run, booking)
+        if self.metrics is not None and not placement.by_choice:
+            down = "prefill" if placement.decode.role == "decode" else "decode"
+            self.metrics.fallbacks.labels(down).inc()
+        return self._aggregated(run, placement)
+
+    async def _disaggregated(self, run: Run, booking: Booking) -> Chunks:
+        placement = booking.placement
+        assert placement.prefill is not None
+        prefill, decode = placement.prefill, placement.decode
+        await self.store.transition(
+            run.rid,
+            Edge.PREFILL,
+            epoch=run.epoch,
+            fields={
+                "mode": Mode.DISAGGREGATED,
+                "placement": placement.reason,
+                "prefill_worker": prefill.worker_id,
+                "decode_worker": decode.worker_id,
+            },
+        )
+        adopted = False
+        inner = self._prefill_then_decode(run, booking, prefill, decode)
+        try:
+            async with contextlib.aclosing(inner):
+                async for chunk in inner:
+                    adopted = True
+                    yield chunk
+        finally:
+            if not adopted:  # the KV may have reached the decode worker: don't leave it held
+                await self.legs.release(decode, run.rid, run.epoch)
+
+    async def _prefill_then_decode(
+        self, run: Run, booking: Booking, prefill: WorkerInfo, decode: WorkerInfo
+    ) -> Chunks:
+        tokens = list(run.spec.prompt) + run.output  # after a failover: what the client has
+        sampling = convert.sampling_to_pb(run.spec.sampling)
+        kv = negotiate_for(prefill, decode, self.settings.kv_dtype, self.settings.prices)
+        request = worker_pb2.PrefillRequest(
+            request_id=run.rid,
+            epoch=run.epoch,
+            token_ids=tokens,
+            sampling=sampling,
+            first_index=len(run.output),
+            kv_target=decode.kv_address,
+            kv_dtype=convert.kv_dtype_to_pb(kv.dtype),
+        )
+        try:
+            resp = await self.legs.prefill(prefill, decode, request, run.check)
+        finally:
+            self.ledger.prefilled(booking)
+        rates = self.ledger.rates
+        rates.prefill(prefill.worker_id, prefill.gpu_kind, len(tokens), resp.prefill_ms / 1000)
+        rates.transfer(int(resp.kv_bytes), resp.transfer_ms / 1000)
+        run.timings["prefill_ms"] = resp.prefill_ms
+        run.timings["transfer_ms"] = resp.transfer_ms
+        run.usage.spent("prefill", prefill.gpu_kind, resp.prefill_ms / 1000)
+        run.usage.kv_moved += int(resp.kv_bytes)
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.inc(int(resp.kv_bytes))
+            self.metrics.transfer_seconds.inc(resp.transfer_ms / 1000)
+        run.usage.streaming("decode", decode.gpu_kind)
+        await self.store.transition(
+            run.rid,
+            Edge.KV_SENT,
+            epoch=run.epoch,
+            fields={
+                "kv_bytes": resp.kv_bytes,
+                "kv_dtype": kv.label,
+                "timings": as_json(run.timings),
+            },
+        )
+        stream = self.legs.decode(
+            decode,
+            worker_pb2.DecodeRequest(
+                request_id=run.rid,
+                epoch=run.epoch,
+                token_ids=tokens,
+                last_token=resp.first_token,
+                generated=len(run.output) + 1,
+                sampling=sampling,
+                max_tokens=run.spec.max_tokens,
+                kv_timeout_s=self.settings.kv_timeout_s,
+                prompt_tokens=len(run.spec.prompt),
+            ),
+            run.check,
+        )
+        first = True
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                if first:  # the decode worker adopted the KV
+                    first = False
+                    await self.store.transition(run.rid, Edge.KV_ADOPTED, epoch=run.epoch)
+                yield chunk
+
+    async def _aggregated(self, run: Run, placement: Placement) -> Chunks:
+        worker = placement.decode
+        run.usage.pool = "aggregated"
+        run.usage.gpu_kind.setdefault("aggregated", worker.gpu_kind)
+        await self.store.transition(
+            run.rid,
+            Edge.AGGREGATE,
+            epoch=run.epoch,
+            fields={
+                "mode": Mode.AGGREGATED,
+                "placement": placement.reason,
+                "decode_worker": worker.worker_id,
+                "prefill_worker": "",
+            },
+        )
+        stream = self.legs.generate(
+            worker,
+            worker_pb2.AggregatedRequest(
+                request_id=run.rid,
+                epoch=run.epoch,
+                token_ids=list(run.spec.prompt) + run.output,
+                sampling=convert.sampling_to_pb(run.spec.sampling),
+                max_tokens=run.spec.max_tokens,
+                first_index=len(run.output),
+                prompt_tokens=len(run.spec.prompt),
+            ),
+            run.check,
+        )
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                yield chunk

@@ -1,0 +1,220 @@
+"""Failover: the drive loop that runs a request to its end across worker failures.
+
+What happens when a worker dies mid-request:
+
+1. Its leg fails: the call errors (translated to `WorkerError`, phased ``prefill``,
+   ``decode`` or ``generate``), its heartbeat disappears (``heartbeat``), its stream goes
+   silent (``silence``) or misbehaves (``stream``) — see `orchestrator.control.legs`.
+2. `_attempt` records the failure: the worker is excluded from this request's next
+   placements, its breaker opens (placement skips it for everyone for a while), and
+   ``pdorch_failovers_total{cause=<phase>}`` counts it.
+3. `RETRY` decides by the error's type and phase whether another attempt may succeed.
+4. `_reassign` fences the failed attempt off: ``requeue`` (epoch + 1) — the store, the
+   decode worker's KV inbox and the journal refuse the old epoch, so a zombie's late KV or
+   tokens are never used.
+5. The next attempt places the request again and re-prefills prompt + the tokens already
+   relayed; decoding continues at the next index, so the client sees contiguous indices.
+
+After ``max_attempts`` or a non-retryable error the request fails (``fail``). A request
+this replica lost to a peer (lease lost, or its writes fenced with a stale epoch) is not a
+failure: the new owner continues it. A cancelled run records ``cancel`` — or, when the
+replica is shutting down, hands the request off to a peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import tenacity
+
+from orchestrator import errors
+from orchestrator.control.dispatch import Dispatch
+from orchestrator.control.leases import LeaseKeeper
+from orchestrator.control.ledger import Ledger
+from orchestrator.control.local import Local
+from orchestrator.control.metrics import ControlMetrics
+from orchestrator.control.relay import Relay
+from orchestrator.control.run import OutChunk, Run
+from orchestrator.control.settings import ControlSettings
+from orchestrator.core.records import WorkerInfo
+from orchestrator.core.state import Edge
+from orchestrator.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+class Verdict(enum.Enum):
+    RETRY = "retry"
+    FAIL = "fail"
+    BY_STATUS = "by-status"
+    """As the worker's status code says (`orchestrator.api.protocol.RETRYABLE_CODES`)."""
+
+
+CALL_PHASES = frozenset({"prefill", "decode", "generate", "tokenize"})
+"""Phases of a worker call that failed with a status code."""
+WATCH_PHASES = frozenset({"heartbeat", "silence", "stream"})
+"""Phases where the orchestrator itself gave up on a worker: always worth another try."""
+CAUSES = CALL_PHASES | WATCH_PHASES | {"other"}
+"""The bounded label set of ``pdorch_failovers_total{cause}``."""
+
+RETRY: tuple[tuple[type[BaseException], frozenset[str] | None, Verdict], ...] = (
+    (errors.WorkerError, WATCH_PHASES, Verdict.RETRY),
+    (errors.WorkerError, None, Verdict.BY_STATUS),
+    (errors.UnavailableError, None, Verdict.RETRY),  # no worker placeable now, store away
+    (errors.OverloadedError, None, Verdict.RETRY),  # no KV room now
+    (BaseException, None, Verdict.FAIL),
+)
+"""Whether another attempt may succeed, by the error's type and phase (None: any phase).
+First match wins. Fencing (stale epoch, lease lost) and a request ended elsewhere are
+never retried: they are not this attempt's failure."""
+
+
+def phase_of(exc: BaseException) -> str:
+    """The phase ``exc`` failed in ("" when it carries none)."""
+    return exc.phase if isinstance(exc, errors.WorkerError) else ""
+
+
+def verdict(exc: BaseException) -> Verdict:
+    phase = phase_of(exc)
+    for cls, phases, v in RETRY:
+        if isinstance(exc, cls) and (phases is None or phase in phases):
+            return v
+    return Verdict.FAIL
+
+
+def retryable(exc: BaseException) -> bool:
+    v = verdict(exc)
+    if v is Verdict.BY_STATUS:
+        return isinstance(exc, errors.WorkerError) and exc.retryable_instance
+    return v is Verdict.RETRY
+
+
+def cause(exc: errors.WorkerError) -> str:
+    """A bounded label for what failed: the error's phase."""
+    return exc.phase if exc.phase in CAUSES else "other"
+
+
+class Failover:
+    def __init__(
+        self,
+        store: Store,
+        settings: ControlSettings,
+        ledger: Ledger,
+        dispatch: Dispatch,
+        relay: Relay,
+        leases: LeaseKeeper,
+        local: Local,
+        metrics: ControlMetrics | None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.ledger = ledger
+        self.dispatch = dispatch
+        self.relay = relay
+        self.leases = leases
+        self.local = local
+        self.metrics = metrics
+
+    async def drive(self, run: Run, workers: Sequence[WorkerInfo]) -> AsyncIterator[OutChunk]:
+        """Run the request to its end, failing over to other workers on retryable errors."""
+        s = self.settings
+        self.leases.hold(run)
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(s.max_attempts),
+            wait=tenacity.wait_exponential_jitter(multiplier=s.retry_initial_s, max=s.retry_max_s),
+            retry=tenacity.retry_if_exception(retryable),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        await self._reassign(run)
+                        workers = await self.store.workers()
+                    async for chunk in self._attempt(run, workers):
+                        yield chunk
+        except asyncio.CancelledError:
+            if self.local.stopping and not run.lease_lost:
+                # Shutting down (drain): hand the request off — another replica takes it
+                # over at once (epoch + 1) and its clients resume there.
+                await self.leases.hand_off(run)
+            elif not run.lease_lost:
+                await self.relay.finish(run, Edge.CANCEL, "cancelled", "")
+            raise
+        except errors.LeaseLostError:
+            raise  # the new owner records the end
+        except errors.StaleEpochError as exc:
+            # Our writes are fenced off: another replica took the request over (our lease
+            # lapsed while Redis stalled, say). Not a failure: the new owner continues it
+            # and this client follows the journal it writes.
+            run.lease_lost = True
+            raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
+        except errors.PdorchError as exc:
+            if run.lease_lost:
+                # This replica lost the request (its lease lapsed and a peer takes it over):
+                # what failed here is not the request's fate; the new owner continues it.
+                raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
+            await self.relay.finish(run, Edge.FAIL, "error", str(exc))
+            raise
+        finally:
+            self.leases.drop(run)
+
+    async def _reassign(self, run: Run) -> None:
+        """Fence the failed attempt off: epoch + 1, back to queued."""
+        record = await self.store.get(run.rid)
+        if record is None:
+            raise errors.NotFoundError(f"request {run.rid!r} vanished")
+        if record.state.terminal:
+            raise errors.RequestEndedError(f"request {run.rid!r} is {record.state}")
+        tried = run.attempts
+        new_epoch = await self.store.transition(
+            run.rid, Edge.REQUEUE, epoch=record.epoch, fields={"failovers": tried.failovers}
+        )
+        log.warning(
+            "request %s: failover %d after %s; epoch %d -> %d, resuming at token %d",
+            run.rid, tried.failovers, tried.last_error, record.epoch, new_epoch, len(run.output),
+        )  # fmt: skip
+        run.epoch = new_epoch
+
+    async def _attempt(self, run: Run, workers: Sequence[WorkerInfo]) -> AsyncIterator[OutChunk]:
+        """Place the request, run the attempt's legs and relay their tokens; on a worker's
+        failure, remember to avoid it (here and, by its breaker, for everyone)."""
+        if not workers:
+            raise errors.UnavailableError("no workers registered")
+        spec = run.spec
+        if len(run.output) >= spec.max_tokens:
+            # Every token is out: what failed after the last one only cost the finish.
+            yield await self.relay.complete(run, "length")
+            return
+        booking = self.ledger.place(
+            workers,
+            need=len(spec.prompt) + spec.max_tokens,
+            prefill_tokens=len(spec.prompt) + len(run.output),
+            excluded=run.attempts.excluded,
+            now=time.monotonic(),
+        )
+        if self.metrics is not None:
+            self.metrics.placements.labels(str(booking.placement.mode)).inc()
+        try:
+            run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
+            relayed = self.relay.relay(run, self.dispatch.stream(run, booking))
+            async with contextlib.aclosing(relayed):
+                async for chunk in relayed:
+                    yield chunk
+        except errors.WorkerError as exc:
+            tried = run.attempts
+            tried.failovers += 1
+            tried.last_error = str(exc)
+            if self.metrics is not None:
+                self.metrics.failovers.labels(cause(exc)).inc()
+            tried.excluded.add(exc.worker)
+            self.ledger.failed(booking, exc.worker, time.monotonic())
+            raise
+        finally:
+            self.ledger.release(booking)
+        self.ledger.succeeded(booking)

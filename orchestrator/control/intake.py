@@ -1,0 +1,118 @@
+"""Intake: a client's input becomes a request — validated, tokenized, admitted, created.
+
+Nothing is written before the request is known to be valid and admissible: the input is
+checked against the limits (`RequestLimits`, one place), the prompt tokenized on a worker
+and checked against the model, and admission (`Ledger.estimate`) refuses early what would
+only queue to time out. Then the record is created in the store, idempotently: the
+client's request id is the key, and a resubmission with the same body (`RequestSpec
+.body_hash`) is answered from the existing request, a different body refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator import errors
+from orchestrator.api import worker_pb2
+from orchestrator.control.ledger import Ledger
+from orchestrator.control.legs import WorkerLegs
+from orchestrator.control.metrics import ControlMetrics
+from orchestrator.control.settings import ControlSettings
+from orchestrator.core.records import RequestRecord, WorkerInfo
+from orchestrator.core.spec import GenerateInput, RequestSpec
+from orchestrator.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    spec: RequestSpec
+    workers: Sequence[WorkerInfo]
+    ttft_estimate_s: float | None
+
+
+class Intake:
+    def __init__(
+        self,
+        store: Store,
+        settings: ControlSettings,
+        legs: WorkerLegs,
+        ledger: Ledger,
+        metrics: ControlMetrics | None,
+        owner: str,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.legs = legs
+        self.ledger = ledger
+        self.metrics = metrics
+        self.owner = owner
+
+    def rejected(self, exc: errors.PdorchError) -> None:
+        if self.metrics is not None:
+            self.metrics.rejections.labels(type(exc).__name__).inc()
+
+    async def known(self, rid: str) -> bool:
+        """Whether ``rid`` names a request already created (its resubmission is admitted)."""
+        return bool(rid) and await self.store.get(rid) is not None
+
+    async def admit(self, inp: GenerateInput, driving: int) -> Admitted:
+        """Validate, tokenize and admit (nothing written yet); ``driving``: runs here now."""
+        try:
+            self.settings.limits.check(inp)
+            workers = await self.store.workers()
+            if not workers:
+                raise errors.UnavailableError("no workers registered")
+            fingerprints = {w.fingerprint for w in workers}
+            if len(fingerprints) > 1:
+                log.warning("workers serve different models: %s", sorted(fingerprints))
+            ids = await self._tokens(inp, workers)
+            spec = RequestSpec.admitted(inp, inp.request_id or uuid.uuid4().hex, ids)
+            try:
+                estimate = self.ledger.estimate(workers, len(ids), driving)
+            except errors.OverloadedError:
+                # A resubmission (or resume) of a request already admitted is never refused.
+                if not await self.known(inp.request_id):
+                    raise
+                estimate = None
+        except errors.PdorchError as exc:
+            self.rejected(exc)
+            raise
+        return Admitted(spec, workers, estimate)
+
+    async def create(self, spec: RequestSpec) -> tuple[RequestRecord, RequestRecord | None]:
+        """Create the request's record: (the record, the existing one when the id was
+        already used — with the same body; a different body raises ConflictError)."""
+        record = spec.record(self.owner)
+        try:
+            existing = await self.store.create(
+                record, self.settings.admission.tenant_limit(spec.tenant)
+            )
+        except errors.OverloadedError as exc:
+            self.rejected(exc)
+            raise
+        if existing is not None and existing.body_hash != record.body_hash:
+            raise errors.ConflictError(
+                f"request id {spec.request_id!r} was already used for a different request"
+            )
+        return record, existing
+
+    async def _tokens(self, inp: GenerateInput, workers: Sequence[WorkerInfo]) -> tuple[int, ...]:
+        model = workers[0]
+        if inp.token_ids is not None:
+            self.settings.limits.check_vocab(inp.token_ids, model)
+            ids = tuple(inp.token_ids)
+        else:
+            req = worker_pb2.TokenizeRequest()
+            if inp.text is not None:
+                req.text = inp.text
+            else:
+                for role, content in inp.chat or ():
+                    req.chat.messages.add(role=role, content=content)
+            ids = tuple((await self.legs.tokenize(req, workers)).ids)
+        self.settings.limits.check_prompt(ids, inp.max_tokens, model)
+        return ids

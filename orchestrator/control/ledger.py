@@ -1,0 +1,191 @@
+"""The placement ledger: what this replica knows of its workers beyond their heartbeats.
+
+Heartbeats say what a worker holds; the ledger adds what this replica has *sent* it and not
+seen finish (sequences and KV bytes per worker, requests and prompt tokens waiting in each
+prefill worker's queue), the measured prefill rates and KV transfer costs (`Rates`), and
+per-worker circuit breakers (`Breakers`). From these it answers the two questions the pure
+core decides: admit this prompt now (`estimate`, `orchestrator.core.admission.admit`), and
+where it runs — disaggregated or not (`place`, `orchestrator.core.scheduler.place` with the
+conditional-disaggregation rule `disaggregate_or_not`).
+
+A placement is *booked* (`Booking`) for the length of one attempt and released after it,
+whatever its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from orchestrator import errors
+from orchestrator.control.settings import ControlSettings
+from orchestrator.core.admission import Decision, PrefillQueue, admit, disaggregate_or_not
+from orchestrator.core.breaker import Breakers
+from orchestrator.core.hardware import get_gpu
+from orchestrator.core.rates import Rates
+from orchestrator.core.records import WorkerInfo
+from orchestrator.core.scheduler import Placement, place
+
+
+def breaker_key(w: WorkerInfo) -> str:
+    """Breakers follow a worker *process*: a restarted worker (new address) starts closed."""
+    return f"{w.worker_id}@{w.address}"
+
+
+@dataclass(slots=True)
+class Booking:
+    """One attempt's placement, counted in the ledger until `Ledger.release`."""
+
+    placement: Placement
+    kv_need: int
+    chosen: dict[str, WorkerInfo]
+    queued: tuple[str, int] | None = None
+    """(prefill worker, tokens) while the attempt waits in that worker's queue."""
+    used: list[str] = field(default_factory=list)
+    """The breaker keys of the chosen workers."""
+
+
+class Ledger:
+    def __init__(self, settings: ControlSettings) -> None:
+        self.settings = settings
+        self.breakers = Breakers(settings.breaker_cooldown_s)
+        self.rates = Rates()
+        """Measured prefill rates and KV transfer costs (admission and placement read them)."""
+        self._load: dict[str, tuple[int, int]] = {}
+        """Worker id -> (sequences, KV bytes) this replica placed there and has not finished."""
+        self._queue: dict[str, tuple[int, int]] = {}
+        """Prefill worker id -> (requests, prompt tokens) this replica sent and not yet
+        prefilled: the bounded queues admission checks."""
+
+    # ------------------------------------------------------------------ admission
+
+    def estimate(
+        self, workers: Sequence[WorkerInfo], prompt_tokens: int, driving: int
+    ) -> float | None:
+        """The estimated TTFT of a new prompt (None before rates are measured); raises
+        OverloadedError (with a retry-after) for what would only queue to time out."""
+        queues = []
+        for w in workers:
+            if w.role == "prefill":
+                requests, tokens = self._queue.get(w.worker_id, (0, 0))
+                rate = self.rates.prefill_rate(w.worker_id, w.gpu_kind)
+                queues.append(PrefillQueue(w.worker_id, requests, tokens, rate))
+        transfer = self.rates.transfer_model()
+        decodes = [w for w in workers if w.role == "decode"]
+        kv_bytes = prompt_tokens * (decodes[0].kv_bytes_per_token if decodes else 0)
+        transfer_s = transfer.seconds(kv_bytes) if transfer is not None and decodes else 0.0
+        return admit(
+            prompt_tokens, queues, transfer_s, self.settings.admission, driving
+        ).ttft_estimate_s
+
+    # ------------------------------------------------------------------ placement
+
+    def place(
+        self,
+        workers: Sequence[WorkerInfo],
+        *,
+        need: int,
+        prefill_tokens: int,
+        excluded: set[str],
+        now: float,
+    ) -> Booking:
+        """Place an attempt (``need``: context tokens; ``prefill_tokens``: what a prefill
+        computes) avoiding ``excluded`` and, while anything else is left, open breakers."""
+        blocked = self.breakers.blocked(now)
+        held_back = {w.worker_id for w in workers if breaker_key(w) in blocked}
+        queue = {wid: tokens for wid, (_, tokens) in self._queue.items()}
+        rates: dict[str, float] = {}
+        for w in workers:
+            if w.role == "prefill" and (r := self.rates.prefill_rate(w.worker_id, w.gpu_kind)):
+                rates[w.worker_id] = r
+
+        def decide(prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
+            return self.decide(prefill_tokens, prefill, decode)
+
+        def placed_on(exclude: set[str]) -> Placement:
+            return place(
+                workers, need, fallback=self.settings.fallback, exclude=exclude,
+                load=self._load, queue=queue, rates=rates, decide=decide,
+            )  # fmt: skip
+
+        try:
+            placement = placed_on(excluded | held_back)
+        except (errors.UnavailableError, errors.OverloadedError):
+            # Breakers are advice: with nothing else left, try the workers they hold back.
+            placement = placed_on(excluded)
+        chosen = {w.worker_id: w for w in (placement.prefill, placement.decode) if w}
+        booking = Booking(placement, need * placement.decode.kv_bytes_per_token, chosen)
+        self._count(placement.decode.worker_id, 1, booking.kv_need)
+        if placement.prefill is not None:
+            wid = placement.prefill.worker_id
+            requests, queued = self._queue.get(wid, (0, 0))
+            self._queue[wid] = (requests + 1, queued + prefill_tokens)
+            booking.queued = (wid, prefill_tokens)
+        booking.used = [breaker_key(w) for w in chosen.values()]
+        for key in booking.used:
+            self.breakers.placed(key, now)
+        return booking
+
+    def decide(self, tokens: int, prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
+        """Conditional disaggregation for a prompt of ``tokens`` (see `disaggregate_or_not`)."""
+        policy = self.settings.admission
+        if policy.aggregate_below is not None:
+            return disaggregate_or_not(
+                tokens, policy.aggregate_below, transfer=None, kv_bytes_per_token=0,
+                prefill_rate=None, local_speedup=1.0, decode_active=decode.active,
+            )  # fmt: skip
+        return disaggregate_or_not(
+            tokens,
+            None,
+            transfer=self.rates.transfer_model(),
+            kv_bytes_per_token=decode.kv_bytes_per_token,
+            prefill_rate=self.rates.prefill_rate(prefill.worker_id, prefill.gpu_kind),
+            local_speedup=self._speedup(decode.gpu_kind, prefill.gpu_kind),
+            decode_active=decode.active,
+        )
+
+    def _speedup(self, kind: str, than: str) -> float:
+        """Peak compute of GPU ``kind`` over ``than`` (1.0 when either is not priced)."""
+        if kind == than:
+            return 1.0
+        try:
+            a, b = get_gpu(self.settings.prices, kind), get_gpu(self.settings.prices, than)
+        except errors.ConfigError:
+            return 1.0
+        return (a.bf16_tflops or a.fp16_tflops) / (b.bf16_tflops or b.fp16_tflops)
+
+    # ------------------------------------------------------------- attempt's end
+
+    def prefilled(self, booking: Booking) -> None:
+        """The attempt left its prefill worker's queue (prefilled, failed or cancelled)."""
+        if booking.queued is None:
+            return
+        worker_id, tokens = booking.queued
+        booking.queued = None
+        requests, queued = self._queue.get(worker_id, (1, tokens))
+        if requests <= 1:
+            self._queue.pop(worker_id, None)
+        else:
+            self._queue[worker_id] = (requests - 1, max(0, queued - tokens))
+
+    def release(self, booking: Booking) -> None:
+        """The attempt ended, however: its load leaves the ledger."""
+        self._count(booking.placement.decode.worker_id, -1, -booking.kv_need)
+        self.prefilled(booking)
+
+    def failed(self, booking: Booking, worker_id: str, now: float) -> None:
+        """``worker_id`` failed the attempt: open its breaker (if it was one of ours)."""
+        if worker_id in booking.chosen:
+            self.breakers.failure(breaker_key(booking.chosen[worker_id]), now)
+
+    def succeeded(self, booking: Booking) -> None:
+        for key in booking.used:
+            self.breakers.success(key)
+
+    def _count(self, worker_id: str, sequences: int, kv_bytes: int) -> None:
+        active, kv = self._load.get(worker_id, (0, 0))
+        active, kv = active + sequences, kv + kv_bytes
+        if active <= 0:
+            self._load.pop(worker_id, None)
+        else:
+            self._load[worker_id] = (active, kv)

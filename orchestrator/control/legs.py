@@ -1,0 +1,166 @@
+"""The calls to workers, each watched so a dead worker is noticed in seconds.
+
+A *leg* is one call of a request's attempt: tokenize, prefill (which pushes the KV to the
+decode worker), the decode stream, the aggregated stream, the release of unadopted KV. Every
+wait is bounded twice: by the call's own timeout, and by the worker's heartbeat, checked
+every ``watch_interval_s`` — a worker that died mid-call (its heartbeat key expired) fails
+the leg with a retryable `WorkerError` of phase ``heartbeat``; a stream silent for
+``token_timeout_s`` fails it with phase ``silence``. Errors are translated to `WorkerError`
+here (`translated`), phased by the leg, so failover reads types and phases, never messages.
+
+This module knows nothing of the store: whether a worker is alive is a callable it is
+given, and the run's own checkpoint (taken over? cancelled?) is another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from orchestrator import errors
+from orchestrator.api import worker_pb2
+from orchestrator.control.clients import WorkerClients, translated
+from orchestrator.control.settings import ControlSettings
+from orchestrator.core.records import WorkerInfo
+
+Alive = Callable[[WorkerInfo], Awaitable[bool]]
+"""Whether a worker's heartbeat is still there."""
+Checkpoint = Callable[[], None]
+"""Raises when the run must stop (taken over, cancelled); called at every watch step."""
+
+TOKENIZE_TIMEOUT_S = 30.0
+RELEASE_TIMEOUT_S = 2.0
+"""Releasing unadopted KV is a courtesy (the decode worker also times it out)."""
+
+
+def heartbeat_lost(worker: WorkerInfo) -> errors.WorkerError:
+    return errors.WorkerError(
+        worker.worker_id, "missed its heartbeats", retryable=True, phase="heartbeat"
+    )
+
+
+class WorkerLegs:
+    def __init__(self, clients: WorkerClients, settings: ControlSettings, alive: Alive) -> None:
+        self.clients = clients
+        self.settings = settings
+        self._alive = alive
+
+    async def tokenize(
+        self, req: worker_pb2.TokenizeRequest, workers: Sequence[WorkerInfo]
+    ) -> worker_pb2.TokenizeResponse:
+        """Tokenize on the least-loaded worker that answers (a dead one is skipped)."""
+        last: errors.WorkerError | None = None
+        for worker in sorted(workers, key=lambda w: (w.active, w.worker_id)):
+            try:
+                async with translated(worker.worker_id, "tokenize"):
+                    stub = self.clients.get(worker.address).general
+                    return await stub.Tokenize(req, timeout=TOKENIZE_TIMEOUT_S)
+            except errors.WorkerError as exc:
+                if not exc.retryable_instance:
+                    raise
+                last = exc
+        raise errors.UnavailableError(f"no worker could tokenize: {last}")
+
+    async def prefill(
+        self,
+        prefill: WorkerInfo,
+        decode: WorkerInfo,
+        req: worker_pb2.PrefillRequest,
+        check: Checkpoint,
+    ) -> worker_pb2.PrefillResponse:
+        """Prefill on ``prefill``, which sends the KV to ``decode`` (blamed for its failures)."""
+        call = self.clients.get(prefill.address).prefill.Prefill(
+            req, timeout=self.settings.prefill_timeout_s
+        )
+        async with translated(prefill.worker_id, "prefill", kv_target=decode.worker_id):
+            resp: worker_pb2.PrefillResponse = await self._watch(call, prefill, check)
+        return resp
+
+    async def decode(
+        self, decode: WorkerInfo, req: worker_pb2.DecodeRequest, check: Checkpoint
+    ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
+        """The decode worker's token stream (it adopts the KV before the first chunk)."""
+        stream = self.clients.get(decode.address).decode.Decode(req)
+        try:
+            async with translated(decode.worker_id, "decode"):
+                async for chunk in self._watched(stream, decode, check):
+                    yield chunk
+        finally:
+            stream.cancel()  # a stop string, a failover or a cancelled client ends it early
+
+    async def generate(
+        self, worker: WorkerInfo, req: worker_pb2.AggregatedRequest, check: Checkpoint
+    ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
+        """One worker runs the whole request (aggregated) and streams its tokens."""
+        stream = self.clients.get(worker.address).general.Generate(req)
+        try:
+            async with translated(worker.worker_id, "generate"):
+                async for chunk in self._watched(stream, worker, check):
+                    yield chunk
+        finally:
+            stream.cancel()
+
+    async def release(self, decode: WorkerInfo, rid: str, epoch: int) -> None:
+        """Tell ``decode`` to drop KV it may hold for (rid, epoch) and never adopted."""
+        with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
+            await asyncio.shield(
+                self.clients.get(decode.address).decode.Release(
+                    worker_pb2.ReleaseRequest(request_id=rid, epoch=epoch),
+                    timeout=RELEASE_TIMEOUT_S,
+                )
+            )
+
+    async def _watch(self, call: Any, worker: WorkerInfo, check: Checkpoint) -> Any:
+        """Await a unary call, failing fast when the worker's heartbeat disappears."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.settings.watch_interval_s)
+                if done:
+                    return task.result()
+                check()
+                if not await self._alive(worker):
+                    raise heartbeat_lost(worker)
+        finally:
+            if not task.done():
+                call.cancel()
+
+    async def _watched(
+        self, stream: Any, worker: WorkerInfo, check: Checkpoint
+    ) -> AsyncIterator[Any]:
+        """Iterate a worker's token stream; a worker whose heartbeat expired, or a stream
+        silent for ``token_timeout_s``, raises a retryable WorkerError."""
+        it = aiter(stream)
+        silent = 0.0
+        step = self.settings.watch_interval_s
+        while True:
+            nxt = asyncio.ensure_future(anext(it))
+            try:
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=step)
+                    if done:
+                        break
+                    check()
+                    silent += step
+                    if silent >= self.settings.token_timeout_s:
+                        raise errors.WorkerError(
+                            worker.worker_id,
+                            f"no token for {silent:.0f}s",
+                            retryable=True,
+                            phase="silence",
+                        )
+                    if not await self._alive(worker):
+                        raise heartbeat_lost(worker)
+            finally:
+                if not nxt.done():
+                    nxt.cancel()
+            try:
+                chunk = nxt.result()
+            except StopAsyncIteration:
+                return
+            silent = 0.0
+            yield chunk

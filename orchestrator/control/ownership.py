@@ -1,0 +1,141 @@
+"""Ownership across replicas: taking over requests whose owner died, and deadlines.
+
+Every replica runs one reaper task. Each ``reap_interval_s`` it lists the live requests,
+reads their lease holders in one round trip, and takes over (``take_over``: epoch + 1, the
+lease now ours) every request whose owner's lease lapsed — a crashed or stalled replica, or
+one that handed its requests off while draining. A request taken over is resumed from its
+journal (`_resume`): its spec is rebuilt from the record, the journalled tokens are the
+output so far, and the drive loop continues it; its clients follow the journal.
+
+Every ``deadline_scan_s`` the reaper also fails (``expire``) any live request that sat in its
+state past that state's deadline (`orchestrator.core.deadlines`), whoever drives it — the
+backstop for a stuck request no lease can detect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from orchestrator import errors
+from orchestrator.aio import cancel_and_wait
+from orchestrator.control.failover import Failover
+from orchestrator.control.local import Local
+from orchestrator.control.relay import Relay
+from orchestrator.control.run import Run
+from orchestrator.control.settings import ControlSettings
+from orchestrator.core.deadlines import overdue
+from orchestrator.core.spec import RequestSpec
+from orchestrator.core.state import Edge
+from orchestrator.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+class Ownership:
+    def __init__(
+        self,
+        store: Store,
+        settings: ControlSettings,
+        local: Local,
+        failover: Failover,
+        relay: Relay,
+        owner: str,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.local = local
+        self.failover = failover
+        self.relay = relay
+        self.owner = owner
+        self._reaper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap(), name="pdorch-takeover-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            await cancel_and_wait(self._reaper)
+
+    async def _reap(self) -> None:
+        scanned = time.monotonic()
+        while True:
+            await asyncio.sleep(self.settings.reap_interval_s)
+            if time.monotonic() - scanned >= self.settings.deadline_scan_s:
+                scanned = time.monotonic()
+                try:
+                    await self.enforce_deadlines()
+                except errors.UnavailableError as exc:
+                    log.warning("deadline scan skipped: %s", exc)
+                except Exception:
+                    log.exception("deadline scan failed")
+            try:
+                await self.take_over_lapsed()
+            except errors.UnavailableError as exc:
+                log.warning("takeover scan skipped: %s", exc)
+            except Exception:
+                log.exception("takeover scan failed")
+
+    async def take_over_lapsed(self) -> None:
+        """Take over every live request whose owner's lease lapsed, and resume it here."""
+        rids = [rid for rid in await self.store.active() if not self.local.busy(rid)]
+        # One read for all: only requests whose owner's lease lapsed are tried
+        # (take_over checks again, atomically).
+        holders = await self.store.lease_holders(rids)
+        for rid, holder in zip(rids, holders, strict=True):
+            if holder is not None:
+                continue
+            epoch = await self.store.take_over(rid, self.owner)
+            if epoch is not None:
+                self.local.spawn(self._resume(rid, epoch), f"pdorch-resume-{rid}")
+
+    async def enforce_deadlines(self) -> None:
+        """Fail every live request that sat in its state past the state's deadline, whoever
+        drives it (one CAS per request: one that moved meanwhile is left alone)."""
+        rids = await self.store.active()
+        if not rids:
+            return
+        now = await self.store.now_ms()
+        for rid, (state, epoch, updated) in (await self.store.progress(rids)).items():
+            reason = overdue(state, float(updated), now, self.settings.deadlines)
+            if reason is None:
+                continue
+            if await self.store.expire(rid, state, epoch, updated, reason):
+                log.warning("request %s: failed by the reaper: %s", rid, reason)
+                self.local.stop_driving(rid)  # stuck here: stop it (its end is recorded already)
+
+    async def _resume(self, rid: str, epoch: int) -> None:
+        """Finish a request taken over from a dead replica, from its journal."""
+        self.local.resuming.add(rid)
+        try:
+            record = await self.store.get(rid)
+            if record is None or not record.prompt_ids:
+                return
+            entries = await self.store.journal(rid)
+            run = Run(RequestSpec.from_record(record), epoch, time.monotonic())
+            run.output = [t for e in entries for t in e.token_ids]
+            run.text = "".join(e.text for e in entries)
+            run.timings = dict(record.timings)
+            log.warning(
+                "request %s: taken over at epoch %d from token %d", rid, epoch, len(run.output)
+            )
+            if len(run.output) >= record.max_tokens:
+                # The old owner journalled every token, then lost its lease before recording
+                # the end: record it (there is nothing left to generate).
+                await self.relay.finish(run, Edge.FINISH, "length", "")
+                return
+            workers = await self.store.workers()
+            async for _ in self.failover.drive(run, workers):
+                pass  # clients follow the journal
+        except errors.UnavailableError as exc:
+            # Redis went away mid-takeover (e.g. still loading its AOF): give the lease back
+            # so the next reaper pass — here or on a peer — retries now, not after its TTL.
+            log.warning("request %s: resume interrupted: %s", rid, exc)
+            with contextlib.suppress(errors.PdorchError):
+                await self.store.release_lease(rid, self.owner)
+        except (errors.PdorchError, asyncio.CancelledError) as exc:
+            log.warning("request %s: resumed run ended: %r", rid, exc)
+        finally:
+            self.local.resuming.discard(rid)

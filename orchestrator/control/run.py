@@ -1,0 +1,127 @@
+"""One request being driven on this replica, and the chunks its clients see.
+
+A `Run` is what survives the request's failovers: its spec, the epoch it writes at, what
+the client has been sent (``output``, ``text``) and its timings. State with a single owner
+lives with that owner: the journal's buffer in `JournalBuffer` (the relay), the engine time
+and KV moved in `Usage` (cost), the failover history in `Attempts` (failover), the attached
+clients in `orchestrator.control.sessions`, the prefill-queue ticket in the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from orchestrator import errors
+from orchestrator.core.cost import PoolUsage, cost_fields
+from orchestrator.core.hardware import CPU_HOST, GpuProfile, get_gpu
+from orchestrator.core.records import JournalEntry, RequestRecord
+from orchestrator.core.spec import RequestSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OutChunk:
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    record: RequestRecord | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    """Engine seconds per pool and KV bytes moved: what the request is billed for."""
+
+    gpu_s: dict[str, float] = field(default_factory=dict)
+    """Engine seconds per pool ("prefill", "decode", "aggregated"), failed attempts included."""
+    gpu_kind: dict[str, str] = field(default_factory=dict)
+    pool: str = ""
+    """The pool whose worker streams the tokens in the current attempt."""
+    kv_moved: int = 0
+
+    def streaming(self, pool: str, gpu_kind: str) -> None:
+        """Tokens now come from a worker of ``gpu_kind`` in ``pool``."""
+        self.pool = pool
+        self.gpu_kind[pool] = gpu_kind
+
+    def spent(self, pool: str, gpu_kind: str, seconds: float) -> None:
+        self.gpu_s[pool] = self.gpu_s.get(pool, 0.0) + seconds
+        self.gpu_kind.setdefault(pool, gpu_kind)
+
+    def computed(self, seconds: float) -> None:
+        """Engine time a streamed chunk reports, counted in the current pool."""
+        if self.pool:
+            self.gpu_s[self.pool] = self.gpu_s.get(self.pool, 0.0) + seconds
+
+    def cost(
+        self, prices: Mapping[str, GpuProfile], usd_per_gb: float, tenant: str, rid: str
+    ) -> dict[str, Any]:
+        usages = []
+        for pool, seconds in self.gpu_s.items():
+            kind = self.gpu_kind.get(pool, "cpu")
+            try:
+                gpu = get_gpu(prices, kind)
+            except errors.ConfigError:
+                log.warning("request %s: no price for GPU kind %r; counted at 0", rid, kind)
+                gpu = replace(CPU_HOST, name=kind, price_per_hour=0.0)
+            usages.append(PoolUsage(pool, gpu, seconds))
+        return cost_fields(usages, self.kv_moved, usd_per_gb, tenant)
+
+
+@dataclass(slots=True)
+class JournalBuffer:
+    """Every chunk relayed by this run, to re-journal what a restarted Redis lost."""
+
+    entries: list[JournalEntry] = field(default_factory=list)
+    unjournalled: int = 0
+    """How many of the last ``entries`` are not in the journal yet (Redis unreachable)."""
+
+
+@dataclass(slots=True)
+class Attempts:
+    """The failover history: whom to avoid, how many failovers, why the last one."""
+
+    excluded: set[str] = field(default_factory=set)
+    failovers: int = 0
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class Run:
+    """One request being driven: what the client has been sent so far survives failovers."""
+
+    spec: RequestSpec
+    epoch: int
+    started: float
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    first_token_at: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    lease_lost: bool = False
+    cancelled: bool = False
+    """This replica cancelled the run (its client left, or a Cancel). Checked at every chunk
+    and watch step, so that a ``Task.cancel()`` lost on its way still ends the run."""
+    journal: JournalBuffer = field(default_factory=JournalBuffer)
+    usage: Usage = field(default_factory=Usage)
+    attempts: Attempts = field(default_factory=Attempts)
+
+    @property
+    def rid(self) -> str:
+        return self.spec.request_id
+
+    def check(self) -> None:
+        """Raise what the run's flags say: taken over by a peer, or cancelled here."""
+        if self.lease_lost:
+            raise errors.LeaseLostError(f"request {self.rid!r} taken over")
+        if self.cancelled:
+            raise asyncio.CancelledError(f"request {self.rid!r} cancelled")
+
+    def cost(self, prices: Mapping[str, GpuProfile], usd_per_gb: float) -> dict[str, Any]:
+        return self.usage.cost(prices, usd_per_gb, self.spec.tenant, self.rid)

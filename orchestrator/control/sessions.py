@@ -1,0 +1,220 @@
+"""Client sessions: the calls clients make, and how their streams outlive nothing they must.
+
+A `generate` call admits the request (`Intake`), then starts its drive as a task of its own
+and streams what the drive hands it. The drive outlives the call: a client that disconnects
+leaves the request running for ``detach_grace_s`` so it can reconnect — to any replica —
+and resume from the journal (`follow`); with no client attached by then it is cancelled.
+The drive fans its chunks out to the clients attached here (the call that started it); a
+resubmission of a known request, and a client whose request a peer took over, follow the
+journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Sequence
+
+from orchestrator import errors
+from orchestrator.control.failover import Failover
+from orchestrator.control.intake import Intake
+from orchestrator.control.local import Local
+from orchestrator.control.metrics import ControlMetrics
+from orchestrator.control.run import OutChunk, Run
+from orchestrator.control.settings import ControlSettings
+from orchestrator.core.records import RequestRecord, WorkerInfo
+from orchestrator.core.spec import GenerateInput
+from orchestrator.core.state import Edge, State
+from orchestrator.store.base import Store
+
+log = logging.getLogger(__name__)
+
+Feed = asyncio.Queue[OutChunk | BaseException | None]
+"""One attached client's stream: chunks, then None (done) or the error that ended it."""
+DETACH_POLL_S = 0.5
+"""How often a detached request checks whether a client came back (capped by the grace)."""
+
+
+class Sessions:
+    def __init__(
+        self,
+        store: Store,
+        settings: ControlSettings,
+        intake: Intake,
+        failover: Failover,
+        local: Local,
+        metrics: ControlMetrics | None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.intake = intake
+        self.failover = failover
+        self.local = local
+        self.metrics = metrics
+        self._inflight = 0
+        """Calls in `generate` now (client streams on this replica)."""
+
+    async def generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
+        """Serve one call. ``max_inflight`` bounds the calls in progress from the first
+        await on, so a burst is refused at the door (`OverloadedError`, a retry-after)
+        instead of queueing inside the replica; a resubmission of a known request is not."""
+        limit = self.settings.admission.max_inflight
+        if limit and self._inflight >= limit and not await self.intake.known(inp.request_id):
+            exc = errors.OverloadedError(
+                f"this orchestrator serves {self._inflight} calls (limit {limit})", 1.0
+            )
+            self.intake.rejected(exc)
+            raise exc
+        self._inflight += 1
+        try:
+            async for chunk in self._generate(inp):
+                yield chunk
+        finally:
+            self._inflight -= 1
+
+    async def _generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
+        started = time.monotonic()
+        admitted = await self.intake.admit(inp, len(self.local.tasks))
+        record, existing = await self.intake.create(admitted.spec)
+        rid = record.request_id
+        if existing is not None:
+            async for chunk in self.follow(rid, inp.resume_from):
+                yield chunk
+            return
+        run = Run(admitted.spec, record.epoch, started)
+        if admitted.ttft_estimate_s is not None:
+            run.timings["ttft_estimate_ms"] = admitted.ttft_estimate_s * 1000
+        feed: Feed = asyncio.Queue()
+        clients = {feed}  # the clients attached here; the drive fans its chunks out to them
+        # The drive is its own task: a client that disconnects does not stop it, so the
+        # client can reconnect (to any replica) and resume; see `_detached`.
+        task = asyncio.create_task(
+            self._drive_detached(run, admitted.workers, clients), name=f"pdorch-drive-{rid}"
+        )
+        self.local.tasks[rid] = task  # so Cancel can stop it
+        try:
+            while (item := await feed.get()) is not None:
+                if isinstance(item, errors.LeaseLostError):
+                    # Another replica took the request over: keep this client's stream going
+                    # from the journal the new owner writes, after what the client has.
+                    async for chunk in self.follow(rid, max(len(run.output), inp.resume_from)):
+                        yield chunk
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item.index + len(item.token_ids) > inp.resume_from or item.finish_reason:
+                    yield item
+                if item.finish_reason:
+                    return  # the last chunk (a cancelled drive delivers nothing after it)
+        finally:
+            clients.discard(feed)
+            if not task.done() and not clients:
+                self._detached(run, task, clients)
+
+    async def _drive_detached(
+        self, run: Run, workers: Sequence[WorkerInfo], clients: set[Feed]
+    ) -> None:
+        """Drive the request to its end, handing chunks (and the end) to attached clients."""
+
+        def deliver(item: OutChunk | BaseException | None) -> None:
+            for client in list(clients):
+                client.put_nowait(item)  # bounded: at most one chunk per output token
+
+        try:
+            async for chunk in self.failover.drive(run, workers):
+                deliver(chunk)
+        except asyncio.CancelledError:
+            if self.local.stopping:  # handed off: the client resumes on another replica
+                deliver(errors.UnavailableError("orchestrator shutting down; resume elsewhere"))
+            else:
+                deliver(OutChunk(run.rid, len(run.output), [], "", "cancelled", run.timings))
+            raise
+        except errors.PdorchError as exc:
+            deliver(exc)  # the client sees it; the record already says how the request ended
+        except Exception as exc:
+            log.exception("request %s: drive failed", run.rid)
+            deliver(errors.UnavailableError(f"request {run.rid} failed: {exc}"))
+        else:
+            deliver(None)
+        finally:
+            self.local.tasks.pop(run.rid, None)
+
+    def _detached(self, run: Run, task: asyncio.Task[None], clients: set[Feed]) -> None:
+        """The last local client left: give it ``detach_grace_s`` to come back (here, or on
+        another replica — followers mark the request attached in the store), else cancel."""
+
+        async def watch() -> None:
+            grace = self.settings.detach_grace_s
+            deadline = time.monotonic() + grace
+            while not task.done():
+                await asyncio.sleep(min(DETACH_POLL_S, grace))  # polling with a deadline
+                if clients:
+                    return  # cannot happen today (resumes follow the journal), but cheap
+                try:
+                    attached = await self.store.client_attached(run.rid)
+                except errors.UnavailableError:
+                    attached = True  # can't tell while Redis is away: keep generating
+                if attached:
+                    deadline = time.monotonic() + grace
+                elif time.monotonic() > deadline:
+                    log.info("request %s: no client for %.0fs, cancelling", run.rid, grace)
+                    self.local.stop_driving(run.rid)
+                    return
+
+        self.local.spawn(watch(), f"pdorch-detached-{run.rid}")
+
+    async def follow(self, rid: str, start: int = 0) -> AsyncGenerator[OutChunk, None]:
+        """Stream a request this call does not drive, from its journal (resubmit, resume)."""
+        entries_seen = 0
+        touched = 0.0
+        while True:
+            if time.monotonic() - touched > self.settings.attach_refresh_s:
+                with contextlib.suppress(errors.UnavailableError):
+                    await self.store.touch_client(rid, 3 * self.settings.attach_refresh_s)
+                touched = time.monotonic()
+            record = await self.store.get(rid)
+            if record is None:
+                raise errors.NotFoundError(f"no request {rid!r}")
+            entries = await self.store.journal(rid, entries_seen)
+            for e in entries:
+                entries_seen += 1
+                end = e.index + len(e.token_ids)
+                if end <= start and e.token_ids:
+                    continue
+                ids = list(e.token_ids[max(0, start - e.index) :])
+                yield OutChunk(rid, max(e.index, start), ids, e.text)
+            if record.state.terminal and not entries:
+                if record.state is State.FAILED:
+                    raise errors.RequestFailedError(f"request failed: {record.error or '?'}")
+                yield OutChunk(
+                    rid,
+                    record.output_tokens,
+                    [],
+                    "",
+                    record.finish_reason or str(record.state),
+                    record.timings,
+                    record,
+                )
+                return
+            if not entries:
+                await asyncio.sleep(self.settings.follow_poll_s)
+
+    async def cancel(self, rid: str) -> State:
+        record = await self.get(rid)
+        if record.state.terminal:
+            return record.state
+        self.local.stop_driving(rid)  # driven here: cancelling it cancels the worker calls too
+        with contextlib.suppress(errors.StaleEpochError, errors.InvalidTransitionError):
+            await self.store.transition(
+                rid, Edge.CANCEL, epoch=record.epoch, fields={"finish_reason": "cancelled"}
+            )
+        got = await self.store.get(rid)
+        return got.state if got else State.CANCELLED
+
+    async def get(self, rid: str) -> RequestRecord:
+        record = await self.store.get(rid)
+        if record is None:
+            raise errors.NotFoundError(f"no request {rid!r}")
+        return record

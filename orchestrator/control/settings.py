@@ -1,0 +1,56 @@
+"""The control plane's settings: one frozen group, passed to every control module."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from orchestrator.core.admission import AdmissionPolicy
+from orchestrator.core.deadlines import StateDeadlines
+from orchestrator.core.hardware import PRICED_KINDS, GpuProfile
+from orchestrator.core.kvdtype import KvPolicy
+from orchestrator.core.spec import RequestLimits
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSettings:
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """What a request may ask for (`orchestrator.core.spec.RequestLimits`)."""
+    fallback: str = "local"
+    """When a pool is down: "local" runs aggregated on the other pool; "fail" refuses."""
+    prefill_timeout_s: float = 120.0
+    kv_timeout_s: float = 30.0
+    token_timeout_s: float = 60.0
+    """Longest silence from a decode stream before the request fails."""
+    follow_poll_s: float = 0.05
+    """How often a follower (resubmission, resume) polls the journal of a request."""
+    watch_interval_s: float = 0.5
+    """How often a wait on a worker checks that its heartbeat is still alive."""
+    max_attempts: int = 4
+    """Attempts per request (the first plus failovers) before it fails."""
+    retry_initial_s: float = 0.05
+    retry_max_s: float = 1.0
+    breaker_cooldown_s: float = 2.0
+    """A worker whose call failed is skipped this long, then probed by one request."""
+    store_outage_s: float = 30.0
+    """How long a finishing request waits for an unreachable store before giving up."""
+    reap_interval_s: float = 1.0
+    """How often a replica looks for requests whose owner's lease expired."""
+    deadlines: StateDeadlines = field(default_factory=StateDeadlines)
+    """The backstop per state (`orchestrator.core.deadlines`): enforced by every replica."""
+    deadline_scan_s: float = 5.0
+    """How often a replica checks every live request against its state's deadline."""
+    prices: Mapping[str, GpuProfile] = field(default_factory=lambda: dict(PRICED_KINDS))
+    """GPU kind (a worker's --gpu-kind) -> its profile and price per hour."""
+    transfer_usd_per_gb: float = 0.0
+    """What moving a GB of KV between workers costs (0 inside a cluster)."""
+    detach_grace_s: float = 10.0
+    """A request whose client went away keeps running this long, so the client can reconnect
+    (to any replica) and resume; with no client attached by then it is cancelled."""
+    attach_refresh_s: float = 1.0
+    """How often a client following a request from the journal says it is still there."""
+    kv_dtype: KvPolicy = KvPolicy.AUTO
+    """How the KV's wire dtype is chosen per prefill→decode pair (`orchestrator.core.kvdtype`)."""
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    """Early rejection (SLO, bounded queues, in-flight and tenant limits) and conditional
+    disaggregation (`orchestrator.core.admission`)."""

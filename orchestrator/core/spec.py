@@ -1,0 +1,152 @@
+"""A request as a client asks for it, and as it is driven: one frozen spec. Pure.
+
+`GenerateInput` is what a front (rpc, gateway) hands the control plane: the prompt in one of
+three shapes, untokenized. `RequestLimits.check` validates it — the one place where the
+orchestrator's limits (``max_tokens``, stop strings, the request id) are enforced — and
+`RequestLimits.check_prompt` checks the tokenized prompt against the model.
+
+`RequestSpec` is the request once tokenized: what every attempt (and a replica that takes
+the request over) runs. It is built from the input at intake (`RequestSpec.admitted`) and
+from the stored record on resume (`RequestSpec.from_record`); both meet in the same fields,
+and the record's sampling list and body hash are written by the spec alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.core.records import RequestRecord, WorkerInfo, body_hash
+from orchestrator.core.sampling import SamplingParams
+from orchestrator.core.state import INITIAL
+from orchestrator.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    request_id: str
+    text: str | None = None
+    chat: tuple[tuple[str, str], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    resume_from: int = 0
+    tenant: str = "default"
+    """Who is billed (rpc: the x-pdorch-tenant call metadata)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the orchestrator accepts (beyond the model's context, checked per model)."""
+
+    max_tokens: int = 2048
+    """Largest ``max_tokens`` a request may ask for."""
+    max_stop_strings: int = 8
+    max_request_id_len: int = 128
+
+    def check(self, inp: GenerateInput) -> None:
+        """Raise InvalidRequestError (naming the field) for the first invalid part of ``inp``."""
+        if len(inp.request_id) > self.max_request_id_len:
+            raise InvalidRequestError("request_id", f"longer than {self.max_request_id_len}")
+        given = [p for p in (inp.text, inp.chat, inp.token_ids) if p is not None]
+        if len(given) != 1:
+            raise InvalidRequestError("prompt", "give exactly one of text, chat, tokens")
+        if inp.text is not None and not inp.text.strip():
+            raise InvalidRequestError("prompt", "empty")
+        if inp.chat is not None and not inp.chat:
+            raise InvalidRequestError("prompt", "no chat messages")
+        if inp.token_ids is not None and not inp.token_ids:
+            raise InvalidRequestError("prompt", "no token ids")
+        if inp.max_tokens <= 0 or inp.max_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "max_tokens", f"must be in [1, {self.max_tokens}], got {inp.max_tokens}"
+            )
+        for name, message in inp.sampling.problems():
+            raise InvalidRequestError(name, message)
+        if len(inp.stop) > self.max_stop_strings or any(not x for x in inp.stop):
+            raise InvalidRequestError("stop", f"at most {self.max_stop_strings} non-empty strings")
+
+    @staticmethod
+    def check_vocab(ids: tuple[int, ...], model: WorkerInfo) -> None:
+        """Token ids a client gave: each must be in the model's vocabulary."""
+        bad = [t for t in ids if not 0 <= t < model.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "prompt", f"token id {bad[0]} outside the vocabulary of {model.vocab_size}"
+            )
+
+    @staticmethod
+    def check_prompt(ids: tuple[int, ...], max_tokens: int, model: WorkerInfo) -> None:
+        """The tokenized prompt: not empty, and with ``max_tokens`` within the model's context."""
+        if not ids:
+            raise InvalidRequestError("prompt", "tokenizes to nothing")
+        if len(ids) + max_tokens > model.max_context:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
+                f"context of {model.max_context}",
+            )
+
+
+def _sampling_list(p: SamplingParams) -> list[float]:
+    """How a record stores sampling: [temperature, top_p, seed]."""
+    return [p.temperature, p.top_p, p.seed]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """What to generate: the same for every attempt and every replica that drives it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    tenant: str = "default"
+
+    @classmethod
+    def admitted(cls, inp: GenerateInput, request_id: str, ids: tuple[int, ...]) -> RequestSpec:
+        """The spec of a validated input whose prompt tokenized to ``ids``."""
+        return cls(request_id, ids, inp.max_tokens, inp.sampling, inp.stop, inp.tenant)
+
+    @classmethod
+    def from_record(cls, record: RequestRecord) -> RequestSpec:
+        """The spec a record was created from (a takeover resumes from it)."""
+        temperature, top_p, seed = record.sampling or _sampling_list(SamplingParams())
+        return cls(
+            request_id=record.request_id,
+            prompt=tuple(record.prompt_ids),
+            max_tokens=record.max_tokens,
+            sampling=SamplingParams(float(temperature), float(top_p), int(seed)),
+            stop=tuple(record.stop),
+            tenant=record.tenant or "default",
+        )
+
+    def body_hash(self) -> str:
+        """What a resubmission must match to follow this request (tenant and id excluded)."""
+        return body_hash(
+            {
+                "tokens": list(self.prompt),
+                "max_tokens": self.max_tokens,
+                "sampling": _sampling_list(self.sampling),
+                "stop": list(self.stop),
+            }
+        )
+
+    def record(self, owner: str, created_at: float | None = None) -> RequestRecord:
+        """The record to create for this spec (queued, epoch 1)."""
+        return RequestRecord(
+            request_id=self.request_id,
+            state=INITIAL,
+            epoch=1,
+            body_hash=self.body_hash(),
+            prompt_tokens=len(self.prompt),
+            max_tokens=self.max_tokens,
+            created_at=time.time() if created_at is None else created_at,
+            owner=owner,
+            prompt_ids=list(self.prompt),
+            sampling=_sampling_list(self.sampling),
+            stop=list(self.stop),
+            tenant=self.tenant,
+        )

@@ -1,0 +1,180 @@
+"""A fake worker fleet for in-process tests of the control plane (no processes, no sockets).
+
+`FakeFleet` stands in for `WorkerClients`: each worker answers the worker API's calls the way
+a real one does (`orchestrator.workers.server`) — prefill returns output token
+``first_index``, the decode stream re-emits the token already sampled at ``generated - 1``
+then continues to ``max_tokens``, aggregated generation does both — with a deterministic
+token per index, so a test can check every index and token a client sees. Faults are set per
+worker: a status code after N decoded chunks, a hang (the stream goes silent), a prefill
+failure blamed on the KV's receiver, a slow stream. gRPC failures are real
+`grpc.aio.AioRpcError`s, so the control plane translates them as it does in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import grpc
+
+from orchestrator.api import common_pb2, worker_pb2
+from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
+from orchestrator.control.clients import WorkerClients
+from orchestrator.core.records import WorkerInfo
+
+VOCAB = 1000
+KV_BYTES_PER_TOKEN = 16
+
+
+def token(index: int) -> int:
+    """The token every fake worker produces at output ``index``."""
+    return 100 + index % 500
+
+
+def text(index: int) -> str:
+    return f"<{index}>"
+
+
+def rpc_error(code: grpc.StatusCode, details: str, blame: bool = False) -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata((BLAME_KEY, BLAME_KV_TARGET)) if blame else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details, "")
+
+
+@dataclass
+class FakeWorker:
+    worker_id: str
+    role: str
+    fail_after: int | None = None
+    """Decode/generate: fail with ``fail_code`` after this many chunks."""
+    fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    hang_after: int | None = None
+    """Decode/generate: go silent after this many chunks (until cancelled)."""
+    prefill_error: grpc.StatusCode | None = None
+    blame_kv_target: bool = False
+    """A failed prefill says the KV's receiver failed (the decode worker)."""
+    delay_s: float = 0.0
+    """Pause before each decoded chunk (a slow stream, so a test can act mid-request)."""
+    calls: list[tuple[str, int]] = field(default_factory=list)
+    """(call, epoch) of every call received."""
+    released: list[tuple[str, int]] = field(default_factory=list)
+    cancelled: int = 0
+    """Streams the orchestrator cancelled."""
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=f"{self.worker_id}:1",
+            kv_address=f"{self.worker_id}:2" if self.role == "decode" else "",
+            transport="tcp",
+            model="fake",
+            fingerprint="fake-model",
+            max_context=4096,
+            vocab_size=VOCAB,
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            kv_capacity_bytes=KV_BYTES_PER_TOKEN * 1_000_000,
+        )
+
+    def decoded(self, rid: str, epoch: int) -> int:
+        return sum(1 for call, e in self.calls if call == f"decode:{rid}" and e == epoch)
+
+    async def stream(self, first: int, max_tokens: int) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """The token chunks from output index ``first`` (already sampled) to the end."""
+        for n, index in enumerate(range(first, max_tokens)):
+            if self.fail_after is not None and n >= self.fail_after:
+                raise rpc_error(self.fail_code, f"{self.worker_id} broke")
+            if self.hang_after is not None and n >= self.hang_after:
+                await asyncio.Event().wait()  # silent until the orchestrator gives up
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            yield worker_pb2.TokenChunk(
+                index=index, token_ids=[token(index)], text=text(index), compute_ms=1.0
+            )
+        yield worker_pb2.TokenChunk(index=max_tokens, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+class _Stream:
+    """A server stream as grpc.aio returns it: async-iterable, cancellable."""
+
+    def __init__(self, worker: FakeWorker, chunks: AsyncIterator[worker_pb2.TokenChunk]) -> None:
+        self._worker = worker
+        self._chunks = chunks
+        self._cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.TokenChunk]:
+        return self._chunks
+
+    def cancel(self) -> bool:
+        if not self._cancelled:
+            self._cancelled = True
+            self._worker.cancelled += 1
+        return True
+
+
+def _call(coro: Coroutine[Any, Any, Any]) -> Awaitable[Any]:
+    """A unary call as grpc.aio returns it: awaitable, cancellable (a task is both)."""
+    return asyncio.ensure_future(coro)
+
+
+class _Stubs:
+    def __init__(self, worker: FakeWorker) -> None:
+        self.prefill = self
+        self.decode = self
+        self.general = self
+        self.w = worker
+
+    def Prefill(self, req: worker_pb2.PrefillRequest, timeout: float) -> Awaitable[Any]:
+        async def run() -> worker_pb2.PrefillResponse:
+            w = self.w
+            w.calls.append((f"prefill:{req.request_id}", req.epoch))
+            if w.prefill_error is not None:
+                raise rpc_error(w.prefill_error, "prefill failed", blame=w.blame_kv_target)
+            return worker_pb2.PrefillResponse(
+                first_token=token(req.first_index),
+                kv_bytes=len(req.token_ids) * KV_BYTES_PER_TOKEN,
+                prefill_ms=2.0,
+                transfer_ms=1.0,
+            )
+
+        return _call(run())
+
+    def Decode(self, req: worker_pb2.DecodeRequest) -> _Stream:
+        self.w.calls.append((f"decode:{req.request_id}", req.epoch))
+        assert req.last_token == token(req.generated - 1)
+        return _Stream(self.w, self.w.stream(req.generated - 1, req.max_tokens))
+
+    def Generate(self, req: worker_pb2.AggregatedRequest) -> _Stream:
+        self.w.calls.append((f"generate:{req.request_id}", req.epoch))
+        return _Stream(self.w, self.w.stream(req.first_index, req.max_tokens))
+
+    def Release(self, req: worker_pb2.ReleaseRequest, timeout: float) -> Awaitable[Any]:
+        async def run() -> worker_pb2.ReleaseResponse:
+            self.w.released.append((req.request_id, req.epoch))
+            return worker_pb2.ReleaseResponse(released=True)
+
+        return _call(run())
+
+    def Tokenize(self, req: worker_pb2.TokenizeRequest, timeout: float) -> Awaitable[Any]:
+        async def run() -> worker_pb2.TokenizeResponse:
+            return worker_pb2.TokenizeResponse(ids=[ord(c) % VOCAB for c in req.text])
+
+        return _call(run())
+
+
+class FakeFleet:
+    """Fake workers by id, reached by address as `WorkerClients` reaches real ones."""
+
+    def __init__(self, *workers: FakeWorker) -> None:
+        self.workers = {w.worker_id: w for w in workers}
+
+    def get(self, address: str) -> _Stubs:
+        return _Stubs(self.workers[address.split(":", maxsplit=1)[0]])
+
+    async def close(self) -> None:
+        return None
+
+    def as_clients(self) -> WorkerClients:
+        return cast(WorkerClients, self)

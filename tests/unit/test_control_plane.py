@@ -1,0 +1,460 @@
+"""The control plane in one process: drive, failover, relay, leases, takeover, cancel, detach.
+
+Against `MemoryStore` and a fake worker fleet (`tests.unit.control_fakes`): no Redis, no
+worker processes. Waits are short real time (watch steps of 10 ms) or the store's
+`ManualClock` (lease TTLs, deadlines); every test runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import replace
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from orchestrator import errors
+from orchestrator.control.metrics import ControlMetrics
+from orchestrator.control.orchestrator import ControlSettings, GenerateInput, Orchestrator, OutChunk
+from orchestrator.core.breaker import BreakerState
+from orchestrator.core.deadlines import StateDeadlines
+from orchestrator.core.records import JournalEntry, RequestRecord
+from orchestrator.core.spec import RequestSpec
+from orchestrator.core.state import Edge, State
+from orchestrator.store.memory import ManualClock, MemoryStore
+from orchestrator.store.settings import StoreSettings
+from tests.unit.control_fakes import FakeFleet, FakeWorker, token
+
+FAST = ControlSettings(
+    watch_interval_s=0.01,
+    token_timeout_s=5.0,
+    retry_initial_s=0.001,
+    retry_max_s=0.005,
+    follow_poll_s=0.005,
+    attach_refresh_s=0.05,
+    reap_interval_s=0.01,
+    store_outage_s=2.0,
+    detach_grace_s=5.0,
+)
+LIMIT_S = 10.0
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, LIMIT_S))
+
+
+async def setup(
+    *workers: FakeWorker,
+    settings: ControlSettings = FAST,
+    store: MemoryStore | None = None,
+    owner: str = "a",
+) -> tuple[Orchestrator, MemoryStore, ControlMetrics]:
+    store = store or MemoryStore()
+    for w in workers:
+        await store.heartbeat(w.info, 1e6)
+    metrics = ControlMetrics()
+    fleet = FakeFleet(*workers)
+    return Orchestrator(store, fleet.as_clients(), settings, owner, metrics), store, metrics
+
+
+def inp(rid: str = "r1", max_tokens: int = 6) -> GenerateInput:
+    return GenerateInput(request_id=rid, token_ids=(1, 2, 3), max_tokens=max_tokens)
+
+
+async def collect(stream: AsyncIterator[OutChunk]) -> list[OutChunk]:
+    return [c async for c in stream]
+
+
+def assert_contiguous(chunks: list[OutChunk], n: int, finish: str = "length") -> None:
+    """Every token index 0..n-1 exactly once, in order, with its token; then the finish."""
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == [token(i) for i in range(n)]
+    starts = [c.index for c in chunks if c.token_ids]
+    assert starts == sorted(set(starts))
+    assert chunks[-1].finish_reason == finish
+
+
+async def eventually(what: Callable[[], Awaitable[bool]], within_s: float = 5.0) -> None:
+    """Poll a condition (of the store, a fake worker) until it holds; fail after ``within_s``."""
+    async with asyncio.timeout(within_s):
+        while not await what():  # noqa: ASYNC110 (a condition of state, not of an event)
+            await asyncio.sleep(0.005)
+
+
+async def state_is(store: MemoryStore, rid: str, state: State) -> bool:
+    record = await store.get(rid)
+    return record is not None and record.state is state
+
+
+def metric(m: ControlMetrics, line: str) -> bool:
+    return line in generate_latest(m.registry).decode()
+
+
+# ---------------------------------------------------------------------- the happy path
+
+
+def test_disaggregated_request_is_journalled_and_recorded() -> None:
+    async def main() -> None:
+        p0, d0 = FakeWorker("p0", "prefill"), FakeWorker("d0", "decode")
+        orch, store, _ = await setup(p0, d0)
+        chunks = await collect(orch.generate(inp(max_tokens=6)))
+        assert_contiguous(chunks, 6)
+        record = chunks[-1].record
+        assert record is not None
+        assert record.state is State.DONE
+        assert record.epoch == 1
+        assert (record.mode, record.prefill_worker, record.decode_worker) == (
+            "disaggregated", "p0", "d0",
+        )  # fmt: skip
+        assert record.output_tokens == 6
+        assert record.kv_bytes > 0
+        assert record.cost["prefill_gpu_s"] > 0
+        assert record.cost["decode_gpu_s"] > 0
+        journal = await store.journal("r1")
+        assert [t for e in journal for t in e.token_ids] == [token(i) for i in range(6)]
+        assert await store.active() == []  # ended: no lease, nothing left to reap
+
+    run(main())
+
+
+def test_a_resubmission_follows_and_a_different_body_is_refused() -> None:
+    async def main() -> None:
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), FakeWorker("d0", "decode"))
+        first = await collect(orch.generate(inp()))
+        again = await collect(orch.generate(inp()))
+        assert [c.token_ids for c in again] == [c.token_ids for c in first]
+        with pytest.raises(errors.ConflictError):
+            await collect(orch.generate(replace(inp(), max_tokens=7)))
+
+    run(main())
+
+
+# ------------------------------------------------------------------------- failover
+
+
+def test_decode_worker_dying_mid_stream_fails_over_without_gap_or_duplicate() -> None:
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", fail_after=3)
+        d1 = FakeWorker("d1", "decode")
+        orch, _store, metrics = await setup(FakeWorker("p0", "prefill"), d0, d1)
+        chunks = await collect(orch.generate(inp(max_tokens=8)))
+        assert_contiguous(chunks, 8)
+        record = await orch.get("r1")
+        assert record.state is State.DONE
+        assert record.epoch == 2
+        assert record.decode_worker == "d1"
+        assert d0.decoded("r1", 1) == 1
+        assert d1.decoded("r1", 2) == 1
+        assert metric(metrics, 'pdorch_failovers_total{cause="decode"} 1.0')
+        assert orch.ledger.breakers.state("d0@d0:1", 0.0) is BreakerState.OPEN
+
+    run(main())
+
+
+def test_a_decode_worker_whose_heartbeat_stops_is_failed_over() -> None:
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", hang_after=2)
+        orch, store, metrics = await setup(
+            FakeWorker("p0", "prefill"), d0, FakeWorker("d1", "decode")
+        )
+        task = asyncio.create_task(collect(orch.generate(inp(max_tokens=6))))
+
+        async def hung() -> bool:
+            record = await store.get("r1")
+            return record is not None and record.output_tokens >= 2
+
+        await eventually(hung)
+        await store.deregister("d0")  # its heartbeat key expired
+        chunks = await task
+        assert_contiguous(chunks, 6)
+        assert metric(metrics, 'pdorch_failovers_total{cause="heartbeat"} 1.0')
+        assert d0.cancelled == 1  # the stream was dropped, not left open
+
+    run(main())
+
+
+def test_a_silent_stream_is_failed_over() -> None:
+    async def main() -> None:
+        settings = replace(FAST, token_timeout_s=0.05)
+        d0 = FakeWorker("d0", "decode", hang_after=1)
+        orch, _, metrics = await setup(
+            FakeWorker("p0", "prefill"), d0, FakeWorker("d1", "decode"), settings=settings
+        )
+        assert_contiguous(await collect(orch.generate(inp())), 6)
+        assert metric(metrics, 'pdorch_failovers_total{cause="silence"} 1.0')
+
+    run(main())
+
+
+def test_a_prefill_failure_blamed_on_the_kv_target_avoids_the_decode_worker() -> None:
+    async def main() -> None:
+        p0 = FakeWorker("p0", "prefill", prefill_error=grpc.StatusCode.UNAVAILABLE)
+        p0.blame_kv_target = True
+        d0, d1 = FakeWorker("d0", "decode"), FakeWorker("d1", "decode")
+        orch, _, metrics = await setup(p0, d0, d1)
+
+        task = asyncio.create_task(collect(orch.generate(inp())))
+        await eventually(lambda: _true(bool(p0.calls)))
+        p0.prefill_error = None  # only the first prefill fails
+        chunks = await task
+        assert_contiguous(chunks, 6)
+        record = await orch.get("r1")
+        # The prefill worker reported it; the KV's receiver was at fault: d0 is avoided,
+        # p0 prefills again, and d0 is told to drop KV it may hold for the failed epoch.
+        assert (record.prefill_worker, record.decode_worker, record.epoch) == ("p0", "d1", 2)
+        assert d0.released == [("r1", 1)]
+        assert d1.decoded("r1", 2) == 1
+        assert metric(metrics, 'pdorch_failovers_total{cause="prefill"} 1.0')
+
+    run(main())
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def test_a_non_retryable_worker_error_fails_the_request_at_once() -> None:
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", fail_after=1, fail_code=grpc.StatusCode.FAILED_PRECONDITION)
+        d1 = FakeWorker("d1", "decode")
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, d1)
+        with pytest.raises(errors.WorkerError):
+            await collect(orch.generate(inp()))
+        record = await orch.get("r1")
+        assert record.state is State.FAILED
+        assert "FAILED_PRECONDITION" in record.error
+        assert d1.calls == []  # not retried
+
+    run(main())
+
+
+def test_failover_gives_up_after_max_attempts() -> None:
+    async def main() -> None:
+        settings = replace(FAST, max_attempts=2)
+        workers = [FakeWorker(f"d{i}", "decode", fail_after=1) for i in range(3)]
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), *workers, settings=settings)
+        with pytest.raises(errors.WorkerError):
+            await collect(orch.generate(inp()))
+        record = await orch.get("r1")
+        assert record.state is State.FAILED
+        assert record.epoch == 2
+        assert workers[2].calls == []
+
+    run(main())
+
+
+def test_aggregated_when_the_prefill_pool_is_down() -> None:
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", fail_after=2)
+        d1 = FakeWorker("d1", "decode")
+        orch, _, metrics = await setup(d0, d1)
+        assert_contiguous(await collect(orch.generate(inp())), 6)
+        record = await orch.get("r1")
+        assert (record.mode, record.decode_worker, record.epoch) == ("aggregated", "d1", 2)
+        assert metric(metrics, 'pdorch_failovers_total{cause="generate"} 1.0')
+
+    run(main())
+
+
+# ----------------------------------------------------------------- relay and journal
+
+
+def test_tokens_keep_flowing_while_the_store_is_down_and_are_journalled_after() -> None:
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", delay_s=0.01)
+        orch, store, _ = await setup(FakeWorker("p0", "prefill"), d0)
+        got: list[OutChunk] = []
+        during = 0
+
+        async def client() -> None:
+            nonlocal during
+            async for chunk in orch.generate(inp(max_tokens=12)):
+                got.append(chunk)
+                if not store.available:
+                    during += 1
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 3))
+        store.available = False
+        await asyncio.sleep(0.05)
+        store.available = True
+        await task
+        assert during > 0  # the client was served while nothing could be journalled
+        assert_contiguous(got, 12)
+        journal = await store.journal("r1")
+        assert [t for e in journal for t in e.token_ids] == [token(i) for i in range(12)]
+        assert (await orch.get("r1")).state is State.DONE
+
+    run(main())
+
+
+# ------------------------------------------------------------------- cancel, detach
+
+
+def test_cancel_stops_the_run_and_its_worker_stream() -> None:
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", delay_s=0.01)
+        orch, _store, _ = await setup(FakeWorker("p0", "prefill"), d0)
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=200)):
+                got.append(chunk)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 3))
+        assert await orch.cancel("r1") is State.CANCELLED
+        await task
+        assert got[-1].finish_reason == "cancelled"
+        assert (await orch.get("r1")).state is State.CANCELLED
+        assert d0.cancelled == 1
+
+    run(main())
+
+
+def test_a_detached_request_is_cancelled_after_the_grace() -> None:
+    async def main() -> None:
+        settings = replace(FAST, detach_grace_s=0.05)
+        d0 = FakeWorker("d0", "decode", delay_s=0.01)
+        orch, store, _ = await setup(FakeWorker("p0", "prefill"), d0, settings=settings)
+        stream = orch.generate(inp(max_tokens=500))
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                if chunk.index >= 2:
+                    break  # the client goes away
+        await eventually(lambda: state_is(store, "r1", State.CANCELLED))
+        await eventually(lambda: _true(d0.cancelled == 1))
+
+    run(main())
+
+
+def test_a_detached_request_with_a_follower_runs_to_its_end() -> None:
+    async def main() -> None:
+        settings = replace(FAST, detach_grace_s=0.05)
+        d0 = FakeWorker("d0", "decode", delay_s=0.005)
+        orch, _store, _ = await setup(FakeWorker("p0", "prefill"), d0, settings=settings)
+        stream = orch.generate(inp(max_tokens=40))
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                if chunk.index >= 2:
+                    break
+        # The client reconnects (here: through follow, as a resume on any replica does).
+        chunks = await collect(orch.follow("r1", 0))
+        assert_contiguous(chunks, 40)
+        assert (await orch.get("r1")).state is State.DONE
+
+    run(main())
+
+
+# --------------------------------------------------------- ownership: leases, takeover
+
+
+def test_a_request_whose_owner_died_is_taken_over_from_its_journal() -> None:
+    async def main() -> None:
+        clock = ManualClock()
+        store = MemoryStore(StoreSettings(url="memory://", lease_ttl_s=3.0), clock=clock)
+        spec = RequestSpec("r1", (1, 2, 3), 8)
+        await store.create(spec.record("dead"))
+        await store.transition("r1", Edge.AGGREGATE, epoch=1)
+        for i in range(3):
+            await store.append("r1", 1, JournalEntry(i, (token(i),), f"<{i}>"))
+        d0 = FakeWorker("d0", "decode")
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store, owner="b")
+        await orch.start()
+        try:
+            clock.advance(3.5)  # the dead owner's lease lapses
+            await eventually(lambda: state_is(store, "r1", State.DONE))
+        finally:
+            await orch.stop()
+        record = await orch.get("r1")
+        assert (record.epoch, record.owner) == (2, "b")
+        journal = await store.journal("r1")
+        assert [t for e in journal for t in e.token_ids] == [token(i) for i in range(8)]
+        assert d0.decoded("r1", 2) == 1
+
+    run(main())
+
+
+def test_a_client_whose_request_a_peer_took_over_follows_the_new_owner() -> None:
+    async def main() -> None:
+        clock = ManualClock()
+        # A long TTL: replica a refreshes every ttl/3 s of real time, i.e. never in this test.
+        store_a = MemoryStore(StoreSettings(url="memory://", lease_ttl_s=30.0), clock=clock)
+        d0 = FakeWorker("d0", "decode", delay_s=0.01)
+        p0 = FakeWorker("p0", "prefill")
+        a, _, _ = await setup(p0, d0, store=store_a, owner="a")
+        b = Orchestrator(store_a.peer(), FakeFleet(p0, d0).as_clients(), FAST, "b")
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in a.generate(inp(max_tokens=30)):
+                got.append(chunk)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 3))
+        await b.start()
+        try:
+            clock.advance(31)  # replica a stalled: its lease lapsed; b takes the request over
+            await task
+        finally:
+            await b.stop()
+            await a.stop()
+        assert_contiguous(got, 30)
+        record = await b.get("r1")
+        assert (record.state, record.owner, record.epoch) == (State.DONE, "b", 2)
+
+    run(main())
+
+
+def test_the_deadline_reaper_fails_a_request_stuck_in_its_state() -> None:
+    async def main() -> None:
+        clock = ManualClock()
+        store = MemoryStore(StoreSettings(url="memory://"), clock=clock)
+        await store.create(RequestSpec("r1", (1, 2, 3), 8).record("a"))
+        await store.transition("r1", Edge.PREFILL, epoch=1)
+        settings = replace(FAST, deadline_scan_s=0.0, deadlines=StateDeadlines(prefilling_s=5.0))
+        orch, _, _ = await setup(store=store, settings=settings, owner="reaper")
+        # The owner keeps its lease (it is alive), so only the deadline can end the request.
+        await store.refresh_lease("r1", "a")
+        await orch.start()
+        try:
+            clock.advance(6.0)
+            await store.refresh_lease("r1", "a")
+            await eventually(lambda: state_is(store, "r1", State.FAILED))
+        finally:
+            await orch.stop()
+        record: RequestRecord = await orch.get("r1")
+        assert "prefilling" in record.error
+
+    run(main())
+
+
+def test_stop_hands_running_requests_off_to_a_peer() -> None:
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", delay_s=0.01)
+        p0 = FakeWorker("p0", "prefill")
+        a, store, _ = await setup(p0, d0)
+        got: list[OutChunk | BaseException] = []
+
+        async def client() -> None:
+            try:
+                async for chunk in a.generate(inp(max_tokens=100)):
+                    got.append(chunk)
+            except errors.UnavailableError as exc:
+                got.append(exc)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 2))
+        await a.stop()
+        await task
+        assert isinstance(got[-1], errors.UnavailableError)  # resume elsewhere
+        assert await store.lease_holders(["r1"]) == [None]  # a peer may take it at once
+        record = await store.get("r1")
+        assert record is not None
+        assert not record.state.terminal
+
+    run(main())

@@ -1,0 +1,138 @@
+"""The request spec (`orchestrator.core.spec`), failover's retryability table and the shared
+protocol constants (`orchestrator.api.protocol`). Pure."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from orchestrator import errors
+from orchestrator.api import protocol
+from orchestrator.control.failover import CAUSES, Verdict, retryable, verdict
+from orchestrator.core.records import RequestRecord, WorkerInfo
+from orchestrator.core.sampling import SamplingParams
+from orchestrator.core.spec import GenerateInput, RequestLimits, RequestSpec
+from orchestrator.core.state import State
+from transport import errors as terr
+
+MODEL = WorkerInfo("d0", "decode", "a:1", "a:2", "tcp", "m", "f", 100, 50, 1, 1000)
+OK = GenerateInput("r", token_ids=(1, 2), max_tokens=8, stop=("\n",))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"request_id": "x" * 129}, "request_id"),
+        ({"text": "hi"}, "prompt"),  # two prompts
+        ({"token_ids": ()}, "prompt"),
+        ({"token_ids": None, "text": "  "}, "prompt"),
+        ({"token_ids": None, "chat": ()}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2049}, "max_tokens"),
+        ({"sampling": SamplingParams(temperature=math.nan)}, "temperature"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop": tuple("abcdefghi")}, "stop"),
+    ],
+)
+def test_limits_name_the_invalid_field(change: dict[str, object], field: str) -> None:
+    with pytest.raises(errors.InvalidRequestError) as err:
+        RequestLimits().check(replace(OK, **change))  # type: ignore[arg-type]
+    assert err.value.field == field
+
+
+def test_limits_are_settings() -> None:
+    RequestLimits().check(OK)
+    RequestLimits(max_tokens=8).check(OK)
+    with pytest.raises(errors.InvalidRequestError, match=r"\[1, 7\]"):
+        RequestLimits(max_tokens=7).check(OK)
+
+
+def test_the_prompt_is_checked_against_the_model() -> None:
+    RequestLimits.check_vocab((0, 49), MODEL)
+    with pytest.raises(errors.InvalidRequestError, match="vocabulary"):
+        RequestLimits.check_vocab((50,), MODEL)
+    RequestLimits.check_prompt((1,) * 92, 8, MODEL)
+    with pytest.raises(errors.InvalidRequestError, match="context of 100"):
+        RequestLimits.check_prompt((1,) * 93, 8, MODEL)
+    with pytest.raises(errors.InvalidRequestError, match="tokenizes to nothing"):
+        RequestLimits.check_prompt((), 8, MODEL)
+
+
+def test_a_resumed_spec_is_the_admitted_one() -> None:
+    """Intake and takeover build the same spec; the record's sampling and hash come from it."""
+    inp = replace(OK, sampling=SamplingParams(0.7, 0.9, 42), tenant="acme")
+    spec = RequestSpec.admitted(inp, "r", (5, 6, 7))
+    record = spec.record("owner", created_at=1.0)
+    assert (record.state, record.epoch, record.prompt_tokens) == (State.QUEUED, 1, 3)
+    assert record.sampling == [0.7, 0.9, 42]
+    stored = RequestRecord.from_fields(record.to_fields())
+    assert RequestSpec.from_record(stored) == spec
+    assert record.body_hash == spec.body_hash()
+
+
+def test_the_body_hash_ignores_the_tenant_and_sees_the_body() -> None:
+    spec = RequestSpec("r", (1, 2), 8)
+    assert replace(spec, tenant="other").body_hash() == spec.body_hash()
+    assert replace(spec, max_tokens=9).body_hash() != spec.body_hash()
+    assert replace(spec, sampling=SamplingParams(seed=1)).body_hash() != spec.body_hash()
+
+
+# ------------------------------------------------------------------- retryability
+
+
+def _worker(phase: str, *, retryable: bool) -> errors.WorkerError:
+    return errors.WorkerError("w", "m", retryable=retryable, phase=phase)
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (_worker("decode", retryable=True), True),
+        (_worker("decode", retryable=False), False),  # e.g. FAILED_PRECONDITION
+        (_worker("prefill", retryable=False), False),
+        (_worker("heartbeat", retryable=False), True),  # the watcher gave up on the worker
+        (_worker("silence", retryable=False), True),
+        (_worker("stream", retryable=False), True),
+        (errors.UnavailableError("no workers"), True),
+        (errors.OverloadedError("no KV room"), True),
+        (errors.StaleEpochError("fenced"), False),
+        (errors.LeaseLostError("taken over"), False),
+        (errors.RequestEndedError("cancelled elsewhere"), False),
+        (errors.InvalidRequestError("prompt", "bad"), False),
+        (RuntimeError("bug"), False),
+    ],
+)
+def test_retryability_is_decided_by_type_and_phase(exc: BaseException, expected: bool) -> None:
+    assert retryable(exc) is expected
+
+
+def test_a_call_phase_defers_to_the_status_code() -> None:
+    assert verdict(_worker("decode", retryable=True)) is Verdict.BY_STATUS
+    assert {"prefill", "decode", "generate", "heartbeat", "other"} <= CAUSES
+
+
+# ------------------------------------------------------------------------ protocol
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (terr.StaleEpochError("old"), grpc.StatusCode.ABORTED),
+        (terr.ChecksumMismatchError("bits"), grpc.StatusCode.DATA_LOSS),
+        (terr.TransferTimeoutError("slow"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (terr.PeerLostError("gone"), grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+def test_a_failed_kv_transfer_maps_to_a_retryable_status(
+    exc: terr.TransportError, code: grpc.StatusCode
+) -> None:
+    assert protocol.transport_status(exc) is code
+    assert code in protocol.RETRYABLE_CODES  # the orchestrator re-prefills elsewhere
+
+
+def test_the_kv_receivers_faults_are_blamed_on_it() -> None:
+    assert protocol.blames_kv_target(terr.PeerLostError("gone"))
+    assert not protocol.blames_kv_target(terr.ChecksumMismatchError("bits"))
