@@ -58,6 +58,7 @@ import math
 import struct
 from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -66,6 +67,7 @@ from transport.errors import (
     ChecksumMismatchError,
     HeaderRejectedError,
     MalformedScalesError,
+    NonFiniteError,
     StaleEpochError,
     WireFormatError,
 )
@@ -546,9 +548,66 @@ def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> N
         )
 
 
-def verify_layer(frame: LayerFrame, payload: memoryview) -> None:
-    if checksum(payload) != frame.checksum:
+def verify_layer(
+    frame: LayerFrame, payload: memoryview, finite: DType | None = None, values: int = 0
+) -> None:
+    """Check a layer's payload against its frame's checksum; with ``finite``, also that its
+    first ``values`` bytes (K then V, in dtype ``finite``) hold no NaN or infinity.
+
+    Both run in one pass over memory: the payload is hashed in chunks of `_CHUNK_BYTES` and
+    each chunk is scanned while it is still in cache (a second pass over a large layer would
+    read it from DRAM again). The checksum is judged first: a corrupted layer is a
+    `ChecksumMismatchError`, never a `NonFiniteError`.
+    """
+    if finite is None or values <= 0:
+        if checksum(payload) != frame.checksum:
+            raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
+        return
+    if values > len(payload) or values % finite.itemsize:
+        raise WireFormatError(f"layer {frame.index}: {values} value bytes in {len(payload)}")
+    h = xxhash.xxh3_64()
+    data = np.frombuffer(payload, dtype=np.uint8)
+    bad = False
+    for start in range(0, len(payload), _CHUNK_BYTES):
+        end = min(start + _CHUNK_BYTES, len(payload))
+        h.update(payload[start:end])
+        if not bad and start < values:
+            bad = has_nonfinite(data[start : min(end, values)], finite)
+    if h.intdigest() != frame.checksum:
         raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
+    if bad:
+        raise NonFiniteError(f"layer {frame.index}: KV values hold a NaN or an infinity")
+
+
+_CHUNK_BYTES = 1 << 20
+"""Fused checksum + finiteness scan granularity: well inside a core's L2 (a multiple of
+every itemsize). Measured here at 256 MiB: 1 MiB chunks cost less than 256 KiB or 4 MiB."""
+
+_NONFINITE_BITS: dict[DType, tuple[type[np.signedinteger[Any]], type[np.unsignedinteger[Any]], int]]
+_NONFINITE_BITS = {
+    DType.FLOAT32: (np.int32, np.uint32, 0x7F80_0000),
+    DType.FLOAT16: (np.int16, np.uint16, 0x7C00),
+    DType.BFLOAT16: (np.int16, np.uint16, 0x7F80),
+    DType.FLOAT8_E4M3: (np.int8, np.uint8, 0x7F),  # e4m3fn: no infinity, NaN is S.1111.111
+}
+"""Per dtype: integer views of its bits and the smallest non-finite magnitude's bits (every
+bit pattern whose magnitude — the bits without the sign — is at least this is NaN or ±inf)."""
+
+
+def has_nonfinite(values: np.ndarray, dtype: DType) -> bool:
+    """Whether the uint8 buffer ``values``, read as ``dtype``, holds a NaN or an infinity.
+
+    Two integer max reductions and no temporary array: a positive non-finite value is the
+    largest *signed* integer its bits can make (negative values are negative there), and a
+    negative one the largest *unsigned* (above every positive value and every finite
+    negative one). numpy runs both with SIMD at memory speed, faster than ``np.isfinite``,
+    which writes a boolean per value and has no bfloat16 or fp8.
+    """
+    if not values.size:
+        return False
+    signed, unsigned, limit = _NONFINITE_BITS[dtype]
+    sign = 1 << (8 * dtype.itemsize - 1)
+    return bool(values.view(signed).max() >= limit or values.view(unsigned).max() >= sign | limit)
 
 
 def segments(h: KvHeader, target_bytes: int) -> list[range]:

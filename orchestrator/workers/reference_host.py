@@ -310,7 +310,10 @@ class ReferenceHost(EngineHost):
             yield chunk
 
     async def release(self, request: worker_pb2.ReleaseRequest) -> bool:
-        return self._receiver.discard(request.request_id) if self._receiver else False
+        if self._receiver is None:
+            return False
+        # Only that attempt's KV (or an older one's); its epoch is closed for good.
+        return self._receiver.discard(request.request_id, int(request.epoch))
 
 
 async def _to_wire(
