@@ -579,9 +579,11 @@ def verify_layer(
         raise NonFiniteError(f"layer {frame.index}: KV values hold a NaN or an infinity")
 
 
-_CHUNK_BYTES = 1 << 20
-"""Fused checksum + finiteness scan granularity: well inside a core's L2 (a multiple of
-every itemsize). Measured here at 256 MiB: 1 MiB chunks cost less than 256 KiB or 4 MiB."""
+_CHUNK_BYTES = 512 << 10
+"""Fused checksum + finiteness scan granularity (a multiple of every itemsize): the chunk
+the scan reads must still be in the core's L2 (1 MiB here). Verifying 64 MiB in 32 layers,
+minimum of 40 runs: 4.3 ms at 512 KiB, 4.8 ms at 256 KiB, 6.2 ms at 1 MiB, 9.5 ms at
+128 KiB (per-chunk numpy calls); the checksum alone 2.1 ms."""
 
 _NONFINITE_BITS: dict[DType, tuple[type[np.signedinteger[Any]], type[np.unsignedinteger[Any]], int]]
 _NONFINITE_BITS = {

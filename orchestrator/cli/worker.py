@@ -85,6 +85,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help="free a received KV nobody claims after S",
     )
     w.add_argument(
+        "--kv-finite-check",
+        action=argparse.BooleanOptionalAction,
+        default=default(TransportSettings, "check_finite"),
+        help="refuse received KV holding NaN or infinities (costs a scan; README 'KV transport')",
+    )
+    w.add_argument(
         "--torch-threads", type=int, default=0, help="CPU threads for the engine (0: torch's)"
     )
     w.add_argument(
@@ -216,7 +222,7 @@ async def run(args: argparse.Namespace) -> int:
         )
     hosted = isinstance(engine, EngineHost)
     store = RedisStore(StoreSettings(url=args.redis))
-    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold, check_finite=args.kv_finite_check)
     settings = worker_settings(
         args, advertise=args.advertise, kv_advertise=args.kv_advertise, gpu_kind=args.gpu_kind
     )
@@ -287,7 +293,7 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
     engine = SimEngine(spec)
     # Heartbeats only: a few connections, not one per worker beating at the same moment.
     store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
-    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold, check_finite=args.kv_finite_check)
     base = worker_settings(
         args,
         kv_capacity_bytes=spec.kv_capacity_bytes,
