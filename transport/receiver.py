@@ -5,7 +5,13 @@ Per transfer: decode and check the header against the `Expectation` and the epoc
 its slice (while the next layer's frame is read and earlier layers are verified in a thread);
 then file the `KvCache` in the `Inbox`. Any failure — checksum, protocol, peer death, deadline
 — discards the partial buffer, releases its reservation and files the error, so a decode
-waiting in `Inbox.take` learns of it at once.
+waiting in `Inbox.take` learns of it at once. Verification checks each layer's checksum and,
+unless ``check_finite`` is off, that its values hold no NaN or infinity, in one pass.
+
+Per connection: HELLO within ``connect_timeout_s``; between transfers, at most
+``connection_idle_s`` of silence; at most ``max_connections_per_host`` per remote IP and
+``max_connections`` in all, a new connection at a cap closing the longest-idle one (a
+connection moving KV is never closed for room; if all are, the newcomer gets an ERROR).
 """
 
 from __future__ import annotations
