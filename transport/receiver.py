@@ -162,7 +162,7 @@ class KvReceiver:
                     f"{len(group)} KV connections {what or 'in all'} (the cap), all moving KV"
                 )
             oldest = min(idle, key=lambda c: c.idle_since)
-            log.info("closing an idle KV connection from %s to make room", oldest.host)
+            log.debug("closing an idle KV connection from %s to make room", oldest.host)
             del self._conns[oldest.link]
             oldest.link.broken = True
             oldest.link.writer.transport.abort()  # its handler sees EOF and ends
