@@ -6,7 +6,7 @@ its slice (while the next layer's frame is read and earlier layers are verified 
 then file the `KvCache` in the `Inbox`. Any failure — checksum, protocol, peer death, deadline
 — discards the partial buffer, releases its reservation and files the error, so a decode
 waiting in `Inbox.take` learns of it at once. Verification checks each layer's checksum and,
-unless ``check_finite`` is off, that its values hold no NaN or infinity, in one pass.
+with ``check_finite`` on, that its values hold no NaN or infinity, in the same pass.
 
 Per connection: HELLO within ``connect_timeout_s``; between transfers, at most
 ``connection_idle_s`` of silence; at most ``max_connections_per_host`` per remote IP and
