@@ -27,6 +27,14 @@ name: (kind, name) ↔ key is one-to-one. Ordinary ids stay readable (``r-1`` is
     P:workers               set    worker ids that have registered (members)
     P:worker:{<w>}          string `WorkerInfo` JSON, with a TTL: the heartbeat
 
+and, for `pdorch migrate` (`orchestrator.migrate.state`; ``<n>`` the encoded migration name,
+an operator's choice, encoded all the same so ``x:window`` is not migration x's window):
+
+    P:migrate:{<n>}             hash    the migration's settings and counters
+    P:migrate:{<n>}:rollbacks   list    its rollbacks
+    P:migrate:{<n>}:window      hash    the proxy's window statistics
+    P:migrate:{<n>}:samples     stream  one sample per answer
+
 **Redis Cluster.** A hash tag makes Redis hash only what is between the braces, so all keys of
 one request share a slot (likewise a tenant's two keys); the fixed keys (``P:active``,
 ``P:tenants``, ``P:workers``) each sit in a slot of their own. What each of the Redis store's
@@ -42,6 +50,7 @@ Lua scripts and transactions touches (``R`` = the request's slot, ``T`` = the te
     _EXPIRE               record, active, lease                  R + A       CROSSSLOT
     _CREATE               record, active, lease, tenant live     R + A + T   CROSSSLOT
     _REFRESH_MANY         lease + record of many requests        R1 + R2 …   CROSSSLOT
+    migrate _ROLLBACK     migration hash, its rollbacks          its own     works
     heartbeat, deregister MULTI: worker key + workers set        W + own     CROSSSLOT
     add_tenant_cost       MULTI: tenant cost + tenants set       T + S       CROSSSLOT
     lease_holders,        MGET / pipeline over many requests     many        per-slot split
@@ -140,6 +149,20 @@ class Keys:
 
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{{{encode(worker_id)}}}"
+
+    # --------------------------------------------------------- one migration: slot of {<n>}
+
+    def migration(self, name: str) -> str:
+        return f"{self.prefix}:migrate:{{{encode(name)}}}"
+
+    def migration_rollbacks(self, name: str) -> str:
+        return f"{self.migration(name)}:rollbacks"
+
+    def migration_window(self, name: str) -> str:
+        return f"{self.migration(name)}:window"
+
+    def migration_samples(self, name: str) -> str:
+        return f"{self.migration(name)}:samples"
 
     # ---------------------------------------------------------- fixed keys, one slot each
 

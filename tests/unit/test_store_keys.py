@@ -1,5 +1,5 @@
 """The store's key layout (`orchestrator.store.keys`): no client-chosen name can name another
-entity's key, and everything of one request (or tenant) shares one Redis Cluster hash slot.
+entity's key, and everything of one request (tenant, migration) shares one Redis Cluster hash slot.
 
 Slots are computed with redis-py's `key_slot` (CRC16 of the hash tag, as Redis Cluster does).
 """
@@ -25,6 +25,10 @@ PER_NAME: dict[str, Callable[[str], str]] = {
     "tenant_live": KEYS.tenant_live,
     "tenant_cost": KEYS.tenant_cost,
     "worker": KEYS.worker,
+    "migration": KEYS.migration,
+    "migration_rollbacks": KEYS.migration_rollbacks,
+    "migration_window": KEYS.migration_window,
+    "migration_samples": KEYS.migration_samples,
 }
 """Every key built from a name, by kind."""
 
@@ -63,6 +67,7 @@ def test_distinct_kind_and_name_give_distinct_keys(k1: str, n1: str, k2: str, n2
 def test_every_key_of_a_request_shares_one_slot(name: str) -> None:
     assert len({slot(PER_NAME[k](name)) for k in REQUEST_KINDS}) == 1
     assert slot(KEYS.tenant_live(name)) == slot(KEYS.tenant_cost(name))
+    assert len({slot(PER_NAME[k](name)) for k in PER_NAME if k.startswith("migration")}) == 1
 
 
 @given(names)
