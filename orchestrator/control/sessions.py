@@ -133,9 +133,9 @@ class Sessions:
             raise
         except errors.PdorchError as exc:
             deliver(exc)  # the client sees it; the record already says how the request ended
-        except Exception as exc:
+        except Exception:  # a bug: its text (maybe a store's or a peer's words) is logged only
             log.exception("request %s: drive failed", run.rid)
-            deliver(errors.UnavailableError(f"request {run.rid} failed: {exc}"))
+            deliver(errors.UnavailableError(f"request {run.rid} failed: internal error"))
         else:
             deliver(None)
         finally:
