@@ -56,7 +56,9 @@ Lua scripts and transactions touches (``R`` = the request's slot, ``T`` = the te
     lease_holders,        MGET / pipeline over many requests     many        per-slot split
     workers, progress                                                        (client side)
 
-How issue 21 (Redis Cluster) should remove each CROSSSLOT without a new key layout:
+``tests/contract/test_store_cluster_slots.py`` checks this table against a one-node cluster
+(Redis itself refuses what crosses slots). How issue 21 (Redis Cluster) should remove each
+CROSSSLOT without a new key layout:
 
 - ``P:active`` out of the scripts: it is an index for reapers, and they already drop a member
   whose record is missing or ended (`_TAKEOVER`'s -1/-3 paths). Add before creating, remove
