@@ -25,7 +25,9 @@ OK = GenerateInput("r", token_ids=(1, 2), max_tokens=8, stop=("\n",))
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"request_id": "x" * 129}, "request_id"),
+        ({"request_id": "x" * 257}, "request_id"),
+        ({"request_id": "\N{SLIGHTLY SMILING FACE}" * 65}, "request_id"),  # 260 bytes
+        ({"request_id": "a b"}, "request_id"),
         ({"text": "hi"}, "prompt"),  # two prompts
         ({"token_ids": ()}, "prompt"),
         ({"token_ids": None, "text": "  "}, "prompt"),
