@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -48,7 +48,13 @@ async def _refuse(method: str, request: Undecodable, context: Context) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.reason}")
 
 
-class RefuseUndecodable(grpc.aio.ServerInterceptor[Any, Any]):
+if TYPE_CHECKING:  # the stubs make it generic; at runtime it is not subscriptable
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    _Interceptor = grpc.aio.ServerInterceptor
+
+
+class RefuseUndecodable(_Interceptor):
     """Undecodable requests answer ``INVALID_ARGUMENT`` (unary and server-streaming methods,
     the only kinds the service has)."""
 
