@@ -70,6 +70,11 @@ class RequestLimits:
             raise InvalidRequestError(name, message)
         if len(inp.stop) > self.max_stop_strings or any(not x for x in inp.stop):
             raise InvalidRequestError("stop", f"at most {self.max_stop_strings} non-empty strings")
+        texts = [("prompt", inp.text or ""), ("stop", *inp.stop)]
+        texts += [("prompt", role, content) for role, content in inp.chat or ()]
+        for name, *parts in texts:
+            if any(not _is_text(p) for p in parts):
+                raise InvalidRequestError(name, "not valid Unicode (a lone surrogate)")
 
     @staticmethod
     def check_vocab(ids: tuple[int, ...], model: WorkerInfo) -> None:
@@ -91,6 +96,16 @@ class RequestLimits:
                 f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
                 f"context of {model.max_context}",
             )
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` is text UTF-8 can carry (a front decoding JSON may hand over a lone
+    surrogate, which no protobuf string or tokenizer accepts)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _sampling_list(p: SamplingParams) -> list[float]:
