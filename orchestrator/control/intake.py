@@ -23,6 +23,7 @@ from orchestrator.control.ledger import Ledger
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.settings import ControlSettings
+from orchestrator.core.idents import id_problem
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.spec import GenerateInput, RequestSpec
 from orchestrator.store.base import Store
@@ -65,8 +66,9 @@ class Intake:
             self.metrics.rejections.labels(type(exc).__name__).inc()
 
     async def known(self, rid: str) -> bool:
-        """Whether ``rid`` names a request already created (its resubmission is admitted)."""
-        return bool(rid) and await self.store.get(rid) is not None
+        """Whether ``rid`` names a request already created (its resubmission is admitted);
+        an id no request can have is not looked up."""
+        return id_problem(rid) is None and await self.store.get(rid) is not None
 
     async def admit(self, inp: GenerateInput, driving: int) -> Admitted:
         """Validate, tokenize and admit (nothing written yet); ``driving``: runs here now."""
