@@ -1,8 +1,9 @@
 """The client-facing gRPC service: protobuf in, `control.Orchestrator` calls, protobuf out.
 
-What a client sends is validated once, below: request ids and tenants by the rules of
-`orchestrator.core.idents` (in `control`), requests protobuf cannot decode by the
-`RefuseUndecodable` interceptor (`server` installs it). The call's deadline travels with the
+What a client sends is held to one set of rules, `orchestrator.core.idents`: tenants here,
+request ids where `control` admits or looks up a request (the same check serves the HTTP
+gateway). Requests protobuf cannot decode are answered by the `RefuseUndecodable`
+interceptor, which `server` installs. The call's deadline travels with the
 input: a request whose deadline passes before it is created is refused (DEADLINE_EXCEEDED)
 and nothing runs for it. Client strings in logs go through `shown`.
 """
