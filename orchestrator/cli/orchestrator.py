@@ -210,16 +210,14 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
 
 
 async def run(args: argparse.Namespace) -> int:
-    import grpc  # noqa: PLC0415
     from grpc_health.v1 import _async as health_aio  # noqa: PLC0415
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    from orchestrator.api import orchestrator_pb2_grpc  # noqa: PLC0415
     from orchestrator.control.clients import WorkerClients  # noqa: PLC0415
     from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
     from orchestrator.control.orchestrator import Orchestrator  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
-    from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
+    from orchestrator.rpc.service import server as rpc_server  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
 
     try:
@@ -233,8 +231,7 @@ async def run(args: argparse.Namespace) -> int:
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
     metrics_server = serve_metrics(metrics.registry, serving.host, serving.metrics_port)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
+    server = rpc_server(control, SERVER_OPTIONS)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(serving.address)
