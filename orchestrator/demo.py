@@ -215,8 +215,9 @@ def run_demo(
             all_match = _report(results, as_json, served)
             if served is not None:
                 say(f"serving until Ctrl-C (SIGINT) or SIGTERM; try:\n{_example(*served)}")
-                if not _serve_until_signalled(cluster):
+                if not serve_until_signalled(cluster, "pdorch demo"):
                     return 1
+                say("pdorch demo: stopping the cluster")
     except (ClusterError, grpc.RpcError) as exc:
         print(f"pdorch demo: {exc}", file=sys.stderr)
         for name, tail in cluster.logs():
@@ -279,9 +280,11 @@ def _example(base_url: str, model: str) -> str:
     return f"  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
-def _serve_until_signalled(cluster: LocalCluster) -> bool:
-    """Wait for SIGINT/SIGTERM (True), or for a cluster process to die (False)."""
-    stop = threading.Event()
+def serve_until_signalled(
+    cluster: LocalCluster, who: str, stop: threading.Event | None = None
+) -> bool:
+    """Wait for SIGINT/SIGTERM or ``stop`` (True), or for a cluster process to die (False)."""
+    stop = stop or threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
@@ -289,10 +292,9 @@ def _serve_until_signalled(cluster: LocalCluster) -> bool:
         while not stop.wait(0.5):  # checks the processes twice a second
             dead = [n for n, p in cluster.procs.items() if p.popen.poll() is not None]
             if dead and not stop.is_set():  # a Ctrl-C reaches the whole process group
-                print(f"pdorch demo: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                print(f"{who}: {', '.join(dead)} exited; stopping", file=sys.stderr)
                 return False
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print("pdorch demo: stopping the cluster", file=sys.stderr)
     return True

@@ -57,6 +57,7 @@ ALL_COMMANDS = list(commands(build_parser(NO_ENV)))
 def test_the_command_tree_is_the_documented_one() -> None:
     top = {path[0] for path in ALL_COMMANDS if len(path) == 1}
     assert top == {
+        "up", "status", "down",
         "orchestrator", "worker", "operator", "generate", "demo",
         "cost", "chaos", "migrate", "bench", "plan",
     }  # fmt: skip
