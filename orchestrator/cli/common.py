@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import signal
 from collections.abc import Mapping
@@ -58,6 +59,54 @@ VLLM_MODELS = ("smollm2",)
 def check_engine(engine: str, model: str) -> None:
     if engine == "vllm" and model not in VLLM_MODELS:
         raise CommandError(f"--engine vllm serves --model {', '.join(VLLM_MODELS)}, not {model}")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already names it (or
+    there is none to name: a switch, an empty list, no value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        value = action.default
+        if (
+            not action.option_strings
+            or "default" in text
+            or value in (None, False, "", argparse.SUPPRESS)
+            or value == []
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+@functools.cache
+def _field_docs(cls: type[Any]) -> dict[str, str]:
+    """Dataclass ``cls``'s attribute docstrings (the string literal under a field)."""
+    import ast  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # no source (a frozen app): no docs
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for field, doc in itertools.pairwise(body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+def field_doc(cls: type[Any], name: str, fallback: str = "") -> str:
+    """The docstring of dataclass ``cls``'s field ``name``, for a flag's help (``%`` escaped
+    for argparse); ``fallback`` when it has none."""
+    return _field_docs(cls).get(name, fallback).replace("%", "%%")
 
 
 def default(cls: type[Any], name: str) -> Any:
@@ -141,7 +190,13 @@ class Parents:
     def model(self) -> argparse.ArgumentParser:
         """The engine's weights (workers, demo, precision bench) — not a performance preset."""
         p = _parent()
-        p.add_argument("--model", choices=ENGINE_MODELS, default="smollm2")
+        p.add_argument(
+            "--model",
+            choices=ENGINE_MODELS,
+            default="smollm2",
+            help="tiny: random weights, seconds to load (tests); smollm2: SmolLM2-135M-Instruct, "
+            "fetched and converted once into --model-cache (default %(default)s)",
+        )
         return p
 
     @functools.cached_property
@@ -150,7 +205,8 @@ class Parents:
         p.add_argument(
             "--model-cache",
             default=self._env.get("PDORCH_MODEL_CACHE", ""),
-            help="where model weights are cached (default: $PDORCH_MODEL_CACHE, else the default)",
+            help="where converted model weights are kept (default: $PDORCH_MODEL_CACHE, else "
+            "~/.cache/pdorch/models)",
         )
         return p
 
@@ -159,7 +215,12 @@ class Parents:
         from transport.backends import BACKENDS  # noqa: PLC0415 - imports the UCX backend
 
         p = _parent()
-        p.add_argument("--transport", choices=BACKENDS, default="ucx")
+        p.add_argument(
+            "--transport",
+            choices=BACKENDS,
+            default="ucx",
+            help="how KV moves from prefill to decode workers (default %(default)s)",
+        )
         return p
 
 
@@ -196,6 +257,7 @@ def add_command(
     sub: Commands, name: str, parents: Parents, *uses: argparse.ArgumentParser, **kw: Any
 ) -> argparse.ArgumentParser:
     """``sub.add_parser(name)`` taking the shared flags in ``uses`` and the logging flags."""
+    kw.setdefault("formatter_class", HelpFormatter)
     return sub.add_parser(name, parents=[*uses, parents.logging], **kw)
 
 
