@@ -78,9 +78,19 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
-@functools.cache
+_DOCS: dict[str, dict[str, str]] = {}
+"""Class (qualified name) -> its field docstrings: the source is parsed once."""
+
+
 def _field_docs(cls: type[Any]) -> dict[str, str]:
     """Dataclass ``cls``'s attribute docstrings (the string literal under a field)."""
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    if key not in _DOCS:
+        _DOCS[key] = _parse_field_docs(cls)
+    return _DOCS[key]
+
+
+def _parse_field_docs(cls: type[Any]) -> dict[str, str]:
     import ast  # noqa: PLC0415
     import inspect  # noqa: PLC0415
     import textwrap  # noqa: PLC0415
