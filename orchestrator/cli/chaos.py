@@ -61,6 +61,13 @@ def _run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"pdorch chaos: {exc}", file=sys.stderr)
         return 2
+    if not args.json:  # the runner prints each run's summary as it ends
+        print(
+            f"chaos {scenario.name}: {args.runs} run(s), each on a fresh local cluster "
+            "(about a minute each: start, workload under faults, check)",
+            file=sys.stderr,
+            flush=True,
+        )
     return run_chaos(
         scenario,
         seed=args.seed,

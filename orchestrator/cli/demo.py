@@ -17,6 +17,7 @@ from orchestrator.cli.common import (
     port,
     positive_int,
 )
+from orchestrator.cli.progress import Progress
 
 NAME = "demo"
 HELP = "start a local cluster and run prompts through it"
@@ -72,4 +73,5 @@ def run(args: argparse.Namespace) -> int:
         serve=args.serve,
         http_port=args.http_port,
         engine=args.engine,
+        step=Progress(quiet=args.json).step,
     )

@@ -1,6 +1,6 @@
 """Progress lines on stderr for steps that take more than a moment (cluster start, model
-loading): ``step ... 12 s (2/3 workers)`` updated in place on a terminal, one line when the
-step ends elsewhere (logs, CI), and nothing at all when quiet (``--json``)."""
+loading): ``step ... 12 s (2/3 workers)`` updated in place on a terminal, a line when the
+step starts and one when it ends elsewhere (logs, CI), nothing at all when quiet (``--json``)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ class Progress:
         start = time.monotonic()
         done = threading.Event()
         ticker = None
-        if self.live:
+        if not self.live:  # a log: one line when the step starts, one when it ends
+            print(f"{what} ...", file=self.stream, flush=True)
+        else:
             ticker = threading.Thread(
                 target=self._tick, args=(what, detail, start, done), name="progress", daemon=True
             )
