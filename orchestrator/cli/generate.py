@@ -28,6 +28,11 @@ FINISH_REASONS = {
 }
 """`common.proto`'s FinishReason names, for people."""
 
+NO_TOKENS = (
+    "(no tokens: the model ended the text at once; an instruct model such as smollm2 wants "
+    "its chat template: --chat)"
+)
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     g = add_command(
@@ -87,8 +92,10 @@ async def run(args: argparse.Namespace) -> int:
         req.text = args.prompt
     async with grpc.aio.insecure_channel(args.orchestrator) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        tokens = 0
         try:
             async for chunk in stub.Generate(req, timeout=args.timeout):
+                tokens += len(chunk.token_ids)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finish_reason:
@@ -96,6 +103,8 @@ async def run(args: argparse.Namespace) -> int:
                     route = f"{chunk.prefill_worker or '-'} -> {chunk.decode_worker}"
                     reason = common_pb2.FinishReason.Name(chunk.finish_reason)
                     print(file=sys.stderr)
+                    if not tokens and not args.chat:
+                        print(NO_TOKENS, file=sys.stderr)
                     print(
                         finish_line(reason, t.ttft_ms, t.tpot_ms, chunk.kv_bytes, route),
                         file=sys.stderr,

@@ -136,11 +136,14 @@ def format_status(snap: Snapshot) -> str:
         n, active, used, room = by_role.get(role, (0, 0, 0, 0))
         flag = "" if n else "   <- no worker alive"
         lines.append(f"{role:10s}{n:>8d}{active:>8d}{_mib(used):>13s}{_mib(room):>10s}{flag}")
-    lines += ["", f"{'worker':14s}{'role':9s}{'address':22s}{'model':10s}{'gpu':6s}{'active':>7s}"
-              f"{'KV used MiB':>13s}"]  # fmt: skip
+    wid = max([len("worker"), *(len(w.worker_id) for w in snap.workers)]) + 2
+    addr = max([len("address"), *(len(w.address) for w in snap.workers)]) + 2
+    mod = max([len("model"), *(len(w.model) for w in snap.workers)]) + 2
+    lines += ["", f"{'worker':{wid}s}{'role':9s}{'address':{addr}s}{'model':{mod}s}{'gpu':6s}"
+              f"{'active':>7s}{'KV used MiB':>13s}"]  # fmt: skip
     for w in snap.workers:
         lines.append(
-            f"{w.worker_id:14s}{w.role:9s}{w.address:22s}{w.model:10s}{w.gpu_kind:6s}"
+            f"{w.worker_id:{wid}s}{w.role:9s}{w.address:{addr}s}{w.model:{mod}s}{w.gpu_kind:6s}"
             f"{w.active:>7d}{_mib(w.kv_used_bytes):>13s}"
         )
     if not snap.workers:

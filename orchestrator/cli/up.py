@@ -244,7 +244,8 @@ def endpoints_text(state: ClusterState, path: Path, gateway: bool) -> str:
     ]
     lines += [f"  metrics {name:17s}{url}" for name, url in state.metrics.items()]
     lines += [f"  logs                     {state.logs}", f"  state file               {path}", ""]
-    lines += ["Try:", "  pdorch generate 'What is the capital of France?'"]
+    chat = "--chat " if state.model != "tiny" else ""  # an instruct model: its template
+    lines += ["Try:", f"  pdorch generate {chat}'What is the capital of France?'"]
     if gateway:
         body = json.dumps(
             {"model": state.model, "messages": [{"role": "user", "content": "Hello!"}]}
@@ -256,7 +257,8 @@ def endpoints_text(state: ClusterState, path: Path, gateway: bool) -> str:
         lines.append(
             f"  OPENAI_BASE_URL={state.http} OPENAI_API_KEY=none "
             'python -c "import openai; print(openai.OpenAI().chat.completions.create('
-            f"model='{state.model}', messages=[{{'role': 'user', 'content': 'Hi'}}])"
+            f"model='{state.model}', temperature=0, "
+            "messages=[{'role': 'user', 'content': 'List three prime numbers.'}])"
             '.choices[0].message.content)"'
         )
     lines += ["  pdorch status", "  pdorch cost", "  pdorch down", ""]
