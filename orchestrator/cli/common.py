@@ -202,10 +202,13 @@ class Parents:
         p = _parent()
         p.add_argument(
             "--model",
-            choices=ENGINE_MODELS,
+            type=model_name,
             default="smollm2",
+            metavar="{tiny,smollm2,DIR}",
             help="tiny: random weights, seconds to load (tests); smollm2: SmolLM2-135M-Instruct, "
-            "fetched and converted once into --model-cache (default %(default)s)",
+            "fetched and converted once into --model-cache; DIR: a local Hugging Face model "
+            "directory (config.json, weights, tokenizer; Llama family tested) "
+            "(default %(default)s)",
         )
         return p
 
@@ -282,6 +285,22 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def model_name(text: str) -> str:
+    """One of `ENGINE_MODELS`, or a directory a model was saved into (by absolute path, so
+    processes started elsewhere find it)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    if text in ENGINE_MODELS:
+        return text
+    path = Path(text).expanduser()
+    if (path / "config.json").is_file():
+        return str(path.resolve())
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither {' nor '.join(ENGINE_MODELS)} nor a model directory "
+        "(one with a config.json)"
+    )
 
 
 def non_negative_int(text: str) -> int:

@@ -49,6 +49,8 @@ CASES = [
     (["up", "--http-port", "-1"], USAGE, "--http-port: a port is 0 to 65535, got -1"),
     (["up", "--decode", "0"], USAGE, "--decode: must be at least 1"),
     (["up", "--engine", "vllm", "--model", "tiny"], FAILS, "--engine vllm serves --model"),
+    (["up", "--model", "/no/such/dir"], USAGE, "nor a model directory"),
+    (["worker", "--role", "decode", "--model", "llama"], USAGE, "nor a model directory"),
     (["up", "--port", "7", "--http-port", "7"], FAILS, "must differ"),
     (["cost", "--redis", "notaurl"], USAGE, "not a Redis URL: 'notaurl'"),
     (["status", "--redis", "http://x"], USAGE, "not a Redis URL"),
