@@ -31,7 +31,13 @@ from orchestrator.cli.common import (
     positive_int,
 )
 from orchestrator.cli.progress import Progress
-from orchestrator.cli.state import ClusterState, remove_state, state_path, write_state
+from orchestrator.cli.state import (
+    ClusterState,
+    read_state,
+    remove_state,
+    state_path,
+    write_state,
+)
 
 if TYPE_CHECKING:
     from orchestrator.cluster import LocalCluster
@@ -104,7 +110,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     u.set_defaults(call=lambda args: run(args, env))
 
 
-def preflight(args: argparse.Namespace) -> None:
+def preflight(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    running = read_state(env)
+    if running is not None:
+        raise CommandError(
+            f"a `pdorch up` cluster is already running (pid {running.pid}, "
+            f"{running.orchestrator}); `pdorch down` stops it"
+        )
     check_engine(args.engine, args.model)
     for flag in ("--port", "--http-port", "--redis-port", "--metrics-port"):
         check_port_free(HOST, getattr(args, flag[2:].replace("-", "_")), flag)
@@ -114,7 +126,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    preflight(args)
+    preflight(args, env)
     from orchestrator.cluster import LocalCluster  # noqa: PLC0415 - grpc, redis
     from orchestrator.demo import serve_until_signalled  # noqa: PLC0415
     from orchestrator.ports import free_port  # noqa: PLC0415

@@ -8,6 +8,7 @@ report) exit 1 in one.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import main
+from orchestrator.cli.state import ClusterState, write_state
 from orchestrator.store.server import RedisServer
 
 DEAD_REDIS = "redis://127.0.0.1:1/0"
@@ -109,6 +111,15 @@ def test_a_port_in_use_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert f"{busy_port}: cannot listen on 127.0.0.1:{busy_port}" in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_second_up_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setenv("PDORCH_STATE", str(tmp_path / "up.json"))
+    state = ClusterState(pid=os.getpid(), orchestrator="127.0.0.1:7001", redis="redis://x:1/0")
+    write_state(os.environ, state)  # this process plays the running `pdorch up`
+    assert _exit(["up", "--port", "0", "--http-port", "0"]) == FAILS
+    assert "a `pdorch up` cluster is already running" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("no_cluster")
