@@ -56,6 +56,16 @@ VLLM_MODELS = ("smollm2",)
 """The models `--engine vllm` serves (`orchestrator.workers.vllm`)."""
 
 
+def check_transport(name: str) -> None:
+    """CommandError when ``--transport ucx`` is asked for without UCXX installed (found
+    without importing it: that takes a while and starts UCX)."""
+    import importlib.util  # noqa: PLC0415
+
+    if name == "ucx" and importlib.util.find_spec("ucxx") is None:
+        raise CommandError("--transport ucx: UCXX is not installed (the ucx extra); "
+                           "--transport tcp needs nothing")  # fmt: skip
+
+
 def check_engine(engine: str, model: str) -> None:
     if engine == "vllm" and model not in VLLM_MODELS:
         raise CommandError(f"--engine vllm serves --model {', '.join(VLLM_MODELS)}, not {model}")

@@ -14,6 +14,7 @@ from orchestrator.cli.common import (
     add_command,
     check_engine,
     check_port_free,
+    check_transport,
     port,
     positive_int,
 )
@@ -61,6 +62,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_engine(args.engine, args.model)
+    check_transport(args.transport)
     check_port_free("127.0.0.1", args.http_port, "--http-port")
     from orchestrator.demo import run_demo  # noqa: PLC0415
 

@@ -26,6 +26,7 @@ from orchestrator.cli.common import (
     add_command,
     check_engine,
     check_port_free,
+    check_transport,
     non_negative_int,
     port,
     positive_int,
@@ -118,6 +119,7 @@ def preflight(args: argparse.Namespace, env: Mapping[str, str]) -> None:
             f"{running.orchestrator}); `pdorch down` stops it"
         )
     check_engine(args.engine, args.model)
+    check_transport(args.transport)
     for flag in ("--port", "--http-port", "--redis-port", "--metrics-port"):
         check_port_free(HOST, getattr(args, flag[2:].replace("-", "_")), flag)
     taken = [p for p in (args.port, args.http_port, args.redis_port, args.metrics_port) if p]

@@ -26,6 +26,7 @@ from orchestrator.cli.common import (
     check_engine,
     check_port_free,
     check_redis,
+    check_transport,
     default,
     gpu_kind,
     non_negative_int,
@@ -244,6 +245,8 @@ def preflight(args: argparse.Namespace) -> None:
     """What can be checked before anything starts: flags that go together, Redis answers,
     the ports are free."""
     check_engine(args.engine, args.model)
+    if not args.sim:  # simulated workers move KV over TCP
+        check_transport(args.transport)
     if args.count != 1 and not args.sim:
         raise CommandError("--count needs --sim")
     check_redis(args.redis)

@@ -158,3 +158,27 @@ def _exit(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+
+
+@pytest.mark.usefixtures("no_cluster")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["up", "--port", "0", "--http-port", "0"],
+        ["demo"],
+        ["worker", "--role", "decode", "--redis", DEAD_REDIS],
+    ],
+    ids=" ".join,
+)
+def test_ucx_without_ucxx_is_refused_before_anything_starts(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A machine without the ucx extra (UCXX is installed here: its absence is simulated)."""
+    import importlib.util  # noqa: PLC0415
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ucxx" else real(name, *a)
+    )
+    assert _exit([*argv, "--transport", "ucx"]) == FAILS
+    assert "--transport ucx: UCXX is not installed" in capsys.readouterr().err
