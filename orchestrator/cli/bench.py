@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli.common import (
+    CommandError,
     Commands,
     Parents,
     add_command,
@@ -251,6 +252,8 @@ def _run_load(args: argparse.Namespace) -> int:
     else:
         for key, value in result.summary().items():
             print(f"{key}: {value}")
+    if not args.samples and not any(x.completed for x in result.samples):
+        raise CommandError(f"no request completed: does an orchestrator answer at {args.target}?")
     return 0
 
 

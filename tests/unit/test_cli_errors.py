@@ -37,6 +37,7 @@ def busy_port() -> Iterator[int]:
 def no_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No `pdorch up` state and no endpoint variables: the built-in defaults apply."""
     monkeypatch.setenv("PDORCH_STATE", str(tmp_path / "none.json"))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
     for name in ("PDORCH_REDIS_URL", "PDORCH_ORCHESTRATOR", "PDORCH_LOG_LEVEL"):
         monkeypatch.delenv(name, raising=False)
 
@@ -75,6 +76,7 @@ CASES = [
     (["generate", "hi", "--orchestrator", "127.0.0.1:1"], FAILS, "no orchestrator answers"),
     (["down"], FAILS, "no `pdorch up` cluster is running"),
     (["plan", "--gpus", "T4", "--model", "llama-3-70b"], FAILS, "no layout is feasible"),
+    (["operator", "--namespace", "x"], FAILS, "no Kubernetes credentials"),
 ]
 
 
@@ -182,3 +184,12 @@ def test_ucx_without_ucxx_is_refused_before_anything_starts(
     )
     assert _exit([*argv, "--transport", "ucx"]) == FAILS
     assert "--transport ucx: UCXX is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("no_cluster")
+def test_a_load_bench_where_nothing_completes_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "load", "--target", "127.0.0.1:1", "--requests", "2", "--concurrency", "1"]
+    assert _exit(argv) == FAILS
+    assert "no request completed: does an orchestrator answer at 127.0.0.1:1?" in (
+        capsys.readouterr().err
+    )
