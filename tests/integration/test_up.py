@@ -76,3 +76,34 @@ def test_up_status_generate_cost_down(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(up.pid, signal.SIGKILL)  # nothing left after a clean exit
         up.communicate(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_while_starting_stops_what_started(tmp_path: Path) -> None:
+    """`pdorch down` (SIGTERM) or Ctrl-C while the workers load: the start is abandoned and
+    every process already started is stopped; no state file is left."""
+    env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
+    argv = ["up", "--model", "tiny", "--transport", "tcp", "--port", "0", "--http-port", "0"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *argv],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as up:  # fmt: skip
+        try:
+            assert up.stderr is not None
+            for line in up.stderr:  # the progress lines of a log (not a terminal)
+                if "workers loading tiny" in line:
+                    break
+            children = psutil.Process(up.pid).children(recursive=True)
+            assert children  # Redis and the workers, starting
+            up.send_signal(signal.SIGTERM)
+            _, err = up.communicate(timeout=60)
+            assert up.returncode != 0  # interrupted, not up
+            assert "stopping the cluster: done" in err
+            _, alive = psutil.wait_procs(children, timeout=15)
+            assert not alive
+            assert not Path(env["PDORCH_STATE"]).exists()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(up.pid, signal.SIGKILL)
