@@ -81,7 +81,9 @@ class HelpFormatter(argparse.HelpFormatter):
         if (
             not action.option_strings
             or "default" in text
-            or value in (None, False, "", argparse.SUPPRESS)
+            or value is None
+            or value is False  # a switch (0, a number, is shown)
+            or value in ("", argparse.SUPPRESS)
             or value == []
         ):
             return text
@@ -126,7 +128,7 @@ def _parse_field_docs(cls: type[Any]) -> dict[str, str]:
 def field_doc(cls: type[Any], name: str, fallback: str = "") -> str:
     """The docstring of dataclass ``cls``'s field ``name``, for a flag's help (``%`` escaped
     for argparse); ``fallback`` when it has none."""
-    return _field_docs(cls).get(name, fallback).replace("%", "%%")
+    return _field_docs(cls).get(name, fallback).replace("``", "").replace("%", "%%")
 
 
 def default(cls: type[Any], name: str) -> Any:

@@ -21,6 +21,7 @@ from orchestrator.cli.common import (
     check_port_free,
     check_redis,
     default,
+    field_doc,
     non_negative_float,
     non_negative_int,
     port,
@@ -110,13 +111,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "--drain-grace",
         type=non_negative_float,
         default=default(ServerSettings, "drain_grace_s"),
-        help="on SIGTERM: seconds in-flight streams may finish before they are handed off",
+        help=field_doc(ServerSettings, "drain_grace_s"),
     )
     o.add_argument(
         "--metrics-port",
         type=port,
         default=default(ServerSettings, "metrics_port"),
-        help="Prometheus /metrics (0: off)",
+        help=field_doc(ServerSettings, "metrics_port"),
     )
     o.add_argument(
         "--price",
@@ -130,13 +131,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "--transfer-usd-per-gb",
         type=non_negative_float,
         default=default(ControlSettings, "transfer_usd_per_gb"),
-        help="price of moving KV between workers, USD per GB (default %(default)s)",
+        help=field_doc(ControlSettings, "transfer_usd_per_gb"),
     )
     o.add_argument(
         "--detach-grace",
         type=non_negative_float,
         default=default(ControlSettings, "detach_grace_s"),
-        help="seconds a request keeps running after its client left, for it to resume",
+        help=field_doc(ControlSettings, "detach_grace_s"),
     )
     _admission_flags(o)
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
@@ -169,26 +170,26 @@ def _admission_flags(o: argparse.ArgumentParser) -> None:
         "--max-queue",
         type=positive_int,
         default=default(AdmissionPolicy, "max_queue"),
-        help="requests per prefill worker's queue, at most",
+        help=field_doc(AdmissionPolicy, "max_queue"),
     )
     o.add_argument(
         "--max-inflight",
         type=non_negative_int,
         default=default(AdmissionPolicy, "max_inflight"),
-        help="requests this replica drives (0: no limit)",
+        help=field_doc(AdmissionPolicy, "max_inflight"),
     )
     o.add_argument(
         "--tenant-limit",
         action="append",
         default=[],
         metavar="TENANT=N",
-        help="requests in flight at most for a tenant, all replicas together (repeatable)",
+        help=field_doc(AdmissionPolicy, "tenant_limits") + " (repeatable)",
     )
     o.add_argument(
         "--default-tenant-limit",
         type=non_negative_int,
         default=default(AdmissionPolicy, "default_tenant_limit"),
-        help="for other tenants (0: no limit)",
+        help=field_doc(AdmissionPolicy, "default_tenant_limit"),
     )
     o.add_argument(
         "--aggregate-below",

@@ -28,6 +28,7 @@ from orchestrator.cli.common import (
     check_redis,
     check_transport,
     default,
+    field_doc,
     gpu_kind,
     non_negative_int,
     port,
@@ -109,14 +110,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "--heartbeat-ttl",
         type=positive_float,
         default=default(WorkerSettings, "heartbeat_ttl_s"),
-        help="seconds the heartbeat in Redis lives; it is renewed 3 times as often "
-        "(default %(default)s)",
+        help=field_doc(WorkerSettings, "heartbeat_ttl_s") + " It beats 3 times as often.",
     )
     w.add_argument(
         "--kv-hold",
         type=positive_float,
         default=default(TransportSettings, "kv_hold_s"),
-        help="free a received KV nobody claims after this many seconds (default %(default)s)",
+        help=field_doc(TransportSettings, "kv_hold_s"),
     )
     w.add_argument(
         "--torch-threads",
@@ -135,12 +135,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     w.add_argument(
         "--advertise",
         default=default(WorkerSettings, "advertise"),
-        help="host:port to publish instead of the listener",
+        help=field_doc(WorkerSettings, "advertise"),
     )
     w.add_argument(
         "--kv-advertise",
         default=default(WorkerSettings, "kv_advertise"),
-        help="host:port to publish for the KV receiver",
+        help=field_doc(WorkerSettings, "kv_advertise"),
     )
     _fault_flags(w)
     w.add_argument(

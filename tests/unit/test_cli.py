@@ -291,6 +291,11 @@ def test_flag_help_comes_from_the_settings_field_docstrings() -> None:
     assert field_doc(ServerSettings, "host", "fallback") == "fallback"  # no docstring
     text = " ".join(command_parser("migrate", "shadow").format_help().split())
     assert field_doc(MigrationSettings, "drain_grace_s") in text
+    text = " ".join(command_parser("orchestrator").format_help().split())
+    assert f"{field_doc(ServerSettings, 'drain_grace_s')} (default: 10.0)" in text
+    assert "Prometheus /metrics (0: off). (default: 0)" in text  # a 0 default is shown
+    text = " ".join(command_parser("worker").format_help().split())
+    assert field_doc(TransportSettings, "kv_hold_s") in text
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
