@@ -159,8 +159,11 @@ def failure(exc: BaseException) -> str | None:
     from orchestrator.cluster import ClusterError  # noqa: PLC0415
     from orchestrator.errors import PdorchError  # noqa: PLC0415
 
-    if isinstance(exc, CommandError | PdorchError | ClusterError | OSError):
-        return str(exc) or type(exc).__name__
+    if isinstance(exc, CommandError):
+        return str(exc)
+    if isinstance(exc, PdorchError | ClusterError | OSError):
+        first = (str(exc) or type(exc).__name__).splitlines()[0]
+        return f"{first} (--debug shows where)"
     return None
 
 

@@ -129,7 +129,7 @@ def preflight(args: argparse.Namespace, env: Mapping[str, str]) -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     preflight(args, env)
-    from orchestrator.cluster import LocalCluster  # noqa: PLC0415 - grpc, redis
+    from orchestrator.cluster import ClusterError, LocalCluster  # noqa: PLC0415 - grpc, redis
     from orchestrator.demo import serve_until_signalled  # noqa: PLC0415
     from orchestrator.ports import free_port  # noqa: PLC0415
 
@@ -154,7 +154,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         cluster.workdir.mkdir(parents=True, exist_ok=True)
     _interrupt_on_sigterm()
     try:
-        _start(cluster, progress, metrics, args.port or free_port())
+        try:
+            _start(cluster, progress, metrics, args.port or free_port())
+        except ClusterError as exc:
+            raise CommandError(start_failure(str(exc), cluster.workdir)) from exc
         state = ClusterState(
             pid=os.getpid(),
             orchestrator=cluster.orchestrator_addresses[0],
@@ -218,6 +221,15 @@ def _start(
     except BaseException:
         cluster.stop()
         raise
+
+
+def start_failure(message: str, logs: Path) -> str:
+    """One line for a process that died or never became ready while the cluster started:
+    `ClusterError` carries the tail of the process's log; its last line says why."""
+    head, _, tail = message.partition(": ")
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    why = f": {lines[-1][:300]}" if lines else (f": {tail}" if tail else "")
+    return f"{head}{why} (every process's log: {logs})"
 
 
 def _interrupt_on_sigterm() -> None:

@@ -98,3 +98,16 @@ def test_generate_prints_a_readable_finish_reason() -> None:
     assert finish_line("FINISH_REASON_LENGTH", 1, 1, 0, "r").startswith(
         "[stopped: --max-tokens reached]"
     )
+
+
+def test_a_start_failure_is_one_line_ending_in_the_log_folder() -> None:
+    from orchestrator.cli.up import start_failure  # noqa: PLC0415
+
+    tail = "Traceback (most recent call last):\n  File x\nOSError: [Errno 98] Address in use\n"
+    line = start_failure(f"decode-1 exited with 1: {tail}", Path("/tmp/logs"))
+    assert line == (
+        "decode-1 exited with 1: OSError: [Errno 98] Address in use "
+        "(every process's log: /tmp/logs)"
+    )
+    timeout = start_failure("timed out after 120.0s waiting for workers", Path("/l"))
+    assert timeout == "timed out after 120.0s waiting for workers (every process's log: /l)"
