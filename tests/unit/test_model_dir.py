@@ -19,6 +19,7 @@ def test_model_names_and_directories_are_accepted(tmp_path: Path) -> None:
         model_name(str(tmp_path / "missing"))
 
 
+@pytest.mark.slow  # torch and transformers: ~13 s on a busy machine
 def test_a_saved_model_directory_loads_as_the_same_model(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     from orchestrator.workers.model_files import load_engine, tiny_engine  # noqa: PLC0415
