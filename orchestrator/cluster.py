@@ -28,7 +28,7 @@ from orchestrator.ports import free_port
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer, RedisServerError
 
-__all__ = ["ClusterError", "LocalCluster", "Proc", "free_port"]
+__all__ = ["ClusterError", "LocalCluster", "Proc", "free_port", "spawn"]
 
 
 class ClusterError(Exception):
@@ -53,12 +53,23 @@ def _wait(predicate: object, timeout_s: float, what: str, procs: list[Proc]) -> 
     raise ClusterError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+GROUP_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT})
+"""Signals a process group takes as a whole, as a pod or node does: killed, frozen or thawed
+with everything it started (a vLLM worker's engine core and model worker are its children,
+about 3.4 GB, and outlive a parent killed alone). Other signals (SIGTERM, the KV fault
+injector's SIGUSR1/2) go to the leader only: it drains, then stops its children itself, and
+a vLLM child would die of a SIGUSR1 it does not handle."""
+
+
 @dataclass
 class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
     args: list[str] = field(default_factory=list)
+    group: bool = False
+    """The process leads its own process group (started with `spawn`): `GROUP_SIGNALS` and
+    `stop` reach every process in it."""
 
     def tail(self, n: int = 2000) -> str:
         try:
@@ -68,17 +79,39 @@ class Proc:
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.popen.pid, sig)
+            if self.group and sig in GROUP_SIGNALS:
+                os.killpg(self.popen.pid, sig)
+            else:
+                os.kill(self.popen.pid, sig)
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM (the leader drains and stops its children), SIGKILL after ``grace_s``;
+        then nothing of the group is left running, whatever the leader left behind."""
         if self.popen.poll() is None:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
             try:
                 self.popen.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
+                self.signal(signal.SIGKILL)
                 self.popen.wait()
+        if self.group:
+            self.signal(signal.SIGKILL)  # stragglers of a leader that exited or was killed
+
+
+def spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Proc:
+    """Start ``args`` as the leader of a new session and process group, output to
+    ``log_path``: a kill of the returned `Proc` is a kill of everything it started."""
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    return Proc(name, popen, log_path, args, group=True)
 
 
 @dataclass
@@ -136,11 +169,7 @@ class LocalCluster:
         log_path = self.workdir / f"{name}.log"
         env = dict(os.environ)
         env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        with log_path.open("ab") as log:
-            popen = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
-        proc = Proc(name, popen, log_path, args)
+        proc = spawn(name, args, log_path, env)
         self.procs[name] = proc
         return proc
 

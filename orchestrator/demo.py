@@ -288,7 +288,7 @@ def _serve_until_signalled(cluster: LocalCluster) -> bool:
     try:
         while not stop.wait(0.5):  # checks the processes twice a second
             dead = [n for n, p in cluster.procs.items() if p.popen.poll() is not None]
-            if dead and not stop.is_set():  # a Ctrl-C reaches the whole process group
+            if dead and not stop.is_set():  # (a Ctrl-C reaches this process only)
                 print(f"pdorch demo: {', '.join(dead)} exited; stopping", file=sys.stderr)
                 return False
     finally:
