@@ -259,7 +259,7 @@ class FaultExecutor:
                 self.cluster.start_worker(role, int(index))
                 workers.append(name)
         if workers:
-            self.cluster.wait_registered(workers, 60)
+            self.cluster.wait_registered(workers, self.cluster.ready_timeout_s)
 
     async def settle(self) -> None:
         """Wait for every scheduled heal (they are short) — or cancel them on shutdown."""

@@ -6,7 +6,8 @@ at random from the seed) and which invariants the checker enforces::
 
     name: decode-kill
     description: a decode worker is killed mid-stream and comes back
-    cluster: {prefill: 2, decode: 2, orchestrators: 2, transport: auto, model: tiny}
+    cluster: {prefill: 2, decode: 2, orchestrators: 2, transport: auto, model: tiny,
+              engine: reference}
     workload: {requests: 8, concurrency: 8, prompt_words: [4, 24], output_tokens: [400, 800]}
     faults:
       - {at: 1.0, kind: kill, target: "decode:busiest", heal_after: 2.0}
@@ -14,13 +15,18 @@ at random from the seed) and which invariants the checker enforces::
       - {count: 1, kinds: [kill, stop], targets: ["prefill:random"], between: [0.5, 3.0]}
     duration_s: 60
     quiet_s: 5
-    invariants: [no_lost, no_duplicates, no_gaps, outputs_match]
+    invariants: [no_lost, no_duplicates, no_gaps, outputs_match, no_leaks]
 
 Process fault kinds: ``kill`` (SIGKILL; ``heal_after`` restarts it), ``stop`` (SIGSTOP;
 ``heal_after`` sends SIGCONT), ``continue`` (SIGCONT, for a stop without a heal),
 ``restart`` (kill, then start again after ``heal_after``, 0.5 s by default). Link kinds:
 ``delay`` (params.delay_ms), ``bandwidth`` (params.bytes_per_s), ``drop``, ``corrupt``
 (params.probability).
+
+``engine: vllm`` runs every worker on vLLM (``--engine vllm``; model ``smollm2``; the
+command runs from the vllm extra's environment). KV-link faults then need ``transport: tcp``
+(a proxy on the link): over UCX the KV leaves from inside vLLM's processes, where the
+transport's fault-injecting wrapper is not installed.
 
 Targets: ``prefill`` / ``decode`` with a selector (``:busiest`` the worker serving the most
 of this run's streams, ``:random``, or a worker name such as ``decode-1``), ``pool:prefill``,
@@ -50,7 +56,7 @@ LINK_KINDS = frozenset({"delay", "bandwidth", "drop", "corrupt"})
 KINDS = PROCESS_KINDS | LINK_KINDS
 ROLES = ("prefill", "decode")
 LINKS = ("kv", "worker", "client")
-INVARIANTS = frozenset({"no_lost", "no_duplicates", "no_gaps", "outputs_match"})
+INVARIANTS = frozenset({"no_lost", "no_duplicates", "no_gaps", "outputs_match", "no_leaks"})
 LINK_PARAMS: dict[str, tuple[str, ...]] = {
     "delay": ("delay_ms",),
     "bandwidth": ("bytes_per_s",),
@@ -67,6 +73,8 @@ class ClusterSpec:
     transport: str = "auto"
     """``ucx``, ``tcp`` or ``auto`` (UCX where ucxx imports)."""
     model: str = "tiny"
+    engine: str = "reference"
+    """The workers' engine (``pdorch worker --engine``): reference, or vllm."""
     redis_aof: bool = True
     heartbeat_ttl_s: float = 3.0
 
@@ -122,6 +130,10 @@ class Scenario:
     state (the wait ends as soon as they all have); what is still live then is lost."""
     invariants: frozenset[str] = INVARIANTS
     path: str = ""
+    leak_wait_s: float | None = None
+    """After the quiet period: the longest wait for every worker's KV gauges to return
+    (`orchestrator.chaos.leaks`); None: the transport's hold lease (a received KV nobody
+    claims is freed by it, by design) plus the heartbeat TTL."""
 
     def links(self) -> frozenset[str]:
         """The links a fault proxy must sit on (UCX KV faults use the transport's wrapper)."""
@@ -220,7 +232,7 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
     """Validate a scenario's YAML data; every error names the field."""
     d = _mapping(data, path)
     _known(d, path, {"name", "description", "cluster", "workload", "faults", "random_faults",
-                     "duration_s", "quiet_s", "invariants"})  # fmt: skip
+                     "duration_s", "quiet_s", "invariants", "leak_wait_s"})  # fmt: skip
     cluster = _cluster(_mapping(d.get("cluster", {}), f"{path}: cluster"), f"{path}: cluster")
     workload = _workload(_mapping(d.get("workload", {}), f"{path}: workload"), f"{path}: workload")
     faults = tuple(
@@ -247,7 +259,17 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
         quiet_s=_number(d.get("quiet_s", 15.0), f"{path}: quiet_s", lo=0.0),
         invariants=invariants,
         path=path,
+        leak_wait_s=(
+            None
+            if d.get("leak_wait_s") is None
+            else _number(d["leak_wait_s"], f"{path}: leak_wait_s", lo=0.0)
+        ),
     )
+    if cluster.engine == "vllm" and cluster.transport == "ucx" and "kv" in scenario.links():
+        raise ScenarioError(
+            f"{path}: KV-link faults with engine vllm need transport tcp (over UCX the KV "
+            "leaves from inside vLLM's processes, where no fault injector sits)"
+        )
     for p in plan(scenario, 0):
         if p.at >= scenario.duration_s:
             raise ScenarioError(f"{path}: a fault at {p.at}s is after duration_s")
@@ -255,19 +277,22 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
 
 
 def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
-    _known(d, where, {"prefill", "decode", "orchestrators", "transport", "model", "redis_aof",
-                      "heartbeat_ttl_s"})  # fmt: skip
+    _known(d, where, {"prefill", "decode", "orchestrators", "transport", "model", "engine",
+                      "redis_aof", "heartbeat_ttl_s"})  # fmt: skip
     spec = ClusterSpec(
         prefill=_int(d.get("prefill", 2), f"{where}.prefill", lo=0, hi=16),
         decode=_int(d.get("decode", 2), f"{where}.decode", lo=0, hi=16),
         orchestrators=_int(d.get("orchestrators", 2), f"{where}.orchestrators", lo=1, hi=8),
         transport=_choice(d.get("transport", "auto"), f"{where}.transport", ("auto", "ucx", "tcp")),
         model=_choice(d.get("model", "tiny"), f"{where}.model", ("tiny", "smollm2")),
+        engine=_choice(d.get("engine", "reference"), f"{where}.engine", ("reference", "vllm")),
         redis_aof=bool(d.get("redis_aof", True)),
         heartbeat_ttl_s=_number(d.get("heartbeat_ttl_s", 3.0), f"{where}.heartbeat_ttl_s", lo=0.3),
     )
     if spec.prefill + spec.decode == 0:
         raise ScenarioError(f"{where}: needs at least one worker")
+    if spec.engine == "vllm" and spec.model != "smollm2":
+        raise ScenarioError(f"{where}: engine vllm serves model smollm2 only")
     return spec
 
 
