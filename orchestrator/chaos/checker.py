@@ -53,6 +53,8 @@ class RunVerdict:
     """Reassignments the store recorded (epoch - 1 summed over the run's requests)."""
     leaks: LeakReport | None = None
     """The workers' gauges after the quiet period (None: not checked)."""
+    fault_errors: int = 0
+    """Faults that could not be injected (or whose trigger was never met)."""
 
     @property
     def clean(self) -> bool:
@@ -109,6 +111,7 @@ def check_run(
         len(history.faults),
         failovers,
         leaks,
+        sum(1 for f in history.faults if f.error),
     )
 
 
@@ -187,6 +190,7 @@ class Summary:
             "failed": sum(r.outcome == "fail" for r in reqs),
             "indeterminate": sum(r.outcome == "indeterminate" for r in reqs),
             "faults": sum(run.faults for run in self.runs),
+            "fault_errors": sum(run.fault_errors for run in self.runs),
             "failovers": sum(run.failovers for run in self.runs),
             "recoveries": len(recovery),
             "unrecovered": sum(len(run.unrecovered) for run in self.runs),

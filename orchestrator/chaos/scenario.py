@@ -28,6 +28,16 @@ command runs from the vllm extra's environment). KV-link faults then need ``tran
 (a proxy on the link): over UCX the KV leaves from inside vLLM's processes, where the
 transport's fault-injecting wrapper is not installed.
 
+A worker fault may wait for a request *phase* instead of trusting the clock alone:
+``when: {state: decoding, tokens: 3}`` fires it, at ``at`` or later, as soon as a request of
+this run is in that state on a worker of the target's role (with at least ``tokens`` output
+tokens journalled, for at least ``after_s`` seconds), and aims it at that request's worker
+(a named target must be the one).
+States: ``prefilling`` (for vLLM workers: computing *and pushing* its KV, one call),
+``transferring`` (the KV sent, the decode not started), ``decoding``. ``within_s`` (30) bounds
+the wait; a trigger not met by then is reported as the fault's error, and the fault is not
+injected. Faults run in file order of their times, each after the previous one.
+
 Targets: ``prefill`` / ``decode`` with a selector (``:busiest`` the worker serving the most
 of this run's streams, ``:random``, or a worker name such as ``decode-1``), ``pool:prefill``,
 ``pool:decode``, ``orchestrator`` (``:busiest`` / ``:random`` / ``orchestrator-0``), ``redis``,
@@ -91,6 +101,28 @@ class Workload:
     request_timeout_s: float = 120.0
 
 
+TRIGGER_STATES: dict[str, tuple[str, ...]] = {
+    "prefill": ("prefilling",),
+    "decode": ("transferring", "decoding"),
+}
+"""Request states a worker fault can wait for, by the target's role (the worker the record
+names for that role is serving the request in that state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    """Fire a worker fault once a request is in ``state`` on a worker of its target's role."""
+
+    state: str
+    tokens: int = 0
+    """...with at least this many output tokens journalled."""
+    after_s: float = 0.0
+    """...and in that state for at least this long (as the polls saw it): e.g. a prefill's
+    KV push under way, past its header, on a slowed link."""
+    within_s: float = 30.0
+    """The longest wait after the fault's time; unmet, the fault is reported, not injected."""
+
+
 @dataclass(frozen=True, slots=True)
 class FaultSpec:
     kind: str
@@ -104,6 +136,7 @@ class FaultSpec:
     after_healed: bool = False
     """Wait, before this fault, until every earlier fault has healed (so that e.g. a pool is
     back in service before the other pool goes): ``at`` is then the earliest time."""
+    when: Trigger | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +202,7 @@ class PlannedFault:
     heal_after: float | None
     params: Mapping[str, float]
     after_healed: bool = False
+    when: Trigger | None = None
 
     def label(self) -> str:
         return f"{self.kind} {self.target}"
@@ -181,7 +215,9 @@ def plan(scenario: Scenario, seed: int) -> tuple[PlannedFault, ...]:
     for f in scenario.faults:
         at = f.at if f.at is not None else rng.uniform(*(f.between or (0.0, 0.0)))
         out.append(
-            PlannedFault(round(at, 3), f.kind, f.target, f.heal_after, f.params, f.after_healed)
+            PlannedFault(
+                round(at, 3), f.kind, f.target, f.heal_after, f.params, f.after_healed, f.when
+            )
         )
     for r in scenario.random_faults:
         for _ in range(r.count):
@@ -354,10 +390,14 @@ def _params(d: Mapping[str, Any], kinds: tuple[str, ...], where: str) -> dict[st
 
 
 def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
-    _known(d, where, {"kind", "target", "at", "between", "heal_after", "params", "after_healed"})
+    _known(d, where, {"kind", "target", "at", "between", "heal_after", "params", "after_healed",
+                      "when"})  # fmt: skip
     kind = _choice(d.get("kind"), f"{where}.kind", tuple(sorted(KINDS)))
     target = _target(d.get("target"), f"{where}.target", cluster)
     _check_kind(kind, target, where)
+    when = None
+    if "when" in d:
+        when = _trigger(_mapping(d["when"], f"{where}.when"), f"{where}.when", target)
     at = d.get("at")
     between = _range(d["between"], f"{where}.between", lo=0.0) if "between" in d else None
     if (at is None) == (between is None):
@@ -371,6 +411,20 @@ def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
         heal_after=None if heal is None else _number(heal, f"{where}.heal_after", lo=0.0),
         params=_params(d, (kind,), where),
         after_healed=_bool(d.get("after_healed", False), f"{where}.after_healed"),
+        when=when,
+    )
+
+
+def _trigger(d: Mapping[str, Any], where: str, target: str) -> Trigger:
+    _known(d, where, {"state", "tokens", "after_s", "within_s"})
+    role = target.partition(":")[0]
+    if role not in TRIGGER_STATES:
+        raise ScenarioError(f"{where}: only prefill and decode worker faults take a trigger")
+    return Trigger(
+        state=_choice(d.get("state"), f"{where}.state", TRIGGER_STATES[role]),
+        tokens=_int(d.get("tokens", 0), f"{where}.tokens", lo=0, hi=1_000_000),
+        after_s=_number(d.get("after_s", 0.0), f"{where}.after_s", lo=0.0),
+        within_s=_number(d.get("within_s", 30.0), f"{where}.within_s", lo=0.1),
     )
 
 
