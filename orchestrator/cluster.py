@@ -78,25 +78,42 @@ class Proc:
             return ""
 
     def signal(self, sig: int) -> None:
+        """Send ``sig`` (to the group, for `GROUP_SIGNALS`). Nothing once the process has
+        been reaped: its pid, and so its group's id, may belong to another process by then
+        (pids wrap at 32768 here)."""
+        if self.popen.returncode is not None:
+            return
         with contextlib.suppress(ProcessLookupError):
             if self.group and sig in GROUP_SIGNALS:
                 os.killpg(self.popen.pid, sig)
             else:
                 os.kill(self.popen.pid, sig)
 
+    def _exited(self) -> bool:
+        """The leader exited (it is not reaped: its pid still names its group)."""
+        try:
+            return os.waitid(os.P_PID, self.popen.pid, _EXITED_NOWAIT) is not None
+        except ChildProcessError:  # reaped meanwhile
+            return True
+
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM (the leader drains and stops its children), SIGKILL after ``grace_s``;
-        then nothing of the group is left running, whatever the leader left behind."""
-        if self.popen.poll() is None:
+        the group is killed before the leader is reaped, so nothing it started is left
+        running, whatever the leader left behind."""
+        if self.popen.returncode is not None:
+            return  # reaped already (a fault's kill reached its whole group)
+        if not self._exited():
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.signal(signal.SIGKILL)
-                self.popen.wait()
-        if self.group:
-            self.signal(signal.SIGKILL)  # stragglers of a leader that exited or was killed
+            deadline = time.monotonic() + grace_s
+            while not self._exited() and time.monotonic() < deadline:
+                time.sleep(0.02)  # polling the exit with a deadline (not reaping it yet)
+        if self.group or not self._exited():
+            self.signal(signal.SIGKILL)  # the leader, or the stragglers of its group
+        self.popen.wait()
+
+
+_EXITED_NOWAIT = os.WEXITED | os.WNOHANG | os.WNOWAIT
 
 
 def spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Proc:
