@@ -312,15 +312,16 @@ def _example(base_url: str, model: str) -> str:
 
 
 def serve_until_signalled(cluster: LocalCluster, who: str) -> bool:
-    """Wait for SIGINT/SIGTERM (True), or for a cluster process to die (False)."""
+    """Wait for SIGINT/SIGTERM/SIGHUP (True), or for a cluster process to die (False).
+    The cluster's processes lead their own process groups: a Ctrl-C or a closed terminal
+    reaches this process only, which then stops them all."""
     stop = threading.Event()
-    previous = {
-        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in signals}
     try:
         while not stop.wait(0.5):  # checks the processes twice a second
             dead = [n for n, p in cluster.procs.items() if p.popen.poll() is not None]
-            if dead and not stop.is_set():  # a Ctrl-C reaches the whole process group
+            if dead and not stop.is_set():
                 print(f"{who}: {', '.join(dead)} exited; stopping", file=sys.stderr)
                 return False
     finally:

@@ -180,8 +180,9 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             remove_state(env, state.pid)
     finally:
         # Stopping is bounded (each process: SIGTERM, then SIGKILL after a grace); a second
-        # Ctrl-C or `pdorch down` must not interrupt it half way and leave processes behind.
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # Ctrl-C, `pdorch down` or a closed terminal must not interrupt it half way and leave
+        # processes behind (they lead their own process groups: no signal reaches them).
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         with progress.step("stopping the cluster"):
             cluster.stop()

@@ -212,6 +212,10 @@ class VllmHost(EngineHost):
     def kv_capacity(self) -> int:
         return self.pool().capacity_bytes
 
+    def kv_blocks(self) -> tuple[int, int]:
+        pool = self.pool()
+        return pool.blocks, pool.free_blocks
+
     def engine_busy_s(self) -> float:
         """vLLM's step time so far (all requests together)."""
         return self._ledger.busy_s
