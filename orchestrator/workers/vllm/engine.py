@@ -112,6 +112,8 @@ class _StepStats(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped to my
             self._ledger.step(
                 details.elapsed_ms / 1000,
                 details.num_ctx_requests + details.num_generation_requests,
+                at_s=time.monotonic(),
+                running_after=int(scheduler_stats.num_running_reqs),
             )
         self._host.kv_usage = float(scheduler_stats.kv_cache_usage)
 
