@@ -19,7 +19,8 @@ The draw, defined so that it can be computed exactly without sorting the whole v
 Only the ranks up to the chosen one matter, and the tokens with p >= some floor are always a
 prefix of the ranking, with the same running sums as in a full sort; so `sample` ranks the
 tokens above `_FLOORS[0]` first and lowers the floor only when the draw falls beyond them
-(measured, 49k vocabulary: ~0.1 ms a draw instead of ~5 ms for a full sort).
+(measured, SmolLM2's 49k vocabulary inside vLLM: ~0.3 ms a draw, most of it the softmax;
+ranking the whole vocabulary took ~5 ms).
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ argmax as before. The index is recomputed from vLLM's output list at every step,
 preempting and resuming a request, or a chunked prefill's discarded samples, cannot shift
 it.
 
-Cost per step: one copy of the sampled rows' logits to host memory (a no-op on CPU) and
-`sample` per sampled row (~0.1-0.5 ms for a 49k vocabulary, most of it one softmax pass);
-measured figures are in the README's vLLM section.
+Cost per step: one copy of the sampled rows' logits to host memory (a synchronising copy on
+a GPU, a gather on CPU) and `sample` per sampled row. Measured on the CPU build (SmolLM2, 49k
+vocabulary, 8 sampled rows, a loaded 2-core VM): 2.2 ms a step median, 2.9 ms p90 — 2-3% of
+a decode step there. Greedy-only steps cost nothing (no row registered).
 """
 
 from __future__ import annotations
