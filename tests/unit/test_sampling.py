@@ -105,3 +105,56 @@ def test_valid_params_have_no_problems() -> None:
     assert SamplingParams(temperature=1.3, top_p=0.2, seed=2**63 - 1).problems() == []
     assert SamplingParams().greedy
     assert not SamplingParams(temperature=0.1).greedy
+
+
+def _by_full_sort(logits: np.ndarray, params: SamplingParams, index: int) -> int:
+    """The module's definition, computed the plain way: every token ranked."""
+    probs = logits.astype(np.float64) / params.temperature
+    probs = np.exp(probs - probs.max())
+    probs /= probs.sum()
+    ranked = np.argsort(-probs, kind="stable")
+    running = np.cumsum(probs[ranked])
+    mass, end = 1.0, len(ranked)
+    if params.top_p < 1.0 and (k := int(np.searchsorted(running, params.top_p))) < end:
+        mass, end = float(running[k]), k + 1
+    u = np.random.default_rng([params.seed, index]).random()
+    at = int(np.searchsorted(running[:end], u * mass, side="right"))
+    if at < end:
+        return int(ranked[at])
+    return int(ranked[:end][probs[ranked[:end]] > 0][-1])
+
+
+def _vocab(rng: np.random.Generator, kind: str, size: int) -> np.ndarray:
+    """Logits shaped like a language model's (a few likely tokens, a long tail), flat ones
+    (no token above the first floor), tied ones, and ones with masked (-inf) tokens."""
+    if kind == "peaked":
+        logits = rng.standard_normal(size) * 2.0
+        logits[rng.choice(size, 5, replace=False)] += rng.uniform(6, 12, 5)
+    elif kind == "flat":
+        logits = rng.standard_normal(size) * 0.1
+    elif kind == "tied":
+        logits = rng.integers(0, 4, size).astype(np.float64)
+    else:  # masked
+        logits = rng.standard_normal(size) * 3.0
+        logits[rng.random(size) < 0.5] = -np.inf
+    return logits.astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "tied", "masked"])
+@pytest.mark.parametrize("top_p", [1.0, 0.95, 0.5])
+def test_ranking_only_the_top_tokens_draws_what_a_full_sort_draws(kind: str, top_p: float) -> None:
+    """`sample` ranks the tokens above a probability floor first and lowers it only when the
+    draw falls beyond them; the token is the one the full ranking gives, every time —
+    including draws below the first floor (checked to happen), ties and masked tokens."""
+    rng = np.random.default_rng([7, len(kind), int(top_p * 100)])
+    tail = 0
+    for case in range(40):
+        logits = _vocab(rng, kind, 49152 if case % 8 == 0 else int(rng.choice([50, 3000])))
+        params = SamplingParams(temperature=float(rng.choice([0.5, 1.0, 2.0])), top_p=top_p,
+                                seed=int(rng.integers(2**62)))  # fmt: skip
+        got, want = sample(logits, params, case), _by_full_sort(logits, params, case)
+        assert got == want, (kind, case)
+        probs = np.exp((logits.astype(np.float64) - logits.max()) / params.temperature)
+        tail += bool(probs[got] / probs.sum() < 1e-4)
+    if kind == "flat":  # no token above the first floor in the largest vocabulary
+        assert tail > 0, "no draw exercised the lowered floors"

@@ -19,7 +19,7 @@ import pytest
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.cluster import LocalCluster
 from tests.integration.conftest import wait_for, workers
-from tests.vllm.conftest import MAX_TOKENS, greedy, token_ids
+from tests.vllm.conftest import MAX_TOKENS, SEEDED, greedy, token_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.failover, pytest.mark.timeout(1200)]
 
@@ -120,3 +120,35 @@ def test_decode_worker_killed_mid_stream_continues_on_the_other_with_no_leaked_b
         )
 
     wait_for(settled, 20, f"{survivor} and prefill-0 to report no request and no KV in use")
+
+
+def test_seeded_stream_killed_mid_decode_continues_with_the_same_draws(
+    cluster: LocalCluster,
+    offline_runs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+) -> None:
+    """Seeded sampling keeps pdorch's contract on vLLM: output token *i* is drawn from
+    (seed, i) alone, so a seeded stream continued in a new vLLM request after its decode
+    worker died is the stream it would have been uninterrupted (vLLM on its own, pdorch's
+    sampler, the same seed). After the test above one decode worker is left: killing it
+    continues the request aggregated on the prefill worker (Generate from output index k);
+    run alone, on the other decode worker (Prefill at index k, then Decode)."""
+    ref = next(r for r in offline_runs[1] if len(r["output_ids"]) == MAX_TOKENS)
+    decoders = {w.worker_id for w in workers(cluster) if w.role == "decode"}
+    req = greedy(list(ref["prompt_ids"]), "vfo-seeded-kill", *SEEDED)
+    chunks, killed, info = asyncio.run(_kill_decode_mid_stream(cluster, req))
+    assert killed in decoders
+    assert info.state == "done"
+    assert info.epoch >= 2, "the decode worker finished before it was killed: no failover"
+    if decoders - {killed}:
+        assert info.decode_worker in decoders - {killed}
+    else:
+        assert (info.mode, info.decode_worker) == ("aggregated", "prefill-0")
+    assert token_ids(chunks) == list(ref["output_ids"])  # contiguous, the same draws
+
+    def settled() -> bool:
+        live = workers(cluster)
+        return killed not in {w.worker_id for w in live} and all(
+            w.active == 0 and w.kv_used_bytes == 0 for w in live
+        )
+
+    wait_for(settled, 20, "the surviving workers to report no request and no KV in use")

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation with vLLM on both pools: a prefill worker and a decode
 worker (`pdorch worker --engine vllm`), the prompt's KV moved by pdorch's connector through
-pdorch's transport, checked against vLLM on its own (greedy, the 20 shipped prompts)."""
+pdorch's transport, checked against vLLM on its own (greedy, the 20 shipped prompts; seeded,
+with pdorch's sampler in both)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from orchestrator.cluster import LocalCluster
 from tests.integration.conftest import wait_for, workers
-from tests.vllm.conftest import generate, greedy, mismatches
+from tests.vllm.conftest import SEEDED, generate, greedy, mismatches
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -48,3 +49,20 @@ def test_pd_greedy_equals_vllm_offline_and_blocks_come_back(
         return bool(decode) and decode[0].active == 0 and decode[0].kv_used_bytes == 0
 
     wait_for(settled, 15, "the decode worker's blocks and held KV to return to zero")
+
+
+def test_pd_seeded_equals_the_uninterrupted_request(
+    pd_cluster: LocalCluster,
+    offline_runs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+) -> None:
+    """Seeded requests split across two vLLM engines — the prefill samples output token 0 in
+    one vLLM request, the decode continues in another — draw the tokens of the uninterrupted
+    request (vLLM on its own, the 20 prompts in one batch, pdorch's sampler); vLLM's own
+    seeded sampling would restart its generator in the decode's request. `test_vllm_worker`
+    checks the same reference aggregated on one vLLM worker."""
+    chosen = offline_runs[1][:6]
+    reqs = [greedy(list(r["prompt_ids"]), f"pd-seeded-{i}", *SEEDED) for i, r in enumerate(chosen)]
+    streams = asyncio.run(generate(pd_cluster.orchestrator_addresses[0], reqs, 3))
+    for chunks in streams:
+        assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-0")
+    assert mismatches(chosen, streams) == []

@@ -84,8 +84,9 @@ def test_seeded_sampling_through_pdorch_equals_vllm_offline(
     cluster: LocalCluster,
     offline_runs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
 ) -> None:
-    """Temperature and seed reach vLLM's own per-request generator: a seeded request gives
-    vLLM's own tokens for that seed (and they are not the greedy ones)."""
+    """Temperature and seed reach pdorch's sampler inside vLLM: a seeded request, aggregated
+    on one vLLM worker, gives the tokens vLLM on its own draws with pdorch's sampler for that
+    seed (and they are not the greedy ones); `test_vllm_pd` checks the same split in two."""
     greedy_run, seeded_run = offline_runs
     chosen = seeded_run[:8]
     temperature, seed = SEEDED

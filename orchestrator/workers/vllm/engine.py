@@ -17,10 +17,13 @@ others. The host turns the worker API's three calls into vLLM requests:
 The connector code (inside vLLM's processes) and the decode side's receiver are
 `orchestrator.workers.vllm.kv`'s; this module only uses its interface. Cost per request and
 the KV room for heartbeats come from vLLM's per-step scheduler statistics, read by a stat
-logger (`accounting`). Sampling is vLLM's own: greedy is argmax as in the reference engine;
-a seeded request draws from vLLM's per-request generator seeded with the request's seed, so
-it reproduces vLLM's own output for that seed — but not the reference engine's draws, and
-a continuation after a failover (a new vLLM request) starts that generator afresh.
+logger (`accounting`). Sampling follows pdorch's contract (`orchestrator.core.sampling`):
+greedy is vLLM's argmax, as in the reference engine; a sampled request's output token *i* is
+``core.sampling.sample(logits, params, i)``, drawn inside vLLM by pdorch's logits processor
+(`sampler`) with vLLM itself asked for greedy sampling. Every vLLM request tells the
+processor its output offset (Generate: ``first_index``; Prefill: ``first_index``; Decode:
+``generated``), so a request split into prefill and decode, or continued after a failover in
+a new vLLM request, draws exactly what one uninterrupted request would.
 
 Imports vLLM at module level: only the composition root imports this module, and only for
 ``--engine vllm`` (the ``vllm`` extra's environment).
@@ -55,7 +58,7 @@ from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
 from orchestrator.workers.engine import ModelInfo
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
-from orchestrator.workers.vllm import kv
+from orchestrator.workers.vllm import kv, sampler
 from orchestrator.workers.vllm.accounting import BlockPool, ChunkStream, StepLedger
 from orchestrator.workers.vllm.kv_params import DTYPES as KV_DTYPES
 from transport.wire import DType
@@ -171,6 +174,7 @@ class VllmHost(EngineHost):
             disable_log_stats=True,  # no vLLM stat printing; our own logger still records
             enable_logging_iteration_details=True,  # step time and batch size, for cost
             kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+            logits_processors=[sampler.PROCESSOR],  # pdorch's seeded draw (`sampler`)
         )
         started = time.perf_counter()
         self._llm = AsyncLLM.from_engine_args(
@@ -247,18 +251,23 @@ class VllmHost(EngineHost):
         self,
         msg: Any,
         max_tokens: int,
+        offset: int,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> Any:
+        """vLLM's parameters for a request whose first output is pdorch's output token
+        ``offset``. vLLM always samples greedily: a sampled request's tokens are drawn by
+        pdorch's `sampler.PdorchSampler` at their own output index."""
         p = convert.sampling_from_pb(msg)
+        extra = {} if p.greedy else sampler.extra_args(p, offset)
+        if kv_transfer_params:
+            extra["kv_transfer_params"] = kv_transfer_params
         return VllmSampling(
             max_tokens=max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            seed=None if p.greedy else p.seed,
+            temperature=0.0,
             stop_token_ids=list(self.info.eos_token_ids),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # text deltas are ours (`accounting.ChunkStream`)
-            extra_args=({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None),
+            extra_args=extra or None,
         )
 
     async def _outputs(
@@ -321,7 +330,7 @@ class VllmHost(EngineHost):
             eos=self.info.eos_token_ids,
             prior=ids[int(request.prompt_tokens) :],
         )
-        sampling = self._sampling(request.sampling, limit - first)
+        sampling = self._sampling(request.sampling, limit - first, first)
         async for chunk in self._stream(
             request.request_id, int(request.epoch), ids, sampling, stream, context
         ):
@@ -341,7 +350,7 @@ class VllmHost(EngineHost):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown kv_dtype")
         wire_name = next(n for n, d in KV_DTYPES.items() if d is wire_dtype)
         params = kv.prefill_params(rid, epoch, request.kv_target, wire_name)
-        sampling = self._sampling(request.sampling, 1, params)
+        sampling = self._sampling(request.sampling, 1, int(request.first_index), params)
         started = time.perf_counter()
         first: int | None = None
         spent_ms = 0.0
@@ -401,7 +410,7 @@ class VllmHost(EngineHost):
             await self._control.release(rid, epoch)
             return
         params = kv.decode_params(rid, epoch, len(ids))
-        sampling = self._sampling(request.sampling, limit - generated, params)
+        sampling = self._sampling(request.sampling, limit - generated, generated, params)
         async for chunk in self._stream(
             rid, epoch, [*ids, int(request.last_token)], sampling, stream, context
         ):

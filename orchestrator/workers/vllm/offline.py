@@ -8,7 +8,9 @@ one per line of ``--prompts``) with the model's chat template, runs them all thr
 ``{"runs": [[{"prompt": ..., "prompt_ids": [...], "output_ids": [...],
 "finish": ...}, ...], ...]}``, one run per ``--sampling``. End-of-sequence tokens are not
 in ``output_ids`` (pdorch does not stream them). A separate process: vLLM starts its engine
-core with ``spawn``.
+core with ``spawn``. Sampled runs draw with pdorch's logits processor (`sampler`), as
+pdorch's vLLM workers do: vLLM's own seeded generator restarts in every vLLM request, which
+breaks pdorch's contract across a prefill/decode split or a failover.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+from orchestrator.api import convert
 from orchestrator.bench.precision import prompts_from_text
+from orchestrator.core.sampling import SamplingParams as Sampling
 from orchestrator.workers.vllm.engine import VllmSettings, model_info
 
 
@@ -40,6 +44,8 @@ def run(
     greedy, no seed)."""
     from vllm import LLM, SamplingParams, TokensPrompt  # noqa: PLC0415 - a heavy import
 
+    from orchestrator.workers.vllm import sampler  # noqa: PLC0415 - imports vLLM
+
     llm = LLM(
         model=str(settings.model_dir),
         dtype=settings.dtype,
@@ -47,6 +53,7 @@ def run(
         enforce_eager=settings.enforce_eager,
         kv_cache_memory_bytes=settings.kv_cache_bytes,
         max_num_seqs=settings.max_num_seqs,
+        logits_processors=[sampler.PROCESSOR],
     )
     tokenizer = llm.get_tokenizer()
     eos = set(model_info(settings).eos_token_ids)
@@ -58,11 +65,13 @@ def run(
         prompt_ids.append(list(tokenizer.encode(str(text), add_special_tokens=False)))
     runs = []
     for temperature, seed in samplings:
+        # what a worker receives for it: the wire's temperature is a float32
+        pdorch = convert.sampling_from_pb(convert.sampling_to_pb(Sampling(temperature, seed=seed)))
         sampling = SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
-            seed=None if temperature == 0 else seed,
+            temperature=0.0,  # sampled: pdorch's draw picks the token vLLM's argmax returns
             stop_token_ids=sorted(eos),
+            extra_args=None if pdorch.greedy else sampler.extra_args(pdorch, 0),
         )
         outputs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in prompt_ids], sampling)
         runs.append(
