@@ -13,11 +13,14 @@ the quiet period, for the leak check (`leaks`). Between runs every process is br
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +39,10 @@ from orchestrator.store.redis_store import RedisStore, StoreSettings
 from transport.base import TransportSettings
 
 log = logging.getLogger(__name__)
+
+Steps = Callable[[str], AbstractContextManager[object]]
+"""Wraps each phase of a chaos command (cluster start, reference run, each faulted run, stop)
+so a front end can show progress; ``contextlib.nullcontext`` shows nothing."""
 
 VLLM_READY_S = 900.0
 """How long vLLM workers may take to start (or restart after a kill): each builds a vLLM
@@ -126,10 +133,12 @@ class ChaosRunner:
         model_cache: Path | None = None,
         pictures: bool = True,
         cluster: LocalCluster | None = None,
+        steps: Steps = contextlib.nullcontext,
     ) -> None:
         """``cluster``: an already started cluster to run on (it is restored, not stopped,
-        at the end); None starts one for this command."""
+        at the end); None starts one for this command. ``steps``: see `Steps`."""
         self.scenario = scenario
+        self.steps = steps
         self.seed = seed
         self.runs = runs
         self.out_dir = out_dir or Path("chaos-out") / scenario.name
@@ -239,15 +248,21 @@ class ChaosRunner:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         plans = make_requests(self.scenario.workload, self.seed)
         store = RedisStore(StoreSettings(url="redis://127.0.0.1:1/0"))
+        name, n = self.scenario.name, len(plans)
         try:
-            addresses = await self._start()
+            with self.steps(f"{name}: cluster up ({'shared' if self.shared else 'starting'})"):
+                addresses = await self._start()
             await store.close()
             store = RedisStore(StoreSettings(url=self.cluster.redis_url))
-            reference = await self._reference(addresses, plans)
+            with self.steps(f"{name}: reference run, {n} requests without faults"):
+                reference = await self._reference(addresses, plans)
             summary = Summary(self.scenario.name)
             result = ChaosResult(self.scenario, summary, [])
             for i in range(self.runs):
-                verdict, history = await self._one(i, addresses, plans, reference, store)
+                with self.steps(
+                    f"{name}: run {i + 1}/{self.runs}, {n} requests under faults, then checks"
+                ):
+                    verdict, history = await self._one(i, addresses, plans, reference, store)
                 summary.runs.append(verdict)
                 self._save(result, verdict, history)
                 log.info("chaos %s run %d: %s", self.scenario.name, i, verdict.clean)
@@ -257,7 +272,8 @@ class ChaosRunner:
             return result
         finally:
             await store.close()
-            await self._close()
+            with self.steps(f"{name}: {'restoring' if self.shared else 'stopping'} the cluster"):
+                await self._close()
 
     async def _reference(
         self, addresses: list[str], plans: list[RequestPlan]
@@ -442,8 +458,11 @@ def run_chaos(
     out_dir: Path | None,
     model_cache: Path | None,
     as_json: bool,
+    steps: Steps = contextlib.nullcontext,
 ) -> int:
-    runner = ChaosRunner(scenario, seed=seed, runs=runs, out_dir=out_dir, model_cache=model_cache)
+    runner = ChaosRunner(
+        scenario, seed=seed, runs=runs, out_dir=out_dir, model_cache=model_cache, steps=steps
+    )
     try:
         result = asyncio.run(runner.run())
     except (ScenarioError, ClusterError, grpc.RpcError) as exc:

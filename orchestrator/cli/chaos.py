@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.cli.common import Commands, Parents, add_command, positive_int
+from orchestrator.cli.progress import Progress
 
 NAME = "chaos"
 HELP = "chaos-test failover on a local cluster"
@@ -61,13 +62,11 @@ def _run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"pdorch chaos: {exc}", file=sys.stderr)
         return 2
-    if not args.json:  # the runner prints each run's summary as it ends
-        print(
-            f"chaos {scenario.name}: {args.runs} run(s), each on a fresh local cluster "
-            "(about a minute each: start, workload under faults, check)",
-            file=sys.stderr,
-            flush=True,
-        )
+    progress = Progress(quiet=args.json)
+    progress.say(
+        f"chaos {scenario.name}: {args.runs} run(s) on a fresh local cluster "
+        "(a minute or more each on the reference engine)"
+    )
     return run_chaos(
         scenario,
         seed=args.seed,
@@ -75,4 +74,5 @@ def _run(args: argparse.Namespace) -> int:
         out_dir=Path(args.out) if args.out else None,
         model_cache=Path(args.model_cache) if args.model_cache else None,
         as_json=args.json,
+        steps=progress.step,
     )
