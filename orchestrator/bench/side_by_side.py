@@ -44,6 +44,7 @@ from orchestrator.bench.serving import SYSTEMS, Level, Row, Workload, prompt_ids
 from orchestrator.bench.vllm_serve import ServeError, VllmServer, metric_sum_count
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.ports import free_port
+from orchestrator.workers.vllm.cpu import reserved_cpus_env
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ def _nixl_env(nixl_path: str) -> dict[str, str]:
     return {"PYTHONPATH": nixl_path} if nixl_path else {}
 
 
-def _check_nixl(nixl_path: str) -> None:
+def check_nixl(nixl_path: str) -> None:
     import os  # noqa: PLC0415
 
     env = dict(os.environ)
@@ -249,11 +250,12 @@ def _check_nixl(nixl_path: str) -> None:
 
 @contextlib.contextmanager
 def _nixl(bench: ServingBench, model_dir: Path, sysdir: Path) -> Iterator[_Target]:
-    _check_nixl(bench.nixl_path)
+    check_nixl(bench.nixl_path)
     servers = []
     for role in ("producer", "consumer"):
         config = {"kv_connector": "NixlConnector", "kv_role": f"kv_{role}"}
         env = _nixl_env(bench.nixl_path) | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        env = reserved_cpus_env() | env  # cores placed as pdorch's vLLM workers place them
         servers.append(
             VllmServer(
                 model_dir,

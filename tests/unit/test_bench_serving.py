@@ -4,6 +4,7 @@ TPOT ratios, the NIXL proxy's request bodies, Prometheus sums, the vLLM metadata
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from orchestrator.bench.serving import (
     tpot,
     tpot_ratios,
 )
+from orchestrator.bench.side_by_side import NotRun, check_nixl
 from orchestrator.bench.vllm_serve import ServeError, metadata_shim, metric_sum_count
 
 
@@ -149,3 +151,9 @@ def test_metadata_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     installed.clear()
     with pytest.raises(ServeError, match="not installed"):
         metadata_shim(tmp_path / "none")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is not None, reason="nixl is installed")
+def test_vllm_nixl_row_not_run_without_nixl(tmp_path: Path) -> None:
+    with pytest.raises(NotRun, match="nixl package is not importable"):
+        check_nixl(str(tmp_path))  # a directory without it
