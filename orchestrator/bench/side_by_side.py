@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,8 +45,6 @@ from orchestrator.bench.vllm_serve import ServeError, VllmServer, metric_sum_cou
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.ports import free_port
 from orchestrator.workers.vllm.cpu import reserved_cpus_env
-
-log = logging.getLogger(__name__)
 
 PASSAGE = (
     "The history of the printing press begins in the fifteenth century, when movable type "
@@ -229,8 +227,6 @@ def _nixl_env(nixl_path: str) -> dict[str, str]:
 
 
 def check_nixl(nixl_path: str) -> None:
-    import os  # noqa: PLC0415
-
     env = dict(os.environ)
     if nixl_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (nixl_path, env.get("PYTHONPATH")) if p)
