@@ -10,12 +10,13 @@ STAMP_VLLM := $(VENV_VLLM)/.installed
 # pointed at the whole tree there).
 VLLM_TESTS ?= tests/vllm tests/integration/test_vllm_connector.py
 
-.PHONY: venv venv-vllm demo test lint check bench clean proto
+.PHONY: venv venv-vllm demo up test lint check bench clean proto
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing pdorch and its extras into $(VENV) (a few minutes the first time) ..."
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,ucx,engine,chaos,operator,gateway,migrate]'
 	touch $(STAMP)
@@ -50,10 +51,14 @@ test: lint venv-vllm
 check: lint
 	$(VENV)/bin/pytest -q tests/unit tests/contract -m "not slow" $(PYTEST_ARGS)
 
-# The main job: for now, the transport benchmark on both backends, side by side with
-# ucx_perftest (see README).
+# A local cluster (Redis, 1 prefill + 2 decode workers, an orchestrator) runs six chat prompts
+# through SmolLM2-135M disaggregated, checks each against an aggregated run and prints the
+# table (README "The two commands"). `make up` keeps such a cluster up instead (Quickstart).
 demo: venv
 	$(VENV)/bin/pdorch demo
+
+up: venv
+	$(VENV)/bin/pdorch up
 
 bench: venv
 	$(VENV)/bin/pdorch bench transport --backend ucx --size 64MiB --iters 10

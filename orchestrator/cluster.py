@@ -28,7 +28,7 @@ from orchestrator.ports import free_port
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer, RedisServerError
 
-__all__ = ["ClusterError", "LocalCluster", "Proc", "free_port"]
+__all__ = ["ClusterError", "LocalCluster", "Proc", "free_port", "spawn"]
 
 
 class ClusterError(Exception):
@@ -53,12 +53,23 @@ def _wait(predicate: object, timeout_s: float, what: str, procs: list[Proc]) -> 
     raise ClusterError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+GROUP_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT})
+"""Signals a process group takes as a whole, as a pod or node does: killed, frozen or thawed
+with everything it started (a vLLM worker's engine core and model worker are its children,
+about 3.4 GB, and outlive a parent killed alone). Other signals (SIGTERM, the KV fault
+injector's SIGUSR1/2) go to the leader only: it drains, then stops its children itself, and
+a vLLM child would die of a SIGUSR1 it does not handle."""
+
+
 @dataclass
 class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
     args: list[str] = field(default_factory=list)
+    group: bool = False
+    """The process leads its own process group (started with `spawn`): `GROUP_SIGNALS` and
+    `stop` reach every process in it."""
 
     def tail(self, n: int = 2000) -> str:
         try:
@@ -67,18 +78,57 @@ class Proc:
             return ""
 
     def signal(self, sig: int) -> None:
+        """Send ``sig`` (to the group, for `GROUP_SIGNALS`). Nothing once the process has
+        been reaped: its pid, and so its group's id, may belong to another process by then
+        (pids wrap at 32768 here)."""
+        if self.popen.returncode is not None:
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.popen.pid, sig)
+            if self.group and sig in GROUP_SIGNALS:
+                os.killpg(self.popen.pid, sig)
+            else:
+                os.kill(self.popen.pid, sig)
+
+    def _exited(self) -> bool:
+        """The leader exited (it is not reaped: its pid still names its group)."""
+        try:
+            return os.waitid(os.P_PID, self.popen.pid, _EXITED_NOWAIT) is not None
+        except ChildProcessError:  # reaped meanwhile
+            return True
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if self.popen.poll() is None:
+        """SIGTERM (the leader drains and stops its children), SIGKILL after ``grace_s``;
+        the group is killed before the leader is reaped, so nothing it started is left
+        running, whatever the leader left behind."""
+        if self.popen.returncode is not None:
+            return  # reaped already (a fault's kill reached its whole group)
+        if not self._exited():
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+            deadline = time.monotonic() + grace_s
+            while not self._exited() and time.monotonic() < deadline:
+                time.sleep(0.02)  # polling the exit with a deadline (not reaping it yet)
+        if self.group or not self._exited():
+            self.signal(signal.SIGKILL)  # the leader, or the stragglers of its group
+        self.popen.wait()
+
+
+_EXITED_NOWAIT = os.WEXITED | os.WNOHANG | os.WNOWAIT
+
+
+def spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Proc:
+    """Start ``args`` as the leader of a new session and process group, output to
+    ``log_path``: a kill of the returned `Proc` is a kill of everything it started."""
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    return Proc(name, popen, log_path, args, group=True)
 
 
 @dataclass
@@ -136,11 +186,7 @@ class LocalCluster:
         log_path = self.workdir / f"{name}.log"
         env = dict(os.environ)
         env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        with log_path.open("ab") as log:
-            popen = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
-        proc = Proc(name, popen, log_path, args)
+        proc = spawn(name, args, log_path, env)
         self.procs[name] = proc
         return proc
 

@@ -12,11 +12,14 @@ cluster then stays up, its orchestrator serving the OpenAI-compatible gateway on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +44,29 @@ PROMPTS = (
     "What does a KV cache store?",
     "Say hello in Spanish.",
 )
+
+
+FIGURES = """\
+How to read it: TTFT runs from admission to the first token and includes queueing — the six
+prompts arrive together at one prefill worker, so later ones wait for earlier ones. xfer ms
+is one KV's whole transfer (set-up, header, checksums, landing in the decode worker): a KV
+of kilobytes to a few MB is almost all fixed cost, so its GB/s is far below the link's
+(README "Limits": 5.9 GB/s over UCX at 64 MiB). out stops at --max-tokens or end of text."""
+
+SHOWN_CHARS = 100
+"""Of each output, in the table."""
+
+TRUNCATED = "\N{HORIZONTAL ELLIPSIS}"
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """An output for the table: on one line, at most ``limit`` characters. A replacement
+    character at the end — a multi-byte character whose last bytes the ``--max-tokens``
+    cut kept out — is dropped and the cut marked, as is one at ``limit``."""
+    one_line = " ".join(text.split())
+    cut = len(one_line) > limit or one_line.endswith("\ufffd")
+    body = one_line[:limit].rstrip("\ufffd").rstrip()
+    return f"{body}{TRUNCATED}" if cut else body
 
 
 @dataclass
@@ -181,21 +207,19 @@ def run_demo(
     serve: bool = False,
     http_port: int = 0,
     engine: str = "reference",
+    step: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> int:
     """Run the demo; with ``serve``, keep the cluster up afterwards with the OpenAI-compatible
     gateway on ``http_port`` (0: a free one) until SIGINT or SIGTERM. ``engine`` "vllm": the
-    workers host vLLM (one decode worker: each vLLM engine holds its own block pool)."""
+    workers host vLLM (one decode worker: each vLLM engine holds its own block pool).
+    ``step(what)``: a context the cluster's start runs in (the CLI's timed progress line)."""
+    step = step or (lambda _what: contextlib.nullcontext())
     decode_workers = 1 if engine == "vllm" else 2
 
     def say(text: str) -> None:
         if not as_json:
             print(text, file=sys.stderr)
 
-    say(
-        f"starting Redis, 1 prefill + {decode_workers} decode workers ({model} on {engine}, "
-        f"KV over {transport}) "
-        "and an orchestrator ..."
-    )
     cluster = LocalCluster(
         model=model,
         transport=transport,
@@ -206,7 +230,13 @@ def run_demo(
         gateway_port=http_port,
     )
     try:
-        with cluster:
+        what = (
+            f"starting Redis, 1 prefill + {decode_workers} decode workers ({model} on "
+            f"{engine}, KV over {transport}) and an orchestrator"
+        )
+        with step(what):
+            cluster.start()
+        try:
             say(f"cluster up (logs in {cluster.workdir}); sending {len(PROMPTS)} prompts")
             results = asyncio.run(
                 _run(cluster, max_tokens, live=not as_json and sys.stderr.isatty())
@@ -215,12 +245,13 @@ def run_demo(
             all_match = _report(results, as_json, served)
             if served is not None:
                 say(f"serving until Ctrl-C (SIGINT) or SIGTERM; try:\n{_example(*served)}")
-                if not _serve_until_signalled(cluster):
+                if not serve_until_signalled(cluster, "pdorch demo"):
                     return 1
+                say("pdorch demo: stopping the cluster")
+        finally:
+            cluster.stop()
     except (ClusterError, grpc.RpcError) as exc:
-        print(f"pdorch demo: {exc}", file=sys.stderr)
-        for name, tail in cluster.logs():
-            print(f"--- {name} ---\n{tail}", file=sys.stderr)
+        print(f"pdorch demo: {exc}\n(every process's log: {cluster.workdir})", file=sys.stderr)
         return 1
     return 0 if all_match else 1
 
@@ -258,12 +289,13 @@ def _report(results: list[DemoResult], as_json: bool, served: tuple[str, str] | 
             f"{r.tpot_ms:>9.2f}{r.kv_bytes:>11}{r.transfer_ms:>9.2f}{rate:>7.2f}  "
             f"{'yes' if r.matches_aggregated else 'NO'}"
         )
-        print(f"    {r.text.strip()[:100]!r}")
+        print(f"    {shown(r.text)}")
     print(
         "all outputs identical to aggregated runs"
         if all_match
         else "SOME OUTPUTS DIFFER from the aggregated runs"
     )
+    print(FIGURES)
     if served is not None:
         print(f"OpenAI-compatible gateway: {served[0]}  (model {served[1]!r})", flush=True)
     return all_match
@@ -279,20 +311,20 @@ def _example(base_url: str, model: str) -> str:
     return f"  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
-def _serve_until_signalled(cluster: LocalCluster) -> bool:
-    """Wait for SIGINT/SIGTERM (True), or for a cluster process to die (False)."""
+def serve_until_signalled(cluster: LocalCluster, who: str) -> bool:
+    """Wait for SIGINT/SIGTERM/SIGHUP (True), or for a cluster process to die (False).
+    The cluster's processes lead their own process groups: a Ctrl-C or a closed terminal
+    reaches this process only, which then stops them all."""
     stop = threading.Event()
-    previous = {
-        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in signals}
     try:
         while not stop.wait(0.5):  # checks the processes twice a second
             dead = [n for n, p in cluster.procs.items() if p.popen.poll() is not None]
-            if dead and not stop.is_set():  # a Ctrl-C reaches the whole process group
-                print(f"pdorch demo: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            if dead and not stop.is_set():
+                print(f"{who}: {', '.join(dead)} exited; stopping", file=sys.stderr)
                 return False
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print("pdorch demo: stopping the cluster", file=sys.stderr)
     return True

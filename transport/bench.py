@@ -79,8 +79,8 @@ _JSON_KEYS = ("backend", "size_bytes", "ours_gbps", "ucx_perftest_gbps", "ratio"
 # ------------------------------------------------------------------------------- ours
 
 
-async def _receiver_main(backend: str) -> None:
-    receiver = make_receiver(backend, TransportSettings())
+async def _receiver_main(backend: str, settings: TransportSettings) -> None:
+    receiver = make_receiver(backend, settings)
     print(_ADDRESS_PREFIX, await receiver.start(), flush=True)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -96,10 +96,13 @@ async def _receiver_main(backend: str) -> None:
 class _Ours:
     """A receiver process plus a sender here; `round()` times ``iters`` transfers."""
 
-    def __init__(self, backend: str, size: int, layers: int) -> None:
+    def __init__(
+        self, backend: str, size: int, layers: int, settings: TransportSettings | None = None
+    ) -> None:
         self.backend, self.size, self.layers = backend, size, layers
+        self.settings = settings or TransportSettings()
         self.cache = synthetic_cache("bench", 1, size, n_layers=layers)
-        self.sender = make_sender(backend, TransportSettings())
+        self.sender = make_sender(backend, self.settings)
         self.count = 0
 
     async def __aenter__(self) -> _Ours:
@@ -108,6 +111,7 @@ class _Ours:
             "-m",
             "transport.bench",
             self.backend,
+            json.dumps(asdict(self.settings)),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
@@ -251,5 +255,29 @@ def run(backend: str, size: int, iters: int, layers: int = 32, rounds: int = 5) 
     )
 
 
+async def _finite_check_cost(
+    backend: str, size: int, iters: int, layers: int, rounds: int
+) -> tuple[list[float], list[float]]:
+    """GB/s with the receiver's NaN/inf check on and off, alternating round by round."""
+    on: list[float] = []
+    off: list[float] = []
+    checked = _Ours(backend, size, layers, TransportSettings(check_finite=True))
+    unchecked = _Ours(backend, size, layers, TransportSettings(check_finite=False))
+    async with checked, unchecked:
+        for _ in range(rounds):
+            on.append(await checked.round(iters))
+            off.append(await unchecked.round(iters))
+    return on, off
+
+
+def finite_check_cost(
+    backend: str, size: int, iters: int, layers: int = 32, rounds: int = 5
+) -> tuple[float, float]:
+    """Median GB/s with the finite check on, and off (two receivers, measured side by side:
+    the README's figures come from here)."""
+    on, off = asyncio.run(_finite_check_cost(backend, size, iters, layers, rounds))
+    return statistics.median(on), statistics.median(off)
+
+
 if __name__ == "__main__":
-    asyncio.run(_receiver_main(sys.argv[1]))
+    asyncio.run(_receiver_main(sys.argv[1], TransportSettings(**json.loads(sys.argv[2]))))

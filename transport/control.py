@@ -6,7 +6,7 @@ that connection for TCP, over UCX tags for UCX). A message is ``type u8 | length
 
     sender                                   receiver
       HELLO(id, data address)  ──────────▶
-                               ◀──────────   HELLO(id, data address)
+                               ◀──────────   HELLO(id, data address) | ERROR (at its cap)
       OPEN(tag, segment size, KV header) ▶   check header, reserve memory
                                ◀──────────   ACCEPT | ERROR(code, message)
       LAYER(frame) [+ payload] ──────────▶   (repeated, one per layer, any order;

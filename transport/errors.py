@@ -4,6 +4,7 @@
     ├── WireFormatError                 bytes that are not a valid KV transfer (permanent)
     │   ├── ChecksumMismatchError       a layer's payload does not match its checksum
     │   ├── MalformedScalesError        fp8 scales that are not finite and positive
+    │   ├── NonFiniteError              K/V values holding a NaN or an infinity
     │   └── HeaderRejectedError         a valid header that this receiver will not accept
     │       └── StaleEpochError         epoch older than one already seen for the request
     ├── BudgetExceededError             receiver has no room for the KV now (retryable)
@@ -37,6 +38,11 @@ class ChecksumMismatchError(WireFormatError):
 
 class MalformedScalesError(WireFormatError):
     """A scaled (fp8) payload whose scales are not all finite and positive."""
+
+
+class NonFiniteError(WireFormatError):
+    """A layer's K or V values hold a NaN or an infinity (its checksum matched: the sender
+    computed junk). Crosses the wire as a `WireFormatError`."""
 
 
 class HeaderRejectedError(WireFormatError):

@@ -5,7 +5,13 @@ Per transfer: decode and check the header against the `Expectation` and the epoc
 its slice (while the next layer's frame is read and earlier layers are verified in a thread);
 then file the `KvCache` in the `Inbox`. Any failure — checksum, protocol, peer death, deadline
 — discards the partial buffer, releases its reservation and files the error, so a decode
-waiting in `Inbox.take` learns of it at once.
+waiting in `Inbox.take` learns of it at once. Verification checks each layer's checksum and,
+with ``check_finite`` on, that its values hold no NaN or infinity, in the same pass.
+
+Per connection: HELLO within ``connect_timeout_s``; between transfers, at most
+``connection_idle_s`` of silence; at most ``max_connections_per_host`` per remote IP and
+``max_connections`` in all, a new connection at a cap closing the longest-idle one (a
+connection moving KV is never closed for room; if all are, the newcomer gets an ERROR).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class KvReceiver:
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._data_address = b""
         self._server: asyncio.Server | None = None
-        self._links: set[Link] = set()
+        self._conns: dict[Link, _Conn] = {}
         self._closed = False
         self._reaper: asyncio.Task[None] | None = None
         self.address = ""
@@ -72,8 +78,9 @@ class KvReceiver:
     async def take(self, request_id: str, epoch: int, timeout_s: float) -> wire.KvCache:
         return await self.inbox.take(request_id, epoch, timeout_s)
 
-    def discard(self, request_id: str) -> bool:
-        return self.inbox.discard(request_id)
+    def discard(self, request_id: str, epoch: int | None = None) -> bool:
+        """Free KV held or arriving for the request (`Inbox.discard`)."""
+        return self.inbox.discard(request_id, epoch)
 
     async def close(self) -> None:
         """Stop accepting, drop every connection, free held KV. Idempotent."""
@@ -86,7 +93,7 @@ class KvReceiver:
                 await self._reaper
         if self._server is not None:
             self._server.close()
-        for link in list(self._links):
+        for link in list(self._conns):
             await link.close()
         for rid in self.inbox.held():
             self.inbox.discard(rid)
@@ -94,29 +101,71 @@ class KvReceiver:
 
     # ------------------------------------------------------------------------ connection
 
+    @property
+    def connections(self) -> int:
+        """Open control connections (senders' links, and connections not yet introduced)."""
+        return len(self._conns)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        s = self.settings
         link = Link(reader, writer, Peer(b"", b""))
-        self._links.add(link)
+        peername = writer.get_extra_info("peername")
+        host = str(peername[0]) if peername else "?"
         try:
-            timeout = self.settings.connect_timeout_s
-            msg = await link.next_message(timeout)
+            self._make_room(host)
+        except errors.BudgetExceededError as exc:
+            log.warning("refused a KV connection from %s: %s", host, exc)
+            with contextlib.suppress(errors.TransportError):
+                await link.send(control.error(exc), s.connect_timeout_s)
+            await link.close()
+            return
+        conn = _Conn(link, host)
+        self._conns[link] = conn
+        try:
+            msg = await link.next_message(s.connect_timeout_s)
             if msg.kind is not control.Kind.HELLO:
                 raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
             link.peer = Peer(*control.parse_hello(msg.body))
-            await link.send(control.hello(self._instance, self._data_address), timeout)
+            await link.send(control.hello(self._instance, self._data_address), s.connect_timeout_s)
             while not link.broken and not self._closed:
-                msg = await link.next_message(None)  # an idle pooled link may wait forever
+                conn.idle_since = time.monotonic()
+                # Between transfers: a pooled link waits here, bounded by the idle timeout.
+                msg = await link.next_message(s.connection_idle_s)
                 if msg.kind is control.Kind.OPEN:
-                    await self._transfer(link, *control.parse_open(msg.body))
+                    conn.busy = True
+                    try:
+                        await self._transfer(link, *control.parse_open(msg.body))
+                    finally:
+                        conn.busy = False
                 elif msg.kind is not control.Kind.ABORT:  # a late ABORT is harmless
                     raise errors.WireFormatError(f"unexpected {msg.kind.name} between transfers")
         except errors.TransportError as exc:
-            log.debug("KV connection closed: %s", exc)
+            log.debug("KV connection from %s closed: %s", host, exc)
         except Exception:
             log.exception("KV connection handler failed")
         finally:
-            self._links.discard(link)
+            self._conns.pop(link, None)
             await link.close()
+
+    def _make_room(self, host: str) -> None:
+        """Admit a connection from ``host`` within the per-host and total caps: at a cap,
+        close the longest-idle connection not moving KV (of that host, then of any host);
+        if every one is moving KV, refuse with `BudgetExceededError` (retryable)."""
+        s = self.settings
+        for cap, what in ((s.max_connections_per_host, f"from {host}"), (s.max_connections, "")):
+            group = [c for c in self._conns.values() if not what or c.host == host]
+            if len(group) < cap:
+                continue
+            idle = [c for c in group if not c.busy]
+            if not idle:
+                raise errors.BudgetExceededError(
+                    f"{len(group)} KV connections {what or 'in all'} (the cap), all moving KV"
+                )
+            oldest = min(idle, key=lambda c: c.idle_since)
+            log.debug("closing an idle KV connection from %s to make room", oldest.host)
+            del self._conns[oldest.link]
+            oldest.link.broken = True
+            oldest.link.writer.transport.abort()  # its handler sees EOF and ends
 
     async def _transfer(
         self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes
@@ -172,6 +221,16 @@ class KvReceiver:
             link.broken = True  # the KV is complete and filed; only the ack was lost
 
 
+@dataclasses.dataclass(eq=False)
+class _Conn:
+    """A receiver's control connection: whose, and whether a transfer is using it."""
+
+    link: Link
+    host: str
+    busy: bool = False
+    idle_since: float = dataclasses.field(default_factory=time.monotonic)
+
+
 @dataclasses.dataclass
 class _Receive:
     """The layer loop of one accepted transfer.
@@ -202,6 +261,10 @@ class _Receive:
     def view(self, index: int) -> memoryview:
         off = self.offsets[index]
         return self.payload[off : off + self.header.layer_nbytes(index)].data
+
+    def values(self, index: int) -> int:
+        """Bytes of layer ``index``'s K and V values (its scales, if any, follow them)."""
+        return self.header.layers[index].nbytes(self.header.dtype)
 
     def post_receives(self) -> None:
         """Out-of-band only: post every segment's receive into its slice of the payload."""
@@ -263,7 +326,7 @@ class _Receive:
         together; a hop per layer cost more than the checksums themselves)."""
         if not self.ready:
             return
-        batch = [(self.frames[i], self.view(i)) for i in self.ready]
+        batch = [(self.frames[i], self.view(i), self.values(i)) for i in self.ready]
         self.ready = []
         parts = [batch]
         if not self.receiving and len(batch) > 1 and _nbytes(batch) >= _SPLIT_TAIL_BYTES:
@@ -271,8 +334,9 @@ class _Receive:
             # no longer needs a core. Two threads verify it in half the time.
             half = len(batch) // 2
             parts = [batch[:half], batch[half:]]
+        finite = self.header.dtype if self.settings.check_finite else None
         for part in parts:
-            task = asyncio.create_task(_verify(part), name="pdorch-kv-verify")
+            task = asyncio.create_task(_verify(part, finite), name="pdorch-kv-verify")
             self.verifying[task] = len(part)
 
     async def _on_message(self, msg: control.Message) -> None:
@@ -302,17 +366,21 @@ _SPLIT_TAIL_BYTES = 4 << 20
 """A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""
 
 
-def _nbytes(batch: list[tuple[wire.LayerFrame, memoryview]]) -> int:
-    return sum(frame.nbytes for frame, _ in batch)
+Batch = list[tuple[wire.LayerFrame, memoryview, int]]
+"""Layers to verify: frame, payload, bytes of K and V values at the payload's start."""
 
 
-async def _verify(batch: list[tuple[wire.LayerFrame, memoryview]]) -> None:
+def _nbytes(batch: Batch) -> int:
+    return sum(frame.nbytes for frame, _, _ in batch)
+
+
+async def _verify(batch: Batch, finite: wire.DType | None) -> None:
     if _nbytes(batch) >= 1 << 20:
-        await asyncio.to_thread(_verify_all, batch)
+        await asyncio.to_thread(_verify_all, batch, finite)
     else:
-        _verify_all(batch)
+        _verify_all(batch, finite)
 
 
-def _verify_all(batch: list[tuple[wire.LayerFrame, memoryview]]) -> None:
-    for frame, view in batch:
-        wire.verify_layer(frame, view)
+def _verify_all(batch: Batch, finite: wire.DType | None) -> None:
+    for frame, view, values in batch:
+        wire.verify_layer(frame, view, finite, values)

@@ -48,7 +48,8 @@ class _Pool:
     """Idle links to one receiver address, and a cap on concurrent transfers to it."""
 
     def __init__(self, limit: int) -> None:
-        self.idle: list[Link] = []
+        self.idle: list[tuple[Link, float]] = []
+        """Links between transfers, and since when (monotonic)."""
         self.slots = asyncio.Semaphore(limit)
 
 
@@ -112,7 +113,7 @@ class KvSender:
                     await link.close()
                     raise
                 if msg.kind is control.Kind.ERROR:
-                    pool.idle.append(link)  # a refusal leaves the link clean
+                    pool.idle.append((link, time.monotonic()))  # a refusal leaves it clean
                     raise control.parse_error(msg.body)
                 if msg.kind is not control.Kind.ACCEPT:
                     await link.close()
@@ -132,9 +133,12 @@ class KvSender:
             await transfer.finish()
 
     async def _acquire(self, pool: _Pool, address: str) -> tuple[Link, bool]:
+        # The receiver closes links idle for connection_idle_s: leave those it may be
+        # closing (idle for half of that) rather than race it.
+        fresh_after = time.monotonic() - self.settings.connection_idle_s / 2
         while pool.idle:
-            link = pool.idle.pop()
-            if not link.is_stale():
+            link, since = pool.idle.pop()
+            if since > fresh_after and not link.is_stale():
                 return link, True
             await link.close()
         return await self._connect(address), False
@@ -154,6 +158,8 @@ class KvSender:
         try:
             await link.send(control.hello(self._instance, self._address), timeout)
             msg = await link.next_message(timeout)
+            if msg.kind is control.Kind.ERROR:  # e.g. the receiver is at its connection cap
+                raise control.parse_error(msg.body)
             if msg.kind is not control.Kind.HELLO:
                 raise errors.WireFormatError(f"expected HELLO from {address}, got {msg.kind.name}")
             link.peer = Peer(*control.parse_hello(msg.body))
@@ -165,7 +171,7 @@ class KvSender:
     def _release(self, pool: _Pool, link: Link, reusable: bool) -> None:
         if reusable and not self._closed:
             link.pending()  # watch the idle link so a dead peer is noticed before reuse
-            pool.idle.append(link)
+            pool.idle.append((link, time.monotonic()))
         pool.slots.release()
 
     async def close(self) -> None:
@@ -175,7 +181,7 @@ class KvSender:
         self._closed = True
         for pool in self._pools.values():
             while pool.idle:
-                await pool.idle.pop().close()
+                await pool.idle.pop()[0].close()
         await self._plane.close()
         self._checksummer.shutdown(wait=False)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from transport import errors, kvcodec, wire
+from transport import control, errors, kvcodec, wire
 from transport.backends import make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
@@ -43,8 +43,11 @@ def synthetic_layers(size: int, n_layers: int, seed: int) -> list[tuple[np.ndarr
     per_tensor = max(1, size // (2 * n_layers * 4))
     # One block for all layers, K then V per layer, as the reference engine lays out a
     # prefill's KV: runs of consecutive layers then travel as single zero-copy messages.
-    base = np.arange(2 * per_tensor * n_layers, dtype=np.uint32)
-    block = (base * 2654435761 + seed).view(np.float32).reshape(n_layers, 2, 1, per_tensor, 1)
+    bits = np.arange(2 * per_tensor * n_layers, dtype=np.uint32)
+    bits *= 2654435761
+    bits += seed
+    bits &= 0xBFFF_FFFF  # exponent's top bit clear: finite values (|x| < 2), as real KV is
+    block = bits.view(np.float32).reshape(n_layers, 2, 1, per_tensor, 1)
     layers = [(block[i, 0], block[i, 1]) for i in range(n_layers)]
     return layers
 
@@ -514,6 +517,153 @@ async def check_scaled(backend: str, sizes: tuple[int, ...] = (1 * KIB, 16 * MIB
         assert (await p.call(op="stats"))["bytes_in_use"] == 0
 
 
+async def check_replay(backend: str) -> None:
+    """A transfer replayed after its KV was taken is refused, and cannot be taken again."""
+    settings = TransportSettings()
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        cache = synthetic_cache("rp", 4, 256 * KIB)
+        try:
+            await sender.send(address, cache)
+            assert (await p.call(op="take", rid="rp", epoch=4, timeout=5))["ok"]
+            try:
+                await sender.send(address, cache)
+            except errors.StaleEpochError:
+                pass
+            else:
+                raise AssertionError("a replayed transfer was accepted after its KV was taken")
+            got = await p.call(op="take", rid="rp", epoch=4, timeout=30)
+            assert got["error"] == "StaleEpochError", got
+            assert got["elapsed"] < 5, got  # refused at once, not after the take's timeout
+            await sender.send(address, synthetic_cache("rp", 5, 256 * KIB))  # the next epoch
+            assert (await p.call(op="take", rid="rp", epoch=5, timeout=5))["ok"]
+        finally:
+            await sender.close()
+        assert (await p.call(op="stats"))["bytes_in_use"] == 0
+
+
+async def _say_hello(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw control connection that says HELLO, reads the receiver's, and then nothing."""
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(control.hello(os.urandom(control.INSTANCE_ID_BYTES), b""))
+    head = await asyncio.wait_for(reader.readexactly(control.HEAD_SIZE), 5)
+    kind, length = control.decode_head(head)
+    await asyncio.wait_for(reader.readexactly(length), 5)
+    assert kind is control.Kind.HELLO, kind
+    return reader, writer
+
+
+async def _closed_by_peer(reader: asyncio.StreamReader, timeout_s: float) -> bool:
+    """Whether the receiver closes (or resets) the connection within ``timeout_s``."""
+    try:
+        return await asyncio.wait_for(reader.read(1), timeout_s) == b""
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def check_idle_connections(backend: str) -> None:
+    """Connections that say HELLO and then nothing are closed after ``connection_idle_s``;
+    a sender's pooled link that outlives it is replaced without a failed transfer."""
+    settings = TransportSettings(connection_idle_s=0.5)
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        conns = [await _say_hello(address) for _ in range(20)]
+        started = time.monotonic()
+        try:
+            closed = await asyncio.gather(*(_closed_by_peer(r, 10.0) for r, _ in conns))
+            assert all(closed), f"{closed.count(False)} of 20 idle connections left open"
+            assert time.monotonic() - started < 5.0
+        finally:
+            for _, w in conns:
+                w.close()
+        sender = make_sender(backend, settings)
+        try:
+            await sender.send(address, synthetic_cache("idle-1", 1, 64 * KIB))
+            await asyncio.sleep(1.0)  # the pooled link idles past the receiver's timeout
+            await sender.send(address, synthetic_cache("idle-2", 1, 64 * KIB))
+            for rid in ("idle-1", "idle-2"):
+                assert (await p.call(op="take", rid=rid, epoch=1, timeout=5))["ok"]
+        finally:
+            await sender.close()
+
+
+async def check_connection_caps(backend: str) -> None:
+    """At the per-host cap, a new connection closes the longest-idle one; when every
+    connection is moving KV, a new one is refused (BudgetExceededError), not queued."""
+    settings = TransportSettings(max_connections_per_host=4, max_connections=6)
+    receiver = make_receiver(backend, settings)
+    address = await receiver.start()
+    sender = make_sender(backend, settings)
+    conns = []
+    transfers = []
+    try:
+        conns = [await _say_hello(address) for _ in range(10)]
+        assert receiver.connections <= 4, receiver.connections
+        closed = [await _closed_by_peer(r, 0.2) for r, _ in conns]
+        assert closed == [True] * 6 + [False] * 4, closed  # the oldest went first
+        caches = [synthetic_cache(f"cap-{i}", 1, 64 * KIB) for i in range(5)]
+        for cache in caches[:4]:  # these evict the idle ones and then hold every slot
+            transfers.append(await sender.open(address, cache.header))
+        assert receiver.connections == 4
+        try:
+            await sender.open(address, caches[4].header)
+        except errors.BudgetExceededError:
+            pass
+        else:
+            raise AssertionError("a connection beyond the cap was accepted")
+        for transfer, cache in zip(transfers, caches, strict=False):
+            for i, (k, v) in enumerate(cache.layers):
+                await transfer.send_layer(i, k, v)
+            await transfer.finish()
+        await sender.send(address, caches[4])  # a slot is free again
+        for cache in caches:
+            got = await receiver.take(cache.header.request_id, 1, 5)
+            assert digest(got) == digest(cache)
+    finally:
+        for _, w in conns:
+            w.close()
+        await sender.close()
+        await receiver.close()
+
+
+async def check_nonfinite(backend: str) -> None:
+    """KV values holding a NaN or an infinity are refused (checksums match: the sender
+    computed junk); with ``check_finite`` off they are accepted as they are."""
+    for check in (True, False):
+        settings = TransportSettings(check_finite=check)
+        receiver = make_receiver(backend, settings)
+        address = await receiver.start()
+        sender = make_sender(backend, settings)
+        try:
+            for n, bad in enumerate((np.nan, np.inf, -np.inf)):
+                rid = f"nan-{check}-{n}"
+                cache = synthetic_cache(rid, 1, 4 * MIB, n_layers=4, seed=n)
+                cache.layers[2][1].reshape(-1)[12345] = bad
+                try:
+                    await sender.send(address, cache)
+                except errors.WireFormatError:
+                    assert check, "refused with check_finite off"
+                else:
+                    assert not check, f"{bad} in the KV was accepted"
+                if check:
+                    try:
+                        await receiver.take(rid, 1, 5)
+                    except errors.NonFiniteError:
+                        pass
+                    else:
+                        raise AssertionError(f"{bad} in the KV was handed over")
+                else:
+                    assert digest(await receiver.take(rid, 1, 5)) == digest(cache)
+                assert receiver.inbox.bytes_in_use == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+
 CHECKS = (
     check_sizes,
     check_scaled,
@@ -525,6 +675,10 @@ CHECKS = (
     check_corruption,
     check_stale_epoch,
     check_peer_restart,
+    check_replay,
+    check_idle_connections,
+    check_connection_caps,
+    check_nonfinite,
 )
 
 

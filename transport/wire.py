@@ -44,7 +44,9 @@ the layer's payload, so they stream with their layer and its checksum covers the
 encoder writes the oldest version that can express a header (1 unless scaled), so a
 receiver that reads only version 1 still takes every unscaled transfer and refuses a scaled
 one by its version. Scales must be finite and positive: `assemble` (every receiver's last
-step) refuses others with `MalformedScalesError`. An unscaled FLOAT8_E4M3 transfer (v1) is
+step) refuses others with `MalformedScalesError`. K and V values themselves may be checked
+for NaN and infinities in the checksum's pass (`verify_layer` with ``finite``;
+`NonFiniteError`). An unscaled FLOAT8_E4M3 transfer (v1) is
 raw e4m3 bits, scale 1.
 
 `decode_kv` decodes a whole transfer held in one buffer (used by tests and tools); the streaming
@@ -58,6 +60,7 @@ import math
 import struct
 from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -66,6 +69,7 @@ from transport.errors import (
     ChecksumMismatchError,
     HeaderRejectedError,
     MalformedScalesError,
+    NonFiniteError,
     StaleEpochError,
     WireFormatError,
 )
@@ -546,9 +550,78 @@ def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> N
         )
 
 
-def verify_layer(frame: LayerFrame, payload: memoryview) -> None:
-    if checksum(payload) != frame.checksum:
+def verify_layer(
+    frame: LayerFrame, payload: memoryview, finite: DType | None = None, values: int = 0
+) -> None:
+    """Check a layer's payload against its frame's checksum; with ``finite``, also that its
+    first ``values`` bytes (K then V, in dtype ``finite``) hold no NaN or infinity.
+
+    Both run in one pass over memory: the payload is hashed in chunks of `_CHUNK_BYTES` and
+    each chunk is scanned while it is still in cache (a second pass over a large layer would
+    read it from DRAM again). The checksum is judged first: a corrupted layer is a
+    `ChecksumMismatchError`, never a `NonFiniteError`.
+    """
+    if finite is None or values <= 0:
+        if checksum(payload) != frame.checksum:
+            raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
+        return
+    if values > len(payload) or values % finite.itemsize:
+        raise WireFormatError(f"layer {frame.index}: {values} value bytes in {len(payload)}")
+    h = xxhash.xxh3_64()
+    signed, unsigned, limit = _NONFINITE_BITS[finite]
+    data = np.frombuffer(payload, dtype=np.uint8, count=values)
+    as_signed, as_unsigned = data.view(signed), data.view(unsigned)
+    negative = (1 << (8 * finite.itemsize - 1)) | limit
+    step = _CHUNK_BYTES // finite.itemsize
+    bad = False
+    for start in range(0, len(payload), _CHUNK_BYTES):
+        h.update(payload[start : start + _CHUNK_BYTES])
+        if not bad and start < values:  # the same chunk, still in cache: see has_nonfinite
+            first = start // finite.itemsize
+            bad = bool(
+                _MAX(as_signed[first : first + step]) >= limit
+                or _MAX(as_unsigned[first : first + step]) >= negative
+            )
+    if h.intdigest() != frame.checksum:
         raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
+    if bad:
+        raise NonFiniteError(f"layer {frame.index}: KV values hold a NaN or an infinity")
+
+
+_CHUNK_BYTES = 512 << 10
+"""Fused checksum + finiteness scan granularity (a multiple of every itemsize): the chunk
+the scan reads must still be in the core's L2 (1 MiB here). Verifying 64 MiB in 32 layers,
+minimum of 40 runs: 4.3 ms at 512 KiB, 4.8 ms at 256 KiB, 6.2 ms at 1 MiB, 9.5 ms at
+128 KiB (per-chunk numpy calls); the checksum alone 2.1 ms."""
+
+_MAX = np.maximum.reduce
+"""The ufunc itself: ``ndarray.max`` adds a Python wrapper per call (a chunk is ~10 µs)."""
+
+_NONFINITE_BITS: dict[DType, tuple[type[np.signedinteger[Any]], type[np.unsignedinteger[Any]], int]]
+_NONFINITE_BITS = {
+    DType.FLOAT32: (np.int32, np.uint32, 0x7F80_0000),
+    DType.FLOAT16: (np.int16, np.uint16, 0x7C00),
+    DType.BFLOAT16: (np.int16, np.uint16, 0x7F80),
+    DType.FLOAT8_E4M3: (np.int8, np.uint8, 0x7F),  # e4m3fn: no infinity, NaN is S.1111.111
+}
+"""Per dtype: integer views of its bits and the smallest non-finite magnitude's bits (every
+bit pattern whose magnitude — the bits without the sign — is at least this is NaN or ±inf)."""
+
+
+def has_nonfinite(values: np.ndarray, dtype: DType) -> bool:
+    """Whether the uint8 buffer ``values``, read as ``dtype``, holds a NaN or an infinity.
+
+    Two integer max reductions and no temporary array: a positive non-finite value is the
+    largest *signed* integer its bits can make (negative values are negative there), and a
+    negative one the largest *unsigned* (above every positive value and every finite
+    negative one). numpy runs both with SIMD at memory speed, faster than ``np.isfinite``,
+    which writes a boolean per value and has no bfloat16 or fp8.
+    """
+    if not values.size:
+        return False
+    signed, unsigned, limit = _NONFINITE_BITS[dtype]
+    sign = 1 << (8 * dtype.itemsize - 1)
+    return bool(values.view(signed).max() >= limit or values.view(unsigned).max() >= sign | limit)
 
 
 def segments(h: KvHeader, target_bytes: int) -> list[range]:

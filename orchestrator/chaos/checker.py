@@ -6,7 +6,9 @@ received twice is a *duplicate*, an index skipped is a *gap* — including a str
 saw a token, or the store has its record) that has no terminal state after the quiet period
 is *lost*. A completed output that differs from the reference run's is *mismatched*.
 Recovery of a fault: for every stream it hit, the time from the fault to that stream's next
-token (or its end, if no token was left to send).
+token (or its end, if no token was left to send). Leaks (`leaks`): after the quiet period
+every worker's KV in use and active sequences are back to 0, and every vLLM block pool has
+its free blocks back (``leaked_blocks``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.chaos.history import History
+from orchestrator.chaos.leaks import LeakReport
 from orchestrator.core.state import TERMINAL
 
 TERMINAL_STATES = frozenset(str(s) for s in TERMINAL)
@@ -48,10 +51,15 @@ class RunVerdict:
     faults: int
     failovers: int = 0
     """Reassignments the store recorded (epoch - 1 summed over the run's requests)."""
+    leaks: LeakReport | None = None
+    """The workers' gauges after the quiet period (None: not checked)."""
+    fault_errors: int = 0
+    """Faults that could not be injected (or whose trigger was never met)."""
 
     @property
     def clean(self) -> bool:
-        return not any(r.lost or r.duplicates or r.gaps for r in self.requests)
+        leaking = self.leaks is not None and not self.leaks.clean
+        return not leaking and not any(r.lost or r.duplicates or r.gaps for r in self.requests)
 
 
 def check_run(
@@ -59,9 +67,11 @@ def check_run(
     reference: Mapping[int, tuple[int, ...]],
     server_states: Mapping[str, str],
     epochs: Mapping[str, int] | None = None,
+    leaks: LeakReport | None = None,
 ) -> RunVerdict:
     """Judge one run. ``server_states``: request id → state read from the store after the
-    quiet period ("" when the store has no record); ``epochs``: request id → final epoch."""
+    quiet period ("" when the store has no record); ``epochs``: request id → final epoch;
+    ``leaks``: the workers' gauges checked after it (`leaks.check_leaks`)."""
     verdicts = [
         _request(history, rid, reference, server_states.get(rid, "")) for rid in history.requests
     ]
@@ -100,6 +110,8 @@ def check_run(
         errors,
         len(history.faults),
         failovers,
+        leaks,
+        sum(1 for f in history.faults if f.error),
     )
 
 
@@ -165,6 +177,8 @@ class Summary:
         for run in self.runs:
             errors.update(run.errors)
         p50, p99 = percentile(recovery, 50), percentile(recovery, 99)
+        leaks = [run.leaks.to_json() for run in self.runs if run.leaks is not None]
+        settled = [x["settle_s"] for x in leaks if x["settle_s"] is not None]
         return {
             "scenario": self.scenario,
             "runs": len(self.runs),
@@ -176,6 +190,7 @@ class Summary:
             "failed": sum(r.outcome == "fail" for r in reqs),
             "indeterminate": sum(r.outcome == "indeterminate" for r in reqs),
             "faults": sum(run.faults for run in self.runs),
+            "fault_errors": sum(run.fault_errors for run in self.runs),
             "failovers": sum(run.failovers for run in self.runs),
             "recoveries": len(recovery),
             "unrecovered": sum(len(run.unrecovered) for run in self.runs),
@@ -183,6 +198,12 @@ class Summary:
             "recovery_p99_s": None if p99 is None else round(p99, 4),
             "recovery_max_s": None if not recovery else round(max(recovery), 4),
             "errors": dict(sorted(errors.items())),
+            "leak_checks": len(leaks),
+            "leaked_blocks": sum(x["leaked_blocks"] for x in leaks),
+            "kv_in_use_bytes": sum(x["kv_in_use_bytes"] for x in leaks),
+            "active_after_quiet": sum(x["active_after_quiet"] for x in leaks),
+            "pool_blocks_checked": sum(x["pool_blocks_checked"] for x in leaks),
+            "leak_settle_max_s": round(max(settled), 3) if settled else None,
         }
 
     def violations(self, invariants: Iterable[str]) -> list[str]:
@@ -190,7 +211,9 @@ class Summary:
         wanted = set(invariants)
         out = []
         for inv, key in (("no_lost", "lost"), ("no_duplicates", "duplicates"),
-                         ("no_gaps", "gaps"), ("outputs_match", "mismatched")):  # fmt: skip
+                         ("no_gaps", "gaps"), ("outputs_match", "mismatched"),
+                         ("no_leaks", "leaked_blocks"), ("no_leaks", "kv_in_use_bytes"),
+                         ("no_leaks", "active_after_quiet")):  # fmt: skip
             if inv in wanted and s[key]:
                 out.append(f"{key}={s[key]}")
         return out
@@ -210,6 +233,13 @@ class Summary:
                 f"p50 {s['recovery_p50_s'] * 1000:.0f} ms  p99 {s['recovery_p99_s'] * 1000:.0f} ms"
                 f"  max {s['recovery_max_s'] * 1000:.0f} ms; unrecovered {s['unrecovered']}"
             )
+        if s["leak_checks"]:
+            settle = s["leak_settle_max_s"]
+            lines.append(
+                f"  after the quiet period: leaked blocks {s['leaked_blocks']}  KV in use "
+                f"{s['kv_in_use_bytes']} bytes  active {s['active_after_quiet']}"
+                + ("" if settle is None else f"  (settled within {settle * 1000:.0f} ms)")
+            )
         if s["errors"]:
             codes = ", ".join(f"{k} {v}" for k, v in s["errors"].items())
             lines.append(f"  errors seen by clients (incl. retried): {codes}")
@@ -221,4 +251,7 @@ class Summary:
                         f"lost {r.lost}, duplicates {r.duplicates}, gaps {r.gaps}, "
                         f"mismatched {r.mismatched} (first divergence {r.first_divergence})"
                     )
+            if run.leaks is not None and not run.leaks.clean:
+                by = run.leaks.to_json()["by_worker"]
+                lines.append(f"  run {run.run} (seed {run.seed}) leaks: {by}")
         return "\n".join(lines)

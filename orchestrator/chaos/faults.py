@@ -8,6 +8,8 @@ prefill worker (started with ``--kv-fault …,armed=0``; SIGUSR1 arms it, SIGUSR
 Each fault is recorded with the request streams it hit: those served at that moment by the
 worker, pool or replica it targets (read from the request records in Redis, and from which
 replica each client is attached to), or every active stream for Redis and link faults.
+A worker fault with a trigger (``when``) first polls this run's request records until one is
+in the asked phase on a worker of the target's role, and is aimed at that worker.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 
 from orchestrator.chaos.history import FaultRecord, History
 from orchestrator.chaos.proxy import FaultProxy
-from orchestrator.chaos.scenario import PlannedFault
+from orchestrator.chaos.scenario import PlannedFault, Trigger
 from orchestrator.cluster import LocalCluster
 from orchestrator.core.records import RequestRecord
 from orchestrator.core.state import State
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 
 _USING_PREFILL = frozenset({State.PREFILLING, State.TRANSFERRING})
 _USING_DECODE = frozenset({State.TRANSFERRING, State.DECODING})
+_TRIGGER_POLL_S = 0.05
+"""How often a trigger reads the run's request records (a few GETs each time)."""
 
 
 class FaultExecutor:
@@ -102,65 +106,122 @@ class FaultExecutor:
 
     # ------------------------------------------------------------------------ faults
 
+    async def _triggered(
+        self, role: str, selector: str, when: Trigger
+    ) -> tuple[dict[str, RequestRecord], str, str] | None:
+        """Poll until a request is in ``when.state`` on a worker of ``role`` (the named one,
+        for a named selector): (the records then, that worker, a description), or None."""
+        deadline = time.monotonic() + when.within_s
+        since: dict[str, float] = {}
+        """Request id -> when the polls first saw it in the state (and still do)."""
+        while True:
+            records = await self._records()
+            now = time.monotonic()
+            seen = {rid for rid, r in records.items() if str(r.state) == when.state}
+            since = {rid: since.get(rid, now) for rid in seen}
+            for rid, r in sorted(records.items()):
+                worker = r.prefill_worker if role == "prefill" else r.decode_worker
+                named = selector in {"", "busiest", "random"} or worker == selector
+                if (
+                    rid in seen
+                    and now - since[rid] >= when.after_s
+                    and r.output_tokens >= when.tokens
+                    and worker
+                    and named
+                    and worker in self._alive(f"{role}-")
+                ):
+                    why = f"{rid} {when.state} on {worker} ({r.output_tokens} tokens)"
+                    return records, worker, why
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(_TRIGGER_POLL_S)
+
     async def inject(self, fault: PlannedFault) -> FaultRecord:
         head, _, sel = fault.target.partition(":")
-        records = await self._records()
-        at = self.now()
-        record = FaultRecord(at, fault.kind, fault.target, "", (), wall_at=time.time())
+        chosen = trigger = ""
+        if fault.when is not None and head in {"prefill", "decode"}:
+            fired = await self._triggered(head, sel, fault.when)
+            if fired is None:
+                record = FaultRecord(self.now(), fault.kind, fault.target, "", (),
+                                     wall_at=time.time())  # fmt: skip
+                record.error = (
+                    f"trigger not met within {fault.when.within_s}s: no request "
+                    f"{fault.when.state} on a {head} worker"
+                )
+                self.history.faults.append(record)
+                return record
+            records, chosen, trigger = fired
+        else:
+            records = await self._records()
+        record = FaultRecord(self.now(), fault.kind, fault.target, "", (), wall_at=time.time())
+        record.trigger = trigger
         self.history.faults.append(record)
         try:
-            if head in {"prefill", "decode"}:
-                using = _USING_PREFILL if head == "prefill" else _USING_DECODE
-                load: dict[str, int] = {}
-                for r in records.values():
-                    w = r.prefill_worker if head == "prefill" else r.decode_worker
-                    if r.state in using and w:
-                        load[w] = load.get(w, 0) + 1
-                name = self._pick(head, sel, load)
-                if name is None:
-                    record.resolved = f"no live {head} worker"
-                    return record
-                record.resolved = name
-                record.affected = self._served_by(records, {name})
-                await self._process(fault, [name])
-                await self._note_journals(record)
-            elif head == "pool":
-                names = self._alive(f"{sel}-")
-                record.resolved = ",".join(names) or f"{sel} pool already down"
-                record.affected = self._served_by(records, set(names))
-                await self._process(fault, names)
-                await self._note_journals(record)
-            elif head == "orchestrator":
-                owners: dict[str, int] = {}
-                for r in records.values():
-                    owners[r.owner] = owners.get(r.owner, 0) + 1
-                name = self._pick("orchestrator", sel, owners)
-                if name is None:
-                    record.resolved = "no live orchestrator"
-                    return record
-                record.resolved = name
-                index = int(name.rsplit("-", 1)[1])
-                owned = {rid for rid, r in records.items() if r.owner == name}
-                attached = self._attached(self.cluster.orchestrator_addresses[index])
-                record.affected = tuple(sorted(owned | attached))
-                await self._process(fault, [name])
-                # No journal mark: tokens the dead replica journalled but never relayed
-                # reach the client from the journal after its reconnect; that *is* the
-                # stream's recovery.
-            elif head == "redis":
-                record.resolved = "redis"
-                record.affected = tuple(sorted(self.history.active_at(at)))
-                await self._process(fault, ["redis"])
-            else:
-                record.resolved = f"link {sel}"
-                record.affected = tuple(sorted(self.history.active_at(at)))
-                self._link(fault, sel, on=True)
-                if fault.kind != "drop":
-                    self._schedule(record, fault.heal_after, lambda: self._link(fault, sel, False))
+            await self._apply(fault, record, records, chosen)
         except Exception as exc:  # a fault that could not be injected is reported, not fatal
             log.exception("fault %s failed", fault.label())
             record.error = f"{type(exc).__name__}: {exc}"
         return record
+
+    async def _apply(
+        self,
+        fault: PlannedFault,
+        record: FaultRecord,
+        records: dict[str, RequestRecord],
+        chosen: str,
+    ) -> None:
+        """Resolve the target (``chosen``: the worker a trigger picked), note the streams it
+        hits, and inject."""
+        head, _, sel = fault.target.partition(":")
+        at = record.at
+        if head in {"prefill", "decode"}:
+            using = _USING_PREFILL if head == "prefill" else _USING_DECODE
+            load: dict[str, int] = {}
+            for r in records.values():
+                w = r.prefill_worker if head == "prefill" else r.decode_worker
+                if r.state in using and w:
+                    load[w] = load.get(w, 0) + 1
+            name = chosen or self._pick(head, sel, load)
+            if name is None:
+                record.resolved = f"no live {head} worker"
+                return
+            record.resolved = name
+            record.affected = self._served_by(records, {name})
+            await self._process(fault, [name])
+            await self._note_journals(record)
+        elif head == "pool":
+            names = self._alive(f"{sel}-")
+            record.resolved = ",".join(names) or f"{sel} pool already down"
+            record.affected = self._served_by(records, set(names))
+            await self._process(fault, names)
+            await self._note_journals(record)
+        elif head == "orchestrator":
+            owners: dict[str, int] = {}
+            for r in records.values():
+                owners[r.owner] = owners.get(r.owner, 0) + 1
+            name = self._pick("orchestrator", sel, owners)
+            if name is None:
+                record.resolved = "no live orchestrator"
+                return
+            record.resolved = name
+            index = int(name.rsplit("-", 1)[1])
+            owned = {rid for rid, r in records.items() if r.owner == name}
+            attached = self._attached(self.cluster.orchestrator_addresses[index])
+            record.affected = tuple(sorted(owned | attached))
+            await self._process(fault, [name])
+            # No journal mark: tokens the dead replica journalled but never relayed
+            # reach the client from the journal after its reconnect; that *is* the
+            # stream's recovery.
+        elif head == "redis":
+            record.resolved = "redis"
+            record.affected = tuple(sorted(self.history.active_at(at)))
+            await self._process(fault, ["redis"])
+        else:
+            record.resolved = f"link {sel}"
+            record.affected = tuple(sorted(self.history.active_at(at)))
+            self._link(fault, sel, on=True)
+            if fault.kind != "drop":
+                self._schedule(record, fault.heal_after, lambda: self._link(fault, sel, False))
 
     async def _note_journals(self, record: FaultRecord) -> None:
         """Once the fault took effect, how many tokens each affected request had journalled
@@ -259,7 +320,7 @@ class FaultExecutor:
                 self.cluster.start_worker(role, int(index))
                 workers.append(name)
         if workers:
-            self.cluster.wait_registered(workers, 60)
+            self.cluster.wait_registered(workers, self.cluster.ready_timeout_s)
 
     async def settle(self) -> None:
         """Wait for every scheduled heal (they are short) — or cancel them on shutdown."""

@@ -48,6 +48,8 @@ class FaultRecord:
     """Affected request id → tokens in its journal once the fault took effect (a killed
     process reaped, a stopped one signalled): tokens below that index were produced before
     the fault, however late they reach the client, so they don't count as its recovery."""
+    trigger: str = ""
+    """For a fault with a trigger: the request and phase that fired it."""
 
     def label(self) -> str:
         return f"{self.kind} {self.resolved or self.target}"

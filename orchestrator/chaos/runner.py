@@ -5,7 +5,9 @@ processes), with fault proxies put on the links the scenario faults. The workloa
 once without faults: its outputs are the reference (greedy and seeded sampling are both
 deterministic). Then each run replays the workload with its own fault plan (seed + run
 index), waits for a quiet period, reads every request's final state from Redis, and checks.
-Between runs every process is brought back (continued, restarted) so runs are independent.
+Each run also reads the workers' KV gauges from their heartbeats before the workload and after
+the quiet period, for the leak check (`leaks`). Between runs every process is brought back
+(continued, restarted) so runs are independent.
 """
 
 from __future__ import annotations
@@ -24,14 +26,20 @@ import grpc
 from orchestrator.chaos.checker import TERMINAL_STATES, RunVerdict, Summary, check_run
 from orchestrator.chaos.faults import FaultExecutor
 from orchestrator.chaos.history import History
+from orchestrator.chaos.leaks import Gauges, LeakReport, check_leaks
 from orchestrator.chaos.proxy import FaultProxy
 from orchestrator.chaos.scenario import ClusterSpec, Scenario, ScenarioError, plan
 from orchestrator.chaos.workload import Clients, RequestPlan, make_requests
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.errors import PdorchError
 from orchestrator.store.redis_store import RedisStore, StoreSettings
+from transport.base import TransportSettings
 
 log = logging.getLogger(__name__)
+
+VLLM_READY_S = 900.0
+"""How long vLLM workers may take to start (or restart after a kill): each builds a vLLM
+engine, 20 s on an idle 2-core machine, minutes when several start at once."""
 
 
 @dataclass(slots=True)
@@ -75,6 +83,7 @@ def cluster_for(spec: ClusterSpec, model_cache: Path | None = None) -> LocalClus
     scenarios (see `shareable`)."""
     cluster = LocalCluster(
         model=spec.model,
+        engine=spec.engine,
         transport=_transport(spec.transport),
         prefill_workers=spec.prefill,
         decode_workers=spec.decode,
@@ -83,6 +92,8 @@ def cluster_for(spec: ClusterSpec, model_cache: Path | None = None) -> LocalClus
         redis_aof=spec.redis_aof,
         heartbeat_ttl_s=spec.heartbeat_ttl_s,
     )
+    if spec.engine == "vllm":
+        cluster.ready_timeout_s = VLLM_READY_S
     fault_file = str(cluster.workdir / "kv-fault")
     for role in ("prefill", "decode"):
         cluster.worker_extra[role] = ["--kv-fault-file", fault_file]
@@ -96,9 +107,10 @@ def shareable(scenario: Scenario, cluster: LocalCluster) -> bool:
     transport = _transport(spec.transport)
     proxies = scenario.links() - ({"kv"} if transport == "ucx" else set())
     return not proxies and (
-        (cluster.model, cluster.transport, cluster.prefill_workers, cluster.decode_workers,
-         cluster.orchestrators, cluster.redis_aof, cluster.heartbeat_ttl_s)
-        == (spec.model, transport, spec.prefill, spec.decode, spec.orchestrators,
+        (cluster.model, cluster.engine, cluster.transport, cluster.prefill_workers,
+         cluster.decode_workers, cluster.orchestrators, cluster.redis_aof,
+         cluster.heartbeat_ttl_s)
+        == (spec.model, spec.engine, transport, spec.prefill, spec.decode, spec.orchestrators,
             spec.redis_aof, spec.heartbeat_ttl_s)
     )  # fmt: skip
 
@@ -130,6 +142,10 @@ class ChaosRunner:
         self.cluster = cluster or cluster_for(scenario.cluster, model_cache)
         self.links = scenario.links()
         self.kv_injector = "kv" in self.links and self.transport == "ucx"
+        if self.kv_injector and scenario.cluster.engine == "vllm":
+            raise ScenarioError(
+                f"scenario {scenario.name}: KV-link faults with engine vllm need transport tcp"
+            )
         self.proxies: dict[str, dict[str, FaultProxy]] = {}
 
     # ------------------------------------------------------------------------ setup
@@ -204,7 +220,7 @@ class ChaosRunner:
                 proc.signal(signal.SIGCONT)
                 if proc.popen.poll() is not None:
                     c.start_orchestrator(i)
-            c.wait_workers(self.scenario.cluster.prefill, self.scenario.cluster.decode, 60)
+            c.wait_workers(self.scenario.cluster.prefill, self.scenario.cluster.decode)
 
         await asyncio.to_thread(restore)
 
@@ -305,6 +321,7 @@ class ChaosRunner:
                     await asyncio.sleep(delay)  # the fault's scheduled time
                 await executor.inject(fault)
 
+        baseline = await self._baseline(store)
         load = asyncio.create_task(clients.run(plans), name="pdorch-chaos-workload")
         injector = asyncio.create_task(faults(), name="pdorch-chaos-faults")
         try:
@@ -316,13 +333,14 @@ class ChaosRunner:
             await executor.settle()
             history.end = clients.now()
             states, epochs = await self._quiet(store, list(history.requests))
+            leaks = await self._leaks(store, baseline)
         finally:
             for task in (load, injector):
                 task.cancel()
             await asyncio.gather(load, injector, return_exceptions=True)
             await executor.cancel()
             await clients.close()
-        return check_run(history, reference, states, epochs), history
+        return check_run(history, reference, states, epochs, leaks), history
 
     async def _quiet(
         self, store: RedisStore, rids: list[str]
@@ -336,6 +354,52 @@ class ChaosRunner:
             if not live or time.monotonic() > deadline:
                 return states, epochs
             await asyncio.sleep(0.2)  # polling the store with a deadline
+
+    async def _gauges(self, store: RedisStore) -> dict[str, Gauges]:
+        """KV gauges of the cluster's workers whose current process is alive and heartbeats
+        (a dead one's last heartbeat outlives it by up to its TTL: it is not read)."""
+        try:
+            infos = await asyncio.wait_for(store.workers(), 5.0)
+        except (PdorchError, TimeoutError):
+            return {}
+        c = self.cluster
+        return {
+            i.worker_id: Gauges.of(i)
+            for i in infos
+            if i.worker_id in c.procs
+            and c.procs[i.worker_id].popen.poll() is None
+            and c.expected.get(i.worker_id) == i.address
+        }
+
+    async def _baseline(self, store: RedisStore) -> dict[str, Gauges]:
+        """The gauges before the workload, once the workers are idle (the last run's or the
+        reference run's requests may still show for a heartbeat or two)."""
+        deadline = time.monotonic() + self.scenario.cluster.heartbeat_ttl_s + 2.0
+        while True:
+            gauges = await self._gauges(store)
+            idle = all(g.active == 0 and g.kv_used_bytes == 0 for g in gauges.values())
+            if idle or time.monotonic() > deadline:
+                if not idle:
+                    log.warning("chaos: workers not idle before the run: %s", gauges)
+                return gauges
+            await asyncio.sleep(0.2)  # heartbeats publish the gauges about once a second
+
+    async def _leaks(self, store: RedisStore, baseline: dict[str, Gauges]) -> LeakReport:
+        """Poll the workers' gauges until nothing leaks, or the scenario's leak wait passed
+        (then the last reading is the verdict)."""
+        wait = self.scenario.leak_wait_s
+        if wait is None:
+            wait = TransportSettings().kv_hold_s + self.scenario.cluster.heartbeat_ttl_s
+        started = time.monotonic()
+        while True:
+            report = check_leaks(baseline, await self._gauges(store))
+            elapsed = time.monotonic() - started
+            if report.clean:
+                report.settle_s = round(elapsed, 3)
+                return report
+            if elapsed > wait:
+                return report
+            await asyncio.sleep(0.2)  # heartbeats publish the gauges about once a second
 
     async def _states(
         self, store: RedisStore, rids: list[str]

@@ -6,7 +6,8 @@ at random from the seed) and which invariants the checker enforces::
 
     name: decode-kill
     description: a decode worker is killed mid-stream and comes back
-    cluster: {prefill: 2, decode: 2, orchestrators: 2, transport: auto, model: tiny}
+    cluster: {prefill: 2, decode: 2, orchestrators: 2, transport: auto, model: tiny,
+              engine: reference}
     workload: {requests: 8, concurrency: 8, prompt_words: [4, 24], output_tokens: [400, 800]}
     faults:
       - {at: 1.0, kind: kill, target: "decode:busiest", heal_after: 2.0}
@@ -14,13 +15,28 @@ at random from the seed) and which invariants the checker enforces::
       - {count: 1, kinds: [kill, stop], targets: ["prefill:random"], between: [0.5, 3.0]}
     duration_s: 60
     quiet_s: 5
-    invariants: [no_lost, no_duplicates, no_gaps, outputs_match]
+    invariants: [no_lost, no_duplicates, no_gaps, outputs_match, no_leaks]
 
 Process fault kinds: ``kill`` (SIGKILL; ``heal_after`` restarts it), ``stop`` (SIGSTOP;
 ``heal_after`` sends SIGCONT), ``continue`` (SIGCONT, for a stop without a heal),
 ``restart`` (kill, then start again after ``heal_after``, 0.5 s by default). Link kinds:
 ``delay`` (params.delay_ms), ``bandwidth`` (params.bytes_per_s), ``drop``, ``corrupt``
 (params.probability).
+
+``engine: vllm`` runs every worker on vLLM (``--engine vllm``; model ``smollm2``; the
+command runs from the vllm extra's environment). KV-link faults then need ``transport: tcp``
+(a proxy on the link): over UCX the KV leaves from inside vLLM's processes, where the
+transport's fault-injecting wrapper is not installed.
+
+A worker fault may wait for a request *phase* instead of trusting the clock alone:
+``when: {state: decoding, tokens: 3}`` fires it, at ``at`` or later, as soon as a request of
+this run is in that state on a worker of the target's role (with at least ``tokens`` output
+tokens journalled, for at least ``after_s`` seconds), and aims it at that request's worker
+(a named target must be the one).
+States: ``prefilling`` (for vLLM workers: computing *and pushing* its KV, one call),
+``transferring`` (the KV sent, the decode not started), ``decoding``. ``within_s`` (30) bounds
+the wait; a trigger not met by then is reported as the fault's error, and the fault is not
+injected. Faults run in file order of their times, each after the previous one.
 
 Targets: ``prefill`` / ``decode`` with a selector (``:busiest`` the worker serving the most
 of this run's streams, ``:random``, or a worker name such as ``decode-1``), ``pool:prefill``,
@@ -50,7 +66,7 @@ LINK_KINDS = frozenset({"delay", "bandwidth", "drop", "corrupt"})
 KINDS = PROCESS_KINDS | LINK_KINDS
 ROLES = ("prefill", "decode")
 LINKS = ("kv", "worker", "client")
-INVARIANTS = frozenset({"no_lost", "no_duplicates", "no_gaps", "outputs_match"})
+INVARIANTS = frozenset({"no_lost", "no_duplicates", "no_gaps", "outputs_match", "no_leaks"})
 LINK_PARAMS: dict[str, tuple[str, ...]] = {
     "delay": ("delay_ms",),
     "bandwidth": ("bytes_per_s",),
@@ -67,6 +83,8 @@ class ClusterSpec:
     transport: str = "auto"
     """``ucx``, ``tcp`` or ``auto`` (UCX where ucxx imports)."""
     model: str = "tiny"
+    engine: str = "reference"
+    """The workers' engine (``pdorch worker --engine``): reference, or vllm."""
     redis_aof: bool = True
     heartbeat_ttl_s: float = 3.0
 
@@ -83,6 +101,28 @@ class Workload:
     request_timeout_s: float = 120.0
 
 
+TRIGGER_STATES: dict[str, tuple[str, ...]] = {
+    "prefill": ("prefilling",),
+    "decode": ("transferring", "decoding"),
+}
+"""Request states a worker fault can wait for, by the target's role (the worker the record
+names for that role is serving the request in that state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    """Fire a worker fault once a request is in ``state`` on a worker of its target's role."""
+
+    state: str
+    tokens: int = 0
+    """...with at least this many output tokens journalled."""
+    after_s: float = 0.0
+    """...and in that state for at least this long (as the polls saw it): e.g. a prefill's
+    KV push under way, past its header, on a slowed link."""
+    within_s: float = 30.0
+    """The longest wait after the fault's time; unmet, the fault is reported, not injected."""
+
+
 @dataclass(frozen=True, slots=True)
 class FaultSpec:
     kind: str
@@ -96,6 +136,7 @@ class FaultSpec:
     after_healed: bool = False
     """Wait, before this fault, until every earlier fault has healed (so that e.g. a pool is
     back in service before the other pool goes): ``at`` is then the earliest time."""
+    when: Trigger | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +163,10 @@ class Scenario:
     state (the wait ends as soon as they all have); what is still live then is lost."""
     invariants: frozenset[str] = INVARIANTS
     path: str = ""
+    leak_wait_s: float | None = None
+    """After the quiet period: the longest wait for every worker's KV gauges to return
+    (`orchestrator.chaos.leaks`); None: the transport's hold lease (a received KV nobody
+    claims is freed by it, by design) plus the heartbeat TTL."""
 
     def links(self) -> frozenset[str]:
         """The links a fault proxy must sit on (UCX KV faults use the transport's wrapper)."""
@@ -157,6 +202,7 @@ class PlannedFault:
     heal_after: float | None
     params: Mapping[str, float]
     after_healed: bool = False
+    when: Trigger | None = None
 
     def label(self) -> str:
         return f"{self.kind} {self.target}"
@@ -169,7 +215,9 @@ def plan(scenario: Scenario, seed: int) -> tuple[PlannedFault, ...]:
     for f in scenario.faults:
         at = f.at if f.at is not None else rng.uniform(*(f.between or (0.0, 0.0)))
         out.append(
-            PlannedFault(round(at, 3), f.kind, f.target, f.heal_after, f.params, f.after_healed)
+            PlannedFault(
+                round(at, 3), f.kind, f.target, f.heal_after, f.params, f.after_healed, f.when
+            )
         )
     for r in scenario.random_faults:
         for _ in range(r.count):
@@ -220,7 +268,7 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
     """Validate a scenario's YAML data; every error names the field."""
     d = _mapping(data, path)
     _known(d, path, {"name", "description", "cluster", "workload", "faults", "random_faults",
-                     "duration_s", "quiet_s", "invariants"})  # fmt: skip
+                     "duration_s", "quiet_s", "invariants", "leak_wait_s"})  # fmt: skip
     cluster = _cluster(_mapping(d.get("cluster", {}), f"{path}: cluster"), f"{path}: cluster")
     workload = _workload(_mapping(d.get("workload", {}), f"{path}: workload"), f"{path}: workload")
     faults = tuple(
@@ -247,7 +295,17 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
         quiet_s=_number(d.get("quiet_s", 15.0), f"{path}: quiet_s", lo=0.0),
         invariants=invariants,
         path=path,
+        leak_wait_s=(
+            None
+            if d.get("leak_wait_s") is None
+            else _number(d["leak_wait_s"], f"{path}: leak_wait_s", lo=0.0)
+        ),
     )
+    if cluster.engine == "vllm" and cluster.transport == "ucx" and "kv" in scenario.links():
+        raise ScenarioError(
+            f"{path}: KV-link faults with engine vllm need transport tcp (over UCX the KV "
+            "leaves from inside vLLM's processes, where no fault injector sits)"
+        )
     for p in plan(scenario, 0):
         if p.at >= scenario.duration_s:
             raise ScenarioError(f"{path}: a fault at {p.at}s is after duration_s")
@@ -255,19 +313,22 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
 
 
 def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
-    _known(d, where, {"prefill", "decode", "orchestrators", "transport", "model", "redis_aof",
-                      "heartbeat_ttl_s"})  # fmt: skip
+    _known(d, where, {"prefill", "decode", "orchestrators", "transport", "model", "engine",
+                      "redis_aof", "heartbeat_ttl_s"})  # fmt: skip
     spec = ClusterSpec(
         prefill=_int(d.get("prefill", 2), f"{where}.prefill", lo=0, hi=16),
         decode=_int(d.get("decode", 2), f"{where}.decode", lo=0, hi=16),
         orchestrators=_int(d.get("orchestrators", 2), f"{where}.orchestrators", lo=1, hi=8),
         transport=_choice(d.get("transport", "auto"), f"{where}.transport", ("auto", "ucx", "tcp")),
         model=_choice(d.get("model", "tiny"), f"{where}.model", ("tiny", "smollm2")),
+        engine=_choice(d.get("engine", "reference"), f"{where}.engine", ("reference", "vllm")),
         redis_aof=bool(d.get("redis_aof", True)),
         heartbeat_ttl_s=_number(d.get("heartbeat_ttl_s", 3.0), f"{where}.heartbeat_ttl_s", lo=0.3),
     )
     if spec.prefill + spec.decode == 0:
         raise ScenarioError(f"{where}: needs at least one worker")
+    if spec.engine == "vllm" and spec.model != "smollm2":
+        raise ScenarioError(f"{where}: engine vllm serves model smollm2 only")
     return spec
 
 
@@ -329,10 +390,14 @@ def _params(d: Mapping[str, Any], kinds: tuple[str, ...], where: str) -> dict[st
 
 
 def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
-    _known(d, where, {"kind", "target", "at", "between", "heal_after", "params", "after_healed"})
+    _known(d, where, {"kind", "target", "at", "between", "heal_after", "params", "after_healed",
+                      "when"})  # fmt: skip
     kind = _choice(d.get("kind"), f"{where}.kind", tuple(sorted(KINDS)))
     target = _target(d.get("target"), f"{where}.target", cluster)
     _check_kind(kind, target, where)
+    when = None
+    if "when" in d:
+        when = _trigger(_mapping(d["when"], f"{where}.when"), f"{where}.when", target)
     at = d.get("at")
     between = _range(d["between"], f"{where}.between", lo=0.0) if "between" in d else None
     if (at is None) == (between is None):
@@ -346,6 +411,20 @@ def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
         heal_after=None if heal is None else _number(heal, f"{where}.heal_after", lo=0.0),
         params=_params(d, (kind,), where),
         after_healed=_bool(d.get("after_healed", False), f"{where}.after_healed"),
+        when=when,
+    )
+
+
+def _trigger(d: Mapping[str, Any], where: str, target: str) -> Trigger:
+    _known(d, where, {"state", "tokens", "after_s", "within_s"})
+    role = target.partition(":")[0]
+    if role not in TRIGGER_STATES:
+        raise ScenarioError(f"{where}: only prefill and decode worker faults take a trigger")
+    return Trigger(
+        state=_choice(d.get("state"), f"{where}.state", TRIGGER_STATES[role]),
+        tokens=_int(d.get("tokens", 0), f"{where}.tokens", lo=0, hi=1_000_000),
+        after_s=_number(d.get("after_s", 0.0), f"{where}.after_s", lo=0.0),
+        within_s=_number(d.get("within_s", 30.0), f"{where}.within_s", lo=0.1),
     )
 
 

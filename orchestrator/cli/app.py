@@ -14,27 +14,37 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from orchestrator.cli import (
     bench,
     chaos,
     cost,
     demo,
+    down,
     generate,
     migrate,
     operator,
     orchestrator,
     plan,
+    status,
+    up,
     worker,
 )
-from orchestrator.cli.common import Commands, Parents, add_logging_flags
+from orchestrator.cli.common import CommandError, Commands, Parents, Parser, add_logging_flags
 
-DESCRIPTION = """`pdorch` command line: the composition root.
+DESCRIPTION = """pdorch: prefill/decode disaggregated LLM serving.
 
-The only module that reads the environment and picks concrete parts (the Redis store, the
-UCX or TCP transport, the engine) and wires them together.
+Prompts are prefilled on one pool of workers, their KV cache moved (UCX or TCP) to a decode
+worker, and the tokens streamed back through an orchestrator that survives worker, Redis and
+orchestrator failures. Start here: `pdorch up` brings a local cluster up and prints what to
+run next; `pdorch demo` runs a few prompts through one and checks them.
+"""
+
+EPILOG = """Flags after a command (pdorch COMMAND --help) are that command's; --log-level,
+--log-format and --debug go before or after it. Exit status: 0 success, 1 failure, 2 usage error.
 """
 
 
@@ -48,12 +58,15 @@ class Command(Protocol):
 
 
 COMMANDS: tuple[Command, ...] = (
+    up,
+    status,
+    down,
+    generate,
+    cost,
+    demo,
     orchestrator,
     worker,
     operator,
-    generate,
-    demo,
-    cost,
     chaos,
     migrate,
     bench,
@@ -71,9 +84,16 @@ def build_parser(
     """The parser of every command, or with ``only``, of that command alone: the others are
     bare names (listed by ``--help``, taking any arguments)."""
     env = os.environ if env is None else env
-    p = argparse.ArgumentParser(prog="pdorch", description=DESCRIPTION)
+    p = Parser(
+        prog="pdorch",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     add_logging_flags(p, env, top=True)
-    sub = p.add_subparsers(dest="command", required=True)
+    # Every command's parser is a `Parser` too (argparse makes them of the parent's class).
+    sub = cast(Commands, p.add_subparsers(dest="command", required=True))
     shared = Parents(env)
     for command in COMMANDS:
         if only is ALL or only == command.NAME:
@@ -111,14 +131,49 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` names. A failure a user can cause (a bad flag, an unreachable
+    Redis, a port in use) ends in one line on stderr and a non-zero exit; ``--debug`` adds the
+    traceback."""
     args = build_parser(only=_chosen(argv)).parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    if getattr(args, "call", None) is not None:
-        return int(args.call(args))
-    if getattr(args, "profile", ""):
-        return _profiled(args)
-    return int(asyncio.run(args.run(args)))
+    try:
+        if getattr(args, "call", None) is not None:
+            return int(args.call(args))
+        if getattr(args, "profile", ""):
+            return _profiled(args)
+        return int(asyncio.run(args.run(args)))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        message = failure(exc)
+        if message is None or args.debug:
+            raise
+        print(f"pdorch {args.command}: {message}", file=sys.stderr)
+        return 1
+
+
+def failure(exc: BaseException) -> str | None:
+    """The one-line message for an error a user can cause; None for a bug (re-raised: its
+    traceback is what a bug report needs)."""
+    from orchestrator.cluster import ClusterError  # noqa: PLC0415
+    from orchestrator.errors import PdorchError  # noqa: PLC0415
+
+    if isinstance(exc, CommandError):
+        return str(exc)
+    if isinstance(exc, PdorchError | ClusterError | OSError):
+        first = (str(exc) or type(exc).__name__).splitlines()[0]
+        return f"{first} (--debug shows where)"
+    return None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("pdorch")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _profiled(args: argparse.Namespace) -> int:

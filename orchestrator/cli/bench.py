@@ -15,7 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.cli.common import Commands, Parents, add_command, default, positive_int
+from orchestrator.cli.common import (
+    CommandError,
+    Commands,
+    Parents,
+    add_command,
+    default,
+    field_doc,
+    positive_int,
+)
 from orchestrator.cli.orchestrator import ServerSettings
 
 if TYPE_CHECKING:
@@ -27,6 +35,18 @@ if TYPE_CHECKING:
 
 NAME = "bench"
 HELP = "benchmarks (ratios against a reference in the same run)"
+
+_BENCH_HELP = {
+    "workers": "simulated workers, both pools",
+    "concurrency": "requests in flight at once",
+    "requests": "requests measured",
+    "orchestrators": "orchestrator replicas",
+    "max_tokens": "output tokens per request",
+    "prompt_words": "words per prompt",
+    "prefill_gpu": "the simulated prefill workers' GPU kind",
+    "decode_gpu": "the simulated decode workers' GPU kind",
+}
+"""Help for fields of the bench specs that carry no docstring."""
 
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
@@ -80,9 +100,9 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 def _transport(bt: argparse.ArgumentParser) -> None:
-    bt.add_argument("--backend", choices=("ucx", "tcp"), default="ucx")
+    bt.add_argument("--backend", choices=("ucx", "tcp"), default="ucx", help="the transport")
     bt.add_argument("--size", default="64MiB", help="KV bytes per transfer (e.g. 64MiB)")
-    bt.add_argument("--iters", type=int, default=10)
+    bt.add_argument("--iters", type=positive_int, default=10, help="transfers per round")
     bt.add_argument("--layers", type=int, default=32, help="layers the KV is split into")
     bt.add_argument(
         "--rounds", type=int, default=5, help="alternations of ours/reference (medians compared)"
@@ -107,9 +127,11 @@ def _run_transport(args: argparse.Namespace) -> int:
 
 
 def _precision(bp: argparse.ArgumentParser) -> None:
-    bp.add_argument("--dtype", choices=("fp16", "bf16", "fp8"), default="fp8")
+    bp.add_argument(
+        "--dtype", choices=("fp16", "bf16", "fp8"), default="fp8", help="KV wire dtype compared"
+    )
     bp.add_argument("--prompts", default="", help="file: one prompt per line (default: 20)")
-    bp.add_argument("--max-tokens", type=positive_int, default=64)
+    bp.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per prompt")
     bp.set_defaults(call=_run_precision)
 
 
@@ -146,6 +168,7 @@ def _control_plane(bc: argparse.ArgumentParser) -> None:
     from orchestrator.bench.control_plane import ControlPlaneBench  # noqa: PLC0415 - cluster
 
     def flag(name: str, field: str, **kw: Any) -> None:
+        kw.setdefault("help", field_doc(ControlPlaneBench, field, _BENCH_HELP.get(field, "")))
         bc.add_argument(name, default=default(ControlPlaneBench, field), **kw)
 
     flag("--workers", "workers", type=positive_int)
@@ -216,6 +239,7 @@ def _load(bl: argparse.ArgumentParser) -> None:
     from orchestrator.bench.load import LoadSpec  # noqa: PLC0415 - imports grpc
 
     def flag(name: str, field: str, **kw: Any) -> None:
+        kw.setdefault("help", field_doc(LoadSpec, field, _BENCH_HELP.get(field, "")))
         bl.add_argument(name, default=default(LoadSpec, field), **kw)
 
     bl.add_argument("--target", default=ServerSettings().address, help="host:port[,host:port...]")
@@ -239,6 +263,8 @@ def _run_load(args: argparse.Namespace) -> int:
     else:
         for key, value in result.summary().items():
             print(f"{key}: {value}")
+    if not args.samples and not any(x.completed for x in result.samples):
+        raise CommandError(f"no request completed: does an orchestrator answer at {args.target}?")
     return 0
 
 
@@ -262,7 +288,10 @@ def _engine(be: argparse.ArgumentParser) -> None:
     from orchestrator.bench.engine_batching import EngineBench  # noqa: PLC0415
 
     be.add_argument(
-        "--engine", choices=("reference", "vllm"), default=default(EngineBench, "engine")
+        "--engine",
+        choices=("reference", "vllm"),
+        default=default(EngineBench, "engine"),
+        help="the engine measured",
     )
     be.add_argument(
         "--concurrency",
@@ -273,7 +302,12 @@ def _engine(be: argparse.ArgumentParser) -> None:
         "--rounds", type=positive_int, default=default(EngineBench, "rounds"),
         help="requests per stream at each level",
     )  # fmt: skip
-    be.add_argument("--max-tokens", type=positive_int, default=default(EngineBench, "max_tokens"))
+    be.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=default(EngineBench, "max_tokens"),
+        help="tokens per request",
+    )
     be.set_defaults(call=_run_engine)
 
 
@@ -317,8 +351,8 @@ def _serving(bs: argparse.ArgumentParser) -> None:
         default=",".join(str(c) for c in default(Workload, "concurrency")),
         help="comma-separated client slots; each level runs --requests requests",
     )
-    flag("--prompt-tokens", "prompt_tokens", type=positive_int)
-    flag("--max-tokens", "max_tokens", type=positive_int)
+    flag("--prompt-tokens", "prompt_tokens", type=positive_int, help="tokens per prompt")
+    flag("--max-tokens", "max_tokens", type=positive_int, help="output tokens per request")
     flag("--warmup", "warmup", type=int, help="unmeasured requests per system")
     bs.add_argument(
         "--systems",

@@ -27,10 +27,16 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.model_cache,
         help="run a scenario (shipped name or YAML file) and check it",
     )
-    cr.add_argument("scenario")
+    cr.add_argument(
+        "scenario", help="a shipped scenario's name (`pdorch chaos list`) or a YAML file"
+    )
     cr.add_argument("--seed", type=int, default=0, help="run i uses seed + i for its faults")
-    cr.add_argument("--runs", type=positive_int, default=1)
-    cr.add_argument("--out", default="", help="folder for histories and timelines")
+    cr.add_argument("--runs", type=positive_int, default=1, help="runs, each on a fresh cluster")
+    cr.add_argument(
+        "--out",
+        default="",
+        help="folder for histories and timelines (default: chaos-out/SCENARIO, ignored by git)",
+    )
     cr.set_defaults(call=_run)
 
 
@@ -55,6 +61,13 @@ def _run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"pdorch chaos: {exc}", file=sys.stderr)
         return 2
+    if not args.json:  # the runner prints each run's summary as it ends
+        print(
+            f"chaos {scenario.name}: {args.runs} run(s), each on a fresh local cluster "
+            "(about a minute each: start, workload under faults, check)",
+            file=sys.stderr,
+            flush=True,
+        )
     return run_chaos(
         scenario,
         seed=args.seed,

@@ -16,10 +16,11 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import signal
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 from orchestrator.errors import ConfigError
 
@@ -28,9 +29,106 @@ Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 log = logging.getLogger("pdorch")
 
+DEFAULT_ORCHESTRATOR = "127.0.0.1:50051"
+"""`orchestrator.cli.orchestrator.ServerSettings`' address, which imports nothing heavy but
+lives beside the server (a unit test keeps the two equal)."""
+
 ENGINE_MODELS = ("tiny", "smollm2")
 """`orchestrator.workers.model_files.MODEL_NAMES`, which imports torch: not at parse time
 (a unit test keeps the two equal)."""
+
+
+class CommandError(Exception):
+    """A failure the user can fix (a port in use, an unreachable Redis, no cluster running):
+    `main` prints its message on one line and exits 1, without a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are two lines: the problem, and where help is
+    (argparse's default prints the whole usage first, dozens of lines for a server)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n(see '{self.prog} --help')\n")
+
+
+ENGINES = ("reference", "vllm")
+VLLM_MODELS = ("smollm2",)
+"""The models `--engine vllm` serves (`orchestrator.workers.vllm`)."""
+
+
+def check_transport(name: str) -> None:
+    """CommandError when ``--transport ucx`` is asked for without UCXX installed (found
+    without importing it: that takes a while and starts UCX)."""
+    import importlib.util  # noqa: PLC0415
+
+    if name == "ucx" and importlib.util.find_spec("ucxx") is None:
+        raise CommandError("--transport ucx: UCXX is not installed (the ucx extra); "
+                           "--transport tcp needs nothing")  # fmt: skip
+
+
+def check_engine(engine: str, model: str) -> None:
+    if engine == "vllm" and model not in VLLM_MODELS:
+        raise CommandError(f"--engine vllm serves --model {', '.join(VLLM_MODELS)}, not {model}")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already names it (or
+    there is none to name: a switch, an empty list, no value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        value = action.default
+        if (
+            not action.option_strings
+            or "default" in text
+            or value is None
+            or value is False  # a switch (0, a number, is shown)
+            or value in ("", argparse.SUPPRESS)
+            or value == []
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+_DOCS: dict[str, dict[str, str]] = {}
+"""Class (qualified name) -> its field docstrings: the source is parsed once."""
+
+
+def _field_docs(cls: type[Any]) -> dict[str, str]:
+    """Dataclass ``cls``'s attribute docstrings (the string literal under a field)."""
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    if key not in _DOCS:
+        _DOCS[key] = _parse_field_docs(cls)
+    return _DOCS[key]
+
+
+def _parse_field_docs(cls: type[Any]) -> dict[str, str]:
+    import ast  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # no source (a frozen app): no docs
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for field, doc in itertools.pairwise(body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+def field_doc(cls: type[Any], name: str, fallback: str = "") -> str:
+    """The docstring of dataclass ``cls``'s field ``name``, for a flag's help (``%`` escaped
+    for argparse); ``fallback`` when it has none."""
+    return _field_docs(cls).get(name, fallback).replace("``", "").replace("%", "%%")
 
 
 def default(cls: type[Any], name: str) -> Any:
@@ -73,8 +171,40 @@ class Parents:
         p = _parent()
         p.add_argument(
             "--redis",
+            type=redis_url,
             default=self._env.get("PDORCH_REDIS_URL", default(StoreSettings, "url")),
             help="Redis URL (default: $PDORCH_REDIS_URL, else %(default)s)",
+        )
+        return p
+
+    @functools.cached_property
+    def cluster_redis(self) -> argparse.ArgumentParser:
+        """``--redis`` for the client commands: also found from a running `pdorch up`."""
+        from orchestrator.cli.state import redis_default  # noqa: PLC0415
+        from orchestrator.store.redis_store import StoreSettings  # noqa: PLC0415 - imports redis
+
+        p = _parent()
+        p.add_argument(
+            "--redis",
+            type=redis_url,
+            default=redis_default(self._env, default(StoreSettings, "url")),
+            help="the cluster's Redis URL (default: $PDORCH_REDIS_URL, else the running "
+            "`pdorch up` cluster's, else %(default)s)",
+        )
+        return p
+
+    @functools.cached_property
+    def orchestrator(self) -> argparse.ArgumentParser:
+        """``--orchestrator`` for the client commands: also found from a running `pdorch up`."""
+        from orchestrator.cli.state import orchestrator_default  # noqa: PLC0415
+
+        p = _parent()
+        p.add_argument(
+            "--orchestrator",
+            default=orchestrator_default(self._env, DEFAULT_ORCHESTRATOR),
+            metavar="HOST:PORT",
+            help="an orchestrator's gRPC address (default: $PDORCH_ORCHESTRATOR, else the "
+            "running `pdorch up` cluster's, else %(default)s)",
         )
         return p
 
@@ -82,7 +212,16 @@ class Parents:
     def model(self) -> argparse.ArgumentParser:
         """The engine's weights (workers, demo, precision bench) — not a performance preset."""
         p = _parent()
-        p.add_argument("--model", choices=ENGINE_MODELS, default="smollm2")
+        p.add_argument(
+            "--model",
+            type=model_name,
+            default="smollm2",
+            metavar="{tiny,smollm2,DIR}",
+            help="tiny: random weights, seconds to load (tests); smollm2: SmolLM2-135M-Instruct, "
+            "fetched and converted once into --model-cache; DIR: a local Hugging Face model "
+            "directory (config.json, weights, tokenizer; Llama family tested) "
+            "(default %(default)s)",
+        )
         return p
 
     @functools.cached_property
@@ -91,7 +230,8 @@ class Parents:
         p.add_argument(
             "--model-cache",
             default=self._env.get("PDORCH_MODEL_CACHE", ""),
-            help="where model weights are cached (default: $PDORCH_MODEL_CACHE, else the default)",
+            help="where converted model weights are kept (default: $PDORCH_MODEL_CACHE, else "
+            "~/.cache/pdorch/models)",
         )
         return p
 
@@ -100,7 +240,12 @@ class Parents:
         from transport.backends import BACKENDS  # noqa: PLC0415 - imports the UCX backend
 
         p = _parent()
-        p.add_argument("--transport", choices=BACKENDS, default="ucx")
+        p.add_argument(
+            "--transport",
+            choices=BACKENDS,
+            default="ucx",
+            help="how KV moves from prefill to decode workers (default %(default)s)",
+        )
         return p
 
 
@@ -115,8 +260,9 @@ def add_logging_flags(p: argparse.ArgumentParser, env: Mapping[str, str], *, top
     ``pdorch worker --log-level INFO`` mean the same."""
     p.add_argument(
         "--log-level",
+        type=log_level,
         default=env.get("PDORCH_LOG_LEVEL", "WARNING") if top else argparse.SUPPRESS,
-        help="DEBUG, INFO, WARNING, ... (default: $PDORCH_LOG_LEVEL, else WARNING)",
+        help="DEBUG, INFO, WARNING, ERROR (default: $PDORCH_LOG_LEVEL, else WARNING)",
     )
     p.add_argument(
         "--log-format",
@@ -124,12 +270,19 @@ def add_logging_flags(p: argparse.ArgumentParser, env: Mapping[str, str], *, top
         default="text" if top else argparse.SUPPRESS,
         help="text, or one JSON object a line (default: text)",
     )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="on an error, show the full traceback too",
+    )
 
 
 def add_command(
     sub: Commands, name: str, parents: Parents, *uses: argparse.ArgumentParser, **kw: Any
 ) -> argparse.ArgumentParser:
     """``sub.add_parser(name)`` taking the shared flags in ``uses`` and the logging flags."""
+    kw.setdefault("formatter_class", HelpFormatter)
     return sub.add_parser(name, parents=[*uses, parents.logging], **kw)
 
 
@@ -144,6 +297,104 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def model_name(text: str) -> str:
+    """One of `ENGINE_MODELS`, or a directory a model was saved into (by absolute path, so
+    processes started elsewhere find it)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    if text in ENGINE_MODELS:
+        return text
+    path = Path(text).expanduser()
+    if (path / "config.json").is_file():
+        return str(path.resolve())
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither {' nor '.join(ENGINE_MODELS)} nor a model directory "
+        "(one with a config.json)"
+    )
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    return positive_float(text)
+
+
+MAX_PORT = 65535
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"a port is 0 to {MAX_PORT}, got {value}")
+    return value
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_url(text: str) -> str:
+    """``redis://HOST:PORT/DB`` (or rediss://, unix://), checked for form only."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a Redis URL: {text!r} ({exc})") from None
+    if parts.scheme not in REDIS_SCHEMES or not (parts.hostname or parts.path):
+        raise argparse.ArgumentTypeError(
+            f"not a Redis URL: {text!r} (expected redis://HOST:PORT/DB)"
+        )
+    return text
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r} (one of {', '.join(LOG_LEVELS)})"
+        )
+    return level
+
+
+def gpu_kind(text: str) -> str:
+    """A kind the orchestrators price (`orchestrator.core.hardware.PRICED_KINDS`), any case."""
+    from orchestrator.core.hardware import PRICED_KINDS  # noqa: PLC0415
+
+    if text.strip().lower() not in {k.lower() for k in PRICED_KINDS}:
+        raise argparse.ArgumentTypeError(
+            f"unknown GPU kind {text!r} (known: {', '.join(PRICED_KINDS)})"
+        )
+    return text.strip()
 
 
 def price(text: str) -> tuple[str, float]:
@@ -165,6 +416,35 @@ async def until_signalled() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """CommandError when ``port`` cannot be bound on ``host`` (0 always can)."""
+    import socket  # noqa: PLC0415
+
+    if port == 0:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise CommandError(
+                f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror}"
+            ) from None
+
+
+def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None:
+    """CommandError unless the Redis at ``url`` answers PING within ``timeout_s``."""
+    import redis  # noqa: PLC0415
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        raise CommandError(f"{flag} {url}: Redis does not answer ({exc})") from None
+    finally:
+        client.close()
 
 
 def serve_metrics(registry: object, host: str, port: int) -> Any:

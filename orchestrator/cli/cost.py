@@ -5,32 +5,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Mapping
 
-from orchestrator.cli.common import Commands, Parents, add_command
+from orchestrator.cli.common import CommandError, Commands, Parents, add_command
 
 NAME = "cost"
 HELP = "what each tenant's requests cost so far"
 
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    co = add_command(sub, NAME, parents, parents.redis, parents.json, help=HELP)
+    co = add_command(
+        sub,
+        NAME,
+        parents,
+        parents.cluster_redis,
+        parents.json,
+        help=HELP,
+        description="Per-tenant totals the orchestrators keep in Redis: requests, USD, "
+        "GPU-seconds per pool and KV moved. Exits 1 when that Redis holds none.",
+    )
     co.set_defaults(run=run)
 
 
 async def run(args: argparse.Namespace) -> int:
-    from orchestrator.errors import PdorchError  # noqa: PLC0415
+    from orchestrator.errors import UnavailableError  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
 
     store = RedisStore(StoreSettings(url=args.redis))
     try:
         totals = await store.tenant_costs()
-    except PdorchError as exc:
-        print(f"pdorch cost: {exc}", file=sys.stderr)
-        return 1
+    except UnavailableError as exc:
+        raise CommandError(f"--redis {args.redis}: {exc}") from None
     finally:
         await store.close()
+    if not totals:
+        raise CommandError(
+            f"no costs in the Redis at {args.redis}: no request has finished there yet, or "
+            "it is not the cluster's Redis (--redis, $PDORCH_REDIS_URL)"
+        )
     if args.json:
         print(json.dumps(totals, sort_keys=True))
         return 0

@@ -7,7 +7,18 @@ import argparse
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.cli.common import Commands, Parents, add_command
+from orchestrator.cli.common import (
+    ENGINES,
+    Commands,
+    Parents,
+    add_command,
+    check_engine,
+    check_port_free,
+    check_transport,
+    port,
+    positive_int,
+)
+from orchestrator.cli.progress import Progress
 
 NAME = "demo"
 HELP = "start a local cluster and run prompts through it"
@@ -24,23 +35,35 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.json,
         help=HELP,
     )
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=32,
+        help="tokens per prompt at most (default %(default)s)",
+    )
     d.add_argument(
         "--serve",
         action="store_true",
-        help="then keep the cluster up with the OpenAI-compatible gateway until Ctrl-C",
+        help="then keep the cluster up with the OpenAI-compatible gateway until Ctrl-C "
+        "(`pdorch up` does this without the prompts)",
     )
-    d.add_argument("--http-port", type=int, default=0, help="--serve: gateway port (0: free)")
+    d.add_argument(
+        "--http-port", type=port, default=0, help="--serve: gateway port (0: a free one)"
+    )
     d.add_argument(
         "--engine",
-        choices=("reference", "vllm"),
+        choices=ENGINES,
         default="reference",
-        help="the workers' engine (vllm: from the vllm extra's environment, --model smollm2)",
+        help="the workers' engine (vllm: from the vllm extra's environment, --model smollm2; "
+        "default %(default)s)",
     )
     d.set_defaults(call=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_engine(args.engine, args.model)
+    check_transport(args.transport)
+    check_port_free("127.0.0.1", args.http_port, "--http-port")
     from orchestrator.demo import run_demo  # noqa: PLC0415
 
     return run_demo(
@@ -52,4 +75,5 @@ def run(args: argparse.Namespace) -> int:
         serve=args.serve,
         http_port=args.http_port,
         engine=args.engine,
+        step=Progress(quiet=args.json).step,
     )

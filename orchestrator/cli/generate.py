@@ -6,25 +6,73 @@ import argparse
 import sys
 from collections.abc import Mapping
 
-from orchestrator.cli.common import Commands, Parents, add_command
-from orchestrator.cli.orchestrator import ServerSettings
+from orchestrator.cli.common import (
+    CommandError,
+    Commands,
+    Parents,
+    add_command,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 
 NAME = "generate"
 HELP = "stream a completion from an orchestrator"
 
+FINISH_REASONS = {
+    "FINISH_REASON_LENGTH": "stopped: --max-tokens reached",
+    "FINISH_REASON_STOP": "stopped: a --stop string",
+    "FINISH_REASON_EOS": "finished: end of sequence",
+    "FINISH_REASON_CANCELLED": "cancelled",
+    "FINISH_REASON_ERROR": "failed",
+}
+"""`common.proto`'s FinishReason names, for people."""
+
+NO_TOKENS = (
+    "(no tokens: the model ended the text at once; an instruct model such as smollm2 wants "
+    "its chat template: --chat)"
+)
+
 
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
-    g = add_command(sub, NAME, parents, help=HELP)
-    g.add_argument("prompt")
-    g.add_argument("--orchestrator", default=ServerSettings().address)
-    g.add_argument("--chat", action="store_true", help="send the prompt as a user message")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--request-id", default="")
-    g.add_argument("--timeout", type=float, default=300.0)
+    g = add_command(
+        sub,
+        NAME,
+        parents,
+        parents.orchestrator,
+        help=HELP,
+        description="Send one prompt to an orchestrator and print the tokens as they come; "
+        "timings, KV bytes and the workers used go to stderr at the end.",
+    )
+    g.add_argument("prompt", help="the prompt text (a chat message with --chat)")
+    g.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (chat template)"
+    )
+    g.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="tokens at most (default %(default)s)"
+    )
+    g.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0: greedy (default %(default)s)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    g.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
+    g.add_argument("--request-id", default="", help="idempotency key (default: one is made up)")
+    g.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300.0,
+        help="seconds for the whole request (default %(default)s)",
+    )
     g.set_defaults(run=run)
+
+
+def finish_line(reason: str, ttft_ms: float, tpot_ms: float, kv_bytes: int, route: str) -> str:
+    """The line after the text: why it ended, timings, the KV moved, the workers."""
+    why = FINISH_REASONS.get(reason, reason.removeprefix("FINISH_REASON_").lower())
+    return f"[{why}] ttft {ttft_ms:.0f} ms, tpot {tpot_ms:.1f} ms, kv {kv_bytes:,} bytes, {route}"
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -44,20 +92,29 @@ async def run(args: argparse.Namespace) -> int:
         req.text = args.prompt
     async with grpc.aio.insecure_channel(args.orchestrator) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        tokens = 0
         try:
             async for chunk in stub.Generate(req, timeout=args.timeout):
+                tokens += len(chunk.token_ids)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finish_reason:
                     t = chunk.timings
+                    route = f"{chunk.prefill_worker or '-'} -> {chunk.decode_worker}"
+                    reason = common_pb2.FinishReason.Name(chunk.finish_reason)
+                    print(file=sys.stderr)
+                    if not tokens and not args.chat:
+                        print(NO_TOKENS, file=sys.stderr)
                     print(
-                        f"\n[{common_pb2.FinishReason.Name(chunk.finish_reason)}] "
-                        f"ttft {t.ttft_ms:.0f} ms, tpot {t.tpot_ms:.1f} ms, "
-                        f"kv {chunk.kv_bytes} bytes, {chunk.prefill_worker or '-'} -> "
-                        f"{chunk.decode_worker}",
+                        finish_line(reason, t.ttft_ms, t.tpot_ms, chunk.kv_bytes, route),
                         file=sys.stderr,
                     )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise CommandError(
+                    f"no orchestrator answers at {args.orchestrator} (is `pdorch up` running? "
+                    f"--orchestrator or $PDORCH_ORCHESTRATOR name another)"
+                ) from None
             print(f"\npdorch generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.cli.common import Commands, Parents, add_command, default
+from orchestrator.cli.common import Commands, Parents, add_command, default, field_doc
 from orchestrator.errors import PdorchError
 from orchestrator.migrate.settings import Limits, MigrationSettings, Pricing, Upstreams
 
@@ -50,7 +50,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     st = command("status", "mode, share, counters, windows and rollbacks", parents.json)
     st.set_defaults(call=_status)
     pc = command("percent", "set a canary's share by hand (e.g. after a rollback)")
-    pc.add_argument("--percent", type=float, required=True)
+    pc.add_argument("--percent", type=float, required=True, help="share to pdorch (%%)")
     pc.set_defaults(call=_percent)
     rp = command("report", "Markdown or HTML report with plots")
     rp.add_argument("--out", required=True, help="report.md or report.html (plots beside it)")
@@ -72,7 +72,12 @@ def _proxy_flags(p: argparse.ArgumentParser, mode: str) -> None:
         )
     else:
         p.add_argument("--percent", type=float, required=True, help="share to pdorch (%%)")
-    p.add_argument("--max-error-rate", type=float, default=default(Limits, "max_error_rate"))
+    p.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=default(Limits, "max_error_rate"),
+        help=field_doc(Limits, "max_error_rate", "roll back above this share of errors"),
+    )
     p.add_argument(
         "--max-ttft-p99-ms",
         type=float,
@@ -103,12 +108,19 @@ def _proxy_flags(p: argparse.ArgumentParser, mode: str) -> None:
         "--existing-usd-per-1k-tokens",
         type=float,
         default=default(Pricing, "usd_per_1k_tokens"),
+        help=field_doc(Pricing, "usd_per_1k_tokens", "the existing service's price per 1k tokens"),
     )
-    p.add_argument("--existing-usd-per-hour", type=float, default=default(Pricing, "usd_per_hour"))
+    p.add_argument(
+        "--existing-usd-per-hour",
+        type=float,
+        default=default(Pricing, "usd_per_hour"),
+        help=field_doc(Pricing, "usd_per_hour", "the existing service's price per hour"),
+    )
     p.add_argument(
         "--shadow-concurrency",
         type=int,
         default=default(MigrationSettings, "shadow_concurrency"),
+        help=field_doc(MigrationSettings, "shadow_concurrency"),
     )
     p.add_argument(
         "--max-samples",
@@ -116,14 +128,24 @@ def _proxy_flags(p: argparse.ArgumentParser, mode: str) -> None:
         default=default(MigrationSettings, "max_samples"),
         help="samples kept in Redis",
     )
-    p.add_argument("--connect-timeout", type=float, default=default(Upstreams, "connect_timeout_s"))
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=default(Upstreams, "connect_timeout_s"),
+        help=field_doc(Upstreams, "connect_timeout_s", "seconds to connect to an upstream"),
+    )
     p.add_argument(
         "--upstream-timeout",
         type=float,
         default=default(Upstreams, "read_timeout_s"),
         help="S between bytes",
     )
-    p.add_argument("--drain-grace", type=float, default=default(MigrationSettings, "drain_grace_s"))
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=default(MigrationSettings, "drain_grace_s"),
+        help=field_doc(MigrationSettings, "drain_grace_s"),
+    )
     p.set_defaults(run=_serve)
 
 

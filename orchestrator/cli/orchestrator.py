@@ -18,7 +18,14 @@ from orchestrator.cli.common import (
     Commands,
     Parents,
     add_command,
+    check_port_free,
+    check_redis,
     default,
+    field_doc,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_int,
     price,
     serve_metrics,
     until_signalled,
@@ -72,11 +79,26 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
 
     o = add_command(sub, NAME, parents, parents.redis, help=HELP)
-    o.add_argument("--host", default=default(ServerSettings, "host"))
-    o.add_argument("--port", type=int, default=default(ServerSettings, "port"))
-    o.add_argument("--replica-id", default=env.get("HOSTNAME", "orchestrator"))
     o.add_argument(
-        "--fallback", choices=("local", "fail"), default=default(ControlSettings, "fallback")
+        "--host", default=default(ServerSettings, "host"), help="listen address (%(default)s)"
+    )
+    o.add_argument(
+        "--port",
+        type=port,
+        default=default(ServerSettings, "port"),
+        help="gRPC client API (`pdorch generate`; 0: a free port; default %(default)s)",
+    )
+    o.add_argument(
+        "--replica-id",
+        default=env.get("HOSTNAME", "orchestrator"),
+        help="this replica's name in leases and logs (default: $HOSTNAME, else orchestrator)",
+    )
+    o.add_argument(
+        "--fallback",
+        choices=("local", "fail"),
+        default=default(ControlSettings, "fallback"),
+        help="when a pool is down: local runs requests aggregated on the surviving pool, "
+        "fail refuses them (default %(default)s)",
     )
     o.add_argument(
         "--kv-dtype",
@@ -87,15 +109,15 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     )
     o.add_argument(
         "--drain-grace",
-        type=float,
+        type=non_negative_float,
         default=default(ServerSettings, "drain_grace_s"),
-        help="on SIGTERM: seconds in-flight streams may finish before they are handed off",
+        help=field_doc(ServerSettings, "drain_grace_s"),
     )
     o.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=default(ServerSettings, "metrics_port"),
-        help="Prometheus /metrics (0: off)",
+        help=field_doc(ServerSettings, "metrics_port"),
     )
     o.add_argument(
         "--price",
@@ -106,19 +128,22 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help="price per GPU-hour of a worker GPU kind, e.g. H100=2.1 (repeatable)",
     )
     o.add_argument(
-        "--transfer-usd-per-gb", type=float, default=default(ControlSettings, "transfer_usd_per_gb")
+        "--transfer-usd-per-gb",
+        type=non_negative_float,
+        default=default(ControlSettings, "transfer_usd_per_gb"),
+        help=field_doc(ControlSettings, "transfer_usd_per_gb"),
     )
     o.add_argument(
         "--detach-grace",
-        type=float,
+        type=non_negative_float,
         default=default(ControlSettings, "detach_grace_s"),
-        help="seconds a request keeps running after its client left, for it to resume",
+        help=field_doc(ControlSettings, "detach_grace_s"),
     )
     _admission_flags(o)
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.add_argument(
         "--http-port",
-        type=int,
+        type=port,
         default=None,
         help="also serve the OpenAI-compatible HTTP gateway on this port (0: any free port)",
     )
@@ -136,35 +161,35 @@ def _admission_flags(o: argparse.ArgumentParser) -> None:
 
     o.add_argument(
         "--ttft-slo-ms",
-        type=float,
+        type=non_negative_float,
         default=default(AdmissionPolicy, "ttft_slo_s") * 1000,
         help="refuse (RESOURCE_EXHAUSTED + retry-after) requests whose estimated TTFT exceeds "
         "this (0: no SLO check)",
     )
     o.add_argument(
         "--max-queue",
-        type=int,
+        type=positive_int,
         default=default(AdmissionPolicy, "max_queue"),
-        help="requests per prefill worker's queue, at most",
+        help=field_doc(AdmissionPolicy, "max_queue"),
     )
     o.add_argument(
         "--max-inflight",
-        type=int,
+        type=non_negative_int,
         default=default(AdmissionPolicy, "max_inflight"),
-        help="requests this replica drives (0: no limit)",
+        help=field_doc(AdmissionPolicy, "max_inflight"),
     )
     o.add_argument(
         "--tenant-limit",
         action="append",
         default=[],
         metavar="TENANT=N",
-        help="requests in flight at most for a tenant, all replicas together (repeatable)",
+        help=field_doc(AdmissionPolicy, "tenant_limits") + " (repeatable)",
     )
     o.add_argument(
         "--default-tenant-limit",
-        type=int,
+        type=non_negative_int,
         default=default(AdmissionPolicy, "default_tenant_limit"),
-        help="for other tenants (0: no limit)",
+        help=field_doc(AdmissionPolicy, "default_tenant_limit"),
     )
     o.add_argument(
         "--aggregate-below",
@@ -173,6 +198,16 @@ def _admission_flags(o: argparse.ArgumentParser) -> None:
         help="conditional disaggregation: 'auto' keeps prompts on the decode worker when the "
         "measured rates say a transfer costs more; N: prompts under N tokens; 0: never",
     )
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """What can be checked before anything starts: Redis answers, the ports are free (a
+    replica that cannot reach Redis fails here instead of warning every second)."""
+    check_redis(args.redis)
+    check_port_free(args.host, args.port, "--port")
+    check_port_free(args.host, args.metrics_port, "--metrics-port")
+    if args.http_port:
+        check_port_free(args.http_host or args.host, args.http_port, "--http-port")
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -210,16 +245,14 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
 
 
 async def run(args: argparse.Namespace) -> int:
-    import grpc  # noqa: PLC0415
     from grpc_health.v1 import _async as health_aio  # noqa: PLC0415
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    from orchestrator.api import orchestrator_pb2_grpc  # noqa: PLC0415
     from orchestrator.control.clients import WorkerClients  # noqa: PLC0415
     from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
     from orchestrator.control.orchestrator import Orchestrator  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
-    from orchestrator.rpc.service import OrchestratorService  # noqa: PLC0415
+    from orchestrator.rpc.service import server as rpc_server  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
 
     try:
@@ -227,14 +260,14 @@ async def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pdorch orchestrator: {exc}", file=sys.stderr)
         return 2
+    preflight(args)
     serving = server_settings(args)
     store = RedisStore(StoreSettings(url=args.redis))
     clients = WorkerClients()
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
     metrics_server = serve_metrics(metrics.registry, serving.host, serving.metrics_port)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(control), server)
+    server = rpc_server(control, SERVER_OPTIONS)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(serving.address)

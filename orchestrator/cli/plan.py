@@ -113,4 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdorch plan: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(plan_to_dict(result), indent=2) if args.json else format_plan(result))
+    if result.recommended is None:
+        print("pdorch plan: no layout is feasible (reasons above)", file=sys.stderr)
+        return 1
     return 0

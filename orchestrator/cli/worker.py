@@ -14,16 +14,26 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli.common import (
+    ENGINES,
+    CommandError,
     Commands,
     Parents,
     add_command,
+    check_engine,
+    check_port_free,
+    check_redis,
+    check_transport,
     default,
+    field_doc,
+    gpu_kind,
+    non_negative_int,
+    port,
+    positive_float,
     positive_int,
     serve_metrics,
     until_signalled,
@@ -64,49 +74,85 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.transport,
         help=HELP,
     )
-    w.add_argument("--role", choices=("prefill", "decode"), required=True)
-    w.add_argument("--host", default=default(WorkerSettings, "host"))
-    w.add_argument("--port", type=int, default=default(WorkerSettings, "port"))
-    w.add_argument("--kv-port", type=int, default=default(WorkerSettings, "kv_port"))
-    w.add_argument("--worker-id", default=default(WorkerSettings, "worker_id"))
+    w.add_argument(
+        "--role",
+        choices=("prefill", "decode"),
+        required=True,
+        help="prefill: computes prompts' KV and sends it; decode: receives KV and streams tokens",
+    )
+    w.add_argument(
+        "--host", default=default(WorkerSettings, "host"), help="listen address (%(default)s)"
+    )
+    w.add_argument(
+        "--port",
+        type=port,
+        default=default(WorkerSettings, "port"),
+        help="gRPC listener (0: a free port; default %(default)s)",
+    )
+    w.add_argument(
+        "--kv-port",
+        type=port,
+        default=default(WorkerSettings, "kv_port"),
+        help="KV receiver (0: a free port; default %(default)s)",
+    )
+    w.add_argument(
+        "--worker-id",
+        default=default(WorkerSettings, "worker_id"),
+        help="its name in Redis and in logs (default: %(default)s)",
+    )
     kv_mib = default(WorkerSettings, "kv_capacity_bytes") >> 20
     w.add_argument(
         "--kv-capacity-mib",
-        type=int,
+        type=non_negative_int,
         default=0,
         help=f"KV budget (default {kv_mib}; simulated: the GPU's memory beside the weights)",
     )
     w.add_argument(
-        "--heartbeat-ttl", type=float, default=default(WorkerSettings, "heartbeat_ttl_s")
+        "--heartbeat-ttl",
+        type=positive_float,
+        default=default(WorkerSettings, "heartbeat_ttl_s"),
+        help=field_doc(WorkerSettings, "heartbeat_ttl_s") + " It beats 3 times as often.",
     )
     w.add_argument(
         "--kv-hold",
-        type=float,
+        type=positive_float,
         default=default(TransportSettings, "kv_hold_s"),
-        help="free a received KV nobody claims after S",
+        help=field_doc(TransportSettings, "kv_hold_s"),
     )
     w.add_argument(
-        "--torch-threads", type=int, default=0, help="CPU threads for the engine (0: torch's)"
+        "--kv-finite-check",
+        action=argparse.BooleanOptionalAction,
+        default=default(TransportSettings, "check_finite"),
+        help=field_doc(TransportSettings, "check_finite"),
+    )
+    w.add_argument(
+        "--torch-threads",
+        type=non_negative_int,
+        default=0,
+        help="CPU threads for the engine (0: torch's)",
     )
     w.add_argument(
         "--gpu-kind",
+        type=gpu_kind,
         default=env.get("PDORCH_GPU_KIND", default(WorkerSettings, "gpu_kind")),
-        help="the accelerator this worker runs on (priced by the orchestrators: H100, L4, ...)",
+        help="the accelerator this worker runs on, priced by the orchestrators: H100, L4, "
+        "... (default: $PDORCH_GPU_KIND, else %(default)s)",
     )
-    w.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics (0: off)")
+    w.add_argument("--metrics-port", type=port, default=0, help="Prometheus /metrics (0: off)")
     w.add_argument(
         "--advertise",
         default=default(WorkerSettings, "advertise"),
-        help="host:port to publish instead of the listener",
+        help=field_doc(WorkerSettings, "advertise"),
     )
     w.add_argument(
         "--kv-advertise",
         default=default(WorkerSettings, "kv_advertise"),
-        help="host:port to publish for the KV receiver",
+        help=field_doc(WorkerSettings, "kv_advertise"),
     )
     _fault_flags(w)
     w.add_argument(
         "--sim",
+        type=_sim_spec,
         default="",
         metavar="MODEL@GPU",
         help="simulated worker: no model, timings from the performance model, e.g. "
@@ -120,13 +166,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     )
     w.add_argument(
         "--max-batch",
-        type=int,
+        type=non_negative_int,
         default=0,
         help=f"decode batch ({default(WorkerSettings, 'max_batch')}; simulated: {SIM_MAX_BATCH})",
     )
     w.add_argument(
         "--engine",
-        choices=("reference", "vllm"),
+        choices=ENGINES,
         default="reference",
         help="reference: pdorch's transformers engine; vllm: vLLM's async engine (the vllm "
         "extra's environment; --model smollm2; --kv-capacity-mib sizes its block pool, "
@@ -155,6 +201,19 @@ def _fault_flags(w: argparse.ArgumentParser) -> None:
         default=0.0,
         help="fault injection: stall this many seconds in the middle of every KV send",
     )
+
+
+def _sim_spec(text: str) -> str:
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+    from orchestrator.workers.sim_engine import SimSpec  # noqa: PLC0415
+
+    if not text:  # the default: a real engine
+        return text
+    try:
+        SimSpec.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _fault_spec(text: str) -> str:
@@ -189,12 +248,25 @@ def worker_settings(args: argparse.Namespace, **chosen: Any) -> WorkerSettings:
     )
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """What can be checked before anything starts: flags that go together, Redis answers,
+    the ports are free."""
+    check_engine(args.engine, args.model)
+    if not args.sim:  # simulated workers move KV over TCP
+        check_transport(args.transport)
+    if args.count != 1 and not args.sim:
+        raise CommandError("--count needs --sim")
+    check_redis(args.redis)
+    if args.count == 1:  # a fleet's members take the ports after these
+        check_port_free(args.host, args.port, "--port")
+        check_port_free(args.host, args.kv_port, "--kv-port")
+    check_port_free(args.host, args.metrics_port, "--metrics-port")
+
+
 async def run(args: argparse.Namespace) -> int:
+    preflight(args)
     if args.sim:
         return await _run_sim_workers(args)
-    if args.count != 1:
-        print("pdorch worker: --count needs --sim", file=sys.stderr)
-        return 2
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.workers.host import EngineHost  # noqa: PLC0415
     from orchestrator.workers.metrics import WorkerMetrics  # noqa: PLC0415
@@ -217,7 +289,7 @@ async def run(args: argparse.Namespace) -> int:
         )
     hosted = isinstance(engine, EngineHost)
     store = RedisStore(StoreSettings(url=args.redis))
-    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold, check_finite=args.kv_finite_check)
     settings = worker_settings(
         args, advertise=args.advertise, kv_advertise=args.kv_advertise, gpu_kind=args.gpu_kind
     )
@@ -257,8 +329,6 @@ def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics) -> EngineHost:
     from orchestrator.workers.vllm.cpu import reserved_cpus_env  # noqa: PLC0415
     from orchestrator.workers.vllm.engine import VllmHost, VllmSettings  # noqa: PLC0415
 
-    if args.model != "smollm2":
-        raise SystemExit("pdorch worker --engine vllm: only --model smollm2")
     for key, value in reserved_cpus_env().items():  # read by vLLM's engine core, a child
         os.environ.setdefault(key, value)
     model_dir = ensure_smollm2(Path(args.model_cache) if args.model_cache else None)
@@ -275,7 +345,6 @@ def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics) -> EngineHost:
 
 async def _run_sim_workers(args: argparse.Namespace) -> int:
     """``--count`` simulated workers in this process (`orchestrator.workers.fleet`)."""
-    from orchestrator.errors import ConfigError  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
     from orchestrator.workers.server import Worker  # noqa: PLC0415
@@ -283,15 +352,11 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
     from transport.base import TransportSettings  # noqa: PLC0415
     from transport.tcp import TcpDataPlane, tcp_receiver  # noqa: PLC0415
 
-    try:
-        spec = SimSpec.parse(args.sim)
-    except ConfigError as exc:
-        print(f"pdorch worker: --sim: {exc}", file=sys.stderr)
-        return 2
+    spec = SimSpec.parse(args.sim)  # validated by the parser already
     engine = SimEngine(spec)
     # Heartbeats only: a few connections, not one per worker beating at the same moment.
     store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
-    tsettings = TransportSettings(kv_hold_s=args.kv_hold)
+    tsettings = TransportSettings(kv_hold_s=args.kv_hold, check_finite=args.kv_finite_check)
     base = worker_settings(
         args,
         kv_capacity_bytes=spec.kv_capacity_bytes,

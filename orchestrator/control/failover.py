@@ -18,7 +18,8 @@ What happens when a worker dies mid-request:
 After ``max_attempts`` or a non-retryable error the request fails (``fail``). A request
 this replica lost to a peer (lease lost, or its writes fenced with a stale epoch) is not a
 failure: the new owner continues it. A cancelled run records ``cancel`` — or, when the
-replica is shutting down, hands the request off to a peer.
+replica is shutting down, hands the request off to a peer; a run whose record was cancelled
+under it (its next transition refused) ends with a ``cancelled`` chunk.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from orchestrator.control.relay import Relay
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
-from orchestrator.core.state import Edge
+from orchestrator.core.state import Edge, State
 from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,11 @@ class Failover:
             run.lease_lost = True
             raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
+            if isinstance(exc, errors.InvalidTransitionError) and await self._cancelled(run):
+                # A Cancel (here, or through another replica) landed while a transition
+                # was under way: the client's stream ends as a cancel's does.
+                yield OutChunk(run.rid, len(run.output), [], "", "cancelled", run.timings)
+                return
             if run.lease_lost:
                 # This replica lost the request (its lease lapsed and a peer takes it over):
                 # what failed here is not the request's fate; the new owner continues it.
@@ -163,6 +169,14 @@ class Failover:
             raise
         finally:
             self.leases.drop(run)
+
+    async def _cancelled(self, run: Run) -> bool:
+        """Whether the request's record says it was cancelled."""
+        try:
+            record = await self.store.get(run.rid)
+        except errors.UnavailableError:
+            return run.cancelled
+        return record is not None and record.state is State.CANCELLED
 
     async def _reassign(self, run: Run) -> None:
         """Fence the failed attempt off: epoch + 1, back to queued."""

@@ -3,7 +3,8 @@
 Nothing is written before the request is known to be valid and admissible: the input is
 checked against the limits (`RequestLimits`, one place), the prompt tokenized on a worker
 and checked against the model, and admission (`Ledger.estimate`) refuses early what would
-only queue to time out. Then the record is created in the store, idempotently: the
+only queue to time out; a call whose deadline passed meanwhile is refused too (its client
+is gone: nothing is started for it). Then the record is created in the store, idempotently: the
 client's request id is the key, and a resubmission with the same body (`RequestSpec
 .body_hash`) is answered from the existing request, a different body refused.
 """
@@ -11,6 +12,7 @@ client's request id is the key, and a resubmission with the same body (`RequestS
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from orchestrator.control.ledger import Ledger
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.settings import ControlSettings
+from orchestrator.core.idents import id_problem
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.spec import GenerateInput, RequestSpec
 from orchestrator.store.base import Store
@@ -33,6 +36,12 @@ class Admitted:
     spec: RequestSpec
     workers: Sequence[WorkerInfo]
     ttft_estimate_s: float | None
+
+
+def _check_deadline(inp: GenerateInput) -> None:
+    """Refuse a request whose caller's deadline passed: no one could receive its tokens."""
+    if inp.deadline is not None and time.monotonic() >= inp.deadline:
+        raise errors.DeadlineExceededError("the call's deadline passed before the request started")
 
 
 class Intake:
@@ -57,13 +66,15 @@ class Intake:
             self.metrics.rejections.labels(type(exc).__name__).inc()
 
     async def known(self, rid: str) -> bool:
-        """Whether ``rid`` names a request already created (its resubmission is admitted)."""
-        return bool(rid) and await self.store.get(rid) is not None
+        """Whether ``rid`` names a request already created (its resubmission is admitted);
+        an id no request can have is not looked up."""
+        return id_problem(rid) is None and await self.store.get(rid) is not None
 
     async def admit(self, inp: GenerateInput, driving: int) -> Admitted:
         """Validate, tokenize and admit (nothing written yet); ``driving``: runs here now."""
         try:
             self.settings.limits.check(inp)
+            _check_deadline(inp)
             workers = await self.store.workers()
             if not workers:
                 raise errors.UnavailableError("no workers registered")
@@ -79,6 +90,7 @@ class Intake:
                 if not await self.known(inp.request_id):
                     raise
                 estimate = None
+            _check_deadline(inp)  # admission took time: is anyone still waiting?
         except errors.PdorchError as exc:
             self.rejected(exc)
             raise

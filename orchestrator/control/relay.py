@@ -140,5 +140,9 @@ class Relay:
                 self.metrics.finished(str(state), reason, run.timings, cost)
             return await self.store.get(run.rid)
         except errors.PdorchError as exc:
-            log.warning("request %s: could not record %s: %s", run.rid, state, exc)
+            # A client's Cancel records the end itself, often first: the client's business,
+            # not a warning.
+            cancelled = edge is Edge.CANCEL and isinstance(exc, errors.InvalidTransitionError)
+            level = logging.INFO if cancelled else logging.WARNING
+            log.log(level, "request %s: could not record %s: %s", run.rid, state, exc)
             return None

@@ -24,6 +24,7 @@ from orchestrator.control.local import Local
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
+from orchestrator.core.idents import check_request_id
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.spec import GenerateInput
 from orchestrator.core.state import Edge, State
@@ -94,6 +95,7 @@ class Sessions:
             self._drive_detached(run, admitted.workers, clients), name=f"pdorch-drive-{rid}"
         )
         self.local.tasks[rid] = task  # so Cancel can stop it
+        task.add_done_callback(lambda t: self._cancelled_unstarted(t, run, clients))
         try:
             while (item := await feed.get()) is not None:
                 if isinstance(item, errors.LeaseLostError):
@@ -133,13 +135,29 @@ class Sessions:
             raise
         except errors.PdorchError as exc:
             deliver(exc)  # the client sees it; the record already says how the request ended
-        except Exception as exc:
+        except Exception:  # a bug: its text (maybe a store's or a peer's words) is logged only
             log.exception("request %s: drive failed", run.rid)
-            deliver(errors.UnavailableError(f"request {run.rid} failed: {exc}"))
+            deliver(errors.UnavailableError(f"request {run.rid} failed: internal error"))
         else:
             deliver(None)
         finally:
             self.local.tasks.pop(run.rid, None)
+
+    def _cancelled_unstarted(self, task: asyncio.Task[None], run: Run, clients: set[Feed]) -> None:
+        """A drive cancelled before its first step never ran a line of `_drive_detached`
+        (a Cancel landing between the record's creation and the task's start): tell its
+        clients it ended cancelled, or they would wait for chunks that never come."""
+        if run.rid not in self.local.tasks or self.local.tasks[run.rid] is not task:
+            return  # it ran: `_drive_detached` delivered the end and unregistered itself
+        del self.local.tasks[run.rid]
+        if not task.cancelled():
+            return
+        end: OutChunk | BaseException = OutChunk(run.rid, 0, [], "", "cancelled", run.timings)
+        if self.local.stopping:  # shutting down: the record's lease lapses, a peer takes over
+            end = errors.UnavailableError("orchestrator shutting down; resume elsewhere")
+        log.info("request %s: stopped before it started", run.rid)
+        for client in list(clients):
+            client.put_nowait(end)
 
     def _detached(self, run: Run, task: asyncio.Task[None], clients: set[Feed]) -> None:
         """The last local client left: give it ``detach_grace_s`` to come back (here, or on
@@ -202,7 +220,7 @@ class Sessions:
                 await asyncio.sleep(self.settings.follow_poll_s)
 
     async def cancel(self, rid: str) -> State:
-        record = await self.get(rid)
+        record = await self.get(rid)  # validates the id
         if record.state.terminal:
             return record.state
         self.local.stop_driving(rid)  # driven here: cancelling it cancels the worker calls too
@@ -214,6 +232,7 @@ class Sessions:
         return got.state if got else State.CANCELLED
 
     async def get(self, rid: str) -> RequestRecord:
+        check_request_id(rid)  # no such id can exist; and an error may not echo a megabyte
         record = await self.store.get(rid)
         if record is None:
             raise errors.NotFoundError(f"no request {rid!r}")

@@ -36,6 +36,11 @@ class WorkerInfo:
     """The engine's KV dtype (`transport.wire.DType` name, lower case: "float32") when its
     KV may be converted on the way to a decode worker; "" when it must travel as computed
     (the simulated engine's KV bits carry token ids). See `orchestrator.core.kvdtype`."""
+    kv_blocks: int = 0
+    """Blocks in the engine's own KV block pool (vLLM's); 0 for an engine without one."""
+    kv_free_blocks: int = 0
+    """Of those, the free ones now. Every request over, all are free again: what the chaos
+    checker's leak check compares with the pool's size."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -3,7 +3,8 @@
 `GenerateInput` is what a front (rpc, gateway) hands the control plane: the prompt in one of
 three shapes, untokenized. `RequestLimits.check` validates it — the one place where the
 orchestrator's limits (``max_tokens``, stop strings, the request id) are enforced — and
-`RequestLimits.check_prompt` checks the tokenized prompt against the model.
+`RequestLimits.check_prompt` checks the tokenized prompt against the model. What a request
+id may be is `orchestrator.core.idents`'s rule (in UTF-8 bytes, the KV header's bound).
 
 `RequestSpec` is the request once tokenized: what every attempt (and a replica that takes
 the request over) runs. It is built from the input at intake (`RequestSpec.admitted`) and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from orchestrator.core.idents import check_request_id
 from orchestrator.core.records import RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.state import INITIAL
@@ -34,6 +36,9 @@ class GenerateInput:
     resume_from: int = 0
     tenant: str = "default"
     """Who is billed (rpc: the x-pdorch-tenant call metadata)."""
+    deadline: float | None = None
+    """``time.monotonic()`` after which no client can receive the answer (rpc: the call's
+    deadline); a request not created by then is refused, never started."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +48,11 @@ class RequestLimits:
     max_tokens: int = 2048
     """Largest ``max_tokens`` a request may ask for."""
     max_stop_strings: int = 8
-    max_request_id_len: int = 128
 
     def check(self, inp: GenerateInput) -> None:
         """Raise InvalidRequestError (naming the field) for the first invalid part of ``inp``."""
-        if len(inp.request_id) > self.max_request_id_len:
-            raise InvalidRequestError("request_id", f"longer than {self.max_request_id_len}")
+        if inp.request_id:  # empty: the orchestrator names the request
+            check_request_id(inp.request_id)
         given = [p for p in (inp.text, inp.chat, inp.token_ids) if p is not None]
         if len(given) != 1:
             raise InvalidRequestError("prompt", "give exactly one of text, chat, tokens")
@@ -66,6 +70,11 @@ class RequestLimits:
             raise InvalidRequestError(name, message)
         if len(inp.stop) > self.max_stop_strings or any(not x for x in inp.stop):
             raise InvalidRequestError("stop", f"at most {self.max_stop_strings} non-empty strings")
+        texts = [("prompt", inp.text or ""), ("stop", *inp.stop)]
+        texts += [("prompt", role, content) for role, content in inp.chat or ()]
+        for name, *parts in texts:
+            if any(not _is_text(p) for p in parts):
+                raise InvalidRequestError(name, "not valid Unicode (a lone surrogate)")
 
     @staticmethod
     def check_vocab(ids: tuple[int, ...], model: WorkerInfo) -> None:
@@ -87,6 +96,16 @@ class RequestLimits:
                 f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
                 f"context of {model.max_context}",
             )
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` is text UTF-8 can carry (a front decoding JSON may hand over a lone
+    surrogate, which no protobuf string or tokenizer accepts)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _sampling_list(p: SamplingParams) -> list[float]:

@@ -7,7 +7,10 @@ in the OpenAI shape through `orchestrator.gateway.errors`.
 A streamed call reads the request's first chunk *before* it answers, so everything that can
 go wrong at admission (validation, backpressure, no workers, a failed prefill) still gets its
 own status code; after the headers are out, a failure ends the stream with an error event
-and no ``[DONE]``. A client that goes away mid-stream just stops being sent to: its request
+and no ``[DONE]``. A body is refused (400) before anything reads it when it is not JSON,
+nests too deeply or holds a lone surrogate (`parse.check_json`); a client that disconnects
+mid-body costs one INFO line. Client strings in errors and logs go through `idents.shown`.
+A client that goes away mid-stream just stops being sent to: its request
 keeps running for the orchestrator's detach grace (a retry with the same ``Idempotency-Key``
 follows it), then is cancelled.
 """
@@ -24,13 +27,14 @@ from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from orchestrator import errors
 from orchestrator.control.orchestrator import GenerateInput, OutChunk
+from orchestrator.core.idents import shown
 from orchestrator.gateway import parse, render
 from orchestrator.gateway.errors import SERVER, ApiError, api_error_for
 from orchestrator.gateway.settings import GatewaySettings
@@ -73,8 +77,13 @@ def _answering_errors(handler: Handler) -> Handler:
             return _error_response(exc)
         except errors.PdorchError as exc:
             return _error_response(api_error_for(exc))
+        except ClientDisconnect:
+            # The client's business: it went away mid-request (its body unread). Nobody
+            # reads this answer; nginx would log 499.
+            log.info("%s %s: client disconnected", request.method, shown(request.url.path))
+            return _error_response(ApiError(400, "client disconnected"))
         except Exception:
-            log.exception("%s %s failed", request.method, request.url.path)
+            log.exception("%s %s failed", request.method, shown(request.url.path))
             return _error_response(_internal())
 
     return wrapped
@@ -95,7 +104,7 @@ class _EventStream(StreamingResponse):
             events,
             media_type="text/event-stream",
             headers={
-                REQUEST_ID_HEADER: rid,
+                REQUEST_ID_HEADER: parse.header_value(rid),
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
             },
@@ -184,7 +193,9 @@ class Gateway:
                 chunk = None if tally.finish else await _next(source, call)
         finally:
             await _close(source)
-        return JSONResponse(renderer.whole(tally), headers={REQUEST_ID_HEADER: rid})
+        return JSONResponse(
+            renderer.whole(tally), headers={REQUEST_ID_HEADER: parse.header_value(rid)}
+        )
 
     def _authorize(self, request: Request) -> None:
         key = self.settings.api_key
@@ -215,8 +226,13 @@ class Gateway:
             body = json.loads(raw)
         except ValueError:
             raise ApiError(400, "the request body is not valid JSON") from None
+        except RecursionError:  # the parser's own stack: nesting in the thousands
+            raise ApiError(
+                400, f"the request body nests deeper than {parse.MAX_JSON_DEPTH} levels"
+            ) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        parse.check_json(body)
         return body
 
     async def _check_model(self, name: str) -> None:
@@ -276,7 +292,7 @@ def _model_card(name: str) -> dict[str, Any]:
 def _model_not_found(name: str) -> ApiError:
     return ApiError(
         404,
-        f"The model {name!r} does not exist: see GET /v1/models",
+        f"The model {shown(name)} does not exist: see GET /v1/models",
         param="model",
         code="model_not_found",
     )
@@ -289,5 +305,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
     headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
     return _error_response(
-        ApiError(status, f"{request.method} {request.url.path}: {detail}", code=code), headers
+        ApiError(status, f"{request.method} {shown(request.url.path)}: {detail}", code=code),
+        headers,
     )

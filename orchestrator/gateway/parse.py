@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.control.orchestrator import GenerateInput
+from orchestrator.core.idents import ECHO_CHARS, check_request_id, check_tenant, shown
 from orchestrator.core.sampling import SamplingParams
+from orchestrator.errors import InvalidRequestError
 from orchestrator.gateway.errors import ApiError
 from orchestrator.gateway.settings import GatewaySettings
 
@@ -55,21 +57,42 @@ class Call:
 
 
 def request_id(headers: Mapping[str, str]) -> str:
-    """The client's request id from `REQUEST_ID_HEADERS`, else a fresh one."""
+    """The client's request id from `REQUEST_ID_HEADERS` (UTF-8, by `idents`' rule: a 400
+    naming the header otherwise), else a fresh one."""
     for name in REQUEST_ID_HEADERS:
-        value = headers.get(name, "").strip()
+        value = header(headers, name).strip()
         if value:
+            try:
+                check_request_id(value, name)
+            except InvalidRequestError as exc:
+                raise ApiError(400, str(exc), param=name) from None
             return value
     return uuid.uuid4().hex
 
 
+def header(headers: Mapping[str, str], name: str) -> str:
+    """A header's value as UTF-8 text. HTTP servers hand headers over as Latin-1 (every byte
+    one character); decoding their bytes as UTF-8 makes the same bytes the same text as a
+    gRPC string. Not UTF-8: a 400 naming the header."""
+    raw = headers.get(name, "")
+    try:
+        return raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise ApiError(400, f"{name} is not valid UTF-8", param=name) from None
+
+
+def header_value(text: str) -> str:
+    """``text`` (valid by `idents`' rules) as a response header: its UTF-8 bytes, which the
+    HTTP server writes as Latin-1 — the inverse of `header`."""
+    return text.encode("utf-8").decode("latin-1")
+
+
 TENANT_HEADER = "x-pdorch-tenant"
-_MAX_TENANT = 64
 
 
 def tenant(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
     """Who is billed: the ``x-pdorch-tenant`` header, else ``user``, else "default"."""
-    given = headers.get(TENANT_HEADER)
+    given: object = header(headers, TENANT_HEADER) if TENANT_HEADER in headers else None
     where = TENANT_HEADER
     if given is None:
         given, where = body.get("user"), "user"
@@ -77,10 +100,52 @@ def tenant(headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
         return "default"
     if not isinstance(given, str):
         raise ApiError(400, f"{where} must be a string", param=where)
-    text = given.strip()
-    if not text or len(text) > _MAX_TENANT or not text.isprintable():
-        raise ApiError(400, f"{where} must be 1-{_MAX_TENANT} printable characters", param=where)
-    return text
+    try:
+        return check_tenant(given, where)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=where) from None
+
+
+MAX_JSON_DEPTH = 32
+"""How deeply a request body may nest (an OpenAI body nests 4 levels; a tool's JSON schema,
+refused anyway, a few more)."""
+
+
+def check_json(body: object) -> None:
+    """What `json.loads` lets through but nothing downstream may see: nesting deeper than
+    `MAX_JSON_DEPTH`, and strings (or keys) with a lone surrogate (``"\\ud800"``: JSON may
+    escape one; it is no text, and encoding it fails). A 400 naming where, never a 500.
+    Iterative: a body is at most a few MiB, each value visited once."""
+    stack: list[tuple[object, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            _check_text(value, where or "body")
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                name = f"{where}.{_part(key)}" if where else _part(key)
+                _check_text(key, f"the key {name}")
+                stack.append((v, name, depth + 1))
+
+
+def _part(key: str) -> str:
+    """A key as part of a parameter's path in an error: itself, or `shown` if long or odd."""
+    return key if len(key) <= ECHO_CHARS and key.isprintable() else shown(key)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            400,
+            f"{where} is not valid Unicode: a lone surrogate at character {exc.start}",
+            param=where.removeprefix("the key "),
+        ) from None
 
 
 def seed_for(request_id: str) -> int:
@@ -100,8 +165,20 @@ def parse_completion(body: Mapping[str, Any], rid: str, settings: GatewaySetting
         text = prompt
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         tokens = tuple(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
         raise ApiError(400, "batched prompts are not supported: send one per call", param="prompt")
+    elif isinstance(prompt, list) and prompt:
+        i, bad = next((i, t) for i, t in enumerate(prompt) if not _is_int(t))
+        raise ApiError(
+            400,
+            f"prompt[{i}] is {shown(bad)} ({type(bad).__name__}): a list prompt is token ids, "
+            "integers (a batch of prompts is not supported)",
+            param="prompt",
+        )
     else:
         raise ApiError(
             400, "prompt must be a string or a list of token ids (non-empty)", param="prompt"
@@ -173,7 +250,7 @@ def _message(m: object, i: int) -> tuple[str, str]:
     if role not in _CHAT_ROLES:
         raise ApiError(
             400,
-            f"{where}.role {role!r} is not supported (system, developer, user, assistant)",
+            f"{where}.role {shown(role)} is not supported (system, developer, user, assistant)",
             param=f"{where}.role",
         )
     if m.get("tool_calls") or m.get("function_call"):

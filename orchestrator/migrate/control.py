@@ -15,6 +15,7 @@ import contextlib
 import logging
 
 from orchestrator import errors
+from orchestrator.core.idents import shown
 from orchestrator.migrate.policy import Sample, Window, WindowStats, breach
 from orchestrator.migrate.settings import MigrationSettings
 from orchestrator.migrate.state import MigrationState
@@ -83,7 +84,9 @@ class Control:
             self._queue.put_nowait(sample)
         except asyncio.QueueFull:
             self.dropped += 1
-            log.warning("sample of request %s dropped: the Redis queue is full", sample.request_id)
+            log.warning(
+                "sample of request %s dropped: the Redis queue is full", shown(sample.request_id)
+            )
 
     def _roll_back(self, reason: str, stats: WindowStats) -> None:
         before, self.percent = self.percent, 0.0

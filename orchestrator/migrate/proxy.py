@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from orchestrator.core.idents import shown
 from orchestrator.gateway.errors import SERVER, ApiError
 from orchestrator.migrate import agreement, policy, sse
 from orchestrator.migrate.control import Control
@@ -181,7 +182,7 @@ class Proxy:
         client_usage = _asks_usage(body)
         upstream_body = _with_usage(body) if stream and not client_usage else raw
         call = Call(rid, "pdorch" if to_pdorch else "existing", "answer", stream, ts, started)
-        log.debug("request %s -> %s (mode %s)", rid, call.path, c.mode)
+        log.debug("request %s -> %s (mode %s)", shown(rid), call.path, c.mode)
         existing_text: asyncio.Future[str | None] | None = None
         if mirror:
             existing_text = asyncio.get_running_loop().create_future()
@@ -211,7 +212,7 @@ class Proxy:
             resp = await self.http.send(upstream, stream=True)
         except httpx.HTTPError as exc:
             status, message = _transport_error(exc)
-            log.warning("request %s: %s %s", call.rid, call.path, message)
+            log.warning("request %s: %s %s", shown(call.rid), call.path, message)
             done(call.sample(0, sse.Reading(), message))
             return _api_error(status, f"{call.path}: {message}", "upstream_error")
         headers = _back_headers(resp.headers) | {PATH_HEADER: call.path}
@@ -259,7 +260,7 @@ class Proxy:
             finished = True
         except httpx.HTTPError as exc:
             _, error = _transport_error(exc)
-            log.warning("request %s: %s stream broke: %s", call.rid, call.path, error)
+            log.warning("request %s: %s stream broke: %s", shown(call.rid), call.path, error)
             finished = True
             yield sse_error(f"{call.path}: {error}")
         finally:
@@ -267,7 +268,7 @@ class Proxy:
             if finished or reader.reading.done:
                 done(call.sample(resp.status_code, reader.reading, error))
             else:  # the client went away: not the upstream's failure
-                log.info("request %s: client disconnected from %s", call.rid, call.path)
+                log.info("request %s: client disconnected from %s", shown(call.rid), call.path)
                 sample = call.sample(resp.status_code, reader.reading, "client disconnected")
                 sample.failed = False
                 done(sample)
@@ -279,7 +280,9 @@ class Proxy:
     ) -> None:
         if self._shadow_slots.locked():
             self.control.skipped_shadow()
-            log.info("request %s: shadow skipped (%d in flight)", answer.rid, len(self._shadows))
+            log.info(
+                "request %s: shadow skipped (%d in flight)", shown(answer.rid), len(self._shadows)
+            )
             return
         call = Call(answer.rid, "pdorch", "shadow", answer.stream, answer.ts, answer.started)
         task = asyncio.create_task(
@@ -332,7 +335,7 @@ class Proxy:
                 return call.sample(resp.status_code, reading)
         except httpx.HTTPError as exc:
             _, message = _transport_error(exc)
-            log.info("request %s: shadow call failed: %s", call.rid, message)
+            log.info("request %s: shadow call failed: %s", shown(call.rid), message)
             return call.sample(0, sse.Reading(), message)
 
     # -------------------------------------------------------------------------- helpers

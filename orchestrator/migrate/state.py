@@ -1,14 +1,15 @@
 """A migration's state in Redis. The only module of `orchestrator.migrate` that talks to Redis;
 its errors become `orchestrator.errors.UnavailableError` here.
 
-Keys (``P`` is the prefix, ``pdorch`` by default; ``N`` the migration's name)::
+Keys, built by `orchestrator.store.keys` (``P`` is the prefix, ``pdorch`` by default; ``N``
+the migration's name, encoded: one hash tag, one Redis Cluster slot)::
 
-    P:migrate:N              hash    mode, percent, sample, upstreams, limits and pricing
+    P:migrate:{N}            hash    mode, percent, sample, upstreams, limits and pricing
                                      (JSON), started_at, updated_at; counters
                                      requests:<path>, failures:<path>, shadow_skipped
-    P:migrate:N:rollbacks    list    rollback JSON {ts, reason, percent_before, stats}, last 100
-    P:migrate:N:window       hash    path -> `policy.WindowStats` JSON (the proxy's window)
-    P:migrate:N:samples      stream  one `policy.Sample` JSON per answer (field ``s``),
+    P:migrate:{N}:rollbacks  list    rollback JSON {ts, reason, percent_before, stats}, last 100
+    P:migrate:{N}:window     hash    path -> `policy.WindowStats` JSON (the proxy's window)
+    P:migrate:{N}:samples    stream  one `policy.Sample` JSON per answer (field ``s``),
                                      trimmed to about ``max_samples`` (XADD MAXLEN ~)
 
 A rollback is one Lua script: it sets percent to 0 and appends the rollback only if percent
@@ -29,6 +30,7 @@ import redis.exceptions as rexc
 from orchestrator import errors
 from orchestrator.migrate.policy import Sample, WindowStats
 from orchestrator.migrate.settings import MigrationSettings
+from orchestrator.store.keys import DEFAULT_PREFIX, Keys
 
 T = TypeVar("T")
 
@@ -73,14 +75,16 @@ _CONFIG_FLOAT = ("percent", "sample", "started_at", "updated_at")
 
 
 class MigrationState:
-    def __init__(self, url: str, name: str, prefix: str = "pdorch", timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, url: str, name: str, prefix: str = DEFAULT_PREFIX, timeout_s: float = 2.0
+    ) -> None:
         self.name = name
         self.url = url
-        base = f"{prefix}:migrate:{name}"
-        self.key = base
-        self.rollbacks_key = f"{base}:rollbacks"
-        self.window_key = f"{base}:window"
-        self.samples_key = f"{base}:samples"
+        keys = Keys(prefix)
+        self.key = keys.migration(name)
+        self.rollbacks_key = keys.migration_rollbacks(name)
+        self.window_key = keys.migration_window(name)
+        self.samples_key = keys.migration_samples(name)
         try:
             # redis-py's stubs type replies as bytes | str | None whatever decode_responses says
             self._redis: Any = aioredis.Redis.from_url(

@@ -1,9 +1,18 @@
-"""The client-facing gRPC service: protobuf in, `control.Orchestrator` calls, protobuf out."""
+"""The client-facing gRPC service: protobuf in, `control.Orchestrator` calls, protobuf out.
+
+What a client sends is held to one set of rules, `orchestrator.core.idents`: tenants here,
+request ids where `control` admits or looks up a request (the same check serves the HTTP
+gateway). Requests protobuf cannot decode are answered by the `RefuseUndecodable`
+interceptor, which `server` installs. The call's deadline travels with the
+input: a request whose deadline passes before it is created is refused (DEADLINE_EXCEEDED)
+and nothing runs for it. Client strings in logs go through `shown`.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -11,7 +20,9 @@ import grpc
 from orchestrator import errors
 from orchestrator.api import convert, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.control.orchestrator import GenerateInput, Orchestrator, OutChunk
+from orchestrator.core.idents import check_tenant, shown
 from orchestrator.core.records import RequestRecord
+from orchestrator.rpc.interceptors import RefuseUndecodable
 from orchestrator.rpc.status import status_for
 
 log = logging.getLogger(__name__)
@@ -21,25 +32,33 @@ Context = grpc.aio.ServicerContext[Any, Any]
 TENANT_KEY = "x-pdorch-tenant"
 RETRY_AFTER_KEY = "retry-after"
 """Trailing metadata of a RESOURCE_EXHAUSTED refusal: seconds before a retry can succeed."""
-_MAX_TENANT = 64
+
+
+def server(orchestrator: Orchestrator, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
+    """A gRPC server serving the client API over ``orchestrator`` (requests protobuf cannot
+    decode answer INVALID_ARGUMENT); the caller adds ports and other services."""
+    out = grpc.aio.server(options=options, interceptors=[RefuseUndecodable()])
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(orchestrator), out)
+    return out
 
 
 def _tenant(context: Context) -> str:
-    """The caller's tenant, from call metadata (bounded; "default" without one)."""
+    """The caller's tenant, from call metadata (`idents.check_tenant`; "default" without one)."""
     for key, value in context.invocation_metadata() or ():
         if key == TENANT_KEY:
-            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-            text = text.strip()
-            if not text or len(text) > _MAX_TENANT or not text.isprintable():
-                raise errors.InvalidRequestError(
-                    TENANT_KEY, f"must be 1-{_MAX_TENANT} printable characters"
-                )
-            return text
+            try:
+                text = value.decode() if isinstance(value, bytes) else str(value)
+            except UnicodeDecodeError:
+                raise errors.InvalidRequestError(TENANT_KEY, "not valid UTF-8") from None
+            return check_tenant(text, TENANT_KEY)
     return "default"
 
 
-def _input(req: orchestrator_pb2.GenerateRequest, tenant: str = "default") -> GenerateInput:
+def _input(
+    req: orchestrator_pb2.GenerateRequest, tenant: str = "default", context: Context | None = None
+) -> GenerateInput:
     which = req.WhichOneof("prompt")
+    remaining = None if context is None else context.time_remaining()
     return GenerateInput(
         request_id=req.request_id,
         text=req.text if which == "text" else None,
@@ -50,6 +69,7 @@ def _input(req: orchestrator_pb2.GenerateRequest, tenant: str = "default") -> Ge
         stop=tuple(req.stop),
         resume_from=req.resume_from_index,
         tenant=tenant,
+        deadline=None if remaining is None else time.monotonic() + remaining,
     )
 
 
@@ -97,10 +117,10 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
         try:
-            async for chunk in self.o.generate(_input(request, _tenant(context))):
+            async for chunk in self.o.generate(_input(request, _tenant(context), context)):
                 yield _chunk_pb(chunk)
         except errors.PdorchError as exc:
-            log.info("request %s failed: %s", request.request_id or "-", exc)
+            log.info("request %s failed: %s", shown(request.request_id), exc)
             if isinstance(exc, errors.OverloadedError):  # when to try again (seconds)
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"),))
             await context.abort(status_for(exc), str(exc))

@@ -8,8 +8,9 @@ cache is lost when Redis restarts or fails over).
 It meets the store contract, `orchestrator.store.base.Store`. The key layout is
 `orchestrator.store.keys`.
 
-Redis errors are translated here: connection problems and timeouts become
-`UnavailableError`; script refusals become `StaleEpochError`/`InvalidTransitionError`.
+Redis errors are translated here: connection problems, timeouts and error replies become
+`UnavailableError` with a message that holds none of Redis's text (that goes to the log);
+script refusals become `StaleEpochError`/`InvalidTransitionError`.
 """
 
 from __future__ import annotations
@@ -198,12 +199,18 @@ return 1
 
 @contextlib.asynccontextmanager
 async def _translated(what: str) -> AsyncIterator[None]:
+    """Redis's errors as `UnavailableError`. The message says only what failed: it reaches
+    clients (gRPC details, HTTP bodies, a failed record's ``error``), while Redis's text
+    (addresses, WRONGTYPE, script names and lines) goes to this module's log alone."""
     try:
         yield
     except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-        raise errors.UnavailableError(f"request store unreachable during {what}: {exc}") from exc
+        log.info("request store unreachable during %s: %s", what, exc)  # callers warn
+        raise errors.UnavailableError(f"request store unreachable ({what})") from exc
     except rexc.RedisError as exc:
-        raise errors.UnavailableError(f"request store error during {what}: {exc}") from exc
+        # An error reply is a bug or tampering, not an outage: loud, with Redis's words.
+        log.exception("request store error during %s", what)
+        raise errors.UnavailableError(f"request store error ({what})") from exc
 
 
 class RedisStore:

@@ -50,6 +50,10 @@ class EngineHost(abc.ABC):
     def kv_capacity(self) -> int:
         """KV bytes this worker can hold in all (``kv_capacity - kv_used`` is its room)."""
 
+    def kv_blocks(self) -> tuple[int, int]:
+        """(blocks in the engine's KV block pool, free ones); (0, 0) when it has no pool."""
+        return 0, 0
+
     @abc.abstractmethod
     async def tokenize(self, text: str) -> list[int]: ...
 

@@ -78,13 +78,25 @@ def default_cache_dir() -> Path:
 
 
 def load_engine(name: str, cache_dir: Path | None = None) -> HfEngine:
-    """An engine for ``name`` in `MODEL_NAMES`; ``cache_dir`` holds converted models
-    (`default_cache_dir` when None). "tiny" needs no files."""
+    """An engine for ``name`` in `MODEL_NAMES`, or for a local directory holding a model
+    saved by transformers' ``save_pretrained`` (config.json, weights, tokenizer; served under
+    the directory's name); ``cache_dir`` holds converted models (`default_cache_dir` when
+    None). "tiny" needs no files."""
     if name == "tiny":
         return tiny_engine()
     if name == "smollm2":
         return HfEngine.from_pretrained(ensure_smollm2(cache_dir), name=SMOLLM2_NAME)
-    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+    if is_model_dir(Path(name)):
+        path = Path(name).resolve()
+        return HfEngine.from_pretrained(path, name=path.name)
+    raise ValueError(
+        f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}, or a model directory"
+    )
+
+
+def is_model_dir(path: Path) -> bool:
+    """A directory transformers' ``from_pretrained`` can load (it has a config.json)."""
+    return (path / "config.json").is_file()
 
 
 # ---------------------------------------------------------------------- tiny model

@@ -10,9 +10,10 @@ and the simulated one (which brings its own runner).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -56,7 +57,9 @@ class ReferenceHost(EngineHost):
         self._runner = runner if runner is not None else EngineRunner(engine)
         """Where engine calls run: the engine thread; a simulated engine's own runner."""
         self._batcher = DecodeBatcher(self._runner, max_batch)
-        self._kv_used = 0
+        self._decoding: dict[int, DecodeState] = {}
+        """The sequences being decoded now (by ``id``): what `kv_used` sums, so the gauge
+        is the KV they hold at this moment, grown token by token, and 0 once they end."""
 
     async def start(self, host: str, kv_port: int) -> str:
         address = ""
@@ -79,7 +82,8 @@ class ReferenceHost(EngineHost):
         return self._batcher.active
 
     def kv_used(self) -> int:
-        return self._kv_used + (self._receiver.inbox.bytes_in_use if self._receiver else 0)
+        held = self._receiver.inbox.bytes_in_use if self._receiver else 0
+        return held + sum(self.engine.kv_bytes(s) for s in list(self._decoding.values()))
 
     def kv_capacity(self) -> int:
         return self._capacity
@@ -104,7 +108,26 @@ class ReferenceHost(EngineHost):
         """Emit the token already sampled (index generated-1), then decode to the end.
 
         Each chunk carries the engine time spent on the request since the previous one
-        (``compute_s``: what this worker spent before decoding, e.g. the prefill)."""
+        (``compute_s``: what this worker spent before decoding, e.g. the prefill). The
+        state's KV counts in `kv_used` from the first chunk until the stream ends."""
+        self._decoding[id(state)] = state
+        try:
+            steps = self._steps(request_id, state, max_tokens, prompt_tokens, context, compute_s)
+            async with contextlib.aclosing(steps):
+                async for chunk in steps:
+                    yield chunk
+        finally:
+            del self._decoding[id(state)]
+
+    async def _steps(
+        self,
+        request_id: str,
+        state: DecodeState,
+        max_tokens: int,
+        prompt_tokens: int,
+        context: Context,
+        compute_s: float,
+    ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
         eos = set(self.engine.info.eos_token_ids)
         output = list(state.token_ids[prompt_tokens:])
         last = output[-1]
@@ -170,7 +193,6 @@ class ReferenceHost(EngineHost):
                     return
         finally:
             self._batcher.remove(seq)
-            self._kv_used = max(0, self._kv_used - self.engine.kv_bytes(state))
 
     async def start_state(
         self,
@@ -186,7 +208,6 @@ class ReferenceHost(EngineHost):
         )
         if isinstance(kv, wire.KvCache):
             kv.release()
-        self._kv_used += self.engine.kv_bytes(state)
         return state
 
     # ----------------------------------------------------------------------------- RPCs
@@ -310,7 +331,10 @@ class ReferenceHost(EngineHost):
             yield chunk
 
     async def release(self, request: worker_pb2.ReleaseRequest) -> bool:
-        return self._receiver.discard(request.request_id) if self._receiver else False
+        if self._receiver is None:
+            return False
+        # Only that attempt's KV (or an older one's); its epoch is closed for good.
+        return self._receiver.discard(request.request_id, int(request.epoch))
 
 
 async def _to_wire(

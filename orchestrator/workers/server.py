@@ -136,6 +136,7 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         m = self.host.info
+        blocks, free_blocks = self.host.kv_blocks()
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.settings.role,
@@ -152,6 +153,8 @@ class Worker:
             active=self.host.active(),
             gpu_kind=self.settings.gpu_kind,
             kv_dtype=m.kv_dtype.name.lower() if m.kv_convertible else "",
+            kv_blocks=blocks,
+            kv_free_blocks=free_blocks,
         )
 
     async def _beat(self) -> None:

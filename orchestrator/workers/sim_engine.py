@@ -20,8 +20,9 @@ of ~100 tokens would hold ~25 GiB. The simulated KV keeps the model's layer coun
 ``SIM_HEAD_DIM``: ``kv_scale`` = real bytes per token / simulated bytes per token (256 for
 Llama-3-8B). Every KV figure a simulated worker publishes — bytes per token, capacity, bytes
 used — is the real one divided by ``kv_scale``, so placement decisions are the real ones.
-K's first element of every (layer, head, token) holds the token id's low 16 bits, and
-`start_decode` checks them: a KV adopted for the wrong tokens fails loudly.
+K's first two elements of every (layer, head, token) hold the token id, 14 bits each (bit
+patterns of finite bf16 values: receivers refuse NaN and infinities), and `start_decode`
+checks them: a KV adopted for the wrong tokens fails loudly.
 
 **Time.** A prefill of *n* tokens holds the GPU for ``prefill_seconds(model, gpu, n)``; one
 decode step of a batch for ``decode_step_seconds(model, gpu, batch, mean context)``; adopting
@@ -236,7 +237,7 @@ class SimEngine(Engine):
         # One block, layer after layer (K then V), like the reference engine: the transport
         # can send consecutive layers as one message.
         whole = np.zeros((info.n_layers, 2, info.kv_heads, n, info.head_dim), dtype=np.uint16)
-        whole[:, 0, :, :, 0] = np.asarray(token_ids, dtype=np.int64) & 0xFFFF
+        whole[:, 0, :, :, :2] = _id_bits(token_ids)
         kv = [(whole[i, 0], whole[i, 1]) for i in range(info.n_layers)]
         if on_layer is not None:
             for i, (k, v) in enumerate(kv):
@@ -309,7 +310,7 @@ class SimEngine(Engine):
         if len(kv) != info.n_layers:
             raise ValueError(f"KV has {len(kv)} layers, model has {info.n_layers}")
         want = (info.kv_heads, len(token_ids), info.head_dim)
-        expected = np.asarray(token_ids, dtype=np.int64) & 0xFFFF
+        expected = _id_bits(token_ids)
         for i in (0, info.n_layers - 1):
             k, v = kv[i]
             for what, a in (("K", k), ("V", v)):
@@ -317,8 +318,16 @@ class SimEngine(Engine):
                     raise ValueError(
                         f"layer {i} {what}: {a.dtype}{list(a.shape)}, expected bf16{list(want)}"
                     )
-            if not np.array_equal(k[:, :, 0].view(np.uint16), np.broadcast_to(expected, want[:2])):
+            ids = k[:, :, :2].view(np.uint16)
+            if not np.array_equal(ids, np.broadcast_to(expected, (*want[:2], 2))):
                 raise ValueError(f"layer {i}: KV was computed for other tokens")
+
+
+def _id_bits(token_ids: Sequence[int]) -> np.ndarray:
+    """Each token id as two bf16 bit patterns of 14 bits (low, high): below 0x4000 every
+    pattern is a finite bf16 value, so the simulated KV passes the receiver's NaN check."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    return np.stack([ids & 0x3FFF, (ids >> 14) & 0x3FFF], axis=-1).astype(np.uint16)
 
 
 # ------------------------------------------------------------------------------- runner

@@ -9,7 +9,9 @@ class TextDeltas:
     """Turns a growing list of output token ids into text deltas.
 
     Text ending in U+FFFD (a multi-byte character split across tokens) is held back until
-    the next token completes it, so deltas never carry half a character.
+    the next token completes it, so deltas never carry half a character. An output that
+    ends mid-character (cut by its token limit) ends at its last whole character: the
+    unfinished bytes stay in the token ids, never in the text as U+FFFD.
     """
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str], tokens: Sequence[int] = ()):
@@ -29,8 +31,8 @@ class TextDeltas:
         return delta
 
     def flush(self) -> str:
-        """At the end of the stream: whatever is left, replacement characters included."""
-        text = self._detok(self.tokens)
+        """At the end of the stream: whatever is left but an unfinished last character."""
+        text = self._safe(self._detok(self.tokens))
         delta = text[self._emitted :]
         self._emitted = len(text)
         return delta

@@ -32,7 +32,7 @@ from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import ENDING, Edge, State, apply
 from orchestrator.ports import free_port
 from orchestrator.store.base import Store
-from orchestrator.store.keys import Keys
+from orchestrator.store.keys import Keys, encode
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 from orchestrator.store.server import RedisServer
@@ -72,7 +72,7 @@ def settings(server: RedisServer, request: pytest.FixtureRequest) -> StoreSettin
     """Settings for a `RedisStore` on the module's server, under the test's own prefix."""
     return StoreSettings(
         url=server.url,
-        prefix=f"test:{request.node.name}",
+        prefix=f"test:{encode(request.node.name)}",  # no hash-tag braces of a param's id
         socket_timeout_s=SOCKET_TIMEOUT_S,
         connect_timeout_s=SOCKET_TIMEOUT_S,
         record_ttl_s=600,
@@ -888,3 +888,152 @@ def test_tenant_limit_counts_live_requests_of_that_tenant_only(backend: Backend)
             assert await store.create(of("t6", "acme")) is None
 
     run(scenario)
+
+
+# ------------------------------------------------------------------ client-chosen names
+
+SUFFIXES = (":journal", ":owner", ":client")
+"""What the key layout before issue 17 appended to a record's key: a request id ending in one
+of them named another request's journal, lease or attachment."""
+
+VICTIMS = ("V", "{V}", "a:b}{", "ünï-日本-🙂", "é" * 128)
+"""Request ids with a hash-tag brace, a colon, non-ASCII, 256 UTF-8 bytes."""
+
+
+async def _drive(store: Store, rid: str, tokens: tuple[int, ...]) -> None:
+    """What a running request writes: its record, a journal entry, its lease, a client."""
+    assert await store.create(record(rid, epoch=1)) is None, rid
+    await store.transition(rid, Edge.AGGREGATE, epoch=1)
+    assert await store.append(rid, 1, JournalEntry(0, tokens, "t")) == len(tokens)
+    await store.touch_client(rid, 60)
+    assert await store.refresh_leases([(rid, 1)], "orch-1") == [True]
+
+
+async def _finish(store: Store, rid: str, tokens: tuple[int, ...]) -> None:
+    n = len(tokens)
+    assert await store.append(rid, 1, JournalEntry(n, tokens, "u")) == 2 * n
+    assert await store.refresh_lease(rid, "orch-1")
+    await store.transition(rid, Edge.FINISH, epoch=1)
+
+
+async def _intact(store: Store, rid: str, tokens: tuple[int, ...]) -> None:
+    got = await store.get(rid)
+    assert got is not None, rid
+    assert (got.request_id, got.state, got.epoch, got.output_tokens) == (
+        rid, State.DONE, 1, 2 * len(tokens)
+    )  # fmt: skip
+    assert await store.journal(rid) == [
+        JournalEntry(0, tokens, "t"), JournalEntry(len(tokens), tokens, "u")
+    ]  # fmt: skip
+    assert await store.client_attached(rid)
+
+
+@pytest.mark.parametrize("attacker_first", [False, True], ids=["victim-first", "attacker-first"])
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_an_id_naming_another_requests_key_leaves_it_intact(
+    backend: Backend, victim: str, suffix: str, attacker_first: bool
+) -> None:
+    """Issue 17: `V:journal` was V's journal key, `Z:owner` Z's lease (WRONGTYPE, records
+    destroyed, takeover loops). Both requests now run side by side, each with its own state."""
+    attacker = victim + suffix
+    first, second = (attacker, victim) if attacker_first else (victim, attacker)
+    mine = {victim: (1, 2, 3), attacker: (7, 8)}
+
+    async def scenario() -> None:
+        async with backend.open() as store:
+            await _drive(store, first, mine[first])
+            await _drive(store, second, mine[second])
+            assert sorted(await store.active()) == sorted([victim, attacker])
+            assert await store.lease_holders([victim, attacker]) == ["orch-1", "orch-1"]
+            await _finish(store, first, mine[first])
+            await _finish(store, second, mine[second])
+            for rid in (victim, attacker):
+                await _intact(store, rid, mine[rid])
+            assert await store.active() == []
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("victim", ["V", "{V}", "日本"])
+def test_taking_over_a_colliding_id_leaves_the_other_request_be(
+    backend: Backend, victim: str
+) -> None:
+    """The takeover loop of issue 17: releasing, retaking and taking over `V:owner` must not
+    touch V's lease, and V's lapsed lease is taken over at V's epoch only."""
+
+    async def scenario() -> None:
+        async with backend.open() as store:
+            for rid in (victim, victim + ":owner", victim + ":journal"):
+                assert await store.create(record(rid, epoch=1)) is None
+            assert await store.release_lease(victim + ":owner", "orch-1")
+            assert await store.take_over(victim + ":owner", "orch-2") == 2
+            assert await store.take_over(victim, "orch-2") is None  # V's lease is still held
+            assert await store.release_lease(victim, "orch-1")
+            assert await store.take_over(victim, "orch-3") == 2
+            holders = await store.lease_holders([victim, victim + ":owner", victim + ":journal"])
+            assert holders == ["orch-3", "orch-2", "orch-1"]
+            state, epoch, updated = (await store.progress([victim + ":journal"]))[
+                victim + ":journal"
+            ]
+            assert await store.expire(victim + ":journal", state, epoch, updated, "stuck")
+            got = await store.get(victim)
+            assert got is not None
+            assert (got.state, got.epoch, got.owner) == (State.QUEUED, 2, "orch-3")
+            assert sorted(await store.active()) == sorted([victim, victim + ":owner"])
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("attacker_first", [False, True], ids=["victim-first", "attacker-first"])
+@pytest.mark.parametrize("victim", ["T", "{T}", "a:b", "日本"])
+def test_a_tenant_naming_another_tenants_key_leaves_it_intact(
+    backend: Backend, victim: str, attacker_first: bool
+) -> None:
+    """Issue 17: tenant `T:live`'s cost totals were tenant T's live set (every later request
+    of T failed with WRONGTYPE). Limits and totals stay per tenant."""
+    attacker = victim + ":live"
+
+    async def scenario() -> None:
+        async with backend.open() as store:
+            order = (attacker, victim) if attacker_first else (victim, attacker)
+            for n, tenant in enumerate(order):
+                rid = f"r{n}"
+                assert await store.create(replace(record(rid, epoch=1), tenant=tenant), 1) is None
+                await store.transition(rid, Edge.AGGREGATE, epoch=1)
+                await store.transition(rid, Edge.FINISH, epoch=1)
+                await store.add_tenant_cost(tenant, {"usd": 1.0 + n, "transfer_bytes": 10})
+            # Each tenant's one slot is free again, and is its own.
+            assert await store.create(replace(record("v", epoch=1), tenant=victim), 1) is None
+            assert await store.create(replace(record("a", epoch=1), tenant=attacker), 1) is None
+            with pytest.raises(errors.OverloadedError):
+                await store.create(replace(record("v2", epoch=1), tenant=victim), 1)
+            costs = await store.tenant_costs()
+            assert set(costs) == {victim, attacker}
+            for n, tenant in enumerate(order):
+                assert (costs[tenant]["requests"], costs[tenant]["usd"]) == (1, 1.0 + n)
+
+    run(scenario)
+
+
+# Redis only: a key of the wrong type, written behind the store's back.
+def test_a_redis_error_is_unavailable_without_redis_text(
+    settings: StoreSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis's own words (WRONGTYPE, script names) reach the log, never a caller's message."""
+
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            await client.set(Keys(settings.prefix).request("r1"), "not a hash")
+            with pytest.raises(errors.UnavailableError) as info:
+                await store.get("r1")
+            with pytest.raises(errors.UnavailableError) as info2:
+                await store.append("r1", 0, JournalEntry(0, (1,), "a"))
+            for exc in (info.value, info2.value):
+                assert "WRONGTYPE" not in str(exc)
+                assert "request store" in str(exc)
+                assert isinstance(exc.__cause__, redis.ResponseError)
+
+    with caplog.at_level("WARNING", logger="orchestrator.store.redis_store"):
+        run(scenario)
+    assert "WRONGTYPE" in caplog.text

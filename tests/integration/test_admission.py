@@ -14,9 +14,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import redis
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.cluster import LocalCluster
+from orchestrator.store.keys import Keys
 from tests.integration.conftest import collect, request, run, wait_for, workers
 from transport.ucx import ucx_available
 
@@ -138,6 +140,36 @@ def test_a_tenant_at_its_limit_is_refused_on_every_replica(cluster: LocalCluster
     # The slot is free again once the request ended.
     _, _, chunks = run(collect(second, request("hi", request_id="adm-tenant-2")))
     assert chunks[-1].finish_reason
+
+
+def test_a_tenant_naming_another_tenants_keys_leaves_it_be(cluster: LocalCluster) -> None:
+    """Issue 17: tenant ``capped:live``'s cost totals were tenant capped's live set (the
+    limit's count), and every later request of capped failed with WRONGTYPE."""
+    address = cluster.orchestrator_addresses[0]
+    tenants = ("capped:live", "capped")
+    client = redis.Redis(port=cluster.redis_port, decode_responses=True)
+
+    def finished(tenant: str) -> int:
+        return int(float(client.hget(Keys().tenant_cost(tenant), "requests") or 0))
+
+    async def as_tenant(rid: str, tenant: str) -> list[orchestrator_pb2.GenerateChunk]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+            call = stub.Generate(
+                request("hi", request_id=rid), timeout=30, metadata=(("x-pdorch-tenant", tenant),)
+            )
+            return [c async for c in call]
+
+    try:
+        before = {t: finished(t) for t in tenants}
+        for n, tenant in enumerate(tenants * 2):
+            chunks = run(as_tenant(f"adm-named-{n}", tenant))
+            assert chunks[-1].finish_reason, tenant
+        wait_for(
+            lambda: all(finished(t) == before[t] + 2 for t in tenants), 10, "each tenant's totals"
+        )
+    finally:
+        client.close()
 
 
 def test_conditional_disaggregation_is_decided_and_recorded(cluster: LocalCluster) -> None:

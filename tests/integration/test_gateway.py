@@ -20,8 +20,10 @@ import httpx
 import openai
 import psutil
 import pytest
+import redis
 
 from orchestrator.cluster import LocalCluster
+from orchestrator.store.keys import Keys
 from tests.integration.conftest import wait_for
 from transport.ucx import ucx_available
 
@@ -116,6 +118,29 @@ def test_same_idempotency_key_is_the_same_request(client: openai.OpenAI) -> None
     assert again.choices[0].text == first.choices[0].text
     with pytest.raises(openai.ConflictError):  # the same key for another body
         client.completions.create(extra_headers=headers, **(args | {"max_tokens": 5}))
+
+
+def test_idempotency_keys_naming_another_requests_keys(
+    cluster: LocalCluster, client: openai.OpenAI
+) -> None:
+    """Issue 17: the key ``K:journal`` was request K's journal (503 with Redis's WRONGTYPE
+    text). Each key is its own request now, and Redis's words never reach the client."""
+    key = f"gw-{uuid.uuid4().hex}"
+    args: dict[str, Any] = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8}
+    first = client.completions.create(extra_headers={"Idempotency-Key": key}, **args)
+    for suffix in (":journal", ":owner", ":client"):
+        other = client.completions.create(extra_headers={"Idempotency-Key": key + suffix}, **args)
+        assert other.id == f"cmpl-{key}{suffix}"
+    again = client.completions.create(extra_headers={"Idempotency-Key": key}, **args)
+    assert (again.id, again.choices[0].text) == (first.id, first.choices[0].text)
+    poked = f"{key}-poked"  # a record key of the wrong type, written behind the store's back
+    with redis.Redis(port=cluster.redis_port) as raw:
+        raw.set(Keys().request(poked), "not a record", ex=60)
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.completions.create(extra_headers={"Idempotency-Key": poked}, **args)
+    assert failed.value.status_code == 503
+    assert "request store error" in failed.value.message
+    assert "WRONGTYPE" not in str(failed.value.body)
 
 
 def test_client_errors(cluster: LocalCluster, client: openai.OpenAI) -> None:

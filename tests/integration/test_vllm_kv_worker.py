@@ -8,6 +8,7 @@ Runs in the main venv (torch, no vLLM); each case takes well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,10 +85,9 @@ class Pair:
             time.sleep(0.01)  # the model runner polls once per engine step
 
 
-@pytest.fixture
-def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    """A prefill and a decode side; TCP unless the test asks for a backend (indirect)."""
-    backend = getattr(request, "param", "tcp")
+@contextlib.contextmanager
+def make_pair(backend: str = "tcp", hold_s: float = 30.0) -> Iterator[Pair]:
+    """A prefill and a decode side; the decode side frees a KV nobody loads after ``hold_s``."""
     src, dst = caches(1), caches(2)
     prefill = WorkerSide(WorkerConfig("prefill", backend, "", "fp", 30.0, 5.0, ""), BS, 1000)
     prefill.register(src)
@@ -96,7 +96,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     loop.start()
     started = loop.submit(control.start(10))
     cfg = WorkerConfig(
-        "decode", backend, "127.0.0.1:0", "fp", 30.0, LOAD_TIMEOUT_S, control.control_path
+        "decode", backend, "127.0.0.1:0", "fp", hold_s, LOAD_TIMEOUT_S, control.control_path
     )
     decode = WorkerSide(cfg, BS, 1000)
     decode.register(dst)
@@ -106,6 +106,13 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
         prefill.shutdown()
         decode.shutdown()
         loop.stop(control.close())
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """TCP unless the test asks for a backend (indirect)."""
+    with make_pair(getattr(request, "param", "tcp")) as p:
+        yield p
 
 
 def _kv(c: dict[str, torch.Tensor], layer: int, block: int) -> torch.Tensor:
@@ -203,3 +210,58 @@ def test_layer_views_split_the_cpu_layout_into_k_and_v() -> None:
     assert torch.equal(views.v[0][2, 1], rows[BS:])
     with pytest.raises(ValueError, match="unsupported"):
         LayerViews({"x": torch.zeros(4, 2, 8, 16)}, BS)
+
+
+def _wait_held(pair: Pair, done: object, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done(pair.control.held_bytes()):  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"{what}: held {pair.control.held_bytes()}"
+        time.sleep(0.02)  # held bytes are polled every 50 ms here
+
+
+def test_a_partial_kv_from_a_prefill_killed_mid_transfer_is_discarded(pair: Pair) -> None:
+    """The prefill engine dies after one layer of three: the decode side frees what it had
+    reserved and received, and a load of that KV fails without writing a block."""
+    spec = SaveSpec("v-cut", PrefillParams("cut", 1, pair.kv_address, ""), (0, 1), 8)
+    pair.prefill.begin_step(StepPlan(saves=[spec]))
+    name, first = next(iter(pair.src.items()))
+    pair.prefill.save_layer(name, first)
+    _wait_held(pair, lambda held: held > 0, "the transfer never started")
+    pair.prefill.shutdown()  # its process is gone: the connection breaks mid-transfer
+    _wait_held(pair, lambda held: held == 0, "the partial KV is still held")
+    before = [_kv(pair.dst, layer, 2).clone() for layer in range(LAYERS)]
+    finished, failed, _ = pair.load("cut", 1, 8, [2, 3])
+    assert finished == failed == {"d-cut"}
+    assert all(torch.equal(_kv(pair.dst, i, 2), b) for i, b in enumerate(before))
+
+
+HOLD_S = 0.4
+
+
+def test_a_kv_whose_hold_lease_expired_is_never_loaded() -> None:
+    """Nobody loads the pushed KV within its lease: the receiver frees it, and a load that
+    comes later fails instead of reading freed memory."""
+    with make_pair(hold_s=HOLD_S) as pair:
+        outcome = pair.push("stale", 1, blocks=(5,), tokens=4)
+        assert outcome["ok"], outcome
+        _wait_held(pair, lambda held: held > 0, "the pushed KV never showed as held")
+        _wait_held(pair, lambda held: held == 0, "the lease never freed the KV")
+        before = _kv(pair.dst, 1, 7).clone()
+        finished, failed, _ = pair.load("stale", 1, 4, [7])
+        assert finished == failed == {"d-stale"}
+        assert torch.equal(_kv(pair.dst, 1, 7), before)
+
+
+def test_a_kv_arriving_after_its_load_gave_up_never_lands_in_its_blocks() -> None:
+    """The load timed out (vLLM failed the request and may reuse its blocks); the KV pushed
+    afterwards is held like any unclaimed KV, freed by its lease, and never copied."""
+    with make_pair(hold_s=HOLD_S) as pair:
+        before = _kv(pair.dst, 0, 9).clone()
+        finished, failed, took = pair.load("late", 1, 4, [9])
+        assert finished == failed == {"d-late"}
+        assert took >= LOAD_TIMEOUT_S
+        assert pair.push("late", 1, blocks=(6,), tokens=4)["ok"]
+        _wait_held(pair, lambda held: held > 0, "the late KV never showed as held")
+        _wait_held(pair, lambda held: held == 0, "the late KV is still held")
+        assert pair.decode.transfer_results() == (set(), set())  # no load left to finish
+        assert torch.equal(_kv(pair.dst, 0, 9), before)

@@ -9,6 +9,7 @@ import pytest
 from orchestrator.chaos import scenario as sc
 from orchestrator.chaos.checker import Summary, check_run, percentile
 from orchestrator.chaos.history import FaultRecord, History, Op, RequestSpec
+from orchestrator.chaos.leaks import Gauges, LeakReport, check_leaks
 
 REF = {0: (10, 11, 12, 13, 14, 15), 1: (20, 21, 22, 23)}
 
@@ -184,6 +185,7 @@ def test_kv_fault_params_merge_the_scenarios_kv_faults() -> None:
 
 
 CORRUPT_2 = {"probability": 2}
+DELAY = {"delay_ms": 100}
 BASE = {"faults": [{"at": 1, "kind": "kill", "target": "decode:busiest"}]}
 
 
@@ -209,6 +211,16 @@ BASE = {"faults": [{"at": 1, "kind": "kill", "target": "decode:busiest"}]}
         ({"faults": [{"kind": "kill", "target": "redis"}]}, "exactly one of at and between"),
         ({"faults": [{"at": 99, "kind": "kill", "target": "redis"}], "duration_s": 10}, "after"),
         ({**BASE, "invariants": ["no_lost", "be_fast"]}, "unknown"),
+        ({**BASE, "cluster": {"engine": "sglang"}}, "cluster.engine"),
+        ({**BASE, "cluster": {"engine": "vllm", "model": "tiny"}}, "smollm2 only"),
+        (
+            {
+                "cluster": {"engine": "vllm", "model": "smollm2", "transport": "ucx"},
+                "faults": [{"at": 1, "kind": "delay", "target": "link:kv", "params": DELAY}],
+            },
+            "need transport tcp",
+        ),
+        ({**BASE, "leak_wait_s": -1}, "leak_wait_s"),
         (
             {"faults": [{"at": 1, "kind": "corrupt", "target": "link:kv", "params": CORRUPT_2}]},
             "probability",
@@ -252,3 +264,72 @@ def test_stop_then_continue_as_separate_faults() -> None:
         }
     )
     assert [(f.at, f.kind) for f in sc.plan(s, 0)] == [(1.0, "stop"), (3.0, "continue")]
+
+
+# ----------------------------------------------------------------------------- leaks
+
+IDLE_VLLM = Gauges(active=0, kv_used_bytes=0, kv_blocks=180, kv_free_blocks=180)
+IDLE_REF = Gauges()
+
+
+def _clean_run(leaks: LeakReport | None) -> Summary:
+    ops = [Op(0.0, "invoke", "r0", 1), Op(0.1, "chunk", "r0", 1, index=0,
+           tokens=REF[0]), Op(0.2, "ok", "r0", 1, code="length"), *clean_r1()]  # fmt: skip
+    v = check_run(history(ops), REF, {"r0": "done", "r1": "done"}, leaks=leaks)
+    return Summary("x", [v])
+
+
+def test_blocks_not_back_in_vllms_pool_are_leaked_and_fail_the_verdict() -> None:
+    baseline = {"decode-0": IDLE_VLLM, "decode-1": IDLE_VLLM, "prefill-0": IDLE_VLLM}
+    final = {
+        "decode-0": IDLE_VLLM,
+        "decode-1": Gauges(0, 0, 180, 177),  # 3 blocks never returned, nothing else shows it
+        "prefill-0": IDLE_VLLM,
+    }
+    report = check_leaks(baseline, final)
+    assert report.leaked_blocks == {"decode-1": 3}
+    assert not report.clean
+    summary = _clean_run(report)
+    assert not summary.runs[0].clean
+    assert summary.to_json()["leaked_blocks"] == 3
+    assert summary.to_json()["pool_blocks_checked"] == 540
+    assert summary.violations(sc.INVARIANTS) == ["leaked_blocks=3"]
+    assert summary.violations(sc.INVARIANTS - {"no_leaks"}) == []  # reported, not enforced
+    assert "leaked blocks 3" in summary.human()
+    assert "decode-1" in summary.human()
+
+
+def test_a_pool_back_to_its_baseline_is_clean() -> None:
+    warm = Gauges(0, 0, 180, 176)  # a baseline below the pool's size stays the reference
+    report = check_leaks({"decode-0": warm}, {"decode-0": warm})
+    assert report.clean
+    summary = _clean_run(report)
+    assert summary.violations(sc.INVARIANTS) == []
+    assert summary.to_json()["leak_checks"] == 1
+
+
+def test_a_restarted_worker_is_compared_with_its_new_pool() -> None:
+    """Killed and restarted during the run: not in the baseline (or another pool size); its
+    new pool must be all free."""
+    assert check_leaks({}, {"decode-0": IDLE_VLLM}).clean
+    assert check_leaks({}, {"decode-0": Gauges(0, 0, 180, 170)}).leaked_blocks == {"decode-0": 10}
+    smaller = {"decode-0": Gauges(0, 0, 90, 90)}
+    assert check_leaks({"decode-0": IDLE_VLLM}, smaller).clean
+
+
+def test_kv_in_use_or_active_sequences_after_the_quiet_period_fail_the_verdict() -> None:
+    """The reference engine has no block pool: its exact KV gauge and active count decide."""
+    final = {"decode-0": Gauges(active=1, kv_used_bytes=4096), "decode-1": IDLE_REF}
+    report = check_leaks({"decode-0": IDLE_REF, "decode-1": IDLE_REF}, final)
+    assert report.kv_in_use == {"decode-0": 4096}
+    assert report.active == {"decode-0": 1}
+    assert report.leaked_blocks == {}
+    assert sorted(_clean_run(report).violations(sc.INVARIANTS)) == [
+        "active_after_quiet=1",
+        "kv_in_use_bytes=4096",
+    ]
+
+
+def test_a_run_without_a_leak_check_reports_none() -> None:
+    out = _clean_run(None).to_json()
+    assert (out["leak_checks"], out["leaked_blocks"], out["leak_settle_max_s"]) == (0, 0, None)

@@ -14,7 +14,7 @@ import pytest
 from orchestrator.bench.control_plane import ControlPlaneBench
 from orchestrator.bench.load import LoadSpec
 from orchestrator.cli import bench, build_parser, main, migrate, operator, orchestrator, worker
-from orchestrator.cli.common import ENGINE_MODELS, default
+from orchestrator.cli.common import DEFAULT_ORCHESTRATOR, ENGINE_MODELS, default, field_doc
 from orchestrator.cli.orchestrator import ServerSettings
 from orchestrator.control.orchestrator import ControlSettings
 from orchestrator.core.admission import AdmissionPolicy
@@ -57,6 +57,7 @@ ALL_COMMANDS = list(commands(build_parser(NO_ENV)))
 def test_the_command_tree_is_the_documented_one() -> None:
     top = {path[0] for path in ALL_COMMANDS if len(path) == 1}
     assert top == {
+        "up", "status", "down",
         "orchestrator", "worker", "operator", "generate", "demo",
         "cost", "chaos", "migrate", "bench", "plan",
     }  # fmt: skip
@@ -258,3 +259,51 @@ def test_default_reads_fields_and_factories() -> None:
         default(OperatorConfig, "namespaces")  # required: no default
     with pytest.raises(AttributeError):
         default(OperatorConfig, "nope")
+
+
+# ---------------------------------------------------------------------------------- help
+
+
+@pytest.mark.parametrize("path", ALL_COMMANDS, ids=lambda p: " ".join(p) or "pdorch")
+def test_every_option_says_what_it_does(path: tuple[str, ...]) -> None:
+    parser = command_parser(*path)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) or action.dest == "help":
+            continue
+        assert action.help, f"pdorch {' '.join(path)} {action.option_strings or action.dest}"
+
+
+def test_help_shows_every_default() -> None:
+    text = " ".join(command_parser("generate").format_help().split())
+    assert "tokens at most (default 64)" in text
+    assert "--seed SEED sampling seed (default 0)" in text
+    text = " ".join(command_parser("bench", "load").format_help().split())
+    assert f"requests measured (default: {default(LoadSpec, 'requests')})" in text
+
+
+def test_flag_help_comes_from_the_settings_field_docstrings() -> None:
+    assert field_doc(MigrationSettings, "shadow_concurrency").startswith(
+        "Most shadow requests in flight"
+    )
+    assert field_doc(ServerSettings, "port") == (
+        "The gRPC client API; `pdorch generate` and `pdorch bench load` connect here."
+    )
+    assert field_doc(ServerSettings, "host", "fallback") == "fallback"  # no docstring
+    text = " ".join(command_parser("migrate", "shadow").format_help().split())
+    assert field_doc(MigrationSettings, "drain_grace_s") in text
+    text = " ".join(command_parser("orchestrator").format_help().split())
+    assert f"{field_doc(ServerSettings, 'drain_grace_s')} (default: 10.0)" in text
+    assert "Prometheus /metrics (0: off). (default: 0)" in text  # a 0 default is shown
+    text = " ".join(command_parser("worker").format_help().split())
+    assert field_doc(TransportSettings, "kv_hold_s") in text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("pdorch 0.")
+
+
+def test_the_default_orchestrator_address_is_the_servers() -> None:
+    assert ServerSettings().address == DEFAULT_ORCHESTRATOR

@@ -292,6 +292,25 @@ def test_tokens_keep_flowing_while_the_store_is_down_and_are_journalled_after() 
     run(main())
 
 
+class _BuggyStore(MemoryStore):
+    """A store whose journal append fails with a foreign exception (a bug, not an outage)."""
+
+    async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
+        raise RuntimeError("WRONGTYPE at 10.0.0.3:6379")
+
+
+def test_a_bugs_text_never_reaches_the_client(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), FakeWorker("d0", "decode"),
+                                 store=_BuggyStore())  # fmt: skip
+        with pytest.raises(errors.UnavailableError) as failed:
+            await collect(orch.generate(inp()))
+        assert str(failed.value) == "request r1 failed: internal error"
+
+    run(main())
+    assert "WRONGTYPE at 10.0.0.3:6379" in caplog.text  # the operator's log has it
+
+
 # ------------------------------------------------------------------- cancel, detach
 
 

@@ -103,9 +103,11 @@ def test_reserve_complete_take_hands_over_the_cache() -> None:
         assert inbox.bytes_in_use == 0
         assert inbox.held() == []
         assert inbox.min_epoch("r") == 1
-        # Handed over means forgotten: a second take finds nothing.
-        with pytest.raises(errors.TransferTimeoutError):
-            await inbox.take("r", 1, 0.0)
+        # Handed over means closed: a second take is refused at once, however long it waits.
+        started = time.monotonic()
+        with pytest.raises(errors.StaleEpochError, match="already taken"):
+            await inbox.take("r", 1, LONG)
+        assert time.monotonic() - started < 1.0
 
     run(scenario)
 
@@ -261,6 +263,116 @@ def test_a_held_transfer_fences_its_request_even_once_its_epoch_is_forgotten() -
     run(scenario)
 
 
+# ------------------------------------------------------------------ replays
+
+
+def test_a_replay_after_take_is_refused_and_cannot_be_taken() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=100, epoch_memory=16)
+        inbox.reserve("r", 2, 40)
+        inbox.complete("r", 2, kv(epoch=2, nbytes=40))
+        await inbox.take("r", 2, LONG)
+        with pytest.raises(errors.StaleEpochError, match="replay"):
+            inbox.reserve("r", 2, 40)
+        assert inbox.bytes_in_use == 0
+        assert inbox.held() == []
+        with pytest.raises(errors.StaleEpochError):
+            await inbox.take("r", 2, LONG)
+        inbox.reserve("r", 3, 40)  # the next attempt is fine
+
+    run(scenario)
+
+
+def test_a_replay_of_a_held_kv_is_refused_and_leaves_it_in_place() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=100, epoch_memory=16)
+        cache = kv(epoch=2, nbytes=40)
+        inbox.reserve("r", 2, 40)
+        inbox.complete("r", 2, cache)
+        with pytest.raises(errors.HeaderRejectedError, match="already received") as info:
+            inbox.reserve("r", 2, 40)
+        assert not isinstance(info.value, errors.StaleEpochError)
+        assert inbox.bytes_in_use == 40
+        assert await inbox.take("r", 2, LONG) is cache
+
+    run(scenario)
+
+
+def test_a_failed_transfer_is_not_received_again_once_its_error_was_taken() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=100, epoch_memory=16)
+        inbox.reserve("r", 1, 40)
+        inbox.fail("r", 1, errors.PeerLostError("gone"))
+        with pytest.raises(errors.HeaderRejectedError):
+            inbox.reserve("r", 1, 40)  # its failure is still held for the decode side
+        with pytest.raises(errors.PeerLostError):
+            await inbox.take("r", 1, LONG)
+        with pytest.raises(errors.StaleEpochError):
+            inbox.reserve("r", 1, 40)
+
+    run(scenario)
+
+
+def test_a_reaped_kv_is_closed() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=100, epoch_memory=16)
+        inbox.reserve("r", 1, 40)
+        inbox.complete("r", 1, kv(nbytes=40))
+        assert inbox.reap(time.monotonic() + 60, hold_s=30) == ["r"]
+        with pytest.raises(errors.StaleEpochError):
+            inbox.reserve("r", 1, 40)
+        with pytest.raises(errors.StaleEpochError):
+            await inbox.take("r", 1, LONG)
+
+    run(scenario)
+
+
+def test_a_release_closes_its_epoch_even_before_the_transfer_arrives() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=100, epoch_memory=16)
+        waiting = take_task(inbox, "r", 3)
+        await parked(waiting)
+        assert not inbox.discard("r", 3)  # nothing held yet
+        with pytest.raises(errors.StaleEpochError):
+            await finished(waiting)  # woken: that epoch is over
+        with pytest.raises(errors.StaleEpochError):
+            inbox.reserve("r", 3, 10)  # the late transfer is refused, not held
+        assert inbox.bytes_in_use == 0
+        inbox.reserve("r", 4, 10)
+
+    run(scenario)
+
+
+def test_a_release_of_an_older_epoch_leaves_a_newer_transfer_alone() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=100, epoch_memory=16)
+        inbox.reserve("r", 5, 10)
+        assert not inbox.discard("r", 4)  # a late Release of the previous attempt
+        assert inbox.is_current("r", 5)
+        assert inbox.min_epoch("r") == 5
+        assert inbox.discard("r", 5)
+        assert inbox.held() == []
+        with pytest.raises(errors.StaleEpochError):
+            inbox.reserve("r", 5, 10)
+
+    run(scenario)
+
+
+def test_the_replay_guard_is_bounded_by_epoch_memory() -> None:
+    async def scenario() -> None:
+        inbox = Inbox(budget_bytes=100, epoch_memory=2)
+        for rid in ("a", "b", "c"):
+            inbox.reserve(rid, 1, 1)
+            inbox.complete(rid, 1, kv(rid, 1, 1))
+            await inbox.take(rid, 1, LONG)
+        assert len(inbox._epochs) == 2  # the bound: epoch_memory ids, no more
+        with pytest.raises(errors.StaleEpochError):
+            inbox.reserve("c", 1, 1)
+        inbox.reserve("a", 1, 1)  # forgotten: accepted again (then reaped if never taken)
+
+    run(scenario)
+
+
 # ------------------------------------------------------------------ budget
 
 
@@ -383,7 +495,7 @@ def test_fail_twice_releases_the_bytes_once() -> None:
         assert inbox.bytes_in_use == 30
         inbox.discard("r")
         assert inbox.bytes_in_use == 30
-        with pytest.raises(errors.TransferTimeoutError):
+        with pytest.raises(errors.StaleEpochError):
             await inbox.take("r", 1, 0.0)
 
     run(scenario)
@@ -403,7 +515,7 @@ def test_discard_frees_the_bytes() -> None:
         inbox.complete("r", 2, kv(epoch=2, nbytes=70))
         assert inbox.discard("r")
         assert inbox.bytes_in_use == 0
-        with pytest.raises(errors.TransferTimeoutError):
+        with pytest.raises(errors.StaleEpochError):
             await inbox.take("r", 2, 0.0)
         # The epoch fence outlives the discard.
         with pytest.raises(errors.StaleEpochError):
@@ -577,11 +689,17 @@ class Model:
         slot = self.slots.get(rid)
         return max(self.seen.get(rid, 0), slot.epoch if slot else 0)
 
+    def closed(self, rid: str, epoch: int) -> bool:
+        """Received once and no longer held: taken, discarded, or its failure taken."""
+        slot = self.slots.get(rid)
+        held = slot is not None and slot.epoch == epoch
+        return not held and rid in self.seen and self.seen[rid] >= epoch
+
     def reserve(self, rid: str, epoch: int, nbytes: int) -> type[Exception] | None:
         slot = self.slots.get(rid)
-        if epoch < self.min_epoch(rid):
+        if epoch < self.min_epoch(rid) or self.closed(rid, epoch):
             return errors.StaleEpochError
-        if slot is not None and slot.epoch == epoch and slot.state == "in flight":
+        if slot is not None and slot.epoch == epoch:  # in flight, or held: once only
             return errors.HeaderRejectedError
         if self.in_use + nbytes > self.budget:
             return errors.BudgetExceededError
@@ -604,9 +722,16 @@ class Model:
         if slot.state == "in flight":
             slot.state, slot.error = "failed", exc
 
+    def release(self, rid: str, epoch: int) -> bool:
+        slot = self.slots.get(rid)
+        if slot is not None and slot.epoch > epoch:
+            return False
+        self.seen[rid] = max(epoch, self.seen.get(rid, epoch))
+        return self.slots.pop(rid, None) is not None
+
     def take(self, rid: str, epoch: int) -> KvCache | errors.TransportError | type[Exception]:
         """With a zero timeout: the cache, the stored error, or the class of the refusal."""
-        if epoch < self.min_epoch(rid):
+        if epoch < self.min_epoch(rid) or self.closed(rid, epoch):
             return errors.StaleEpochError
         slot = self.slots.get(rid)
         if slot is None or slot.epoch != epoch or slot.state == "in flight":
@@ -627,6 +752,7 @@ ops = st.lists(
         st.tuples(st.just("complete"), rids, small_epochs, st.just(0)),
         st.tuples(st.just("fail"), rids, small_epochs, st.just(0)),
         st.tuples(st.just("discard"), rids, st.just(0), st.just(0)),
+        st.tuples(st.just("release"), rids, small_epochs, st.just(0)),
         st.tuples(st.just("take"), rids, small_epochs, st.just(0)),
     ),
     max_size=40,
@@ -663,6 +789,8 @@ def test_the_inbox_follows_the_model(script: list[tuple[str, str, int, int]]) ->
                 inbox.fail(rid, epoch, exc)
             elif op == "discard":
                 assert inbox.discard(rid) == (model.slots.pop(rid, None) is not None)
+            elif op == "release":
+                assert inbox.discard(rid, epoch) == model.release(rid, epoch)
             else:
                 outcome = model.take(rid, epoch)
                 if isinstance(outcome, KvCache):

@@ -25,7 +25,12 @@ OK = GenerateInput("r", token_ids=(1, 2), max_tokens=8, stop=("\n",))
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"request_id": "x" * 129}, "request_id"),
+        ({"request_id": "x" * 257}, "request_id"),
+        ({"request_id": "\N{SLIGHTLY SMILING FACE}" * 65}, "request_id"),  # 260 bytes
+        ({"request_id": "a b"}, "request_id"),
+        ({"token_ids": None, "text": "a\ud800"}, "prompt"),
+        ({"token_ids": None, "chat": (("user", "\udfff"),)}, "prompt"),
+        ({"stop": ("\ud800",)}, "stop"),
         ({"text": "hi"}, "prompt"),  # two prompts
         ({"token_ids": ()}, "prompt"),
         ({"token_ids": None, "text": "  "}, "prompt"),

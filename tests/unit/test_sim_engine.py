@@ -14,6 +14,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.workers.fleet import member_settings
 from orchestrator.workers.server import WorkerSettings
 from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec
+from transport.wire import DType, has_nonfinite
 
 LLAMA = pm.get_model("llama-3-8b")
 GREEDY = SamplingParams()
@@ -144,9 +145,22 @@ def test_kv_shapes_dtype_and_token_stamp(engine: SimEngine) -> None:
     for k, v in kv:
         assert k.shape == v.shape == (1, 5, 4)
         assert k.dtype == v.dtype == np.uint16  # bf16 bits, as the wire carries them
-    assert [int(x) for x in kv[0][0][0, :, 0]] == [t & 0xFFFF for t in prompt]
+    ids = kv[0][0][0, :, :2].astype(np.int64)
+    assert [int(lo | hi << 14) for lo, hi in ids] == list(prompt)
     total = sum(k.nbytes + v.nbytes for k, v in kv)
     assert total == 5 * engine.info.kv_bytes_per_token()
+
+
+def test_kv_of_any_token_is_finite_bf16(engine: SimEngine) -> None:
+    """Receivers refuse NaN/inf KV: ids whose low 16 bits are NaN or inf as bf16 included."""
+    prompt = [0x7F80, 0x7FFF, 0xFF80, 0xFFFF, 0x17F80, engine.info.vocab_size - 2]
+    kv = engine.prefill(prompt, GREEDY).kv
+    for k, v in kv:
+        assert not has_nonfinite(k.view(np.uint8), DType.BFLOAT16)
+        assert not has_nonfinite(v.view(np.uint8), DType.BFLOAT16)
+    engine.start_decode(kv, prompt, 7, 1, GREEDY)  # the stamp reads back
+    with pytest.raises(ValueError, match="other tokens"):
+        engine.start_decode(kv, [*prompt[:-1], 1], 7, 1, GREEDY)
 
 
 def test_start_decode_refuses_kv_of_other_tokens(engine: SimEngine) -> None:

@@ -7,7 +7,7 @@ contiguous indices, vLLM's own greedy tokens, and no block left behind on the su
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,40 +38,44 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process below it. A vLLM worker's engine core and model worker are
-    its children and outlive a SIGKILLed parent (measured: 3.4 GB left running), so the
-    test kills the whole tree, as a node or pod dying does."""
+def _descendants(pid: int) -> set[int]:
+    """Every running process below ``pid``: a vLLM worker's engine core and model worker."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # exited meanwhile
             continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out: set[int] = set()
+    todo = list(parents.get(pid, []))
     while todo:
-        out.append(todo.pop())
-        todo.extend(parents.get(out[-1], []))
+        child = todo.pop()
+        out.add(child)
+        todo.extend(parents.get(child, []))
     return out
 
 
-def _kill_tree(pid: int) -> None:
-    for each in _tree(pid):
-        try:
-            os.kill(each, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
+def _running(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(pid)
+    return alive
 
 
 async def _kill_decode_mid_stream(
     cluster: LocalCluster, req: orchestrator_pb2.GenerateRequest
 ) -> tuple[list[orchestrator_pb2.GenerateChunk], str, orchestrator_pb2.RequestInfo]:
     """Stream ``req``; after ``KILL_AFTER`` tokens SIGKILL the decode worker serving it
-    (with its vLLM engine processes).
+    as the chaos tool does (`Proc.signal`: its process group, as a pod dies) and check that
+    none of its vLLM engine processes outlive it.
     Returns the chunks, the killed worker and the request's final record."""
     chunks: list[orchestrator_pb2.GenerateChunk] = []
     killed = ""
+    orphans: set[int] = set()
     lookup = orchestrator_pb2.GetRequestRequest(request_id=req.request_id)
     async with grpc.aio.insecure_channel(cluster.orchestrator_addresses[0]) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
@@ -79,8 +83,12 @@ async def _kill_decode_mid_stream(
             chunks.append(chunk)
             if not killed and sum(len(c.token_ids) for c in chunks) >= KILL_AFTER:
                 killed = (await stub.GetRequest(lookup)).decode_worker
-                _kill_tree(cluster.procs[killed].popen.pid)
+                proc = cluster.procs[killed]
+                orphans = _descendants(proc.popen.pid)
+                proc.signal(signal.SIGKILL)
         info = await stub.GetRequest(lookup)
+    assert orphans, "a vLLM worker runs its engine core in child processes"
+    wait_for(lambda: not _running(orphans), 10, "the killed worker's vLLM processes to die")
     return chunks, killed, info
 
 

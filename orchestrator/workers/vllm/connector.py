@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as vllm_base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 
@@ -122,6 +122,12 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Only for vLLM builds older than the CPU one pdorch targets (the CUDA build 0.26 of
+        # the GPU check, tests/gpu): they take loads' outcomes through `get_finished` and
+        # failed loads as block ids, and bind no KV cache manager to the scheduler side.
+        self._load_blocks: dict[str, tuple[int, ...]] = {}
+        self._error_blocks: set[int] = set()
+        self._req_blocks: dict[str, list[int]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(block_size)
         else:
@@ -139,6 +145,7 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         assert isinstance(connector_metadata, PdorchMetadata)
         m = connector_metadata
+        self._load_blocks.update((load.req_id, load.plan.dst) for load in m.loads)
         self._worker.begin_step(StepPlan(saves=m.saves, loads=m.loads, cancels=m.cancels))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -157,10 +164,30 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         self._worker.wait_for_save()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         assert self._worker is not None
         finished, failed = self._worker.transfer_results()
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        for rid in finished:
+            self._load_blocks.pop(rid, None)
+        return vllm_base.KVConnectorTransferResults(
+            finished_recving=finished, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM 0.26's form of `get_transfer_results` (newer vLLM calls that one instead):
+        failed loads are reported as finished, their blocks by `get_block_ids_with_load_errors`
+        (policy "fail" then ends the request with an error)."""
+        assert self._worker is not None
+        finished, failed = self._worker.transfer_results()
+        for rid in finished:
+            blocks = self._load_blocks.pop(rid, ())
+            if rid in failed:
+                self._error_blocks.update(blocks)
+        return None, finished or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._error_blocks = self._error_blocks, set()
+        return errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
@@ -194,6 +221,7 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         counts = scheduler_output.num_scheduled_tokens
+        self._track_blocks(scheduler_output)
         scheduled = [
             Scheduled(r.req_id, r.num_computed_tokens, counts.get(r.req_id, 0))
             for r in scheduler_output.scheduled_new_reqs
@@ -207,9 +235,26 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return PdorchMetadata(saves=plan.saves, loads=plan.loads, cancels=plan.cancels)
 
     def _block_ids(self, req_id: str) -> list[int]:
-        manager = self._kv_cache_manager
-        assert manager is not None, "vLLM did not bind its KV cache manager"
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is None:  # vLLM 0.26: the blocks the scheduler's outputs listed
+            return self._req_blocks[req_id]
         return list(manager.get_blocks(req_id).get_block_ids()[0])
+
+    def _track_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Each request's blocks as the step outputs list them, where vLLM binds no KV cache
+        manager to the connector (0.26): new requests carry theirs, running ones the blocks
+        added this step (all of them when resumed after a preemption)."""
+        if getattr(self, "_kv_cache_manager", None) is not None:
+            return
+        for r in scheduler_output.scheduled_new_reqs:
+            self._req_blocks[r.req_id] = list(r.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for rid, new in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new is None:
+                continue
+            known = [] if rid in resumed else self._req_blocks.get(rid, [])
+            self._req_blocks[rid] = [*known, *new[0]]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
@@ -223,8 +268,12 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        self._req_blocks.pop(request.request_id, None)
         return self._scheduler.request_finished(request)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None
+        """HND: each block's bytes contiguous per layer (the CPU backend's only layout). On
+        CUDA it makes the Triton backend's paged tensor (blocks, heads, block_size, 2 * head_dim)
+        contiguous, so `connector_worker.LayerViews` can view it by block."""
+        return "HND"

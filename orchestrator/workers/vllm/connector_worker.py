@@ -455,8 +455,8 @@ class WorkerSide:
             if not isinstance(rid, str) or not isinstance(epoch, int):
                 reply["error"] = f"bad release {msg!r}"
             else:
-                held_epoch = receiver.inbox.min_epoch(rid)
-                reply["released"] = held_epoch <= epoch and receiver.discard(rid)
+                # That attempt's KV or an older one's; its epoch is closed for good.
+                reply["released"] = receiver.discard(rid, epoch)
         else:
             reply["error"] = f"unknown op {op!r}"
         return reply

@@ -112,6 +112,8 @@ class _StepStats(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped to my
             self._ledger.step(
                 details.elapsed_ms / 1000,
                 details.num_ctx_requests + details.num_generation_requests,
+                at_s=time.monotonic(),
+                running_after=int(scheduler_stats.num_running_reqs),
             )
         self._host.kv_usage = float(scheduler_stats.kv_cache_usage)
 
@@ -211,6 +213,10 @@ class VllmHost(EngineHost):
 
     def kv_capacity(self) -> int:
         return self.pool().capacity_bytes
+
+    def kv_blocks(self) -> tuple[int, int]:
+        pool = self.pool()
+        return pool.blocks, pool.free_blocks
 
     def engine_busy_s(self) -> float:
         """vLLM's step time so far (all requests together)."""

@@ -1,0 +1,113 @@
+"""Where a running `pdorch up` cluster is: the small state file it writes, and how the
+client commands (`generate`, `cost`, `status`, `down`) find their endpoints without flags.
+
+An endpoint comes from, in order: the flag, the environment (``PDORCH_ORCHESTRATOR``,
+``PDORCH_REDIS_URL``), the state file of a `pdorch up` still running, the built-in default.
+The file lives at ``$PDORCH_STATE`` if set, else ``$XDG_STATE_HOME/pdorch/up.json`` (else
+``~/.local/state/pdorch/up.json``); one `pdorch up` at a time owns it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ORCHESTRATOR_ENV = "PDORCH_ORCHESTRATOR"
+REDIS_ENV = "PDORCH_REDIS_URL"
+STATE_ENV = "PDORCH_STATE"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """What `pdorch up` publishes about the cluster it runs."""
+
+    pid: int
+    """The `pdorch up` process: `pdorch down` sends it SIGTERM."""
+    orchestrator: str
+    """gRPC client API, host:port."""
+    redis: str
+    """The cluster's Redis URL."""
+    http: str = ""
+    """OpenAI-compatible base URL (``http://HOST:PORT/v1``); "" when not served."""
+    metrics: dict[str, str] = field(default_factory=dict)
+    """Process name -> its Prometheus ``/metrics`` URL."""
+    model: str = ""
+    """The model name the gateway serves."""
+    logs: str = ""
+    """Folder holding every process's log."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterState:
+        data = json.loads(text)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def state_path(env: Mapping[str, str]) -> Path:
+    if env.get(STATE_ENV):
+        return Path(env[STATE_ENV])
+    base = env.get("XDG_STATE_HOME") or str(
+        Path(env.get("HOME", "~")).expanduser() / ".local/state"
+    )
+    return Path(base) / "pdorch" / "up.json"
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited one its parent has not reaped yet does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError, IndexError):  # Linux: state after "(comm)"
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+        return stat.rpartition(")")[2].split()[0] != "Z"
+    return True
+
+
+def read_state(env: Mapping[str, str]) -> ClusterState | None:
+    """The running cluster's state; None when there is no file, it is unreadable, or the
+    `pdorch up` that wrote it is gone (a stale file from a killed run)."""
+    try:
+        state = ClusterState.from_json(state_path(env).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return state if alive(state.pid) else None
+
+
+def write_state(env: Mapping[str, str], state: ClusterState) -> Path:
+    path = state_path(env)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(state.to_json() + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def remove_state(env: Mapping[str, str], pid: int) -> None:
+    """Remove the state file if it is still ``pid``'s."""
+    path = state_path(env)
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        if ClusterState.from_json(path.read_text(encoding="utf-8")).pid == pid:
+            path.unlink()
+
+
+def orchestrator_default(env: Mapping[str, str], builtin: str) -> str:
+    if env.get(ORCHESTRATOR_ENV):
+        return env[ORCHESTRATOR_ENV]
+    state = read_state(env)
+    return state.orchestrator if state is not None else builtin
+
+
+def redis_default(env: Mapping[str, str], builtin: str) -> str:
+    if env.get(REDIS_ENV):
+        return env[REDIS_ENV]
+    state = read_state(env)
+    return state.redis if state is not None else builtin

@@ -1,0 +1,109 @@
+"""`pdorch up` as a user runs it: a real cluster comes up, publishes its endpoints, and
+`status`, `generate` and `cost` find it without flags; `pdorch down` stops it and every
+process it started."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from orchestrator.cli import main
+from orchestrator.cli.state import read_state
+from tests.integration.conftest import wait_for
+
+
+@pytest.mark.slow  # a cluster of five processes: ~45 s on a busy 2-core machine
+@pytest.mark.timeout(300)
+def test_up_status_generate_cost_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
+    for name in ("PDORCH_ORCHESTRATOR", "PDORCH_REDIS_URL"):
+        env.pop(name, None)
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PDORCH_STATE", env["PDORCH_STATE"])
+    argv = ["up", "--model", "tiny", "--transport", "tcp", "--port", "0", "--http-port", "0",
+            "--logs", str(tmp_path / "logs"), "--json"]  # fmt: skip
+    up = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a failed test kills the whole cluster with it
+    )  # fmt: skip
+    try:
+        wait_for(lambda: read_state(env) is not None or up.poll() is not None, 240, "pdorch up")
+        state = read_state(env)
+        assert state is not None, up.communicate()[1]
+        published = json.loads(up.stdout.readline() if up.stdout else "{}")
+        assert published["orchestrator"] == state.orchestrator
+        assert set(state.metrics) == {"orchestrator-0", "prefill-0", "decode-0", "decode-1"}
+        assert state.http.endswith("/v1")
+
+        assert main(["status", "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["health"] == "SERVING"
+        assert sorted(w["worker_id"] for w in status["workers"]) == [
+            "decode-0", "decode-1", "prefill-0",
+        ]  # fmt: skip
+
+        assert main(["generate", "hello", "--max-tokens", "4"]) == 0
+        assert "[stopped: --max-tokens reached]" in capsys.readouterr().err
+        assert main(["cost", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["default"]["requests"] == 1.0
+
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= 5  # redis, orchestrator, 1 prefill + 2 decode workers
+        assert main(["down"]) == 0
+        _out, err = up.communicate(timeout=30)  # closes the pipes too
+        assert up.returncode == 0, err
+        assert "stopping the cluster: done" not in err  # --json: quiet
+        assert not Path(env["PDORCH_STATE"]).exists()
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive  # every process it started is gone, its Redis too
+        client = redis.Redis.from_url(state.redis, socket_connect_timeout=0.5)
+        with pytest.raises(redis.ConnectionError):
+            client.ping()
+        client.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGKILL)  # nothing left after a clean exit
+        up.communicate(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_while_starting_stops_what_started(tmp_path: Path) -> None:
+    """`pdorch down` (SIGTERM) or Ctrl-C while the workers load: the start is abandoned and
+    every process already started is stopped; no state file is left."""
+    env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
+    argv = ["up", "--model", "tiny", "--transport", "tcp", "--port", "0", "--http-port", "0"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *argv],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as up:  # fmt: skip
+        try:
+            assert up.stderr is not None
+            for line in up.stderr:  # the progress lines of a log (not a terminal)
+                if "workers loading tiny" in line:
+                    break
+            children = psutil.Process(up.pid).children(recursive=True)
+            assert children  # Redis and the workers, starting
+            up.send_signal(signal.SIGTERM)
+            _, err = up.communicate(timeout=60)
+            assert up.returncode != 0  # interrupted, not up
+            assert "stopping the cluster: done" in err
+            _, alive = psutil.wait_procs(children, timeout=15)
+            assert not alive
+            assert not Path(env["PDORCH_STATE"]).exists()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(up.pid, signal.SIGKILL)
