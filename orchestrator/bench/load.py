@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.bench.stats import percentile
 
 if TYPE_CHECKING:
     from orchestrator.api.orchestrator_pb2_grpc import OrchestratorAsyncStub
@@ -161,13 +162,6 @@ class LoadResult:
             ),
             "total_ms": distribution([x.total_ms for x in completed]),
         }
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (``p`` in [0, 100]) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def distribution(values: Sequence[float]) -> dict[str, float]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from orchestrator.bench.control_plane import ControlPlaneBench
     from orchestrator.bench.engine_batching import EngineBench
     from orchestrator.bench.load import LoadSpec
+    from orchestrator.bench.side_by_side import ServingBench
 
 
 NAME = "bench"
@@ -82,6 +83,16 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "pool: every request aggregated on it), keeps C streams in flight for each C of "
         "--concurrency and reports TTFT, TPOT and engine time per token. See README 'vLLM "
         "workers'.",
+    ))  # fmt: skip
+    _serving(add_command(
+        bsub, "serving", parents, parents.model, parents.model_cache, parents.json,
+        help="one workload through vllm serve, pdorch (aggregated, P/D) and vLLM's own P/D",
+        description="Runs the same requests (token-id prompts, greedy, streamed through "
+        "one OpenAI-compatible client) through each of --systems in turn: plain `vllm "
+        "serve`; vLLM behind pdorch on one aggregated worker; pdorch P/D with vLLM on both "
+        "pools; vLLM's own P/D (NixlConnector + a proxy). Reports TTFT and TPOT p50/p99, "
+        "throughput and KV transfer time per request for each, at each --concurrency. Run "
+        "it from the vllm extra's environment. See README 'vLLM workers'.",
     ))  # fmt: skip
 
 
@@ -321,4 +332,93 @@ def engine_bench(args: argparse.Namespace) -> EngineBench:
         concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
         rounds=args.rounds,
         max_tokens=args.max_tokens,
+    )
+
+
+# -------------------------------------------------------------------------------- serving
+
+
+def _serving(bs: argparse.ArgumentParser) -> None:
+    from orchestrator.bench.serving import SYSTEMS, Workload  # noqa: PLC0415
+    from orchestrator.bench.side_by_side import ServingBench  # noqa: PLC0415
+
+    def flag(name: str, field: str, **kw: Any) -> None:
+        bs.add_argument(name, default=default(Workload, field), **kw)
+
+    flag("--requests", "requests", type=positive_int, help="per concurrency level")
+    bs.add_argument(
+        "--concurrency",
+        default=",".join(str(c) for c in default(Workload, "concurrency")),
+        help="comma-separated client slots; each level runs --requests requests",
+    )
+    flag("--prompt-tokens", "prompt_tokens", type=positive_int, help="tokens per prompt")
+    flag("--max-tokens", "max_tokens", type=positive_int, help="output tokens per request")
+    flag("--warmup", "warmup", type=int, help="unmeasured requests per system")
+    bs.add_argument(
+        "--systems",
+        default=",".join(default(ServingBench, "systems")),
+        help=f"comma-separated, of {', '.join(SYSTEMS)}",
+    )
+    bs.add_argument(
+        "--transport", choices=("tcp", "ucx"), default=default(ServingBench, "transport"),
+        help="pdorch's KV transport for pdorch-pd",
+    )  # fmt: skip
+    bs.add_argument(
+        "--nixl-path", default="",
+        help="directory holding the nixl package for vllm-nixl (pip install --no-deps "
+        "--target DIR nixl nixl-cu12), if it is not importable here",
+    )  # fmt: skip
+    bs.set_defaults(call=_run_serving)
+
+
+def _run_serving(args: argparse.Namespace) -> int:
+    from orchestrator.bench.serving import format_table  # noqa: PLC0415
+    from orchestrator.bench.side_by_side import NotRun, run  # noqa: PLC0415
+
+    try:
+        bench = serving_bench(args)
+    except ValueError as exc:
+        print(f"pdorch bench serving: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(message: str) -> None:  # stderr: stdout stays one JSON object
+        print(f"  {message}", file=sys.stderr, flush=True)
+
+    try:
+        result = run(bench, progress)
+    except NotRun as exc:
+        print(f"pdorch bench serving: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+def serving_bench(args: argparse.Namespace) -> ServingBench:
+    from orchestrator.bench.serving import SYSTEMS, Workload  # noqa: PLC0415
+    from orchestrator.bench.side_by_side import ServingBench  # noqa: PLC0415
+
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise ValueError(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    try:
+        concurrency = tuple(int(c) for c in args.concurrency.split(",") if c)
+    except ValueError:
+        raise ValueError("--concurrency: comma-separated integers") from None
+    if not concurrency or min(concurrency) < 1:
+        raise ValueError("--concurrency: positive integers")
+    return ServingBench(
+        workload=Workload(
+            requests=args.requests,
+            concurrency=concurrency,
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            warmup=max(0, args.warmup),
+        ),
+        systems=systems,
+        model=args.model,
+        model_cache=Path(args.model_cache) if args.model_cache else None,
+        transport=args.transport,
+        nixl_path=args.nixl_path,
+        log_level=args.log_level,
     )

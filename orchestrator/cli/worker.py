@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -325,8 +326,11 @@ async def run(args: argparse.Namespace) -> int:
 def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics) -> EngineHost:
     """``--engine vllm``: vLLM's async engine, hosted in this process (the vllm extra)."""
     from orchestrator.workers.model_files import ensure_smollm2  # noqa: PLC0415
+    from orchestrator.workers.vllm.cpu import reserved_cpus_env  # noqa: PLC0415
     from orchestrator.workers.vllm.engine import VllmHost, VllmSettings  # noqa: PLC0415
 
+    for key, value in reserved_cpus_env().items():  # read by vLLM's engine core, a child
+        os.environ.setdefault(key, value)
     model_dir = ensure_smollm2(Path(args.model_cache) if args.model_cache else None)
     settings = VllmSettings(
         model_dir=model_dir,
