@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -126,15 +126,25 @@ async def _level(address: str, c: int, bench: EngineBench, offset: int) -> Level
     return summarize(c, samples, wall)
 
 
-async def _drive(address: str, bench: EngineBench) -> list[Level]:
+async def _drive(address: str, bench: EngineBench, progress: Callable[[str], None]) -> list[Level]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub: OrchestratorAsyncStub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         for i in range(bench.warmup):
             await _one(stub, _prompts()[i % 20], 8)
-    return [await _level(address, c, bench, i * 7) for i, c in enumerate(bench.concurrency)]
+    levels = []
+    for i, c in enumerate(bench.concurrency):
+        progress(f"{c} stream(s): {c * bench.rounds} requests of {bench.max_tokens} tokens")
+        levels.append(await _level(address, c, bench, i * 7))
+        progress(f"{c} stream(s): TPOT p50 {levels[-1].tpot_ms:.1f} ms")
+    return levels
 
 
-def run_bench(bench: EngineBench, log_level: str = "WARNING") -> dict[str, Any]:
+def run_bench(
+    bench: EngineBench,
+    log_level: str = "WARNING",
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """``progress``: one line per phase (cluster start, each concurrency level)."""
     cluster = LocalCluster(
         model=bench.model,
         engine=bench.engine,
@@ -144,8 +154,11 @@ def run_bench(bench: EngineBench, log_level: str = "WARNING") -> dict[str, Any]:
         ready_timeout_s=900,
         log_level=log_level,
     )
+    progress(f"starting one {bench.engine} worker with {bench.model} (vLLM: a minute or more)")
+    started = time.perf_counter()
     with cluster:
-        levels = asyncio.run(_drive(cluster.orchestrator_addresses[0], bench))
+        progress(f"cluster up in {time.perf_counter() - started:.0f} s")
+        levels = asyncio.run(_drive(cluster.orchestrator_addresses[0], bench, progress))
     low, high = levels[0], levels[-1]
     return {
         "engine": bench.engine,

@@ -315,8 +315,12 @@ def _run_engine(args: argparse.Namespace) -> int:
     from orchestrator.bench.engine_batching import format_result, run_bench  # noqa: PLC0415
     from orchestrator.cluster import ClusterError  # noqa: PLC0415
 
+    def progress(message: str) -> None:  # stderr: stdout stays the result
+        if not args.json:
+            print(f"  {message}", file=sys.stderr, flush=True)
+
     try:
-        result = run_bench(engine_bench(args), log_level=args.log_level)
+        result = run_bench(engine_bench(args), log_level=args.log_level, progress=progress)
     except ClusterError as exc:
         print(f"pdorch bench engine: {exc}", file=sys.stderr)
         return 2
