@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -105,10 +106,18 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def run_bench(b: ControlPlaneBench, log_level: str = "WARNING") -> dict[str, object]:
-    """Run the benchmark; the result is what ``--json`` prints."""
+def run_bench(
+    b: ControlPlaneBench,
+    log_level: str = "WARNING",
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, object]:
+    """Run the benchmark; the result is what ``--json`` prints. ``progress``: a line per
+    phase (fleet start, orchestrators, warm-up, the measured load)."""
     b.check()
     prefill, decode = b.pools
+    progress(
+        f"starting {prefill} + {decode} simulated workers, {b.fleet_processes} process(es)/role"
+    )
     cluster = LocalCluster(
         transport="tcp",
         prefill_workers=0,
@@ -125,6 +134,7 @@ def run_bench(b: ControlPlaneBench, log_level: str = "WARNING") -> dict[str, obj
                 if n:
                     cluster.start_sim_workers(role, n, sim, i)
         cluster.wait_live_workers(prefill, decode)
+        progress(f"starting {b.orchestrators} orchestrator(s)")
         for i in range(b.orchestrators):
             extra = list(b.orchestrator_args)
             if b.profile_dir is not None:
@@ -133,6 +143,7 @@ def run_bench(b: ControlPlaneBench, log_level: str = "WARNING") -> dict[str, obj
             cluster.start_orchestrator(i, 0, *extra)
         targets = tuple(cluster.orchestrator_addresses)
         warmup = b.warmup or 2 * b.workers
+        progress(f"warm-up: {warmup} requests")
         warm = asyncio.run(
             run_load(
                 LoadSpec(
@@ -156,6 +167,7 @@ def run_bench(b: ControlPlaneBench, log_level: str = "WARNING") -> dict[str, obj
         }
         pids = {g: [cluster.procs[n].popen.pid for n in names] for g, names in groups.items()}
         before = {g: _cpu_s(p) for g, p in pids.items()}
+        progress(f"measuring: {b.requests} requests at concurrency {b.concurrency}")
         results = _drive(b, targets, log_level)
         after = {g: _cpu_s(p) for g, p in pids.items()}
 

@@ -201,8 +201,12 @@ def _run_control_plane(args: argparse.Namespace) -> int:
     from orchestrator.cluster import ClusterError  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
 
+    def progress(message: str) -> None:  # stderr: stdout stays the result
+        if not args.json:
+            print(f"  {message}", file=sys.stderr, flush=True)
+
     try:
-        result = run_bench(control_plane_bench(args), log_level=args.log_level)
+        result = run_bench(control_plane_bench(args), log_level=args.log_level, progress=progress)
     except (ConfigError, ClusterError) as exc:
         print(f"pdorch bench control-plane: {exc}", file=sys.stderr)
         return 2

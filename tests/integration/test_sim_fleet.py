@@ -202,6 +202,7 @@ def test_bench_control_plane_json() -> None:
         check=True,
     )  # fmt: skip
     r = json.loads(out.stdout)
+    assert "measuring:" not in out.stderr  # progress lines are quiet under --json
     assert r["workers"] == {"prefill": 10, "decode": 10, "processes_per_role": 1}
     assert r["requests"] == r["admitted"] == r["completed"] == 300
     assert r["not_contiguous"] == 0
