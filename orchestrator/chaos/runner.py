@@ -309,6 +309,9 @@ class ChaosRunner:
     ) -> tuple[RunVerdict, History]:
         seed = self.seed + index
         history = History(run=index, seed=seed)
+        # Before the run's clock starts: waiting for idle workers (up to a heartbeat TTL)
+        # must not eat into the fault plan's times, which count from the workload's start.
+        baseline = await self._baseline(store)
         t0 = time.monotonic()
         clients = Clients(
             addresses,
@@ -337,7 +340,6 @@ class ChaosRunner:
                     await asyncio.sleep(delay)  # the fault's scheduled time
                 await executor.inject(fault)
 
-        baseline = await self._baseline(store)
         load = asyncio.create_task(clients.run(plans), name="pdorch-chaos-workload")
         injector = asyncio.create_task(faults(), name="pdorch-chaos-faults")
         try:
