@@ -101,7 +101,17 @@ class Link:
                 drain.cancel()
         except OSError as exc:
             self.broken = True
+            self._raise_if_refused()
             raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+
+    def _raise_if_refused(self) -> None:
+        """If the peer's ERROR already arrived before our write broke, raise it instead."""
+        task, msg = self._pending, self._stash
+        if msg is None and task is not None and task.done() and not task.cancelled():
+            if task.exception() is None:
+                msg = task.result()
+        if msg is not None and msg.kind is control.Kind.ERROR:
+            raise control.parse_error(msg.body)
 
     async def race(self, fut: Awaitable[object], timeout_s: float, *, what: str) -> None:
         """Wait for ``fut`` while watching the peer: its EOF, ERROR or silence end the wait."""
@@ -145,6 +155,29 @@ class Link:
         except OSError as exc:
             self.broken = True
             raise errors.PeerLostError(f"connection lost after {pos} of {n} bytes") from exc
+
+    async def linger(self, timeout_s: float) -> None:
+        """After refusing mid-transfer: half-close and discard what the peer still sends.
+
+        Closing at once, with the peer's payload unread, resets the connection, and the
+        peer's next write fails with EPIPE before it reads our ERROR. Lingering lets it
+        read the ERROR and stop; bounded by ``timeout_s``, then the link is broken.
+        """
+        self.broken = True
+        if self._pending is not None:
+            self._pending.cancel()
+            with contextlib.suppress(BaseException):
+                await self._pending
+            self._pending = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        with contextlib.suppress(OSError, RuntimeError):
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+        with contextlib.suppress(OSError, TimeoutError):
+            while (left := deadline - loop.time()) > 0:
+                if not await asyncio.wait_for(self.reader.read(_CHUNK), left):
+                    return  # the peer closed: it has read our ERROR or given up
 
     async def close(self) -> None:
         """Close the connection; a broken one is aborted (unsent bytes dropped, no waiting)."""

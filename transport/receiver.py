@@ -34,6 +34,10 @@ from transport.link import STREAM_LIMIT, Link, wait_first
 
 log = logging.getLogger(__name__)
 
+# After refusing a transfer mid-payload: how long to wait for the ERROR to go out and the
+# sender to stop (the link lingers, discarding, so the sender reads the ERROR, not EPIPE).
+_REFUSAL_WAIT_S = 1.0
+
 
 class KvReceiver:
     def __init__(
@@ -201,7 +205,8 @@ class KvReceiver:
             log.info("KV transfer of request %s epoch %s failed: %s", rid, epoch, exc)
             if not isinstance(exc, errors.PeerLostError | errors.TransferTimeoutError):
                 with contextlib.suppress(errors.TransportError):
-                    await link.send(control.error(exc), 1.0)
+                    await link.send(control.error(exc), _REFUSAL_WAIT_S)
+                    await link.linger(_REFUSAL_WAIT_S)  # the sender reads the ERROR, not EPIPE
             link.broken = True
             return
         except BaseException:
