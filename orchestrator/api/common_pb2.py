@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdorch/v1/common.proto\x12\tpdorch.v1\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x42\x08\n\x06_top_p\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pdorch.v1.ChatMessage\"\xc1\x01\n\x04\x43ost\x12\x0b\n\x03usd\x18\x01 \x01(\x01\x12\x15\n\rprefill_gpu_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_gpu_s\x18\x03 \x01(\x01\x12\x18\n\x10\x61ggregated_gpu_s\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x14\n\x0ctransfer_usd\x18\x06 \x01(\x01\x12\x13\n\x0bprefill_gpu\x18\x07 \x01(\t\x12\x12\n\ndecode_gpu\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\"x\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdorch/v1/common.proto\x12\tpdorch.v1\"\xa5\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"t\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.pdorch.v1.TopLogprobB\n\n\x08_logprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pdorch.v1.ChatMessage\"\xc1\x01\n\x04\x43ost\x12\x0b\n\x03usd\x18\x01 \x01(\x01\x12\x15\n\rprefill_gpu_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_gpu_s\x18\x03 \x01(\x01\x12\x18\n\x10\x61ggregated_gpu_s\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x14\n\x0ctransfer_usd\x18\x06 \x01(\x01\x12\x13\n\x0bprefill_gpu\x18\x07 \x01(\t\x12\x12\n\ndecode_gpu\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\"x\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchestrator.api.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=543
-  _globals['_FINISHREASON']._serialized_end=715
-  _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=118
-  _globals['_CHATMESSAGE']._serialized_start=120
-  _globals['_CHATMESSAGE']._serialized_end=164
-  _globals['_CHATMESSAGES']._serialized_start=166
-  _globals['_CHATMESSAGES']._serialized_end=222
-  _globals['_COST']._serialized_start=225
-  _globals['_COST']._serialized_end=418
-  _globals['_TIMINGS']._serialized_start=420
-  _globals['_TIMINGS']._serialized_end=540
+  _globals['_FINISHREASON']._serialized_start=937
+  _globals['_FINISHREASON']._serialized_end=1109
+  _globals['_SAMPLINGPARAMS']._serialized_start=38
+  _globals['_SAMPLINGPARAMS']._serialized_end=331
+  _globals['_TOKENLOGPROB']._serialized_start=333
+  _globals['_TOKENLOGPROB']._serialized_end=449
+  _globals['_TOPLOGPROB']._serialized_start=451
+  _globals['_TOPLOGPROB']._serialized_end=512
+  _globals['_CHATMESSAGE']._serialized_start=514
+  _globals['_CHATMESSAGE']._serialized_end=558
+  _globals['_CHATMESSAGES']._serialized_start=560
+  _globals['_CHATMESSAGES']._serialized_end=616
+  _globals['_COST']._serialized_start=619
+  _globals['_COST']._serialized_end=812
+  _globals['_TIMINGS']._serialized_start=814
+  _globals['_TIMINGS']._serialized_end=934
 # @@protoc_insertion_point(module_scope)

@@ -72,6 +72,13 @@ class SamplingParams(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, finite and >= 0. 0 means greedy (argmax); seed and top_p are then
     unused.
@@ -85,22 +92,126 @@ class SamplingParams(_message.Message):
     """Seed of the per-token random draw, in [0, 2^63). The same seed, prompt and parameters
     give the same output.
     """
+    top_k: _builtins.int
+    """Only the top_k most probable tokens are candidates; 0: no limit."""
+    min_p: _builtins.float
+    """Only tokens with probability >= min_p * the top token's are candidates, in [0, 1];
+    0: no limit.
+    """
+    repetition_penalty: _builtins.float
+    """Divides the positive logits (multiplies the negative ones) of every token in the prompt
+    and output so far, in (0, 100]. Unset means 1.0 (off).
+    """
+    min_tokens: _builtins.int
+    """The model's end-of-sequence tokens are masked until this many output tokens exist."""
+    ignore_eos: _builtins.bool
+    """An end-of-sequence token does not end generation; it is output like any other token."""
+    logprobs: _builtins.int
+    """Report each output token's log-probability and this many most probable alternatives
+    (0..20) in TokenLogprob messages. Unset: no log-probabilities.
+    """
+    prompt_logprobs: _builtins.int
+    """The same for every prompt token (the first has no log-probability). Unset: none."""
     def __init__(
         self,
         *,
         temperature: _builtins.float = ...,
         top_p: _builtins.float | None = ...,
         seed: _builtins.int = ...,
+        top_k: _builtins.int = ...,
+        min_p: _builtins.float = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        min_tokens: _builtins.int = ...,
+        ignore_eos: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_top_p", b"_top_p", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_top_p", b"_top_p", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_top_p", b"_top_p", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "min_p", b"min_p", "min_tokens", b"min_tokens", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """A token's log-probability under the model (log-softmax of the model's raw logits at its
+    position: before temperature, penalties and truncation), and the most probable tokens there.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    text: _builtins.str
+    """The token alone, detokenized (a piece of a multi-byte character decodes to U+FFFD)."""
+    logprob: _builtins.float
+    """Unset for the first prompt token, which has no context to be predicted from."""
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """Most probable first; ties to the lower id."""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        text: _builtins.str = ...,
+        logprob: _builtins.float | None = ...,
+        top: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "text", b"text", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
+    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class TopLogprob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    text: _builtins.str
+    logprob: _builtins.float
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        text: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "text", b"text", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):

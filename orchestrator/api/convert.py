@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from orchestrator.api import common_pb2, worker_pb2
+from orchestrator.core.logprobs import TokenLogprob, TopLogprob
 from orchestrator.core.sampling import SamplingParams
 from transport.wire import DType
 
@@ -35,11 +36,58 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         temperature=float(msg.temperature),
         top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
         seed=int(msg.seed),
+        top_k=int(msg.top_k),
+        min_p=float(msg.min_p),
+        repetition_penalty=(
+            float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0
+        ),
+        min_tokens=int(msg.min_tokens),
+        ignore_eos=bool(msg.ignore_eos),
+        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
+        prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
     )
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+    return common_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        seed=p.seed,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+    )
+
+
+def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        text=lp.text,
+        logprob=lp.logprob,
+        top=[
+            common_pb2.TopLogprob(token_id=t.token_id, text=t.text, logprob=t.logprob)
+            for t in lp.top
+        ],
+    )
+
+
+def logprob_from_pb(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=int(msg.token_id),
+        logprob=float(msg.logprob) if msg.HasField("logprob") else None,
+        top=tuple(TopLogprob(int(t.token_id), float(t.logprob), t.text) for t in msg.top),
+        text=msg.text,
+    )
+
+
+def logprobs_from_pb(
+    msgs: Iterable[common_pb2.TokenLogprob],
+) -> tuple[TokenLogprob, ...]:
+    return tuple(logprob_from_pb(m) for m in msgs)
 
 
 def finish_to_pb(reason: str) -> common_pb2.FinishReason.ValueType:

@@ -124,6 +124,8 @@ class GenerateChunk(_message.Message):
     DECODE_WORKER_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     COST_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     index: _builtins.int
     """Index of the first token in this chunk."""
@@ -150,6 +152,16 @@ class GenerateChunk(_message.Message):
     def cost(self) -> _common_pb2.Cost:
         """Final chunk only: what the request cost."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """One per token in token_ids, when sampling.logprobs is set."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """The prompt's, when sampling.prompt_logprobs is set: in the first chunk a stream sends
+        from index 0.
+        """
+
     def __init__(
         self,
         *,
@@ -165,10 +177,12 @@ class GenerateChunk(_message.Message):
         decode_worker: _builtins.str = ...,
         epoch: _builtins.int = ...,
         cost: _common_pb2.Cost | None = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "decode_worker", b"decode_worker", "epoch", b"epoch", "finish_reason", b"finish_reason", "index", b"index", "kv_bytes", b"kv_bytes", "prefill_worker", b"prefill_worker", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "decode_worker", b"decode_worker", "epoch", b"epoch", "finish_reason", b"finish_reason", "index", b"index", "kv_bytes", b"kv_bytes", "logprobs", b"logprobs", "prefill_worker", b"prefill_worker", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

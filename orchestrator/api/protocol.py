@@ -52,3 +52,18 @@ def transport_status(exc: terr.TransportError) -> grpc.StatusCode:
 def blames_kv_target(exc: terr.TransportError) -> bool:
     """Whether ``exc`` is the receiving end's fault (the decode worker is the one to avoid)."""
     return isinstance(exc, _TARGET_FAULTS)
+
+
+REFUSABLE_FIELDS = frozenset(
+    {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "logprobs"}
+    | {"prompt_logprobs"}
+)
+"""Request parameters a worker's engine may refuse (INVALID_ARGUMENT) although pdorch
+accepts them: the orchestrator then names the parameter to its client (`refusal`)."""
+
+
+def refusal(field: str, message: str) -> str:
+    """The details of a worker's INVALID_ARGUMENT refusing ``field`` (one of
+    `REFUSABLE_FIELDS`): ``"<field>: <message>"``, which the orchestrator reads back."""
+    assert field in REFUSABLE_FIELDS, field
+    return f"{field}: {message}"

@@ -110,6 +110,8 @@ class PrefillResponse(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _builtins.int
     TRANSFER_MS_FIELD_NUMBER: _builtins.int
     KV_DTYPE_FIELD_NUMBER: _builtins.int
+    FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """Output token first_index."""
     kv_bytes: _builtins.int
@@ -120,6 +122,14 @@ class PrefillResponse(_message.Message):
     """Time to convert the KV to its wire dtype and send it to kv_target."""
     kv_dtype: Global___KvDtype.ValueType
     """The dtype the KV travelled in."""
+    @_builtins.property
+    def first_logprob(self) -> _common_pb2.TokenLogprob:
+        """Output token first_index's, when sampling.logprobs is set."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """The prompt's, when sampling.prompt_logprobs is set."""
+
     def __init__(
         self,
         *,
@@ -128,10 +138,12 @@ class PrefillResponse(_message.Message):
         prefill_ms: _builtins.float = ...,
         transfer_ms: _builtins.float = ...,
         kv_dtype: Global___KvDtype.ValueType = ...,
+        first_logprob: _common_pb2.TokenLogprob | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "kv_bytes", b"kv_bytes", "kv_dtype", b"kv_dtype", "prefill_ms", b"prefill_ms", "transfer_ms", b"transfer_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "kv_bytes", b"kv_bytes", "kv_dtype", b"kv_dtype", "prefill_ms", b"prefill_ms", "prompt_logprobs", b"prompt_logprobs", "transfer_ms", b"transfer_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -205,6 +217,8 @@ class TokenChunk(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     COMPUTE_MS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Index of the first token in this chunk."""
     text: _builtins.str
@@ -217,6 +231,16 @@ class TokenChunk(_message.Message):
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """One per token in token_ids, when sampling.logprobs is set (a decode stream's first
+        token, sampled by the prefill worker, has none: the orchestrator has it).
+        """
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """The prompt's, when sampling.prompt_logprobs is set (aggregated: the first chunk)."""
+
     def __init__(
         self,
         *,
@@ -225,10 +249,12 @@ class TokenChunk(_message.Message):
         text: _builtins.str = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         compute_ms: _builtins.float = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_ms", b"compute_ms", "finish_reason", b"finish_reason", "index", b"index", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_ms", b"compute_ms", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,7 +10,12 @@ import grpc
 
 from orchestrator import errors
 from orchestrator.api import worker_pb2_grpc
-from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, RETRYABLE_CODES
+from orchestrator.api.protocol import (
+    BLAME_KEY,
+    BLAME_KV_TARGET,
+    REFUSABLE_FIELDS,
+    RETRYABLE_CODES,
+)
 
 
 class WorkerStubs:
@@ -49,7 +54,11 @@ async def translated(worker: str, what: str, kv_target: str = "") -> AsyncIterat
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.INVALID_ARGUMENT:
-            raise errors.InvalidRequestError("prompt", exc.details() or "rejected") from exc
+            details = exc.details() or "rejected"
+            named, _, rest = details.partition(": ")
+            if named in REFUSABLE_FIELDS and rest:  # a worker refusing one parameter
+                raise errors.InvalidRequestError(named, rest) from exc
+            raise errors.InvalidRequestError("prompt", details) from exc
         blamed = worker
         # grpc.aio.Metadata at run time: (key, value) pairs (the stubs say otherwise)
         metadata: Any = exc.trailing_metadata() or ()

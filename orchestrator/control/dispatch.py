@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 
 from orchestrator.api import convert, worker_pb2
 from orchestrator.control.ledger import Booking, Ledger
@@ -24,6 +25,7 @@ from orchestrator.control.run import Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.kvdtype import negotiate_for
 from orchestrator.core.records import WorkerInfo
+from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement
 from orchestrator.core.state import Edge
 from orchestrator.store.base import Store
@@ -86,7 +88,7 @@ class Dispatch:
         self, run: Run, booking: Booking, prefill: WorkerInfo, decode: WorkerInfo
     ) -> Chunks:
         tokens = list(run.spec.prompt) + run.output  # after a failover: what the client has
-        sampling = convert.sampling_to_pb(run.spec.sampling)
+        sampling = convert.sampling_to_pb(_sampling(run))
         kv = negotiate_for(prefill, decode, self.settings.kv_dtype, self.settings.prices)
         request = worker_pb2.PrefillRequest(
             request_id=run.rid,
@@ -143,6 +145,7 @@ class Dispatch:
                 if first:  # the decode worker adopted the KV
                     first = False
                     await self.store.transition(run.rid, Edge.KV_ADOPTED, epoch=run.epoch)
+                    _scored_by_prefill(chunk, resp)
                 yield chunk
 
     async def _aggregated(self, run: Run, placement: Placement) -> Chunks:
@@ -166,7 +169,7 @@ class Dispatch:
                 request_id=run.rid,
                 epoch=run.epoch,
                 token_ids=list(run.spec.prompt) + run.output,
-                sampling=convert.sampling_to_pb(run.spec.sampling),
+                sampling=convert.sampling_to_pb(_sampling(run)),
                 max_tokens=run.spec.max_tokens,
                 first_index=len(run.output),
                 prompt_tokens=len(run.spec.prompt),
@@ -176,3 +179,19 @@ class Dispatch:
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 yield chunk
+
+
+def _sampling(run: Run) -> SamplingParams:
+    """The attempt's parameters: a continuation (tokens already sent) asks no prompt
+    log-probabilities — the first chunk carried them, and the journal has them."""
+    p = run.spec.sampling
+    return replace(p, prompt_logprobs=None) if run.output else p
+
+
+def _scored_by_prefill(chunk: worker_pb2.TokenChunk, resp: worker_pb2.PrefillResponse) -> None:
+    """The decode stream's first chunk starts with the token the prefill sampled: its
+    log-probability and the prompt's come from the prefill's response."""
+    if resp.HasField("first_logprob") and chunk.token_ids and not chunk.logprobs:
+        chunk.logprobs.append(resp.first_logprob)
+    if resp.prompt_logprobs and not chunk.prompt_logprobs:
+        chunk.prompt_logprobs.extend(resp.prompt_logprobs)

@@ -76,7 +76,9 @@ class Relay:
                     cut = stop_cut(run.text, delta, spec.stop)
                     if cut is not None:
                         delta, reason = delta[:cut], "stop"
-                if ids or delta:
+                scores = convert.logprobs_from_pb(chunk.logprobs)
+                prompt = convert.logprobs_from_pb(chunk.prompt_logprobs)
+                if ids or delta or prompt:
                     produced = len(run.output)
                     if chunk.index != produced:
                         raise errors.WorkerError(
@@ -85,7 +87,14 @@ class Relay:
                             retryable=True,
                             phase="stream",
                         )
-                    entry = JournalEntry(chunk.index, tuple(ids), delta)
+                    if spec.sampling.logprobs is not None and len(scores) != len(ids):
+                        raise errors.WorkerError(
+                            "decode",
+                            f"{len(scores)} log-probabilities for {len(ids)} tokens",
+                            retryable=False,
+                            phase="stream",
+                        )
+                    entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt)
                     try:
                         await self.writer.journal(run, entry)
                     except errors.RequestEndedError:  # cancelled through another replica
@@ -96,7 +105,15 @@ class Relay:
                         run.timings["ttft_ms"] = (run.first_token_at - run.started) * 1000
                     run.output.extend(ids)
                     run.text += delta
-                    yield OutChunk(rid, chunk.index, ids, delta)
+                    yield OutChunk(
+                        rid,
+                        chunk.index,
+                        ids,
+                        delta,
+                        logprobs=scores,
+                        prompt_logprobs=prompt,
+                        prompt_tokens=len(spec.prompt),
+                    )
                 if reason:
                     finish = reason
                     break

@@ -18,6 +18,7 @@ from typing import Any
 from orchestrator import errors
 from orchestrator.core.cost import PoolUsage, cost_fields
 from orchestrator.core.hardware import CPU_HOST, GpuProfile, get_gpu
+from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.records import JournalEntry, RequestRecord
 from orchestrator.core.spec import RequestSpec
 
@@ -33,6 +34,12 @@ class OutChunk:
     finish_reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     record: RequestRecord | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token in ``token_ids`` when the request asked for them."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """The prompt's, in the chunk that starts at index 0 (when asked for)."""
+    prompt_tokens: int = 0
+    """The prompt's length, in tokens (0: not known to whoever made the chunk)."""
 
 
 @dataclass(slots=True)

@@ -106,7 +106,11 @@ class Sessions:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                if item.index + len(item.token_ids) > inp.resume_from or item.finish_reason:
+                if (
+                    item.index + len(item.token_ids) > inp.resume_from
+                    or item.finish_reason
+                    or (item.prompt_logprobs and not inp.resume_from)
+                ):
                     yield item
                 if item.finish_reason:
                     return  # the last chunk (a cancelled drive delivers nothing after it)
@@ -201,8 +205,16 @@ class Sessions:
                 end = e.index + len(e.token_ids)
                 if end <= start and e.token_ids:
                     continue
-                ids = list(e.token_ids[max(0, start - e.index) :])
-                yield OutChunk(rid, max(e.index, start), ids, e.text)
+                skip = max(0, start - e.index)
+                yield OutChunk(
+                    rid,
+                    max(e.index, start),
+                    list(e.token_ids[skip:]),
+                    e.text,
+                    logprobs=e.logprobs[skip:],
+                    prompt_logprobs=e.prompt_logprobs if start == 0 else (),
+                    prompt_tokens=record.prompt_tokens,
+                )
             if record.state.terminal and not entries:
                 if record.state is State.FAILED:
                     raise errors.RequestFailedError(f"request failed: {record.error or '?'}")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.state import State
 
 
@@ -81,7 +82,8 @@ class RequestRecord:
     prompt_ids: list[int] = field(default_factory=list)
     """What another orchestrator needs to resume the request after a takeover."""
     sampling: list[float] = field(default_factory=list)
-    """[temperature, top_p, seed]."""
+    """`orchestrator.core.spec`'s sampling list: [temperature, top_p, seed], then the later
+    parameters when any is set."""
     stop: list[str] = field(default_factory=list)
     tenant: str = ""
     cost: dict[str, Any] = field(default_factory=dict)
@@ -129,19 +131,42 @@ class RequestRecord:
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    """One relayed chunk of output, as journalled: tokens [index, index + len)."""
+    """One relayed chunk of output, as journalled: tokens [index, index + len), and — for a
+    request that asked for them — their log-probabilities and the prompt's (first chunk).
+
+    JSON: ``[index, ids, text]``, with a fourth element ``{"logprobs": [...], "prompt":
+    [...]}`` only when there are log-probabilities (so journals of requests without them
+    are what they always were)."""
 
     index: int
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token, or none."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps([self.index, list(self.token_ids), self.text])
+        item: list[Any] = [self.index, list(self.token_ids), self.text]
+        if self.logprobs or self.prompt_logprobs:
+            item.append(
+                {
+                    "logprobs": [lp.to_json() for lp in self.logprobs],
+                    "prompt": [lp.to_json() for lp in self.prompt_logprobs],
+                }
+            )
+        return json.dumps(item)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JournalEntry:
-        index, ids, delta = json.loads(text)
-        return cls(int(index), tuple(int(i) for i in ids), str(delta))
+        index, ids, delta, *extra = json.loads(text)
+        more: dict[str, Any] = extra[0] if extra else {}
+        return cls(
+            int(index),
+            tuple(int(i) for i in ids),
+            str(delta),
+            tuple(TokenLogprob.from_json(x) for x in more.get("logprobs", ())),
+            tuple(TokenLogprob.from_json(x) for x in more.get("prompt", ())),
+        )
 
 
 def unjournalled_after(entries: Sequence[JournalEntry], journal_end: int) -> int | None:

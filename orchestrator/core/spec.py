@@ -68,6 +68,10 @@ class RequestLimits:
             )
         for name, message in inp.sampling.problems():
             raise InvalidRequestError(name, message)
+        if inp.sampling.min_tokens > inp.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens", f"{inp.sampling.min_tokens} exceeds max_tokens {inp.max_tokens}"
+            )
         if len(inp.stop) > self.max_stop_strings or any(not x for x in inp.stop):
             raise InvalidRequestError("stop", f"at most {self.max_stop_strings} non-empty strings")
         texts = [("prompt", inp.text or ""), ("stop", *inp.stop)]
@@ -109,8 +113,43 @@ def _is_text(s: str) -> bool:
 
 
 def _sampling_list(p: SamplingParams) -> list[float]:
-    """How a record stores sampling: [temperature, top_p, seed]."""
-    return [p.temperature, p.top_p, p.seed]
+    """How a record stores sampling: [temperature, top_p, seed], followed — only when one of
+    them is set, so that older records and their body hashes stay as they were — by [top_k,
+    min_p, repetition_penalty, min_tokens, ignore_eos, logprobs, prompt_logprobs] (ignore_eos
+    as 0/1, an unset count as -1)."""
+    out: list[float] = [p.temperature, p.top_p, p.seed]
+    later = _sampling_later(p)
+    if later != _sampling_later(SamplingParams()):
+        out += later
+    return out
+
+
+def _sampling_later(p: SamplingParams) -> list[float]:
+    counts = [-1 if n is None else n for n in (p.logprobs, p.prompt_logprobs)]
+    return [p.top_k, p.min_p, p.repetition_penalty, p.min_tokens, int(p.ignore_eos), *counts]
+
+
+def _sampling_from_list(values: list[float]) -> SamplingParams:
+    """The inverse of `_sampling_list` (a record without sampling: the defaults)."""
+    if not values:
+        return SamplingParams()
+    temperature, top_p, seed, *later = values
+    base = SamplingParams(float(temperature), float(top_p), int(seed))
+    if not later:
+        return base
+    top_k, min_p, penalty, min_tokens, ignore_eos, logprobs, prompt_logprobs = later
+    return SamplingParams(
+        base.temperature,
+        base.top_p,
+        base.seed,
+        top_k=int(top_k),
+        min_p=float(min_p),
+        repetition_penalty=float(penalty),
+        min_tokens=int(min_tokens),
+        ignore_eos=bool(ignore_eos),
+        logprobs=None if logprobs < 0 else int(logprobs),
+        prompt_logprobs=None if prompt_logprobs < 0 else int(prompt_logprobs),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +171,11 @@ class RequestSpec:
     @classmethod
     def from_record(cls, record: RequestRecord) -> RequestSpec:
         """The spec a record was created from (a takeover resumes from it)."""
-        temperature, top_p, seed = record.sampling or _sampling_list(SamplingParams())
         return cls(
             request_id=record.request_id,
             prompt=tuple(record.prompt_ids),
             max_tokens=record.max_tokens,
-            sampling=SamplingParams(float(temperature), float(top_p), int(seed)),
+            sampling=_sampling_from_list(record.sampling),
             stop=tuple(record.stop),
             tenant=record.tenant or "default",
         )

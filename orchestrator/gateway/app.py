@@ -175,7 +175,15 @@ class Gateway:
         call = reader(body, rid, self.settings)
         call = replace(call, inp=replace(call.inp, tenant=parse.tenant(request.headers, body)))
         await self._check_model(call.model)
-        renderer = render.Renderer(chat, call.model, rid, int(time.time()))
+        renderer = render.Renderer(
+            chat,
+            call.model,
+            rid,
+            int(time.time()),
+            logprobs=call.logprobs,
+            echo=(call.inp.text or "") if call.echo else None,
+            continuous_usage=call.continuous_usage,
+        )
         tally = render.Tally(rid)
         source = self.backend.generate(call.inp)
         try:
@@ -262,15 +270,18 @@ async def _events(
     tally: render.Tally,
     call: parse.Call,
 ) -> AsyncIterator[bytes]:
-    opening = renderer.opening()
+    if first.prompt_tokens:
+        tally.prompt_tokens = first.prompt_tokens
+    opening = renderer.opening(tally)
     if opening is not None:
         yield opening
     chunk = first
     try:
         while True:
             text = tally.add(chunk)
-            if text:
-                yield renderer.delta(text)
+            event = renderer.delta(text, chunk, tally)
+            if event is not None:
+                yield event
             if tally.finish:
                 break
             chunk = await _next(source, call)

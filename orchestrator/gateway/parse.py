@@ -4,10 +4,18 @@ Type and shape are checked here (a wrong one is a 400 naming the parameter); val
 that pdorch itself enforces (``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``)
 are left to `control`'s validation, so there is one rule for gRPC and HTTP clients alike.
 
+Honoured beyond OpenAI's own, as vLLM's OpenAI server takes them: ``top_k`` (0 or -1: off),
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` — all part of pdorch's seeded
+sampling (`orchestrator.core.sampling`) — and ``stream_options.continuous_usage_stats``.
+Log probabilities: chat's ``logprobs``/``top_logprobs``, completions' ``logprobs`` (0-20
+alternatives) and ``echo`` (the prompt, and with ``logprobs`` the prompt's log
+probabilities: what log-likelihood evaluations read).
+
 What pdorch cannot honour is refused, not ignored: ``n`` or ``best_of`` above 1, batched
-prompts, ``echo``, ``suffix``, log probabilities, penalties, ``logit_bias``, tools and
-structured output. Parameters that change nothing here (``metadata``, ``store``,
-``service_tier``, ...) are accepted and ignored, as OpenAI-compatible servers do. The tenant
+prompts, ``suffix``, ``echo`` on chat, ``presence_penalty``/``frequency_penalty``,
+``logit_bias``, tools and structured output. Parameters that change nothing here
+(``metadata``, ``store``, ``service_tier``, ...) are accepted and ignored, as
+OpenAI-compatible servers do. The tenant
 billed (and held to its limits) is the ``x-pdorch-tenant`` header, else the body's ``user``,
 else "default".
 
@@ -21,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from orchestrator.control.orchestrator import GenerateInput
@@ -48,12 +56,25 @@ class Call:
     stream: bool
     include_usage: bool
     """Streaming only: send a last chunk with token usage (``stream_options``)."""
+    continuous_usage: bool = False
+    """Streaming only: every chunk carries the usage so far
+    (``stream_options.continuous_usage_stats``)."""
+    echo: bool = False
+    """Completions: the answer starts with the prompt (and its log probabilities, when
+    ``logprobs`` is set)."""
+
+    @property
+    def logprobs(self) -> bool:
+        return self.inp.sampling.logprobs is not None
 
     @property
     def params(self) -> dict[str, str]:
         """Orchestrator field names → this call's parameter names, for error messages."""
         prompt = "messages" if self.chat else "prompt"
-        return {"prompt": prompt, "request_id": REQUEST_ID_HEADERS[0]}
+        names = {"prompt": prompt, "request_id": REQUEST_ID_HEADERS[0]}
+        if self.chat:
+            names["logprobs"] = "top_logprobs"
+        return names | {"prompt_logprobs": "logprobs"}
 
 
 def request_id(headers: Mapping[str, str]) -> str:
@@ -184,7 +205,15 @@ def parse_completion(body: Mapping[str, Any], rid: str, settings: GatewaySetting
             400, "prompt must be a string or a list of token ids (non-empty)", param="prompt"
         )
     max_tokens = _int_or_none(body, "max_tokens")
-    return _call(
+    logprobs = _int_or_none(body, "logprobs")
+    echo = _bool(body, "echo", default=False)
+    sampling = replace(
+        _sampling(body, rid),
+        logprobs=logprobs,
+        # The echoed prompt's tokens (texts, and log probabilities when asked for).
+        prompt_logprobs=(logprobs or 0) if echo else None,
+    )
+    call = _call(
         body,
         rid,
         chat=False,
@@ -193,10 +222,11 @@ def parse_completion(body: Mapping[str, Any], rid: str, settings: GatewaySetting
             text=text,
             token_ids=tokens,
             max_tokens=settings.completion_max_tokens if max_tokens is None else max_tokens,
-            sampling=_sampling(body, rid),
+            sampling=sampling,
             stop=_stop(body),
         ),
     )
+    return replace(call, echo=echo)
 
 
 def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> Call:
@@ -209,6 +239,10 @@ def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> 
     max_tokens = _int_or_none(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int_or_none(body, "max_tokens")
+    top = _int_or_none(body, "top_logprobs")
+    if top is not None and not _bool(body, "logprobs", default=False):
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (top or 0) if _bool(body, "logprobs", default=False) else None
     return _call(
         body,
         rid,
@@ -217,7 +251,7 @@ def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> 
             request_id=rid,
             chat=chat,
             max_tokens=settings.chat_max_tokens if max_tokens is None else max_tokens,
-            sampling=_sampling(body, rid),
+            sampling=replace(_sampling(body, rid), logprobs=logprobs),
             stop=_stop(body),
         ),
     )
@@ -232,14 +266,27 @@ def _call(body: Mapping[str, Any], rid: str, *, chat: bool, inp: GenerateInput) 
         raise ApiError(400, "model must be a non-empty string", param="model")
     stream = _bool(body, "stream", default=False)
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not stream:
             raise ApiError(400, "stream_options needs stream: true", param="stream_options")
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", param="stream_options")
         include_usage = _bool(options, "include_usage", default=False, param="stream_options")
-    return Call(chat=chat, model=model, inp=inp, stream=stream, include_usage=include_usage)
+        continuous = _bool(
+            options,
+            "continuous_usage_stats",
+            default=False,
+            param="stream_options.continuous_usage_stats",
+        )
+    return Call(
+        chat=chat,
+        model=model,
+        inp=inp,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage=continuous,
+    )
 
 
 def _message(m: object, i: int) -> tuple[str, str]:
@@ -278,10 +325,19 @@ def _sampling(body: Mapping[str, Any], rid: str) -> SamplingParams:
     temperature = _number_or_none(body, "temperature")
     top_p = _number_or_none(body, "top_p")
     seed = _int_or_none(body, "seed")
+    top_k = _int_or_none(body, "top_k")
+    min_p = _number_or_none(body, "min_p")
+    penalty = _number_or_none(body, "repetition_penalty")
+    min_tokens = _int_or_none(body, "min_tokens")
     return SamplingParams(
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         seed=seed_for(rid) if seed is None else seed,
+        top_k=0 if top_k is None or top_k == -1 else top_k,  # vLLM's -1: no limit
+        min_p=0.0 if min_p is None else min_p,
+        repetition_penalty=1.0 if penalty is None else penalty,
+        min_tokens=0 if min_tokens is None else min_tokens,
+        ignore_eos=_bool(body, "ignore_eos", default=False),
     )
 
 
@@ -303,10 +359,7 @@ def _refuse_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
         if value is not None and not (_is_int(value) and value == 1):
             raise ApiError(400, f"{name} must be 1: pdorch returns one choice", param=name)
     neutral: dict[str, tuple[object, ...]] = {
-        "echo": (False,),
         "suffix": ("",),
-        "logprobs": (False,) if chat else (0,),
-        "top_logprobs": (0,),
         "presence_penalty": (0, 0.0),
         "frequency_penalty": (0, 0.0),
         "logit_bias": ({},),
@@ -318,6 +371,8 @@ def _refuse_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
         "audio": (),
         "prediction": (),
     }
+    if chat:
+        neutral["echo"] = (False,)
     for name, allowed in neutral.items():
         value = body.get(name)
         # Same type too: ``True == 1`` and ``0 == False`` must not pass for each other.

@@ -10,10 +10,11 @@ headers went out ends instead with one ``data: {"error": {...}}`` event and no `
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.control.orchestrator import OutChunk
+from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.gateway.errors import ApiError, cancelled
 
 FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length"}
@@ -39,12 +40,20 @@ class Tally:
     finish: str = ""
     cost_usd: float | None = None
     """What the request cost (its record's ``cost.usd``), once it ended well."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    offset: int = 0
+    """Characters of the answer's text rendered so far (completions' ``text_offset``)."""
 
     def add(self, chunk: OutChunk) -> str:
         """Count a chunk; returns its text. A chunk that ends the request badly (cancelled)
         raises the `ApiError` to answer with."""
         self.completion_tokens += len(chunk.token_ids)
         self.text += chunk.text
+        self.logprobs += chunk.logprobs
+        self.prompt_logprobs += chunk.prompt_logprobs
+        if chunk.prompt_tokens:
+            self.prompt_tokens = chunk.prompt_tokens
         if chunk.finish_reason:
             finish = FINISH_REASONS.get(chunk.finish_reason)
             if finish is None:
@@ -84,6 +93,12 @@ class Renderer:
     request_id: str
     created: int
     """Unix seconds, the same in every object of one response."""
+    logprobs: bool = False
+    """Render log probabilities (chat's ``logprobs``, completions' ``logprobs``)."""
+    echo: str | None = None
+    """Completions with ``echo``: the prompt's text ("" for token ids: the tokens' texts)."""
+    continuous_usage: bool = False
+    """Every streamed chunk carries the usage so far."""
 
     @property
     def id(self) -> str:
@@ -95,15 +110,47 @@ class Renderer:
     def whole(self, tally: Tally) -> dict[str, Any]:
         """The non-streamed response."""
         choice: dict[str, Any] = {"index": 0}
+        prompt = tally.prompt_logprobs if self.echo is not None else []
         if self.chat:
             choice["message"] = {"role": "assistant", "content": tally.text, "refusal": None}
         else:
-            choice["text"] = tally.text
-        choice |= {"logprobs": None, "finish_reason": tally.finish}
+            choice["text"] = self._echoed(prompt) + tally.text
+        choice |= {
+            "logprobs": self._logprobs(tally, prompt, tally.logprobs),
+            "finish_reason": tally.finish,
+        }
         kind = "chat.completion" if self.chat else "text_completion"
         return self._head(kind) | {"choices": [choice], "usage": tally.usage()}
 
-    def _chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def _echoed(self, prompt: list[TokenLogprob]) -> str:
+        if self.echo is None:
+            return ""
+        return self.echo or "".join(lp.text for lp in prompt)
+
+    def _logprobs(
+        self, tally: Tally, prompt: list[TokenLogprob], tokens: list[TokenLogprob]
+    ) -> dict[str, Any] | None:
+        if not self.logprobs or not (prompt or tokens or self.chat):
+            return None
+        if self.chat:
+            return {"content": [_chat_logprob(lp) for lp in tokens], "refusal": None}
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        offsets = []
+        for lp in [*prompt, *tokens]:
+            out["tokens"].append(lp.text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(_top_dict(lp))
+            offsets.append(tally.offset)
+            tally.offset += len(lp.text)
+        return out | {"text_offset": offsets}
+
+    def _chunk(
+        self,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if role else {}
@@ -112,25 +159,54 @@ class Renderer:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice |= {"logprobs": None, "finish_reason": finish}
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return self._head(kind) | {"choices": [choice]}
 
-    def opening(self) -> bytes | None:
-        """The first event of a chat stream (the assistant's role, no text); none for text."""
-        return sse(self._chunk("", None, role=True)) if self.chat else None
+    def _event(self, obj: dict[str, Any], tally: Tally) -> bytes:
+        if self.continuous_usage:
+            obj["usage"] = tally.usage()
+        return sse(obj)
 
-    def delta(self, text: str) -> bytes:
-        return sse(self._chunk(text, None))
+    def opening(self, tally: Tally) -> bytes | None:
+        """The first event of a chat stream (the assistant's role, no text); none for text."""
+        return self._event(self._chunk("", None, role=True), tally) if self.chat else None
+
+    def delta(self, text: str, chunk: OutChunk, tally: Tally) -> bytes | None:
+        """The event of one chunk (already added to ``tally``): its text and, when asked
+        for, its tokens' log probabilities (a completion's echo: the prompt first). None
+        when the chunk holds nothing to send."""
+        prompt = list(chunk.prompt_logprobs) if self.echo is not None else []
+        text = self._echoed(prompt) + text if prompt else text
+        if not text and not (self.logprobs and (chunk.logprobs or prompt)):
+            return None
+        logprobs = self._logprobs(tally, prompt, list(chunk.logprobs))
+        return self._event(self._chunk(text, None, logprobs=logprobs), tally)
 
     def closing(self, tally: Tally, include_usage: bool) -> bytes:
         """The events after the last text: the finish reason, usage if asked, ``[DONE]``."""
-        events = [sse(self._chunk(None if self.chat else "", tally.finish))]
+        events = [self._event(self._chunk(None if self.chat else "", tally.finish), tally)]
         if include_usage:
             kind = "chat.completion.chunk" if self.chat else "text_completion"
             events.append(sse(self._head(kind) | {"choices": [], "usage": tally.usage()}))
         events.append(DONE)
         return b"".join(events)
+
+
+def _top_dict(lp: TokenLogprob) -> dict[str, float] | None:
+    """Completions' ``top_logprobs`` entry: text -> log probability, the alternatives and
+    the token itself (as vLLM answers); None where the token has none (the first prompt
+    token)."""
+    if lp.logprob is None:
+        return None
+    return {t.text: t.logprob for t in lp.top} | {lp.text: lp.logprob}
+
+
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    def one(text: str, logprob: float | None) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return one(lp.text, lp.logprob) | {"top_logprobs": [one(t.text, t.logprob) for t in lp.top]}
 
 
 def error_event(error: ApiError) -> bytes:

@@ -19,10 +19,10 @@ import grpc
 
 from orchestrator import errors
 from orchestrator.api import convert, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api.undecodable import RefuseUndecodable
 from orchestrator.control.orchestrator import GenerateInput, Orchestrator, OutChunk
 from orchestrator.core.idents import check_tenant, shown
 from orchestrator.core.records import RequestRecord
-from orchestrator.rpc.interceptors import RefuseUndecodable
 from orchestrator.rpc.status import status_for
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,12 @@ def info_pb(r: RequestRecord) -> orchestrator_pb2.RequestInfo:
 
 def _chunk_pb(c: OutChunk) -> orchestrator_pb2.GenerateChunk:
     msg = orchestrator_pb2.GenerateChunk(
-        request_id=c.request_id, index=c.index, token_ids=c.token_ids, text=c.text
+        request_id=c.request_id,
+        index=c.index,
+        token_ids=c.token_ids,
+        text=c.text,
+        logprobs=[convert.logprob_to_pb(lp) for lp in c.logprobs],
+        prompt_logprobs=[convert.logprob_to_pb(lp) for lp in c.prompt_logprobs],
     )
     if c.finish_reason:
         msg.finish_reason = convert.finish_to_pb(c.finish_reason)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.sampling import SamplingParams
 from transport.wire import DType, ModelSpec
 
@@ -57,6 +58,12 @@ class PrefillResult:
     """Output token 0, sampled from the last prompt position's logits."""
     kv: KvLayers
     """KV of every *input* token (the prompt), per layer."""
+    first_logprob: TokenLogprob | None = None
+    """The first token's log-probability, when ``sampling.logprobs`` is set (texts empty:
+    the host names the tokens)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """Every input token's, when ``sampling.prompt_logprobs`` is set and ``first_index`` is
+    0 (a failover's re-prefill has the prompt's in the journal already)."""
 
 
 class DecodeState(abc.ABC):
@@ -67,6 +74,9 @@ class DecodeState(abc.ABC):
     generated: int
     """How many output tokens exist so far (index of the next one to sample)."""
     sampling: SamplingParams
+    logprobs: dict[int, TokenLogprob]
+    """Output index -> that token's log-probability, filled by `Engine.decode_step` when
+    ``sampling.logprobs`` is set; the host takes each out as it streams the token."""
 
 
 class Engine(abc.ABC):
@@ -92,7 +102,8 @@ class Engine(abc.ABC):
         on_layer: LayerCallback | None = None,
     ) -> PrefillResult:
         """Run the prompt; sample output token ``first_index`` (0 for a new request; the
-        number already generated when a failover re-prefills prompt + generated tokens)."""
+        number already generated when a failover re-prefills prompt + generated tokens).
+        ``token_ids`` are the whole history the draw sees (`core.sampling.sample`)."""
 
     @abc.abstractmethod
     def start_decode(

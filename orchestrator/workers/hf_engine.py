@@ -40,6 +40,7 @@ from transformers import (
 )
 from transformers.cache_utils import Cache, DynamicLayer
 
+from orchestrator.core import logprobs as lps
 from orchestrator.core.sampling import SamplingParams, sample
 from orchestrator.workers.engine import (
     DecodeState,
@@ -154,6 +155,7 @@ class HfDecodeState(DecodeState):
     sampling: SamplingParams
     cache: Cache = field(repr=False)
     owner: HfEngine = field(repr=False)
+    logprobs: dict[int, lps.TokenLogprob] = field(default_factory=dict, repr=False)
 
     @property
     def cached_tokens(self) -> int:
@@ -239,10 +241,19 @@ class HfEngine(Engine):
         if on_layer is not None:
             for i, layer in enumerate(layers):
                 layer.on_update = _emitter(on_layer, i, layer)
-        logits = self._forward(token_ids, Cache(layers=[*layers]), position=0)
+        scored = sampling.prompt_logprobs is not None and first_index == 0
+        every = self._forward(token_ids, Cache(layers=[*layers]), position=0, every=scored)
+        logits = every[-1]
+        first = sample(logits, sampling, first_index, token_ids, self.info.eos_token_ids)
         return PrefillResult(
-            first_token=sample(logits, sampling, first_index),
+            first_token=first,
             kv=[layer.kv() for layer in layers],
+            first_logprob=_logprob(logits, first, sampling),
+            prompt_logprobs=(
+                tuple(lps.prompt_logprobs(every, token_ids, sampling.prompt_logprobs or 0))
+                if scored
+                else ()
+            ),
         )
 
     def start_decode(
@@ -301,23 +312,35 @@ class HfEngine(Engine):
     def _step(self, state: HfDecodeState) -> None:
         position = state.cached_tokens
         try:
-            logits = self._forward(state.token_ids[-1:], state.cache, position=position)
-            token = sample(logits, state.sampling, state.generated)
+            logits = self._forward(state.token_ids[-1:], state.cache, position=position)[-1]
+            token = sample(
+                logits, state.sampling, state.generated, state.token_ids, self.info.eos_token_ids
+            )
+            scored = _logprob(logits, token, state.sampling)
         except BaseException:
             _truncate(state.cache, position)
             raise
+        if scored is not None:
+            state.logprobs[state.generated] = scored
         state.token_ids.append(token)
         state.generated += 1
 
-    def _forward(self, token_ids: Sequence[int], cache: Cache, position: int) -> np.ndarray:
-        """Run ``token_ids`` at ``position`` onwards through the model; last position's logits."""
+    def _forward(
+        self, token_ids: Sequence[int], cache: Cache, position: int, every: bool = False
+    ) -> np.ndarray:
+        """Run ``token_ids`` at ``position`` onwards through the model; the logits of the
+        last position (of ``every`` position: prompt log-probabilities), one row each."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         positions = torch.arange(position, position + len(token_ids), dtype=torch.long)[None]
         with torch.inference_mode():
             out = self.model(
-                input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+                input_ids=ids,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=0 if every else 1,
             )
-        logits: np.ndarray = out.logits[0, -1].float().numpy()
+        logits: np.ndarray = out.logits[0].float().numpy()
         return logits
 
     def _own(self, state: DecodeState) -> HfDecodeState:
@@ -340,6 +363,12 @@ class HfEngine(Engine):
                     raise ValueError(
                         f"layer {i} {what}: {a.dtype}{list(a.shape)}, expected float32{list(want)}"
                     )
+
+
+def _logprob(logits: np.ndarray, token: int, sampling: SamplingParams) -> lps.TokenLogprob | None:
+    if sampling.logprobs is None:
+        return None
+    return lps.token_logprob(logits, token, sampling.logprobs)
 
 
 def _truncate(cache: Cache, length: int) -> None:

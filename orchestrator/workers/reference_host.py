@@ -20,10 +20,11 @@ import grpc
 
 from orchestrator.api import common_pb2, convert, worker_pb2
 from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, blames_kv_target, transport_status
+from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.workers.batcher import DecodeBatcher, EngineRunner
 from orchestrator.workers.batcher import Sequence as DecodeSequence
-from orchestrator.workers.engine import DecodeState, Engine
+from orchestrator.workers.engine import DecodeState, Engine, PrefillResult
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
 from orchestrator.workers.text import TextDeltas
@@ -104,15 +105,20 @@ class ReferenceHost(EngineHost):
         prompt_tokens: int,
         context: Context,
         compute_s: float = 0.0,
+        first: PrefillResult | None = None,
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
         """Emit the token already sampled (index generated-1), then decode to the end.
 
         Each chunk carries the engine time spent on the request since the previous one
-        (``compute_s``: what this worker spent before decoding, e.g. the prefill). The
-        state's KV counts in `kv_used` from the first chunk until the stream ends."""
+        (``compute_s``: what this worker spent before decoding, e.g. the prefill), and the
+        log-probabilities asked for: ``first``, the prefill this worker ran, has the first
+        token's and the prompt's. The state's KV counts in `kv_used` from the first chunk
+        until the stream ends."""
         self._decoding[id(state)] = state
         try:
-            steps = self._steps(request_id, state, max_tokens, prompt_tokens, context, compute_s)
+            steps = self._steps(
+                request_id, state, max_tokens, prompt_tokens, context, compute_s, first
+            )
             async with contextlib.aclosing(steps):
                 async for chunk in steps:
                     yield chunk
@@ -127,20 +133,31 @@ class ReferenceHost(EngineHost):
         prompt_tokens: int,
         context: Context,
         compute_s: float,
+        first: PrefillResult | None,
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
-        eos = set(self.engine.info.eos_token_ids)
+        eos = set() if state.sampling.ignore_eos else set(self.engine.info.eos_token_ids)
         output = list(state.token_ids[prompt_tokens:])
         last = output[-1]
         text = TextDeltas(self.engine.detokenize, output[:-1])
         index = state.generated - 1
         first_ms = compute_s * 1000
+        prompt = [self._named(lp) for lp in first.prompt_logprobs] if first else []
         if last in eos:
             yield worker_pb2.TokenChunk(
-                index=index, finish_reason=common_pb2.FINISH_REASON_EOS, compute_ms=first_ms
+                index=index,
+                finish_reason=common_pb2.FINISH_REASON_EOS,
+                compute_ms=first_ms,
+                prompt_logprobs=prompt,
             )
             return
+        scored = first.first_logprob if first else None
         yield worker_pb2.TokenChunk(
-            index=index, token_ids=[last], text=text.push([last]), compute_ms=first_ms
+            index=index,
+            token_ids=[last],
+            text=text.push([last]),
+            compute_ms=first_ms,
+            logprobs=[self._named(scored)] if scored is not None else [],
+            prompt_logprobs=prompt,
         )
         if state.generated >= max_tokens:
             yield worker_pb2.TokenChunk(
@@ -179,8 +196,13 @@ class ReferenceHost(EngineHost):
                         break
                 if ids:
                     delta = text.push(ids)
+                    scores = [state.logprobs.pop(index + 1 + i, None) for i in range(len(ids))]
                     yield worker_pb2.TokenChunk(
-                        index=index + 1, token_ids=ids, text=delta, compute_ms=spent()
+                        index=index + 1,
+                        token_ids=ids,
+                        text=delta,
+                        compute_ms=spent(),
+                        logprobs=[self._named(lp) for lp in scores if lp is not None],
                     )
                     index += len(ids)
                 if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -193,6 +215,10 @@ class ReferenceHost(EngineHost):
                     return
         finally:
             self._batcher.remove(seq)
+
+    def _named(self, lp: TokenLogprob) -> common_pb2.TokenLogprob:
+        """A log-probability with its tokens' texts, for the wire."""
+        return convert.logprob_to_pb(lp.named(lambda t: self.engine.detokenize([t])))
 
     async def start_state(
         self,
@@ -230,6 +256,7 @@ class ReferenceHost(EngineHost):
             int(request.prompt_tokens),
             context,
             time.perf_counter() - started,  # the prefill, on this worker
+            result,
         ):
             yield chunk
 
@@ -281,12 +308,15 @@ class ReferenceHost(EngineHost):
             self.metrics.compute_seconds.inc(prefill_ms / 1000)
             self.metrics.transfer_seconds.inc(transfer_s)
             self.metrics.kv_sent_bytes.inc(header.payload_bytes)
+        scored = result.first_logprob
         return worker_pb2.PrefillResponse(
             first_token=result.first_token,
             kv_bytes=header.payload_bytes,
             prefill_ms=prefill_ms,
             transfer_ms=transfer_s * 1000,
             kv_dtype=convert.kv_dtype_to_pb(wire_dtype),
+            first_logprob=self._named(scored) if scored is not None else None,
+            prompt_logprobs=[self._named(lp) for lp in result.prompt_logprobs],
         )
 
     async def decode(

@@ -5,7 +5,9 @@ reference and the fallback); its *role* decides which pool it heartbeats into. W
 model is an `EngineHost` (`host`): the reference engine on one thread with pdorch's KV
 sender/receiver (`reference_host`), or vLLM's async engine (`vllm.engine`). The servicers
 here validate a call, delegate it to the host and count what it produced; the worker owns
-the gRPC server, heartbeats and drain.
+the gRPC server, heartbeats and drain. An undecodable request (a string field that is not
+UTF-8) is answered INVALID_ARGUMENT with one log line (`api.undecodable`), as the
+orchestrator's own server does.
 
 Heartbeats go through a callback the composition root provides (workers never import the
 store): ``publish(WorkerInfo)`` every ``heartbeat_interval_s``.
@@ -26,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2, worker_pb2_grpc
+from orchestrator.api.undecodable import RefuseUndecodable
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.batcher import EngineRunner
 from orchestrator.workers.engine import Engine
@@ -106,7 +109,7 @@ class Worker:
 
     async def start(self) -> str:
         self.kv_address = await self.host.start(self.settings.host, self.settings.kv_port)
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[RefuseUndecodable()])
         worker_pb2_grpc.add_PrefillServiceServicer_to_server(_Prefill(self), server)
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(_Decode(self), server)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(_General(self), server)

@@ -12,7 +12,13 @@ it (prompt and earlier outputs), and — when sampling (temperature > 0) — of 
 top_p is ignored. So, like a real model, the next token is a function of the context: a
 prefill/decode split, an aggregated run and a failover's re-prefill of prompt + generated
 tokens all produce the same tokens. The EOS id (the vocabulary's last) is never produced:
-every request runs to ``max_tokens``, which keeps benchmark loads deterministic.
+every request runs to ``max_tokens``, which keeps benchmark loads deterministic (so
+``ignore_eos`` and ``min_tokens`` hold trivially; ``top_k``, ``min_p`` and
+``repetition_penalty``, like top_p, change nothing).
+
+**Log-probabilities** are made up the same way (`sim_logprob`): after a context, the greedy
+token has log-probability -0.1 and the alternatives ranked after it -0.5 each further; any
+other token a hashed value below -5. A function of the context, like the tokens.
 
 **KV.** Real shapes would not fit: Llama-3-8B's KV is 128 KiB per token, so 2,000 requests
 of ~100 tokens would hold ~25 GiB. The simulated KV keeps the model's layer count and dtype
@@ -41,6 +47,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orchestrator.core.hardware import DEFAULT_GPUS, GpuProfile, get_gpu
+from orchestrator.core.logprobs import TokenLogprob, TopLogprob
 from orchestrator.core.perfmodel import (
     ModelConfig,
     decode_step_seconds,
@@ -173,6 +180,23 @@ def next_token(context: int, sampling: SamplingParams, index: int, vocab: int) -
     return x % (vocab - 1)
 
 
+def sim_logprob(context: int, token: int, n: int, vocab: int) -> TokenLogprob:
+    """``token``'s made-up log-probability after a context whose hash is ``context``, with
+    ``n`` alternatives (see the module's docstring)."""
+    best = next_token(context, _GREEDY, 0, vocab)
+    words = vocab - 1
+    ranked = [(best + k * _ALT_STRIDE) % words for k in range(max(n, _ALT_RANKS))]
+    scores = {t: -0.1 - 0.5 * k for k, t in enumerate(ranked)}
+    top = tuple(TopLogprob(t, scores[t]) for t in ranked[:n])
+    own = scores.get(token, -5.0 - (_mix(context ^ (token + 1)) % 1000) / 100)
+    return TokenLogprob(token, own, top)
+
+
+_GREEDY = SamplingParams()
+_ALT_STRIDE = 7919
+_ALT_RANKS = 20
+
+
 # ------------------------------------------------------------------------------- engine
 
 
@@ -184,6 +208,7 @@ class SimDecodeState(DecodeState):
     context: int = field(repr=False)
     """Hash of every token in ``token_ids``."""
     owner: SimEngine = field(repr=False)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict, repr=False)
 
 
 class SimEngine(Engine):
@@ -242,8 +267,19 @@ class SimEngine(Engine):
         if on_layer is not None:
             for i, (k, v) in enumerate(kv):
                 on_layer(i, k, v)
-        first = next_token(context_hash(token_ids), sampling, first_index, info.vocab_size)
-        return PrefillResult(first_token=first, kv=kv)
+        context = context_hash(token_ids)
+        first = next_token(context, sampling, first_index, info.vocab_size)
+        first_logprob = None
+        if sampling.logprobs is not None:
+            first_logprob = sim_logprob(context, first, sampling.logprobs, info.vocab_size)
+        prompt: list[TokenLogprob] = []
+        if sampling.prompt_logprobs is not None and first_index == 0:
+            prompt.append(TokenLogprob(token_ids[0], None))
+            h = _roll(_FNV_OFFSET, token_ids[0])
+            for t in token_ids[1:]:
+                prompt.append(sim_logprob(h, t, sampling.prompt_logprobs, info.vocab_size))
+                h = _roll(h, t)
+        return PrefillResult(first, kv, first_logprob, tuple(prompt))
 
     def start_decode(
         self,
@@ -271,6 +307,8 @@ class SimEngine(Engine):
         vocab = self.info.vocab_size
         for s in mine:
             token = next_token(s.context, s.sampling, s.generated, vocab)
+            if s.sampling.logprobs is not None:
+                s.logprobs[s.generated] = sim_logprob(s.context, token, s.sampling.logprobs, vocab)
             s.token_ids.append(token)
             s.context = _roll(s.context, token)
             s.generated += 1

@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator import errors
 from orchestrator.control.orchestrator import OutChunk
+from orchestrator.core.logprobs import TokenLogprob, TopLogprob
 from orchestrator.core.records import RequestRecord
 from orchestrator.core.state import State
 from orchestrator.gateway import parse, render
@@ -136,10 +137,19 @@ def test_chat_bad_messages(messages: Any, param: str) -> None:
         ({"n": 2}, "n"),
         ({"n": True}, "n"),
         ({"best_of": 3}, "best_of"),
-        ({"echo": True}, "echo"),
         ({"suffix": "x"}, "suffix"),
-        ({"logprobs": 2}, "logprobs"),
         ({"logprobs": False}, "logprobs"),  # completions take an int: False is not 0 here
+        ({"logprobs": 1.5}, "logprobs"),
+        ({"echo": 1}, "echo"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": "x"}, "min_p"),
+        ({"repetition_penalty": True}, "repetition_penalty"),
+        ({"min_tokens": 2.0}, "min_tokens"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": 1}},
+            "stream_options.continuous_usage_stats",
+        ),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 1}, "frequency_penalty"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
@@ -165,8 +175,50 @@ def test_refused_parameters(body: dict[str, Any], param: str) -> None:
 
 
 def test_chat_logprobs_false_is_neutral() -> None:
-    assert chat(logprobs=False, top_logprobs=0, tool_choice="none", tools=[]).chat
-    refused(chat, "logprobs", logprobs=True)
+    call = chat(logprobs=False, tool_choice="none", tools=[])
+    assert call.chat
+    assert call.inp.sampling.logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs_are_honoured() -> None:
+    """Issue 17 defect 13: were refused (400)."""
+    assert chat(logprobs=True).inp.sampling.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=3).inp.sampling.logprobs == 3
+    refused(chat, "top_logprobs", top_logprobs=2)  # without logprobs: true
+    refused(chat, "echo", echo=True)  # completions only
+    assert chat(logprobs=True, top_logprobs=3).params["logprobs"] == "top_logprobs"
+
+
+def test_completion_logprobs_and_echo_are_honoured() -> None:
+    """Issue 17 defect 13: lm-eval's local-completions sends echo + logprobs."""
+    call = completion(logprobs=1, echo=True, max_tokens=1)
+    assert call.echo
+    assert call.inp.sampling.logprobs == 1
+    assert call.inp.sampling.prompt_logprobs == 1
+    echo_only = completion(echo=True)
+    assert echo_only.inp.sampling.logprobs is None
+    assert echo_only.inp.sampling.prompt_logprobs == 0  # the prompt's texts, no alternatives
+    assert completion(logprobs=2).inp.sampling.prompt_logprobs is None
+
+
+def test_sampling_extensions_are_honoured_not_ignored() -> None:
+    """Issue 17 defect 12: ignore_eos, min_tokens, top_k, min_p, repetition_penalty and
+    continuous_usage_stats were accepted and dropped."""
+    for fn in (completion, chat):
+        p = fn(
+            ignore_eos=True, min_tokens=4, top_k=40, min_p=0.05, repetition_penalty=1.3
+        ).inp.sampling
+        assert (p.ignore_eos, p.min_tokens, p.top_k, p.min_p, p.repetition_penalty) == (
+            True,
+            4,
+            40,
+            0.05,
+            1.3,
+        )
+        assert fn(top_k=-1).inp.sampling.top_k == 0  # vLLM's "no limit"
+        call = fn(stream=True, stream_options={"continuous_usage_stats": True})
+        assert call.continuous_usage
+        assert not call.include_usage
 
 
 def test_request_id_from_headers() -> None:
@@ -260,9 +312,11 @@ def test_stream_events_chat() -> None:
     tally = tally_of(
         OutChunk("r", 0, [1], "hi"), OutChunk("r", 1, [], "", "stop", record=record(2))
     )
-    opening = r.opening()
+    opening = r.opening(tally)
     assert opening is not None
-    stream = events(opening + r.delta("hi") + r.closing(tally, include_usage=True))
+    delta = r.delta("hi", OutChunk("r", 0, [1], "hi"), tally)
+    assert delta is not None
+    stream = events(opening + delta + r.closing(tally, include_usage=True))
     assert [e["choices"][0]["delta"] for e in stream[:3]] == [
         {"role": "assistant", "content": ""},
         {"content": "hi"},
@@ -280,8 +334,11 @@ def test_stream_events_chat() -> None:
 def test_stream_events_text() -> None:
     r = render.Renderer(False, "m", "r", 7)
     tally = tally_of(OutChunk("r", 0, [], "", "eos"))
-    assert r.opening() is None
-    stream = events(r.delta("x") + r.closing(tally, include_usage=False))
+    assert r.opening(tally) is None
+    delta = r.delta("x", OutChunk("r", 0, [5], "x"), tally)
+    assert delta is not None
+    assert r.delta("", OutChunk("r", 1, [6], ""), tally) is None  # nothing to send
+    stream = events(delta + r.closing(tally, include_usage=False))
     assert [e["choices"][0]["text"] for e in stream[:2]] == ["x", ""]
     assert stream[1]["choices"][0]["finish_reason"] == "stop"
     assert stream[2] == "[DONE]"
@@ -333,3 +390,88 @@ def test_error_details() -> None:
     }
     assert ApiError(401, "who").headers() == {"WWW-Authenticate": "Bearer"}
     assert api_error_for(errors.UnavailableError("x")).headers() == {}
+
+
+# ------------------------------------------------------------- log probabilities, usage
+
+
+def _lp(token: int, text: str, logprob: float | None, *top: tuple[int, str, float]) -> Any:
+    return TokenLogprob(token, logprob, tuple(TopLogprob(i, lp, t) for i, t, lp in top), text)
+
+
+PROMPT_LPS = (_lp(7, "Hello", None), _lp(8, " world", -1.5, (9, " there", -0.5)))
+OUT_LP = _lp(3, "!", -0.25, (3, "!", -0.25))
+
+
+def test_completion_echo_with_logprobs_renders_prompt_then_output() -> None:
+    """What lm-eval's local-completions reads: the prompt's tokens and log probabilities
+    (the first None), then the generated token's; top_logprobs a dict per token."""
+    tally = tally_of(
+        OutChunk("r", 0, [3], "!", logprobs=(OUT_LP,), prompt_logprobs=PROMPT_LPS),
+        OutChunk("r", 1, [], "", "length", record=record(2)),
+    )
+    whole = render.Renderer(False, "m", "r", 7, logprobs=True, echo="Hello world").whole(tally)
+    choice = whole["choices"][0]
+    assert choice["text"] == "Hello world!"
+    assert choice["logprobs"] == {
+        "tokens": ["Hello", " world", "!"],
+        "token_logprobs": [None, -1.5, -0.25],
+        "top_logprobs": [None, {" there": -0.5, " world": -1.5}, {"!": -0.25}],
+        "text_offset": [0, 5, 11],
+    }
+    # A token-id prompt has no text at the gateway: the echo is the tokens' texts.
+    tally.offset = 0
+    ids = render.Renderer(False, "m", "r", 7, logprobs=True, echo="").whole(tally)
+    assert ids["choices"][0]["text"] == "Hello world!"
+    # echo without logprobs: the text only.
+    plain = render.Renderer(False, "m", "r", 7, echo="Hello world").whole(tally)
+    assert plain["choices"][0]["logprobs"] is None
+    assert plain["choices"][0]["text"] == "Hello world!"
+
+
+def test_chat_logprobs_render_openai_content_entries() -> None:
+    tally = tally_of(
+        OutChunk("r", 0, [3], "!", logprobs=(OUT_LP,)),
+        OutChunk("r", 1, [], "", "stop", record=record(2)),
+    )
+    whole = render.Renderer(True, "m", "r", 7, logprobs=True).whole(tally)
+    assert whole["choices"][0]["logprobs"] == {
+        "content": [
+            {
+                "token": "!",
+                "logprob": -0.25,
+                "bytes": [33],
+                "top_logprobs": [{"token": "!", "logprob": -0.25, "bytes": [33]}],
+            }
+        ],
+        "refusal": None,
+    }
+    r = render.Renderer(True, "m", "r", 7, logprobs=True)
+    stream_tally = render.Tally("r")
+    chunk = OutChunk("r", 0, [3], "", logprobs=(OUT_LP,))  # a token whose text is held back
+    stream_tally.add(chunk)
+    event = r.delta("", chunk, stream_tally)
+    assert event is not None  # its log probability is still sent
+    (sent,) = events(event)
+    assert sent["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.25
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk() -> None:
+    """Issue 17 defect 12: stream_options.continuous_usage_stats was ignored."""
+    r = render.Renderer(True, "m", "r", 7, continuous_usage=True)
+    tally = render.Tally("r", prompt_tokens=4)
+    opening = r.opening(tally)
+    assert opening is not None
+    raw = opening
+    for i in range(3):
+        chunk = OutChunk("r", i, [i], f"t{i}", prompt_tokens=4)
+        text = tally.add(chunk)
+        event = r.delta(text, chunk, tally)
+        assert event is not None
+        raw += event
+    tally.add(OutChunk("r", 3, [], "", "length", record=record(4)))
+    stream = events(raw + r.closing(tally, include_usage=False))
+    usages = [e["usage"] for e in stream[:-1]]
+    assert [u["completion_tokens"] for u in usages] == [0, 1, 2, 3, 3]
+    assert all(u["prompt_tokens"] == 4 for u in usages)
+    assert stream[-1] == "[DONE]"

@@ -3,6 +3,8 @@ any worker continue a request exactly where another left it."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,99 @@ def test_ranking_only_the_top_tokens_draws_what_a_full_sort_draws(kind: str, top
         tail += bool(probs[got] / probs.sum() < 1e-4)
     if kind == "flat":  # no token above the first floor in the largest vocabulary
         assert tail > 0, "no draw exercised the lowered floors"
+
+
+# ------------------------------------------- issue 17 defect 12: the parameters honoured
+
+RNG_LOGITS = (np.random.default_rng(3).standard_normal(300) * 3).astype(np.float32)
+
+
+def test_defaults_draw_exactly_as_before_the_new_parameters() -> None:
+    """top_k 0, min_p 0, penalty 1, min_tokens 0 take the original path: same tokens."""
+    from orchestrator.core.sampling import _pick
+
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    for i in range(50):
+        probs = np.exp((RNG_LOGITS.astype(np.float64) - RNG_LOGITS.max()) / 0.8)
+        probs /= probs.sum()
+        u = float(np.random.default_rng([5, i]).random())
+        assert sample(RNG_LOGITS, p, i) == _pick(probs, 0.9, u)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_top_k_keeps_the_k_most_probable(k: int) -> None:
+    draws = _draws(SamplingParams(temperature=1.0, top_k=k, seed=3))
+    assert set(draws) == set(range(k))
+
+
+def test_top_k_then_top_p_renormalises_over_the_k() -> None:
+    # top_k 2: candidates 0.5, 0.3 (mass 0.8); top_p 0.6 of 0.8 = 0.48 -> only token 0.
+    assert set(_draws(SamplingParams(temperature=1.0, top_k=2, top_p=0.6, seed=1))) == {0}
+    # top_p 0.7 of 0.8 = 0.56 -> tokens 0 and 1.
+    assert set(_draws(SamplingParams(temperature=1.0, top_k=2, top_p=0.7, seed=1))) == {0, 1}
+
+
+def test_top_k_frequencies_follow_the_renormalised_distribution() -> None:
+    draws = np.array(_draws(SamplingParams(temperature=1.0, top_k=2, seed=11), n=4000))
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, [0.5 / 0.8, 0.3 / 0.8, 0, 0], atol=0.03)
+
+
+@pytest.mark.parametrize(("min_p", "allowed"), [(0.2, {0, 1, 2}), (0.5, {0, 1}), (1.0, {0})])
+def test_min_p_keeps_tokens_near_the_top(min_p: float, allowed: set[int]) -> None:
+    # p_max 0.5: min_p 0.2 keeps p >= 0.1, 0.5 keeps p >= 0.25, 1.0 keeps the top token only
+    assert set(_draws(SamplingParams(temperature=1.0, min_p=min_p, seed=2))) == allowed
+
+
+def test_top_k_ties_go_to_the_lower_id() -> None:
+    logits = np.zeros(6, dtype=np.float32)
+    assert set(_draws(SamplingParams(temperature=1.0, top_k=2, seed=4), logits)) == {0, 1}
+
+
+def test_large_vocabulary_top_k_and_min_p_draw_only_candidates() -> None:
+    logits = (np.random.default_rng(9).standard_normal(50_000) * 2).astype(np.float32)
+    top5 = set(np.argsort(-logits, kind="stable")[:5].tolist())
+    draws = _draws(SamplingParams(temperature=1.0, top_k=5, seed=8), logits, n=200)
+    assert set(draws) <= top5
+    assert len(set(draws)) > 1
+    probs = np.exp(logits.astype(np.float64) - logits.max())
+    allowed = set(np.flatnonzero(probs >= 0.3).tolist())
+    assert set(_draws(SamplingParams(temperature=1.0, min_p=0.3, seed=8), logits)) <= allowed
+
+
+def test_repetition_penalty_discourages_seen_tokens_greedy_too() -> None:
+    logits = np.array([2.0, 1.9, -1.0, -1.1], dtype=np.float32)
+    plain = SamplingParams()
+    penalised = SamplingParams(repetition_penalty=1.2)
+    assert sample(logits, plain, 0, history=[0]) == 0  # no penalty: history unused
+    assert sample(logits, penalised, 0, history=[0]) == 1  # 2.0 / 1.2 < 1.9
+    assert sample(logits, penalised, 0, history=[5, 7]) == 0  # ids outside: ignored
+    negative = np.array([-1.0, -1.1], dtype=np.float32)
+    assert sample(negative, penalised, 0, history=[0]) == 1  # -1.0 * 1.2 < -1.1
+    assert logits[0] == 2.0  # the caller's buffer is untouched
+
+
+def test_min_tokens_masks_eos_until_the_index() -> None:
+    logits = np.array([0.0, 5.0, 1.0], dtype=np.float32)  # token 1 is EOS, and the argmax
+    p = SamplingParams(min_tokens=3)
+    assert [sample(logits, p, i, eos=[1]) for i in range(5)] == [2, 2, 2, 1, 1]
+    for seed in range(100):
+        sampled = SamplingParams(temperature=1.0, min_tokens=3, seed=seed)
+        assert 1 not in [sample(logits, sampled, i, eos=[1]) for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(min_p=math.nan), "min_p"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
+        (SamplingParams(min_tokens=-1), "min_tokens"),
+        (SamplingParams(logprobs=21), "logprobs"),
+        (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
+    ],
+)
+def test_new_parameters_are_validated(params: SamplingParams, field: str) -> None:
+    assert [f for f, _ in params.problems()] == [field]

@@ -53,8 +53,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from orchestrator.api import convert, worker_pb2
-from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
+from orchestrator.api import common_pb2, convert, worker_pb2
+from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, refusal
 from orchestrator.workers.engine import ModelInfo
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
@@ -258,13 +258,15 @@ class VllmHost(EngineHost):
         ``offset``. vLLM always samples greedily: a sampled request's tokens are drawn by
         pdorch's `sampler.PdorchSampler` at their own output index."""
         p = convert.sampling_from_pb(msg)
-        extra = {} if p.greedy else sampler.extra_args(p, offset)
+        eos = self.info.eos_token_ids
+        extra = sampler.extra_args(p, offset, eos) if sampler.draws(p) else {}
         if kv_transfer_params:
             extra["kv_transfer_params"] = kv_transfer_params
         return VllmSampling(
             max_tokens=max_tokens,
             temperature=0.0,
-            stop_token_ids=list(self.info.eos_token_ids),
+            ignore_eos=p.ignore_eos,
+            stop_token_ids=[] if p.ignore_eos else list(eos),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # text deltas are ours (`accounting.ChunkStream`)
             extra_args=extra or None,
@@ -319,6 +321,7 @@ class VllmHost(EngineHost):
     async def generate(
         self, request: worker_pb2.AggregatedRequest, context: Context
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        await _refuse_logprobs(request.sampling, context)
         ids = list(request.token_ids)
         first, limit = int(request.first_index), int(request.max_tokens)
         if first >= limit:
@@ -327,7 +330,7 @@ class VllmHost(EngineHost):
             self.detokenize,
             first_index=first,
             max_tokens=limit,
-            eos=self.info.eos_token_ids,
+            eos=_eos(self.info, request.sampling),
             prior=ids[int(request.prompt_tokens) :],
         )
         sampling = self._sampling(request.sampling, limit - first, first)
@@ -343,6 +346,7 @@ class VllmHost(EngineHost):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker, or no KV target"
             )
+        await _refuse_logprobs(request.sampling, context)
         rid, epoch = request.request_id, int(request.epoch)
         try:
             wire_dtype = convert.kv_dtype_from_pb(request.kv_dtype) or self.info.kv_dtype
@@ -393,6 +397,7 @@ class VllmHost(EngineHost):
         if self._control is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
         assert self._control is not None
+        await _refuse_logprobs(request.sampling, context)
         rid, epoch = request.request_id, int(request.epoch)
         ids = list(request.token_ids)
         generated, limit = int(request.generated), int(request.max_tokens)
@@ -401,7 +406,7 @@ class VllmHost(EngineHost):
             self.detokenize,
             first_index=generated - 1,
             max_tokens=limit,
-            eos=self.info.eos_token_ids,
+            eos=_eos(self.info, request.sampling),
             prior=ids[prompt_tokens:],
         )
         for chunk in stream.push([int(request.last_token)], None, 0.0):
@@ -420,6 +425,22 @@ class VllmHost(EngineHost):
         if self._control is None:
             return False
         return bool(await self._control.release(request.request_id, int(request.epoch)))
+
+
+async def _refuse_logprobs(msg: common_pb2.SamplingParams, context: Context) -> None:
+    """Log probabilities are not wired through vLLM yet (its own are of another draw's
+    logits): refused by name, never answered without them."""
+    for name in ("logprobs", "prompt_logprobs"):
+        if msg.HasField(name):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                refusal(name, "not supported by the vLLM engine (the reference engine has them)"),
+            )
+
+
+def _eos(info: ModelInfo, msg: common_pb2.SamplingParams) -> tuple[int, ...]:
+    """The tokens that end a request's output: none when it ignores EOS."""
+    return () if msg.ignore_eos else info.eos_token_ids
 
 
 def model_info(s: VllmSettings, fingerprint: str = "") -> ModelInfo:

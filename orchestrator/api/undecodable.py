@@ -1,4 +1,5 @@
-"""Server interceptors of the client-facing gRPC service.
+"""A server interceptor for every pdorch gRPC server (the orchestrator's client API and the
+workers' API), so that both answer undecodable requests alike.
 
 `RefuseUndecodable`: gRPC deserializes a request before any servicer code runs, and a
 message protobuf refuses (a string field that is not UTF-8, a truncated field) makes
