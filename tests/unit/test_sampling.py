@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.core.sampling import SamplingParams, sample
+from orchestrator.core.sampling import SamplingParams, _pick, sample
 
 # Probabilities 0.5, 0.3, 0.15, 0.05: nucleus boundaries at 0.5, 0.8, 0.95, 1.0.
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -169,8 +169,6 @@ RNG_LOGITS = (np.random.default_rng(3).standard_normal(300) * 3).astype(np.float
 
 def test_defaults_draw_exactly_as_before_the_new_parameters() -> None:
     """top_k 0, min_p 0, penalty 1, min_tokens 0 take the original path: same tokens."""
-    from orchestrator.core.sampling import _pick
-
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     for i in range(50):
         probs = np.exp((RNG_LOGITS.astype(np.float64) - RNG_LOGITS.max()) / 0.8)
