@@ -10,7 +10,9 @@ STAMP_VLLM := $(VENV_VLLM)/.installed
 # pointed at the whole tree there).
 VLLM_TESTS ?= tests/vllm tests/integration/test_vllm_connector.py
 
-.PHONY: venv venv-vllm demo up test lint check bench clean proto
+VENV_LMEVAL ?= .venv-lmeval
+
+.PHONY: venv venv-vllm demo up test lint check bench clean proto lmeval
 
 venv: $(STAMP)
 
@@ -64,9 +66,18 @@ bench: venv
 	$(VENV)/bin/pdorch bench transport --backend ucx --size 64MiB --iters 10
 	$(VENV)/bin/pdorch bench transport --backend tcp --size 64MiB --iters 10
 
+# lm-evaluation-harness (the `lmeval` extra, in its own environment) runs the small
+# multiple-choice task evals/lm_eval/pdorch_mc through its `local-completions` model against
+# a local cluster's gateway (tiny model): log-likelihoods from `echo` + `logprobs`.
+lmeval: venv
+	test -x $(VENV_LMEVAL)/bin/python || $(PYTHON) -m venv $(VENV_LMEVAL)
+	$(VENV_LMEVAL)/bin/python -m pip install --quiet -e '.[lmeval]'
+	PDORCH_LM_EVAL=$(VENV_LMEVAL)/bin/lm_eval $(VENV)/bin/pytest -q \
+		tests/integration/test_gateway_params.py -k lm_eval $(PYTEST_ARGS)
+
 # Regenerate the committed gRPC code from proto/ (a test fails if it is stale).
 proto: venv
 	$(PY) proto/generate.py
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_LMEVAL) .mypy_cache .ruff_cache .pytest_cache .hypothesis

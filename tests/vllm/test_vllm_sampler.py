@@ -13,7 +13,7 @@ from vllm import SamplingParams as VllmSampling
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from orchestrator.core.sampling import SamplingParams, sample
-from orchestrator.workers.vllm.sampler import EXTRA_ARGS_KEY, PdorchSampler, extra_args
+from orchestrator.workers.vllm.sampler import EXTRA_ARGS_KEY, PdorchSampler, draws, extra_args
 
 pytestmark = pytest.mark.vllm
 
@@ -116,3 +116,46 @@ def test_vllms_own_sampling_is_refused_with_pdorchs_draw() -> None:
         PdorchSampler.validate_params(sampled)
     PdorchSampler.validate_params(_vllm(SamplingParams(0.7), 0))
     PdorchSampler.validate_params(VllmSampling(temperature=0.0))
+
+
+def test_penalty_top_k_min_p_and_min_tokens_draw_as_pdorch_defines_them() -> None:
+    """Issue 17 defect 12 on vLLM: the row's history is vLLM's prompt list plus its live
+    outputs (the penalty), its EOS ids ride in the entry (min_tokens); a greedy request with
+    either now carries an entry (vLLM's argmax would ignore both)."""
+    params = SamplingParams(
+        0.8, 0.95, seed=3, top_k=40, min_p=0.01, repetition_penalty=1.4, min_tokens=5
+    )
+    greedy = SamplingParams(repetition_penalty=1.4)
+    assert draws(params)
+    assert draws(greedy)
+    assert not draws(SamplingParams())
+    eos = (7, 9)
+    prompt = [1, 2, 3]  # what `_update` gives every added row
+    outputs: list[int] = [4]
+    greedy_out: list[int] = []
+    proc = PdorchSampler(None, torch.device("cpu"), False)
+    proc.update_state(
+        _update(
+            2,
+            [
+                (0, VllmSampling(temperature=0.0, extra_args=extra_args(params, 2, eos)), outputs),
+                (1, VllmSampling(temperature=0.0, extra_args=extra_args(greedy, 0)), greedy_out),
+            ],
+        )
+    )
+    rng = np.random.default_rng(2)
+    for _ in range(4):
+        logits = torch.from_numpy(rng.standard_normal((2, VOCAB)).astype(np.float32) * 4)
+        logits[:, 7] = 50.0  # EOS is the argmax: masked while index < 5
+        before = logits.clone()
+        got = proc.apply(logits)
+        index = 2 + len(outputs)
+        want = sample(before[0].numpy(), params, index, [*prompt, *outputs], eos)
+        assert _chosen(got[0]) == want
+        if index < 5:
+            assert want not in eos
+        want_greedy = sample(before[1].numpy(), greedy, len(greedy_out), [*prompt, *greedy_out])
+        assert _chosen(got[1]) == want_greedy
+        outputs.append(want)
+        greedy_out.append(want_greedy)
+        proc.update_state(None)
