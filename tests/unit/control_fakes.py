@@ -37,6 +37,13 @@ def text(index: int) -> str:
     return f"<{index}>"
 
 
+def logprob(index: int) -> common_pb2.TokenLogprob:
+    """The log probability every fake worker reports for output ``index``."""
+    return common_pb2.TokenLogprob(
+        token_id=token(index), text=text(index), logprob=-0.5 - index / 100
+    )
+
+
 def rpc_error(code: grpc.StatusCode, details: str, blame: bool = False) -> grpc.aio.AioRpcError:
     trailing = grpc.aio.Metadata((BLAME_KEY, BLAME_KV_TARGET)) if blame else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details, "")
@@ -61,6 +68,8 @@ class FakeWorker:
     released: list[tuple[str, int]] = field(default_factory=list)
     cancelled: int = 0
     """Streams the orchestrator cancelled."""
+    samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
+    """The sampling parameters of every prefill and aggregated call, in order."""
 
     @property
     def info(self) -> WorkerInfo:
@@ -81,8 +90,12 @@ class FakeWorker:
     def decoded(self, rid: str, epoch: int) -> int:
         return sum(1 for call, e in self.calls if call == f"decode:{rid}" and e == epoch)
 
-    async def stream(self, first: int, max_tokens: int) -> AsyncIterator[worker_pb2.TokenChunk]:
-        """The token chunks from output index ``first`` (already sampled) to the end."""
+    async def stream(
+        self, first: int, max_tokens: int, scored: bool = False, skip_first: bool = False
+    ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """The token chunks from output index ``first`` (already sampled) to the end, with
+        log probabilities when ``scored`` (but the first's when ``skip_first``: a decode
+        stream's first token is the prefill's)."""
         for n, index in enumerate(range(first, max_tokens)):
             if self.fail_after is not None and n >= self.fail_after:
                 raise rpc_error(self.fail_code, f"{self.worker_id} broke")
@@ -90,8 +103,13 @@ class FakeWorker:
                 await asyncio.Event().wait()  # silent until the orchestrator gives up
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+            scores = [logprob(index)] if scored and not (skip_first and n == 0) else []
             yield worker_pb2.TokenChunk(
-                index=index, token_ids=[token(index)], text=text(index), compute_ms=1.0
+                index=index,
+                token_ids=[token(index)],
+                text=text(index),
+                compute_ms=1.0,
+                logprobs=scores,
             )
         yield worker_pb2.TokenChunk(index=max_tokens, finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
@@ -130,25 +148,38 @@ class _Stubs:
         async def run() -> worker_pb2.PrefillResponse:
             w = self.w
             w.calls.append((f"prefill:{req.request_id}", req.epoch))
+            w.samplings.append(req.sampling)
             if w.prefill_error is not None:
                 raise rpc_error(w.prefill_error, "prefill failed", blame=w.blame_kv_target)
-            return worker_pb2.PrefillResponse(
+            resp = worker_pb2.PrefillResponse(
                 first_token=token(req.first_index),
                 kv_bytes=len(req.token_ids) * KV_BYTES_PER_TOKEN,
                 prefill_ms=2.0,
                 transfer_ms=1.0,
             )
+            if req.sampling.HasField("logprobs"):
+                resp.first_logprob.CopyFrom(logprob(req.first_index))
+            if req.sampling.HasField("prompt_logprobs"):
+                resp.prompt_logprobs.extend(
+                    common_pb2.TokenLogprob(token_id=t, text=str(t)) for t in req.token_ids
+                )
+            return resp
 
         return _call(run())
 
     def Decode(self, req: worker_pb2.DecodeRequest) -> _Stream:
         self.w.calls.append((f"decode:{req.request_id}", req.epoch))
         assert req.last_token == token(req.generated - 1)
-        return _Stream(self.w, self.w.stream(req.generated - 1, req.max_tokens))
+        scored = req.sampling.HasField("logprobs")
+        return _Stream(
+            self.w, self.w.stream(req.generated - 1, req.max_tokens, scored, skip_first=True)
+        )
 
     def Generate(self, req: worker_pb2.AggregatedRequest) -> _Stream:
         self.w.calls.append((f"generate:{req.request_id}", req.epoch))
-        return _Stream(self.w, self.w.stream(req.first_index, req.max_tokens))
+        self.w.samplings.append(req.sampling)
+        scored = req.sampling.HasField("logprobs")
+        return _Stream(self.w, self.w.stream(req.first_index, req.max_tokens, scored))
 
     def Release(self, req: worker_pb2.ReleaseRequest, timeout: float) -> Awaitable[Any]:
         async def run() -> worker_pb2.ReleaseResponse:

@@ -23,11 +23,12 @@ from orchestrator.control.orchestrator import ControlSettings, GenerateInput, Or
 from orchestrator.core.breaker import BreakerState
 from orchestrator.core.deadlines import StateDeadlines
 from orchestrator.core.records import JournalEntry, RequestRecord
+from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge, State
 from orchestrator.store.memory import ManualClock, MemoryStore
 from orchestrator.store.settings import StoreSettings
-from tests.unit.control_fakes import FakeFleet, FakeWorker, token
+from tests.unit.control_fakes import FakeFleet, FakeWorker, logprob, token
 
 FAST = ControlSettings(
     watch_interval_s=0.01,
@@ -151,6 +152,36 @@ def test_decode_worker_dying_mid_stream_fails_over_without_gap_or_duplicate() ->
         assert d1.decoded("r1", 2) == 1
         assert metric(metrics, 'pdorch_failovers_total{cause="decode"} 1.0')
         assert orch.ledger.breakers.state("d0@d0:1", 0.0) is BreakerState.OPEN
+
+    run(main())
+
+
+def test_log_probabilities_survive_a_failover_and_a_resubmission_replays_them() -> None:
+    """Issue 17 defect 13: each token keeps the log probability it was streamed with (the
+    prefill's first one included), the prompt's come once, a failover's re-prefill asks no
+    prompt log probabilities again, and a client attaching again (from the journal) gets
+    exactly what the first stream carried."""
+
+    async def main() -> None:
+        p0 = FakeWorker("p0", "prefill")
+        d0 = FakeWorker("d0", "decode", fail_after=3)
+        d1 = FakeWorker("d1", "decode")
+        orch, _store, _ = await setup(p0, d0, d1)
+        asked = replace(inp(max_tokens=8), sampling=SamplingParams(logprobs=1, prompt_logprobs=0))
+        chunks = await collect(orch.generate(asked))
+        assert_contiguous(chunks, 8)
+        scores = [lp for c in chunks for lp in c.logprobs]
+        assert [lp.token_id for lp in scores] == [token(i) for i in range(8)]
+        assert [lp.logprob for lp in scores] == [logprob(i).logprob for i in range(8)]
+        prompt = [lp for c in chunks for lp in c.prompt_logprobs]
+        assert [lp.token_id for lp in prompt] == [1, 2, 3]
+        assert (await orch.get("r1")).epoch == 2  # it did fail over
+        assert [s.HasField("prompt_logprobs") for s in p0.samplings] == [True, False]
+        again = await collect(orch.generate(asked))
+        assert [lp for c in again for lp in c.logprobs] == scores
+        assert [lp for c in again for lp in c.prompt_logprobs] == prompt
+        resumed = await collect(orch.generate(replace(asked, resume_from=5)))
+        assert [lp for c in resumed for lp in c.logprobs] == scores[5:]
 
     run(main())
 
