@@ -373,6 +373,8 @@ def _refuse_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
     }
     if chat:
         neutral["echo"] = (False,)
+    else:  # chat's parameter; completions' alternatives are ``logprobs``
+        neutral["top_logprobs"] = (0,)
     for name, allowed in neutral.items():
         value = body.get(name)
         # Same type too: ``True == 1`` and ``0 == False`` must not pass for each other.

@@ -311,6 +311,7 @@ def test_lm_eval_local_completions_runs_the_shipped_task(
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    print(done.stdout[-2000:])  # lm-eval's results table (pytest -s shows it)
     results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())
     acc = results["results"]["pdorch_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0

@@ -141,6 +141,7 @@ def test_chat_bad_messages(messages: Any, param: str) -> None:
         ({"logprobs": False}, "logprobs"),  # completions take an int: False is not 0 here
         ({"logprobs": 1.5}, "logprobs"),
         ({"echo": 1}, "echo"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # chat's: completions count in logprobs
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"top_k": 1.5}, "top_k"),
         ({"min_p": "x"}, "min_p"),
