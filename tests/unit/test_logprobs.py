@@ -4,16 +4,21 @@ carried by journal entries (whose old form still reads), and by the record's sam
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import grpc
 import numpy as np
 import pytest
 
+from orchestrator import errors
 from orchestrator.api import convert
+from orchestrator.control.clients import translated
 from orchestrator.core import logprobs as lps
 from orchestrator.core.records import JournalEntry
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.spec import GenerateInput, RequestSpec
+from tests.unit.control_fakes import rpc_error
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05])).astype(np.float32)
 
@@ -87,3 +92,25 @@ def test_record_sampling_keeps_old_form_and_hash_and_round_trips_new_fields() ->
     )
     assert RequestSpec.from_record(rich.record("me", created_at=0.0)) == rich
     assert rich.body_hash() != spec.body_hash()
+
+
+@pytest.mark.parametrize(
+    ("details", "field"),
+    [
+        ("logprobs: not supported by the vLLM engine", "logprobs"),
+        ("prompt_logprobs: not supported by the vLLM engine", "prompt_logprobs"),
+        ("token_ids: 9000 tokens exceed the context of 8192", "prompt"),
+        ("first_index >= max_tokens", "prompt"),
+    ],
+)
+def test_a_worker_refusing_a_parameter_is_an_error_naming_it(details: str, field: str) -> None:
+    """A vLLM worker refuses log probabilities with INVALID_ARGUMENT "<parameter>: why";
+    the orchestrator names that parameter to its client (the gateway's 400 ``param``)."""
+
+    async def main() -> None:
+        with pytest.raises(errors.InvalidRequestError) as info:
+            async with translated("d0", "decode"):
+                raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, details)
+        assert info.value.field == field
+
+    asyncio.run(main())
