@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from orchestrator.core.admission import Decision
 from orchestrator.core.records import WorkerInfo
+from orchestrator.core.routing import Hint, pick_decode, pick_prefill
 from orchestrator.errors import OverloadedError, UnavailableError
 
 
@@ -62,13 +63,15 @@ def place(
     queue: Mapping[str, int] | None = None,
     rates: Mapping[str, float] | None = None,
     decide: Callable[[WorkerInfo, WorkerInfo], Decision] | None = None,
+    hint: Hint | None = None,
 ) -> Placement:
     """Pick workers for a request needing KV for ``total_tokens`` (prompt + max output).
 
     ``load``: worker id → (sequences, KV bytes) this replica has placed there and not yet
     finished (see `with_local_load`). ``queue``: prefill worker id → prompt tokens this
     replica placed there and not yet prefilled; ``rates``: prefill worker id → measured
-    tokens/s. ``decide(prefill, decode)``: whether to run aggregated anyway."""
+    tokens/s. ``decide(prefill, decode)``: whether to run aggregated anyway. ``hint``: the
+    prefixes workers hold (`orchestrator.core.routing`); its notes join the reason."""
     banned = set(exclude)
     known = load or {}
     queued = queue or {}
@@ -92,6 +95,14 @@ def place(
         rate = speed.get(w.worker_id)
         return (tokens / rate if rate else float(tokens), active, w.worker_id)
 
+    def best_prefill() -> tuple[WorkerInfo, str]:
+        if hint is None:
+            return min(prefills, key=prefill_key)[0], ""
+        return pick_prefill([(p[0], p[1]) for p in prefills], queued, speed, hint)
+
+    def why(reason: str, *notes: str) -> str:
+        return "; ".join([reason, *(n for n in notes if n)])
+
     if decodes:
         fitting: list[tuple[int, int, str, WorkerInfo]] = []  # (active, -headroom, id, w)
         for w, active, used in decodes:
@@ -100,19 +111,31 @@ def place(
                 fitting.append((active, -free, w.worker_id, w))
         if not fitting:
             raise OverloadedError("no decode worker has KV room for this request", 1.0)
-        decode = with_local_load(min(fitting, key=lambda f: f[:3])[3], known)
+        chosen, dnote = (
+            (min(fitting, key=lambda f: f[:3])[3], "")
+            if hint is None
+            else pick_decode(fitting, hint)
+        )
+        decode = with_local_load(chosen, known)
         if prefills:
-            prefill = with_local_load(min(prefills, key=prefill_key)[0], known)
+            picked, pnote = best_prefill()
+            prefill = with_local_load(picked, known)
             if decide is not None:
                 decision = decide(prefill, decode)
                 if decision.aggregate:
-                    return Placement(Mode.AGGREGATED, None, decode, decision.reason, True)
-                return Placement(Mode.DISAGGREGATED, prefill, decode, decision.reason)
-            return Placement(Mode.DISAGGREGATED, prefill, decode, "both pools up")
+                    return Placement(
+                        Mode.AGGREGATED, None, decode, why(decision.reason, dnote), True
+                    )
+                return Placement(
+                    Mode.DISAGGREGATED, prefill, decode, why(decision.reason, pnote, dnote)
+                )
+            reason = why("both pools up", pnote, dnote)
+            return Placement(Mode.DISAGGREGATED, prefill, decode, reason)
         if fallback != "local":
             raise UnavailableError("prefill pool is down and fallback is 'fail'")
-        return Placement(Mode.AGGREGATED, None, decode, "prefill pool down: aggregated")
+        return Placement(Mode.AGGREGATED, None, decode, why("prefill pool down: aggregated", dnote))
     if fallback != "local":
         raise UnavailableError("decode pool is down and fallback is 'fail'")
-    worker = with_local_load(min(prefills, key=prefill_key)[0], known)
-    return Placement(Mode.AGGREGATED, None, worker, "decode pool down: aggregated on prefill")
+    picked, pnote = best_prefill()
+    reason = why("decode pool down: aggregated on prefill", pnote)
+    return Placement(Mode.AGGREGATED, None, with_local_load(picked, known), reason)
