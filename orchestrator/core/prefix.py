@@ -6,9 +6,10 @@ tokens (a partial last block is never cached, so never hashed). Block *i*'s dige
     d[i] = sha256(cbor([d[i-1], [t0, ..., t(B-1)], null]))      d[-1] = sha256(cbor(seed))
 
 with ``cbor`` canonical CBOR — exactly vLLM v1's ``hash_block_tokens`` with its default
-``sha256_cbor`` hash function, no LoRA / multimodal / cache-salt extra keys, and its
-``NONE_HASH`` as ``init_none_hash`` makes it under ``PYTHONHASHSEED=seed``
-(`tests/vllm/test_prefix_hash.py` checks this against vLLM itself). Chaining makes a digest
+``sha256_cbor`` hash function (``prefix_caching_hash_algo="sha256_cbor"``; its default
+"sha256" pickles Python objects), no LoRA / multimodal / cache-salt extra keys, and its
+``NONE_HASH`` for ``seed`` (vLLM's fixed "vllm-none-hash" unless ``PYTHONHASHSEED`` is set);
+`tests/vllm/test_vllm_prefix.py` checks this against vLLM itself. Chaining makes a digest
 name the whole prefix up to its block: a worker that holds ``d[i]`` holds the KV of tokens
 ``[0, (i + 1) * B)`` — if it also holds every block before it, which is why a match is the
 *longest run from block 0*, as vLLM's own cache lookup stops at the first miss.
@@ -38,10 +39,11 @@ from dataclasses import dataclass
 
 from orchestrator.errors import ConfigError
 
-DEFAULT_SEED = "0"
-"""The hash seed of the first block's parent (vLLM: ``PYTHONHASHSEED``). Any fixed string
-works for routing (every party hashes with pdorch's function); "0" also reproduces vLLM's
-own hashes for an engine run with ``PYTHONHASHSEED=0``."""
+DEFAULT_SEED = "vllm-none-hash"
+"""The hash seed of the first block's parent. Any fixed string works for routing (workers
+re-hash their engine's blocks with pdorch's function); this one is vLLM's own default
+(``DEFAULT_NONE_HASH_SEED``), so a vLLM engine hashing with sha256_cbor and no
+``PYTHONHASHSEED`` computes exactly pdorch's digests."""
 
 KEY_BITS = 64
 _KEY_MASK = (1 << KEY_BITS) - 1

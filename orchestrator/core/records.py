@@ -46,7 +46,7 @@ class WorkerInfo:
     simulated engines), ``kv_prefix`` is then empty."""
     kv_prefix: str = ""
     """The blocks its prefix cache holds, as `orchestrator.core.prefix.encode_keys` (newest
-    last, at most `RoutingPolicy.max_reported_blocks`): what KV-aware routing reads."""
+    last, bounded by the worker): what KV-aware routing reads."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

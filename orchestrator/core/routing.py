@@ -36,9 +36,6 @@ class RoutingPolicy:
     """A decode worker holding the longest prefix wins if its batch is at most this many
     sequences above the least loaded fitting worker's (turn N+1 follows turn N unless that
     worker is clearly busier)."""
-    max_reported_blocks: int = 4096
-    """Worker side: the most block keys one heartbeat carries (the newest stored; 32 KiB).
-    A worker holding more is under-reported: only slower routing, never wrong."""
 
 
 @dataclass(frozen=True, slots=True)

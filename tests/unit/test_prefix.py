@@ -30,8 +30,9 @@ B = 4
 
 
 def test_root_digest_is_sha256_of_cbor_text() -> None:
-    # cbor("0") = 0x61 '0'
+    # cbor("0") = 0x61 '0'; cbor("vllm-none-hash") = 0x6e + 14 bytes
     assert root_digest("0") == hashlib.sha256(b"\x61" + b"0").digest()
+    assert root_digest() == hashlib.sha256(b"\x6e" + b"vllm-none-hash").digest()
 
 
 def test_block_digest_is_sha256_of_cbor_triple() -> None:
