@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.control.ledger import Ledger
+from orchestrator.control.settings import ControlSettings
 from orchestrator.core.admission import Decision
-from orchestrator.core.routing import Hint, pick_decode, pick_prefill, prefill_seconds
+from orchestrator.core.prefix import block_keys, encode_keys
+from orchestrator.core.records import WorkerInfo
+from orchestrator.core.routing import (
+    Hint,
+    RoutingPolicy,
+    pick_decode,
+    pick_prefill,
+    prefill_seconds,
+)
 from orchestrator.core.scheduler import Mode, place
 from orchestrator.errors import OverloadedError, UnavailableError
 from tests.unit.test_scheduler import decode, prefill
+
+B = 4
 
 
 def test_reused_never_covers_the_last_prompt_token() -> None:
@@ -124,3 +138,66 @@ def test_empty_hint_places_exactly_as_no_hint(decodes: list[tuple[int, int]], p:
         except (OverloadedError, UnavailableError) as exc:
             outcomes.append((type(exc).__name__, None, "", ""))
     assert outcomes[0] == outcomes[1]
+
+
+# ------------------------------------------------------- the ledger: heartbeats in
+
+
+def _reporting(w: WorkerInfo, tokens: list[int]) -> WorkerInfo:
+    return replace(w, kv_block_size=B, kv_prefix=encode_keys(block_keys(tokens, B)))
+
+
+def test_ledger_routes_turn_two_to_the_worker_holding_turn_one() -> None:
+    turn1 = list(range(100, 164))  # 16 blocks of 4
+    turn2 = [*turn1, *range(300, 320)]
+    ws = [
+        prefill("p1"),
+        _reporting(prefill("p2"), turn1),
+        decode("d1"),
+        _reporting(decode("d2", active=2), turn1),
+    ]
+    booking = Ledger(ControlSettings()).place(
+        ws, need=200, prefill_tokens=len(turn2), excluded=set(), now=0.0, tokens=turn2
+    )
+    placement = booking.placement
+    assert placement.prefill is not None
+    assert (placement.prefill.worker_id, placement.decode.worker_id) == ("p2", "d2")
+    assert placement.reason.endswith(
+        "; prefill reuses 64/84 cached tokens; decode holds 64/84 prompt tokens"
+    )
+
+
+def test_ledger_with_routing_off_ignores_reports() -> None:
+    turn1 = list(range(100, 164))
+    ws = [prefill("p1"), _reporting(prefill("p2"), turn1), decode("d1")]
+    off = ControlSettings(routing=RoutingPolicy(enabled=False))
+    booking = Ledger(off).place(
+        ws, need=200, prefill_tokens=70, excluded=set(), now=0.0, tokens=[*turn1, 1, 2, 3]
+    )
+    assert booking.placement.prefill is not None
+    assert booking.placement.prefill.worker_id == "p1"
+    assert "cached" not in booking.placement.reason
+
+
+def test_ledger_forgets_a_worker_whose_heartbeat_is_gone() -> None:
+    turn1 = list(range(100, 164))
+    ledger = Ledger(ControlSettings())
+    holder = _reporting(prefill("p2"), turn1)
+    ledger.place([prefill("p1"), holder, decode("d1")], need=200, prefill_tokens=70,
+                 excluded=set(), now=0.0, tokens=[*turn1, 1])  # fmt: skip
+    assert ledger.prefixes.workers() == {"p2"}
+    ledger.place([prefill("p1"), decode("d1")], need=200, prefill_tokens=70,
+                 excluded=set(), now=0.0, tokens=[*turn1, 1])  # fmt: skip
+    assert ledger.prefixes.workers() == set()
+    assert len(ledger.prefixes) == 0
+
+
+def test_a_stale_report_only_steers_never_changes_the_request() -> None:
+    """The index credits p2 with blocks it may have evicted: the placement differs, the
+    work sent does not (the booking's queue carries the full prefill either way)."""
+    turn1 = list(range(100, 164))
+    ws = [prefill("p1"), _reporting(prefill("p2"), turn1), decode("d1")]
+    booking = Ledger(ControlSettings()).place(
+        ws, need=200, prefill_tokens=65, excluded=set(), now=0.0, tokens=[*turn1, 1]
+    )
+    assert booking.queued == ("p2", 65)

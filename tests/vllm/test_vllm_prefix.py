@@ -45,6 +45,7 @@ def test_block_digests_equal_vllms_sha256_cbor_hashes() -> None:
     assert got.split(",") == [d.hex() for d in block_digests(ids, 16)]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch/vLLM's, at import
 def test_vllm_host_reports_the_blocks_it_cached() -> None:
     asyncio.run(_host_reports())
 
