@@ -45,6 +45,10 @@ re-hash their engine's blocks with pdorch's function); this one is vLLM's own de
 (``DEFAULT_NONE_HASH_SEED``), so a vLLM engine hashing with sha256_cbor and no
 ``PYTHONHASHSEED`` computes exactly pdorch's digests."""
 
+DEFAULT_REPORT_BLOCKS = 4096
+"""The most block keys a worker's heartbeat carries (its newest; ~48 KiB of JSON). A worker
+holding more is under-reported: only slower routing, never wrong."""
+
 KEY_BITS = 64
 _KEY_MASK = (1 << KEY_BITS) - 1
 

@@ -55,6 +55,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from orchestrator.api import convert, worker_pb2
 from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
+from orchestrator.core.prefix import DEFAULT_REPORT_BLOCKS
 from orchestrator.workers.engine import ModelInfo
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
@@ -92,10 +93,9 @@ class VllmSettings:
     """Decode side: free a pushed KV nobody claims after this long."""
     kv_timeout_s: float = 30.0
     """How long either side waits on a transfer before failing it."""
-    kv_report_blocks: int = 4096
-    """The most prefix-cache blocks one heartbeat reports (the newest stored; 48 KiB of
-    JSON), from vLLM's KV cache events (`kv_events`); 0: report none (no KV-aware routing
-    to this worker). A worker holding more is under-reported: only slower routing."""
+    kv_report_blocks: int = DEFAULT_REPORT_BLOCKS
+    """The most prefix-cache blocks one heartbeat reports (the newest stored), from vLLM's
+    KV cache events (`kv_events`); 0: report none (no KV-aware routing to this worker)."""
 
 
 class _StepStats(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped to mypy
