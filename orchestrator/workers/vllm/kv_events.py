@@ -60,7 +60,7 @@ class KvEventFeed:
         self._held = HeldBlocks(block_size)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._thread = threading.Thread(target=self._run, name="pdorch-kv-events", daemon=True)
@@ -87,6 +87,7 @@ class KvEventFeed:
         if self._thread.is_alive():
             self._thread.join(timeout=1.0)
         self._sock.close(linger=0)
+        self._ctx.term()
         path = self.address.removeprefix("ipc://")
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -107,7 +108,9 @@ class KvEventFeed:
                 self._held.sequence(int.from_bytes(seq, "big"))
                 for ev in batch.events:
                     if isinstance(ev, BlockStored):
-                        if ev.medium in _MEDIA and not ev.lora_name and not ev.extra_keys:
+                        # extra_keys: one entry per block, None without LoRA/mm/salt
+                        plain = not ev.lora_name and not any(ev.extra_keys or ())
+                        if ev.medium in _MEDIA and plain:
                             self._held.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids)
                     elif isinstance(ev, BlockRemoved):
                         if ev.medium in _MEDIA:
