@@ -126,9 +126,11 @@ class Ledger:
         self._count(placement.decode.worker_id, 1, booking.kv_need)
         if placement.prefill is not None:
             wid = placement.prefill.worker_id
+            # What it will compute: its cache's share is no queue (routing's estimate).
+            compute = prefill_tokens - (hint.reused(wid) if hint is not None else 0)
             requests, queued = self._queue.get(wid, (0, 0))
-            self._queue[wid] = (requests + 1, queued + prefill_tokens)
-            booking.queued = (wid, prefill_tokens)
+            self._queue[wid] = (requests + 1, queued + compute)
+            booking.queued = (wid, compute)
         booking.used = [breaker_key(w) for w in chosen.values()]
         for key in booking.used:
             self.breakers.placed(key, now)

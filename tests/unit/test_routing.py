@@ -192,12 +192,12 @@ def test_ledger_forgets_a_worker_whose_heartbeat_is_gone() -> None:
     assert len(ledger.prefixes) == 0
 
 
-def test_a_stale_report_only_steers_never_changes_the_request() -> None:
-    """The index credits p2 with blocks it may have evicted: the placement differs, the
-    work sent does not (the booking's queue carries the full prefill either way)."""
+def test_the_prefill_queue_counts_only_uncached_tokens() -> None:
+    """p2 holds 64 of 65 tokens: it queues 1 token of work, not 65 (what admission and
+    the next placements weigh)."""
     turn1 = list(range(100, 164))
     ws = [prefill("p1"), _reporting(prefill("p2"), turn1), decode("d1")]
     booking = Ledger(ControlSettings()).place(
         ws, need=200, prefill_tokens=65, excluded=set(), now=0.0, tokens=[*turn1, 1]
     )
-    assert booking.queued == ("p2", 65)
+    assert booking.queued == ("p2", 1)
