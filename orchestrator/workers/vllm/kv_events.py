@@ -82,6 +82,10 @@ class KvEventFeed:
         with self._lock:
             return len(self._held)
 
+    @property
+    def closed(self) -> bool:
+        return bool(self._ctx.closed)
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
