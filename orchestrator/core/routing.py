@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from orchestrator.core.prefix import PrefixIndex, block_keys
+from orchestrator.core.prefix import PrefixIndex, iter_block_keys
 from orchestrator.core.records import WorkerInfo
 
 
@@ -109,7 +109,7 @@ def hint_for(
     index.sync({w.worker_id: (w.kv_block_size, w.kv_prefix) for w in workers if w.kv_block_size})
     if not len(index):
         return None
-    matches = index.match({size: block_keys(tokens, size) for size in index.sizes()})
+    matches = index.match({size: iter_block_keys(tokens, size) for size in index.sizes()})
     if not matches:
         return None
     cached = {wid: m.tokens for wid, m in matches.items()}

@@ -7,6 +7,7 @@ of the longest run of a sequence's blocks, from block 0, whose keys the worker h
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -21,6 +22,7 @@ from orchestrator.core.prefix import (
     block_keys,
     decode_keys,
     encode_keys,
+    iter_block_keys,
     key_of,
     root_digest,
 )
@@ -219,3 +221,24 @@ def test_shared_prefix_gives_shared_leading_keys(a: list[int], b: list[int]) -> 
     while shared < min(len(ka), len(kb)) and ka[shared] == kb[shared]:
         shared += 1
     assert shared == min(common // B, len(ka), len(kb))
+
+
+def test_a_lookup_stops_hashing_at_the_first_block_nobody_holds() -> None:
+    ids = list(range(64))  # 16 blocks
+    keys = block_keys(ids, B)
+    idx = PrefixIndex()
+    idx.replace("w", B, keys[:2])
+    read: list[int] = []
+
+    def counted() -> Iterator[int]:
+        for k in iter_block_keys(ids, B):
+            read.append(k)
+            yield k
+
+    assert idx.match({B: counted()})["w"].blocks == 2
+    assert read == keys[:3]  # blocks 0, 1 held; block 2 ends it
+
+
+def test_iter_block_keys_equals_block_keys() -> None:
+    ids = list(range(1000, 1077))
+    assert list(iter_block_keys(ids, 16)) == block_keys(ids, 16)
