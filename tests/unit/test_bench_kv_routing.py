@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from orchestrator.bench.kv_routing import ChatBench, Sample, chat_workload, format_result, summarize
+from dataclasses import replace
+
+from orchestrator.bench.kv_routing import (
+    ChatBench,
+    Sample,
+    chat_workload,
+    format_result,
+    replay,
+    summarize,
+)
 
 
 def test_workload_shares_the_system_prompt_and_is_reproducible() -> None:
@@ -16,10 +25,28 @@ def test_workload_shares_the_system_prompt_and_is_reproducible() -> None:
     assert chat_workload(ChatBench(seed=1, system_tokens=32))[0] != system
 
 
+def test_replay_counts_what_each_prefill_worker_computed() -> None:
+    system = tuple(range(100, 132))  # 2 blocks of 16
+    turn1 = (*system, *range(500, 516))  # + 1 block
+    turn2 = (*turn1, *range(600, 616))
+    s = Sample(1.0, 0.0, 0, 0.0, "", "p1", turn1)
+    got = replay([s, replace(s, prompt=turn2), replace(s, prefill_worker="p2", prompt=turn2)])
+    # p1: all of turn 1; then only turn 2's new block; p2 never saw any of it
+    assert [g.computed for g in got] == [48, 16, 64]
+
+
 def test_summary_and_table() -> None:
     samples = [
-        Sample(10.0, 0.002, 100, 0.001, "both pools up; prefill reuses 16/20 cached tokens"),
-        Sample(30.0, 0.004, 300, 0.003, "both pools up"),
+        Sample(
+            10.0,
+            0.002,
+            100,
+            0.001,
+            "both pools up; prefill reuses 16/20 cached tokens",
+            "p1",
+            tuple(range(20)),
+        ),
+        Sample(30.0, 0.004, 300, 0.003, "both pools up", "p1", tuple(range(20))),
     ]
     s = summarize(samples)
     assert s["ttft_p50_ms"] == 10.0
@@ -27,6 +54,7 @@ def test_summary_and_table() -> None:
     assert s["prefill_gpu_ms_per_request"] == 3.0
     assert s["kv_bytes_per_request"] == 200
     assert s["routed_to_a_cached_prefix"] == 0.5
+    assert s["prefill_tokens_computed_per_request"] == (20 + 4) / 2  # 16 cached the 2nd time
     table = format_result({"off": s, "on": s})
     assert "routing off" in table
     assert "50%" in table
