@@ -3,7 +3,10 @@
     PdorchError                       root; ``retryable`` says whether trying again may help
     ├── InvalidRequestError           bad input; names the field (→ INVALID_ARGUMENT)
     ├── ConflictError                 same request id, different body (→ ALREADY_EXISTS)
-    ├── NotFoundError                 unknown request id (→ NOT_FOUND)
+    ├── NotFoundError                 unknown request id, or another tenant's (→ NOT_FOUND)
+    ├── UnauthenticatedError          no credential, or one no tokens file lists (→ UNAUTHENTICATED)
+    ├── PermissionDeniedError         a credential claiming a tenant it may not act for
+    │                                 (→ PERMISSION_DENIED)
     ├── OverloadedError               backpressure: rejected early (→ RESOURCE_EXHAUSTED)
     ├── UnavailableError              no worker / store unreachable (→ UNAVAILABLE)
     ├── StaleEpochError               a write from a superseded epoch (fencing)
@@ -41,6 +44,14 @@ class ConflictError(PdorchError):
 
 class NotFoundError(PdorchError):
     """No request with that id."""
+
+
+class UnauthenticatedError(PdorchError):
+    """The call carries no credential, or one the tokens file does not list (revoked)."""
+
+
+class PermissionDeniedError(PdorchError):
+    """An authenticated caller asked for what its credential does not allow."""
 
 
 class OverloadedError(PdorchError):

@@ -30,18 +30,19 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 async def run(args: argparse.Namespace) -> int:
     from orchestrator.errors import UnavailableError  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.store.url import redacted  # noqa: PLC0415
 
     store = RedisStore(StoreSettings(url=args.redis))
     try:
         totals = await store.tenant_costs()
     except UnavailableError as exc:
-        raise CommandError(f"--redis {args.redis}: {exc}") from None
+        raise CommandError(f"--redis {redacted(args.redis)}: {exc}") from None
     finally:
         await store.close()
     if not totals:
         raise CommandError(
-            f"no costs in the Redis at {args.redis}: no request has finished there yet, or "
-            "it is not the cluster's Redis (--redis, $PDORCH_REDIS_URL)"
+            f"no costs in the Redis at {redacted(args.redis)}: no request has finished there "
+            "yet, or it is not the cluster's Redis (--redis, $PDORCH_REDIS_URL)"
         )
     if args.json:
         print(json.dumps(totals, sort_keys=True))

@@ -71,13 +71,14 @@ async def run(args: argparse.Namespace) -> int:
 async def snapshot(orchestrator: str, redis_url: str) -> Snapshot:
     from orchestrator.errors import UnavailableError  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.store.url import redacted  # noqa: PLC0415
 
     store = RedisStore(StoreSettings(url=redis_url))
     try:
         infos = await store.workers()
         active = await store.active()
     except UnavailableError as exc:
-        raise CommandError(f"--redis {redis_url}: {exc}") from None
+        raise CommandError(f"--redis {redacted(redis_url)}: {exc}") from None
     finally:
         await store.close()
     rows = tuple(
@@ -93,7 +94,8 @@ async def snapshot(orchestrator: str, redis_url: str) -> Snapshot:
         )
         for w in sorted(infos, key=lambda w: (w.role != "prefill", w.worker_id))
     )
-    return Snapshot(orchestrator, await _health(orchestrator), redis_url, rows, len(active))
+    health = await _health(orchestrator)
+    return Snapshot(orchestrator, health, redacted(redis_url), rows, len(active))
 
 
 async def _health(address: str) -> str:

@@ -39,6 +39,7 @@ from orchestrator.cli.state import (
     state_path,
     write_state,
 )
+from orchestrator.store.url import without_password
 
 if TYPE_CHECKING:
     from orchestrator.cluster import LocalCluster
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         state = ClusterState(
             pid=os.getpid(),
             orchestrator=cluster.orchestrator_addresses[0],
-            redis=cluster.redis_url,
+            redis=without_password(cluster.redis_url),  # a file others read: no secret
             http=f"{cluster.gateway_urls[0]}/v1" if gateway else "",
             metrics={name: f"http://{HOST}:{p}/metrics" for name, p in metrics.items()},
             model=_served_model(cluster),

@@ -17,7 +17,7 @@ It also re-exports the names the fronts use (`GenerateInput`, `OutChunk`, `Contr
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 
 from orchestrator import errors
 from orchestrator.control.clients import WorkerClients
@@ -83,11 +83,14 @@ class Orchestrator:
         """Stream a request this call does not drive, from its journal (resubmit, resume)."""
         return self.sessions.follow(rid, start)
 
-    async def cancel(self, rid: str) -> State:
-        return await self.sessions.cancel(rid)
+    async def cancel(self, rid: str, tenants: Collection[str] | None = None) -> State:
+        """Cancel ``rid``; with ``tenants`` (the caller's), another tenant's is NotFound."""
+        return await self.sessions.cancel(rid, tenants)
 
-    async def get(self, rid: str) -> RequestRecord:
-        return await self.sessions.get(rid)
+    async def get(self, rid: str, tenants: Collection[str] | None = None) -> RequestRecord:
+        """The record of ``rid``; with ``tenants`` (the caller's), another tenant's is
+        NotFound, answered as an unknown id is."""
+        return await self.sessions.get(rid, tenants)
 
     async def start(self) -> None:
         """Start the reaper that takes over requests whose owner's lease expired."""
