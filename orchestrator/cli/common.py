@@ -360,6 +360,27 @@ def port(text: str) -> int:
     return value
 
 
+TOKEN_ENV = "PDORCH_TOKEN"  # noqa: S105 - a variable name
+TOKEN_FILE_ENV = "PDORCH_TOKEN_FILE"  # noqa: S105 - a variable name
+
+
+def client_token(env: Mapping[str, str]) -> str | None:
+    """The bearer token pdorch's clients send: ``$PDORCH_TOKEN``, else the first line of
+    ``$PDORCH_TOKEN_FILE``; None (no credential) when neither is set."""
+    if env.get(TOKEN_ENV):
+        return env[TOKEN_ENV].strip()
+    path = env.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CommandError(f"${TOKEN_FILE_ENV} {path}: {exc}") from None
+    if not token:
+        raise CommandError(f"${TOKEN_FILE_ENV} {path}: empty")
+    return token
+
+
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 REDIS_PASSWORD_FILE_ENV = "PDORCH_REDIS_PASSWORD_FILE"  # noqa: S105 - a variable name
 REDIS_URL_ENV = "PDORCH_REDIS_URL"
