@@ -15,7 +15,6 @@ import inspect
 import secrets
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -146,7 +145,8 @@ def test_the_migrate_role_keeps_its_migration(server: RedisServer) -> None:
             await state.record([sample], {"pdorch": WindowStats(1, 0, 1, 1, 1, 1)}, 100)
             assert await state.rollback("test", 10.0, WindowStats(1, 1, 1, 1, 1, 1))
             snap = await state.snapshot()
-            assert snap.samples == 1 and len(snap.rollbacks) == 1
+            assert snap.samples == 1
+            assert len(snap.rollbacks) == 1
             assert await state.samples()
         finally:
             await state.close()
@@ -156,7 +156,8 @@ def test_the_migrate_role_keeps_its_migration(server: RedisServer) -> None:
     try:  # the pdorch key never reaches Redis
         keys = admin.keys(f"{PREFIX}:migrate:*")
         dumped = [str(admin.dump(k)) for k in keys]
-        assert keys and not any("secret-key" in d for d in dumped)
+        assert keys
+        assert not any("secret-key" in d for d in dumped)
     finally:
         admin.close()
 
