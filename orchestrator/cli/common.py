@@ -506,6 +506,14 @@ def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         client.ping()
+    except redis.AuthenticationError as exc:
+        from orchestrator.store.url import has_password, redacted  # noqa: PLC0415
+
+        who = "a password" if has_password(url) else "no password"
+        raise CommandError(
+            f"{flag} {redacted(url)}: Redis refused the credentials (sent {who}; "
+            f"--redis-password-file or ${REDIS_URL_ENV} give them): {exc}"
+        ) from None
     except (redis.RedisError, OSError, ValueError) as exc:
         from orchestrator.store.url import redacted  # noqa: PLC0415
 

@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from orchestrator.cli.common import CommandError, Commands, Parents, add_command
+from orchestrator.cli.common import CommandError, Commands, Parents, add_command, check_redis
 
 NAME = "status"
 HELP = "the cluster's orchestrator, workers, pools and requests in flight"
@@ -61,6 +61,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    check_redis(args.redis)  # a refused password, said as Redis says it (not "unreachable")
     snap = await snapshot(args.orchestrator, args.redis)
     print(
         json.dumps(asdict(snap) | {"healthy": snap.healthy}) if args.json else format_status(snap)

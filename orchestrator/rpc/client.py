@@ -34,7 +34,7 @@ def _with_token(details: Any, token: str) -> Any:
     return details._replace(metadata=grpc.aio.Metadata(*metadata, *bearer(token)))
 
 
-class _Bearer(_UnaryUnary, _UnaryStream):
+class _BearerUnary(_UnaryUnary):
     def __init__(self, token: str) -> None:
         self.token = token
 
@@ -42,6 +42,13 @@ class _Bearer(_UnaryUnary, _UnaryStream):
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
         return await continuation(_with_token(client_call_details, self.token), request)
+
+
+class _BearerStream(_UnaryStream):
+    """A class of its own: grpc.aio files an interceptor under one kind only."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
 
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
@@ -53,5 +60,7 @@ def channel(
     target: str, token: str | None = None, options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
     """An insecure grpc.aio channel to ``target`` whose calls carry ``token`` (if any)."""
-    interceptors: Any = [_Bearer(token)] if token else None  # the stubs' type is private
+    interceptors: Any = (
+        [_BearerUnary(token), _BearerStream(token)] if token else None
+    )  # the stubs' type is private
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
