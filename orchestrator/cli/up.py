@@ -39,7 +39,6 @@ from orchestrator.cli.state import (
     state_path,
     write_state,
 )
-from orchestrator.store.url import without_password
 
 if TYPE_CHECKING:
     from orchestrator.cluster import LocalCluster
@@ -162,7 +161,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         state = ClusterState(
             pid=os.getpid(),
             orchestrator=cluster.orchestrator_addresses[0],
-            redis=without_password(cluster.redis_url),  # a file others read: no secret
+            redis=_without_password(cluster.redis_url),  # a file others read: no secret
             http=f"{cluster.gateway_urls[0]}/v1" if gateway else "",
             metrics={name: f"http://{HOST}:{p}/metrics" for name, p in metrics.items()},
             model=_served_model(cluster),
@@ -291,3 +290,9 @@ def endpoints_text(state: ClusterState, path: Path, gateway: bool) -> str:
         )
     lines += ["  pdorch status", "  pdorch cost", "  pdorch down", ""]
     return "\n".join(lines)
+
+
+def _without_password(url: str) -> str:
+    from orchestrator.store.url import without_password  # noqa: PLC0415 - keeps `plan` light
+
+    return without_password(url)
