@@ -191,3 +191,12 @@ def test_a_password_is_folded_in_percent_encoded() -> None:
     assert parsed["username"] == "app"
     assert parsed["password"] == "p@ss:w/rd"
     assert redis.connection.parse_url(with_password("redis://h:1/0", "x"))["password"] == "x"
+
+
+def test_store_settings_never_show_the_password() -> None:
+    from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
+
+    shown = repr(StoreSettings(url="redis://app:s3cret@h:1/0", prefix="p"))
+    assert "s3cret" not in shown
+    assert "url='redis://app:***@h:1/0'" in shown
+    assert "prefix='p'" in shown
