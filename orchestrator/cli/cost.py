@@ -7,7 +7,7 @@ import argparse
 import json
 from collections.abc import Mapping
 
-from orchestrator.cli.common import CommandError, Commands, Parents, add_command
+from orchestrator.cli.common import CommandError, Commands, Parents, add_command, check_redis
 
 NAME = "cost"
 HELP = "what each tenant's requests cost so far"
@@ -32,6 +32,7 @@ async def run(args: argparse.Namespace) -> int:
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.store.url import redacted  # noqa: PLC0415
 
+    check_redis(args.redis)  # a refused password, said as Redis says it (not "unreachable")
     store = RedisStore(StoreSettings(url=args.redis))
     try:
         totals = await store.tenant_costs()
