@@ -217,8 +217,14 @@ class Failover:
         try:
             run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
             relayed = self.relay.relay(run, self.dispatch.stream(run, booking))
+            answered = False
             async with contextlib.aclosing(relayed):
                 async for chunk in relayed:
+                    if not answered:
+                        # Its workers answered: a half-open breaker's probe is over now,
+                        # not when the stream ends (the worker must not be starved).
+                        answered = True
+                        self.ledger.succeeded(booking)
                     yield chunk
         except errors.WorkerError as exc:
             tried = run.attempts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
@@ -151,6 +152,31 @@ def test_decode_worker_dying_mid_stream_fails_over_without_gap_or_duplicate() ->
         assert d1.decoded("r1", 2) == 1
         assert metric(metrics, 'pdorch_failovers_total{cause="decode"} 1.0')
         assert orch.ledger.breakers.state("d0@d0:1", 0.0) is BreakerState.OPEN
+
+    run(main())
+
+
+def test_a_half_open_workers_probe_is_over_at_its_first_token() -> None:
+    """Issue 18, defect 2: a half-open breaker's probe was the whole stream, and the worker
+    was held back from every other placement until it ended."""
+
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", delay_s=0.05)
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0)
+        breakers = orch.ledger.breakers
+        breakers.failure("d0@d0:1", time.monotonic() - 10)  # failed a while ago: half-open
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=20)):
+                got.append(chunk)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 1))
+        assert breakers.blocked(time.monotonic()) == set()  # closed at the first token
+        assert not task.done()  # while the probe's stream goes on
+        await task
+        assert_contiguous(got, 20)
 
     run(main())
 
