@@ -66,7 +66,9 @@ class Orchestrator:
         self.failover = Failover(
             store, settings, self.ledger, dispatch, self.relay, self.leases, self.local, metrics
         )
-        self.ownership = Ownership(store, settings, self.local, self.failover, self.relay, owner)
+        self.ownership = Ownership(
+            store, settings, self.local, self.failover, self.relay, self.legs, owner
+        )
         intake = Intake(store, settings, self.legs, self.ledger, metrics, owner)
         self.sessions = Sessions(store, settings, intake, self.failover, self.local, metrics)
 

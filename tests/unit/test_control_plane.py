@@ -424,6 +424,33 @@ def test_a_request_whose_owner_died_is_taken_over_from_its_journal() -> None:
     run(main())
 
 
+def test_kv_held_for_a_request_taken_over_is_released_at_once() -> None:
+    """Issue 18: the owner died between prefill and decode; its decode worker held the KV
+    for the old epoch until its 30 s hold lease ran out. The new owner releases it."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        store = MemoryStore(StoreSettings(url="memory://", lease_ttl_s=3.0), clock=clock)
+        spec = RequestSpec("r1", (1, 2, 3), 6)
+        await store.create(spec.record("dead"))
+        placed = {"mode": "disaggregated", "prefill_worker": "p0", "decode_worker": "d0"}
+        await store.transition("r1", Edge.PREFILL, epoch=1, fields=placed)
+        await store.transition("r1", Edge.KV_SENT, epoch=1)  # then the owner died
+        d0 = FakeWorker("d0", "decode")
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store, owner="b")
+        await orch.start()
+        try:
+            clock.advance(3.5)  # the dead owner's lease lapses
+            await eventually(lambda: _true(("r1", 1) in d0.released))
+            await eventually(lambda: state_is(store, "r1", State.DONE))
+        finally:
+            await orch.stop()
+        assert (await orch.get("r1")).epoch == 2
+        assert d0.decoded("r1", 1) == 0  # the old epoch's KV was never adopted
+
+    run(main())
+
+
 def test_a_client_whose_request_a_peer_took_over_follows_the_new_owner() -> None:
     async def main() -> None:
         clock = ManualClock()
