@@ -60,7 +60,7 @@ class Orchestrator:
         self.local = Local()
         self.ledger = Ledger(settings)
         self.legs = WorkerLegs(clients, settings, self._alive)
-        self.relay = Relay(store, settings, JournalWriter(store, settings.store_outage_s), metrics)
+        self.relay = Relay(store, settings, JournalWriter(store, store.settings.outage_s), metrics)
         self.leases = LeaseKeeper(store, self.local, owner)
         dispatch = Dispatch(store, self.legs, self.ledger, settings, metrics)
         self.failover = Failover(

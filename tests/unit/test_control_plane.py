@@ -38,7 +38,6 @@ FAST = ControlSettings(
     follow_poll_s=0.005,
     attach_refresh_s=0.05,
     reap_interval_s=0.01,
-    store_outage_s=2.0,
     detach_grace_s=5.0,
 )
 LIMIT_S = 10.0
@@ -54,7 +53,7 @@ async def setup(
     store: MemoryStore | None = None,
     owner: str = "a",
 ) -> tuple[Orchestrator, MemoryStore, ControlMetrics]:
-    store = store or MemoryStore()
+    store = store or MemoryStore(StoreSettings(url="memory://", outage_s=2.0))
     for w in workers:
         await store.heartbeat(w.info, 1e6)
     metrics = ControlMetrics()
@@ -314,6 +313,35 @@ def test_tokens_keep_flowing_while_the_store_is_down_and_are_journalled_after() 
         journal = await store.journal("r1")
         assert [t for e in journal for t in e.token_ids] == [token(i) for i in range(12)]
         assert (await orch.get("r1")).state is State.DONE
+
+    run(main())
+
+
+def test_a_failover_during_a_store_outage_waits_it_out() -> None:
+    """Issue 18, defect 3: a decode worker failed while Redis restarted; the failover loop's
+    4 attempts with backoff (milliseconds here, under half a second by default) were spent
+    on the outage and the request failed. Its store calls now wait the outage out."""
+
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", fail_after=3, delay_s=0.05)
+        d1 = FakeWorker("d1", "decode")
+        orch, store, _ = await setup(FakeWorker("p0", "prefill"), d0, d1)
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=8)):
+                got.append(chunk)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 1))
+        store.available = False  # Redis restarts; d0 fails two chunks later
+        await eventually(lambda: _true(d0.cancelled > 0))
+        await asyncio.sleep(0.5)  # the outage goes on (its length, not a wait for a state)
+        store.available = True
+        await task
+        assert_contiguous(got, 8)
+        record = await orch.get("r1")
+        assert (record.state, record.epoch, record.decode_worker) == (State.DONE, 2, "d1")
 
     run(main())
 
