@@ -77,6 +77,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415 - grpc
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415 - numpy
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
+    from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
 
     o = add_command(sub, NAME, parents, parents.redis, help=HELP)
     o.add_argument(
@@ -138,6 +139,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         type=non_negative_float,
         default=default(ControlSettings, "detach_grace_s"),
         help=field_doc(ControlSettings, "detach_grace_s"),
+    )
+    o.add_argument(
+        "--store-outage",
+        type=non_negative_float,
+        default=default(StoreSettings, "outage_s"),
+        help=field_doc(StoreSettings, "outage_s"),
     )
     _admission_flags(o)
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
@@ -262,7 +269,7 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     preflight(args)
     serving = server_settings(args)
-    store = RedisStore(StoreSettings(url=args.redis))
+    store = RedisStore(StoreSettings(url=args.redis, outage_s=args.store_outage))
     clients = WorkerClients()
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
