@@ -76,6 +76,7 @@ HELP = "run an orchestrator replica"
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415 - grpc
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415 - numpy
+    from orchestrator.core.routing import RoutingPolicy  # noqa: PLC0415
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
     from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
 
@@ -147,6 +148,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help=field_doc(StoreSettings, "outage_s"),
     )
     _admission_flags(o)
+    o.add_argument(
+        "--kv-routing",
+        choices=("on", "off"),
+        default="on" if default(RoutingPolicy, "enabled") else "off",
+        help=field_doc(RoutingPolicy, "enabled"),
+    )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.add_argument(
         "--http-port",
@@ -231,6 +238,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
     )
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
+    from orchestrator.core.routing import RoutingPolicy  # noqa: PLC0415
 
     prices = with_prices(PRICED_KINDS, dict(args.price))
     admission = AdmissionPolicy(
@@ -248,6 +256,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),
         admission=admission,
+        routing=RoutingPolicy(enabled=args.kv_routing == "on"),
     )
 
 

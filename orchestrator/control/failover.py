@@ -222,6 +222,7 @@ class Failover:
             prefill_tokens=len(spec.prompt) + len(run.output),
             excluded=run.attempts.excluded,
             now=time.monotonic(),
+            tokens=[*spec.prompt, *run.output],
         )
         if self.metrics is not None:
             self.metrics.placements.labels(str(booking.placement.mode)).inc()

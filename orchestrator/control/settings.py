@@ -9,6 +9,7 @@ from orchestrator.core.admission import AdmissionPolicy
 from orchestrator.core.deadlines import StateDeadlines
 from orchestrator.core.hardware import PRICED_KINDS, GpuProfile
 from orchestrator.core.kvdtype import KvPolicy
+from orchestrator.core.routing import RoutingPolicy
 from orchestrator.core.spec import RequestLimits
 
 
@@ -52,3 +53,6 @@ class ControlSettings:
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     """Early rejection (SLO, bounded queues, in-flight and tenant limits) and conditional
     disaggregation (`orchestrator.core.admission`)."""
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    """KV-cache-aware routing (`orchestrator.core.routing`): on by default; it changes no
+    placement while no worker reports a prefix cache."""

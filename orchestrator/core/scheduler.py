@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from orchestrator.core.admission import Decision
 from orchestrator.core.breaker import BreakerState
 from orchestrator.core.records import WorkerInfo
+from orchestrator.core.routing import Hint, pick_decode, pick_prefill
 from orchestrator.errors import OverloadedError, UnavailableError
 
 
@@ -98,9 +99,11 @@ def _pick_decode(
     decodes: Sequence[tuple[WorkerInfo, int, int]],
     total_tokens: int,
     breaker: Callable[[WorkerInfo], BreakerState],
-) -> WorkerInfo:
-    """Among (worker, active, KV used) with KV room for the request: the least held back,
-    then the fewest sequences, then the most headroom."""
+    hint: Hint | None,
+) -> tuple[WorkerInfo, str]:
+    """Among (worker, active, KV used) with KV room for the request, the least held back;
+    among those the fewest sequences, then the most headroom — or, with a routing ``hint``,
+    the holder of the longest prefix within its slack. And a note for the reason."""
     fitting: list[tuple[int, int, int, str, WorkerInfo]] = []  # (tier, active, -headroom, id, w)
     for w, active, used in decodes:
         free = max(0, w.kv_capacity_bytes - used)
@@ -108,7 +111,11 @@ def _pick_decode(
             fitting.append((_TIER[breaker(w)], active, -free, w.worker_id, w))
     if not fitting:
         raise OverloadedError("no decode worker has KV room for this request", 1.0)
-    return min(fitting, key=lambda f: f[:4])[4]
+    tier = min(f[0] for f in fitting)
+    best = [f[1:] for f in fitting if f[0] == tier]
+    if hint is None:
+        return min(best, key=lambda f: f[:3])[3], ""
+    return pick_decode(best, hint)
 
 
 def place(
@@ -122,6 +129,7 @@ def place(
     queue: Mapping[str, int] | None = None,
     rates: Mapping[str, float] | None = None,
     decide: Callable[[WorkerInfo, WorkerInfo], Decision] | None = None,
+    hint: Hint | None = None,
 ) -> Placement:
     """Pick workers for a request needing KV for ``total_tokens`` (prompt + max output).
 
@@ -130,7 +138,9 @@ def place(
     docstring). ``load``: worker id -> (sequences, KV bytes) this replica has placed there
     and not yet finished (see `with_local_load`). ``queue``: prefill worker id -> prompt
     tokens this replica placed there and not yet prefilled; ``rates``: prefill worker id ->
-    measured tokens/s. ``decide(prefill, decode)``: whether to run aggregated anyway."""
+    measured tokens/s. ``decide(prefill, decode)``: whether to run aggregated anyway.
+    ``hint``: the prefixes workers hold (`orchestrator.core.routing`): it orders workers
+    within a breaker tier, never across; its notes join the reason."""
     banned = set(exclude)
     held = held_back or {}
     known = load or {}
@@ -158,24 +168,31 @@ def place(
         rate = speed.get(w.worker_id)
         return (_TIER[breaker(w)], tokens / rate if rate else float(tokens), active, w.worker_id)
 
+    def best_prefill() -> tuple[WorkerInfo, str]:
+        if hint is None:
+            return min(prefills, key=prefill_key)[0], ""
+        tier = min(_TIER[breaker(p[0])] for p in prefills)
+        best = [(w, active) for w, active, _ in prefills if _TIER[breaker(w)] == tier]
+        return pick_prefill(best, queued, speed, hint)
+
+    def why(reason: str, *notes: str) -> str:
+        return "; ".join([reason, *(n for n in notes if n)])
+
     if not decodes:
         if fallback != "local":
             raise UnavailableError("decode pool is down and fallback is 'fail'")
-        worker = with_local_load(min(prefills, key=prefill_key)[0], known)
-        return Placement(
-            Mode.AGGREGATED,
-            None,
-            worker,
-            f"{_down('decode', workers, banned)}: aggregated on prefill",
-        )
-    decode = with_local_load(_pick_decode(decodes, total_tokens, breaker), known)
+        picked, pnote = best_prefill()
+        reason = why(f"{_down('decode', workers, banned)}: aggregated on prefill", pnote)
+        return Placement(Mode.AGGREGATED, None, with_local_load(picked, known), reason)
+    chosen, dnote = _pick_decode(decodes, total_tokens, breaker, hint)
+    decode = with_local_load(chosen, known)
     if not prefills:
         if fallback != "local":
             raise UnavailableError("prefill pool is down and fallback is 'fail'")
-        return Placement(
-            Mode.AGGREGATED, None, decode, f"{_down('prefill', workers, banned)}: aggregated"
-        )
-    prefill = with_local_load(min(prefills, key=prefill_key)[0], known)
+        reason = why(f"{_down('prefill', workers, banned)}: aggregated", dnote)
+        return Placement(Mode.AGGREGATED, None, decode, reason)
+    picked, pnote = best_prefill()
+    prefill = with_local_load(picked, known)
     d_state, p_state = breaker(decode), breaker(prefill)
     if fallback == "local" and (bypass := _bypass(prefill, p_state, decode, d_state)):
         return bypass
@@ -186,8 +203,12 @@ def place(
     ]
     if decide is not None:
         decision = decide(prefill, decode)
-        reason = "; ".join([decision.reason, *notes])
         if decision.aggregate:
-            return Placement(Mode.AGGREGATED, None, decode, reason, True)
+            return Placement(
+                Mode.AGGREGATED, None, decode, why(decision.reason, dnote, *notes), True
+            )
+        reason = why(decision.reason, pnote, dnote, *notes)
         return Placement(Mode.DISAGGREGATED, prefill, decode, reason)
-    return Placement(Mode.DISAGGREGATED, prefill, decode, "; ".join(["both pools up", *notes]))
+    return Placement(
+        Mode.DISAGGREGATED, prefill, decode, why("both pools up", pnote, dnote, *notes)
+    )
