@@ -346,6 +346,37 @@ def test_a_failover_during_a_store_outage_waits_it_out() -> None:
     run(main())
 
 
+def test_a_store_outage_past_its_window_fails_the_request_with_a_store_error() -> None:
+    """Past ``outage_s`` the request fails with an error that says so — once: the failover
+    loop does not spend its attempts waiting the window out again."""
+
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", fail_after=3, delay_s=0.05)
+        store = MemoryStore(StoreSettings(url="memory://", outage_s=0.5))
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, FakeWorker("d1", "decode"),
+                                 store=store)  # fmt: skip
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=8)):
+                got.append(chunk)
+                if len(got) == 1:
+                    store.available = False  # and it stays down
+
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(errors.StoreUnavailableError, match=r"outage window of 0\.5 s"):
+            await client()
+        waited = asyncio.get_running_loop().time() - started
+        # One window for the failover, one to record the end (1 s), not one per attempt
+        # (4 attempts and the end: 2.5 s).
+        assert waited < 2.0
+        store.available = True
+        record = await orch.get("r1")
+        assert record.epoch == 1  # the failover never happened: the store was away
+
+    run(main())
+
+
 class _BuggyStore(MemoryStore):
     """A store whose journal append fails with a foreign exception (a bug, not an outage)."""
 
