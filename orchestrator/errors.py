@@ -9,6 +9,8 @@
     │                                 (→ PERMISSION_DENIED)
     ├── OverloadedError               backpressure: rejected early (→ RESOURCE_EXHAUSTED)
     ├── UnavailableError              no worker / store unreachable (→ UNAVAILABLE)
+    │   └── StoreUnavailableError     the request store is unreachable (an outage, not a
+    │                                 refusal); after its outage window when it says so
     ├── StaleEpochError               a write from a superseded epoch (fencing)
     ├── InvalidTransitionError        a state change the state machine forbids
     │   ├── RequestEndedError         the request already ended (e.g. cancelled elsewhere)
@@ -64,6 +66,12 @@ class OverloadedError(PdorchError):
 
 class UnavailableError(PdorchError):
     retryable = True
+
+
+class StoreUnavailableError(UnavailableError):
+    """The request store did not answer (connection refused or lost, timed out, still
+    loading its data). Raised at once by calls that don't wait out an outage, and by those
+    that do (`orchestrator.store.outage`) once its window has passed."""
 
 
 class StaleEpochError(PdorchError):

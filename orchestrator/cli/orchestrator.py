@@ -90,7 +90,9 @@ HELP = "run an orchestrator replica"
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415 - grpc
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415 - numpy
+    from orchestrator.core.routing import RoutingPolicy  # noqa: PLC0415
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
+    from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
 
     o = add_command(sub, NAME, parents, parents.redis, help=HELP)
     o.add_argument(
@@ -153,7 +155,19 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         default=default(ControlSettings, "detach_grace_s"),
         help=field_doc(ControlSettings, "detach_grace_s"),
     )
+    o.add_argument(
+        "--store-outage",
+        type=non_negative_float,
+        default=default(StoreSettings, "outage_s"),
+        help=field_doc(StoreSettings, "outage_s"),
+    )
     _admission_flags(o)
+    o.add_argument(
+        "--kv-routing",
+        choices=("on", "off"),
+        default="on" if default(RoutingPolicy, "enabled") else "off",
+        help=field_doc(RoutingPolicy, "enabled"),
+    )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.add_argument(
         "--http-port",
@@ -248,6 +262,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
     )
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
+    from orchestrator.core.routing import RoutingPolicy  # noqa: PLC0415
 
     prices = with_prices(PRICED_KINDS, dict(args.price))
     admission = AdmissionPolicy(
@@ -265,6 +280,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),
         admission=admission,
+        routing=RoutingPolicy(enabled=args.kv_routing == "on"),
     )
 
 
@@ -287,7 +303,7 @@ async def run(args: argparse.Namespace) -> int:
     preflight(args)
     tokens = _tokens(args)
     serving = server_settings(args)
-    store = RedisStore(StoreSettings(url=args.redis))
+    store = RedisStore(StoreSettings(url=args.redis, outage_s=args.store_outage))
     clients = WorkerClients()
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)

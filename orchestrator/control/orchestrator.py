@@ -60,13 +60,15 @@ class Orchestrator:
         self.local = Local()
         self.ledger = Ledger(settings)
         self.legs = WorkerLegs(clients, settings, self._alive)
-        self.relay = Relay(store, settings, JournalWriter(store, settings.store_outage_s), metrics)
+        self.relay = Relay(store, settings, JournalWriter(store, store.settings.outage_s), metrics)
         self.leases = LeaseKeeper(store, self.local, owner)
         dispatch = Dispatch(store, self.legs, self.ledger, settings, metrics)
         self.failover = Failover(
             store, settings, self.ledger, dispatch, self.relay, self.leases, self.local, metrics
         )
-        self.ownership = Ownership(store, settings, self.local, self.failover, self.relay, owner)
+        self.ownership = Ownership(
+            store, settings, self.local, self.failover, self.relay, self.legs, owner
+        )
         intake = Intake(store, settings, self.legs, self.ledger, metrics, owner)
         self.sessions = Sessions(store, settings, intake, self.failover, self.local, metrics)
 

@@ -26,6 +26,10 @@ class StoreSettings:
     makes one call at a time, so thousands of requests share these)."""
     pool_timeout_s: float = 5.0
     """Longest wait for a free connection before the call fails as unavailable."""
+    outage_s: float = 30.0
+    """The store outage a running request outlasts: writes to its record are retried this
+    long (a Redis restart with its AOF load, a managed Redis's failover), and a finishing
+    request waits this long to journal and record its end. 0: fail at once."""
 
     def __repr__(self) -> str:
         """Every field, the URL's password masked (`store.url.redacted`): settings get logged,
