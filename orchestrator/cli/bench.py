@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from orchestrator.cli.common import (
     Commands,
     Parents,
     add_command,
+    client_token,
     default,
     field_doc,
     positive_int,
@@ -307,7 +309,7 @@ def _load(bl: argparse.ArgumentParser) -> None:
 def _run_load(args: argparse.Namespace) -> int:
     from orchestrator.bench.load import run_load  # noqa: PLC0415
 
-    result = asyncio.run(run_load(load_spec(args)))
+    result = asyncio.run(run_load(load_spec(args), client_token(os.environ)))
     if args.samples:  # for `bench control-plane`, which merges several clients
         print(result.to_json())
     elif args.json:

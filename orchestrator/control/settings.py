@@ -33,8 +33,6 @@ class ControlSettings:
     retry_max_s: float = 1.0
     breaker_cooldown_s: float = 2.0
     """A worker whose call failed is skipped this long, then probed by one request."""
-    store_outage_s: float = 30.0
-    """How long a finishing request waits for an unreachable store before giving up."""
     reap_interval_s: float = 1.0
     """How often a replica looks for requests whose owner's lease expired."""
     deadlines: StateDeadlines = field(default_factory=StateDeadlines)

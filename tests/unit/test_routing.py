@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from orchestrator.control.ledger import Ledger
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.admission import Decision
+from orchestrator.core.breaker import BreakerState
 from orchestrator.core.prefix import block_keys, encode_keys
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.routing import (
@@ -201,3 +202,17 @@ def test_the_prefill_queue_counts_only_uncached_tokens() -> None:
         ws, need=200, prefill_tokens=65, excluded=set(), now=0.0, tokens=[*turn1, 1]
     )
     assert booking.queued == ("p2", 1)
+
+
+def test_a_prefix_never_outranks_a_breaker() -> None:
+    """Routing orders workers within a breaker tier: a half-open holder of the prefix loses
+    to a closed worker that holds nothing; among closed ones the holder wins."""
+    ws = [prefill("p1"), prefill("p2"), decode("d1"), decode("d2")]
+    hint = Hint(64, {"p2": 48, "d2": 32})
+    held = {"p2": BreakerState.HALF_OPEN, "d2": BreakerState.HALF_OPEN}
+    got = place(ws, 100, hint=hint, held_back=held)
+    assert (got.prefill.worker_id if got.prefill else None, got.decode.worker_id) == ("p1", "d1")
+    assert "reuses" not in got.reason
+    assert "holds" not in got.reason
+    got = place(ws, 100, hint=hint, held_back={"p1": BreakerState.HALF_OPEN})
+    assert (got.prefill.worker_id if got.prefill else None, got.decode.worker_id) == ("p2", "d2")
