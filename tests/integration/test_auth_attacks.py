@@ -340,3 +340,24 @@ def test_without_a_tokens_file_the_orchestrator_warns_loudly(tmp_path: Path) -> 
             proc.terminate()
             proc.wait(timeout=30)
     assert any("WARNING" in ln and "NO AUTHENTICATION" in ln for ln in lines), lines
+
+
+def test_an_undecodable_request_without_a_token_is_unauthenticated(cluster: LocalCluster) -> None:
+    """Authentication comes first: a caller without a token learns nothing of the API, not
+    even how it parses (a string field that is not UTF-8 would answer INVALID_ARGUMENT)."""
+    junk = b"\x0a\x02\xff\xfe"  # GenerateRequest.request_id (field 1) = two bytes, not UTF-8
+
+    async def call(token: str | None) -> grpc.StatusCode:
+        async with channel(address(cluster), token) as ch:
+            method = ch.unary_stream(
+                "/pdorch.v1.Orchestrator/Generate",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in method(junk, timeout=10):
+                    pass
+            return caught.value.code()
+
+    assert asyncio.run(call(None)) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(call(TOKEN_B)) == grpc.StatusCode.INVALID_ARGUMENT
