@@ -152,6 +152,9 @@ class FaultExecutor:
         self._kv_active: dict[int, tuple[str, Mapping[str, float]]] = {}
         """KV-link faults on now through the injector (by fault record id)."""
         self._gate: int | None = None
+        self._fired_by = ""
+        """The request whose held transfer fired a ``sending`` trigger (it is hit even
+        before its record names a worker in a state `_served_by` counts)."""
         self._restarting: set[str] = set()
         """Processes being started again (no signal until their handlers are installed)."""
 
@@ -258,9 +261,14 @@ class FaultExecutor:
                     if held_wall is None or held_wall < armed_wall:
                         continue
                     seen = self.now() - max(0.0, time.time() - held_wall)
-                    picked = self._gate_target(role, selector, sender)
+                    records, _ = self.watcher.latest()
+                    if role == "decode":  # the receiver is in the record: read it now
+                        records = await self._records()
+                        seen = self.now()
+                    picked = self._gate_target(role, selector, sender, records)
                     if picked is not None:
                         worker, rid = picked
+                        self._fired_by = rid
                         why = f"{rid or '?'} sending {sender} -> layer {when.layer} held"
                         return worker, why, seen
                 await asyncio.sleep(_GATE_POLL_S)  # a local file; no notifications
@@ -268,10 +276,11 @@ class FaultExecutor:
         finally:
             self._gate = None  # opened once the fault fired (or the wait is over)
 
-    def _gate_target(self, role: str, selector: str, sender: str) -> tuple[str, str] | None:
-        """The worker to hit for a transfer held at ``sender``'s gate, and the request
-        (from the latest record reading: the one prefilling on ``sender``)."""
-        records, _ = self.watcher.latest()
+    def _gate_target(
+        self, role: str, selector: str, sender: str, records: Mapping[str, RequestRecord]
+    ) -> tuple[str, str] | None:
+        """The worker to hit for a transfer held at ``sender``'s gate, and the request (from
+        ``records``: one prefilling on ``sender``; "" if the reading has none)."""
         mine = sorted(
             (rid, r)
             for rid, r in records.items()
@@ -319,7 +328,11 @@ class FaultExecutor:
         except Exception as exc:  # a fault that could not be injected is reported, not fatal
             log.exception("fault %s failed", fault.label())
             record.error = f"{type(exc).__name__}: {exc}"
+        else:
+            if self._fired_by:
+                record.affected = tuple(sorted({*record.affected, self._fired_by}))
         finally:
+            self._fired_by = ""
             if fault.when is not None and fault.when.state == "sending":
                 self._write_kv()  # the gate opens
         return record
@@ -349,13 +362,13 @@ class FaultExecutor:
             record.resolved = name
             record.affected = self._served_by(records, {name})
             await self._process(fault, [name])
-            await self._note_journals(record)
+            await self._note_journals(record, {name})
         elif head == "pool":
             names = self._alive(f"{sel}-")
             record.resolved = ",".join(names) or f"{sel} pool already down"
             record.affected = self._served_by(records, set(names))
             await self._process(fault, names)
-            await self._note_journals(record)
+            await self._note_journals(record, set(names))
         elif head == "orchestrator":
             owners: dict[str, int] = {}
             for r in records.values():
@@ -389,11 +402,14 @@ class FaultExecutor:
                 heal = None  # the proxy's drop is one reset of the connections open now
             self._schedule(record, heal, lambda: self._link(fault, sel, key, on=False))
 
-    async def _note_journals(self, record: FaultRecord) -> None:
-        """Once the fault took effect, how many tokens each affected request had journalled
-        (the checker's recovery starts at the next one). Unknown where the store can't be
-        read at once: the checker then counts the first token after the fault, as before."""
+    async def _note_journals(self, record: FaultRecord, names: set[str]) -> None:
+        """Once the fault took effect: the streams it hit, from a reading taken now as well
+        (the one it fired from may be a poll old, and a failover takes longer than a read),
+        and how many tokens each had journalled (the checker's recovery starts at the next
+        one). Unknown where the store can't be read at once: the checker then counts the
+        first token after the fault, as before."""
         now = await self._records()
+        record.affected = tuple(sorted({*record.affected, *self._served_by(now, names)}))
         record.journalled = {rid: now[rid].output_tokens for rid in record.affected if rid in now}
 
     def _served_by(self, records: Mapping[str, RequestRecord], names: set[str]) -> tuple[str, ...]:
