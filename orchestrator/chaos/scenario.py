@@ -102,10 +102,10 @@ OWN_FLAGS = frozenset({
     "--replica-id", "--heartbeat-ttl", "--http-port",
 })  # fmt: skip
 """Flags the local cluster sets itself: a scenario's extra flags may not override them."""
-GATE_HOLD_S = 2.0
-"""How long a ``sending`` trigger's gate holds a layer (the runner sees the hold within
-~20 ms and fires; the gate is opened right after, but layers already waiting finish their
-hold)."""
+GATE_HOLD_S = 1.0
+"""How long a ``sending`` trigger's gate holds a layer: the runner sees the hold within
+~20 ms (more under load) and fires; the gate is opened right after, but layers already
+waiting finish their hold, so the held transfer's recovery includes up to this much."""
 LINK_PARAMS: dict[str, tuple[str, ...]] = {
     "delay": ("delay_ms",),
     "bandwidth": ("bytes_per_s",),
