@@ -331,6 +331,10 @@ class FaultExecutor:
         else:
             if self._fired_by:
                 record.affected = tuple(sorted({*record.affected, self._fired_by}))
+            # A reading is up to a poll old: a stream its client saw end before the fault
+            # was not hit by it.
+            live = self.history.active_at(record.at)
+            record.affected = tuple(rid for rid in record.affected if rid in live)
         finally:
             self._fired_by = ""
             if fault.when is not None and fault.when.state == "sending":

@@ -349,3 +349,13 @@ def test_a_kill_whose_process_is_not_reaped_fails_the_verdict() -> None:
     assert not verdict.clean
     assert Summary("s", [verdict]).violations([]) == ["fault_errors=1"]
     assert verdict.errors == Counter()
+
+
+def test_a_stream_that_ended_before_the_fault_is_not_counted_as_hit() -> None:
+    records = {
+        rid: _record(rid, State.DECODING, "prefill-0", "decode-1") for rid in ("done", "live")
+    }
+    ex = _executor(records, now=2.0)  # the reading still shows "done" decoding
+    ex.history.add(Op(1.9, "ok", "done", 1, code="stop"))
+    record = asyncio.run(ex.inject(_fault("continue", "decode:decode-1", at=2.0)))
+    assert record.affected == ("live",)
