@@ -302,13 +302,18 @@ class FaultExecutor:
         due = fault.at if due is None else due
         chosen = trigger = ""
         if fault.when is not None:
-            fired = await self._triggered(head, sel, fault.when)
+            problem = ""
+            try:
+                fired = await self._triggered(head, sel, fault.when)
+            except (PdorchError, OSError) as exc:  # e.g. the gate's file can't be written
+                fired, problem = None, f"trigger failed: {type(exc).__name__}: {exc}"
             if fired is None:
                 if fault.when.state == "sending":
-                    self._write_kv()  # the gate opens
+                    with contextlib.suppress(OSError):
+                        self._write_kv()  # the gate opens
                 record = FaultRecord(self.now(), fault.kind, fault.target, "", (),
                                      wall_at=time.time(), planned_at=fault.at)  # fmt: skip
-                record.error = f"trigger not met within {fault.when.within_s}s: " + (
+                record.error = problem or f"trigger not met within {fault.when.within_s}s: " + (
                     f"no request {fault.when.state} on a {head} worker"
                     if fault.when.state
                     else f"fewer than {fault.when.streams} streams active"

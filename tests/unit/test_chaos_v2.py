@@ -359,3 +359,11 @@ def test_a_stream_that_ended_before_the_fault_is_not_counted_as_hit() -> None:
     ex.history.add(Op(1.9, "ok", "done", 1, code="stop"))
     record = asyncio.run(ex.inject(_fault("continue", "decode:decode-1", at=2.0)))
     assert record.affected == ("live",)
+
+
+def test_a_sending_trigger_without_the_workers_injector_is_reported_not_fatal() -> None:
+    ex = _executor({})  # kv_file None: workers without the injector (vLLM)
+    when = sc.Trigger(state="sending", within_s=0.2)
+    record = asyncio.run(ex.inject(_fault("kill", "prefill:busiest", when)))
+    assert record.error.startswith("trigger failed: PdorchError")
+    assert record.resolved == ""
