@@ -16,6 +16,7 @@ import abc
 import asyncio
 import collections
 import contextlib
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,12 +73,19 @@ class TransportSettings:
     NaN KV comes from the sender's own computation (README "KV transport": the trade-off)."""
 
 
+_channels = itertools.count(1)
+
+
 @dataclass(frozen=True, slots=True)
 class Peer:
     """The remote end of one control connection, as it introduced itself in HELLO."""
 
     instance_id: bytes
     data_address: bytes
+    channel: int = field(default_factory=lambda: next(_channels))
+    """This connection's id in this process. A data plane keeps its per-peer state (UCX
+    endpoints) per channel: a connection carries one transfer at a time, so cancelling a
+    channel's operations cancels one transfer's and never another's (issue 18)."""
 
 
 class DataPlane(abc.ABC):
@@ -100,8 +108,14 @@ class DataPlane(abc.ABC):
         """Receive one layer's payload into ``into``, matching `send` (out-of-band only)."""
 
     @abc.abstractmethod
-    def fail_peer(self, peer: Peer) -> None:
-        """Cancel everything pending with ``peer`` and forget its endpoints (it broke)."""
+    def fail_channel(self, peer: Peer) -> None:
+        """Cancel everything pending on ``peer``'s channel — that connection's transfer,
+        and no other — and forget its endpoints. Returns once no posted operation can
+        touch that transfer's buffers any more."""
+
+    @abc.abstractmethod
+    def release(self, peer: Peer) -> None:
+        """``peer``'s connection closed: free what the plane holds for its channel."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...

@@ -130,6 +130,7 @@ class KvReceiver:
             if msg.kind is not control.Kind.HELLO:
                 raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
             link.peer = Peer(*control.parse_hello(msg.body))
+            link.on_close = partial(self._plane.release, link.peer)
             await link.send(control.hello(self._instance, self._data_address), s.connect_timeout_s)
             while not link.broken and not self._closed:
                 conn.idle_since = time.monotonic()
@@ -315,7 +316,7 @@ class _Receive:
         finally:
             unfinished = [*self.receiving, *self.verifying]
             if self.receiving:  # posted receives must not outlive the buffer: cancel them
-                self.plane.fail_peer(link.peer)
+                self.plane.fail_channel(link.peer)  # this transfer's only (issue 18)
             for task in unfinished:
                 task.cancel()
             for task in unfinished:

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -163,6 +164,7 @@ class KvSender:
             if msg.kind is not control.Kind.HELLO:
                 raise errors.WireFormatError(f"expected HELLO from {address}, got {msg.kind.name}")
             link.peer = Peer(*control.parse_hello(msg.body))
+            link.on_close = partial(self._plane.release, link.peer)
         except BaseException:
             await link.close()
             raise
@@ -356,9 +358,9 @@ class OutgoingTransfer:
             return
         self._state = "failed"
         if any(not t.done() for t in self._in_flight):
-            # Out-of-band sends still posted reference our buffers: only cancelling the
-            # peer's endpoints releases them (other transfers to it fail and retry).
-            self._sender._plane.fail_peer(self._link.peer)
+            # Out-of-band sends still posted reference our buffers: cancel them. Only this
+            # link's channel: other transfers to the same peer go on (issue 18).
+            self._sender._plane.fail_channel(self._link.peer)
         for t in self._in_flight:
             t.cancel()
         for t in self._in_flight:

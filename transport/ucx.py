@@ -10,9 +10,11 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
 * Peer-death detection therefore does not come from UCX. It comes from the control link: a
   killed peer's TCP connection is reset by its kernel within milliseconds, and a stalled peer
   trips the transfer's idle deadline. Either way the transport cancels the posted UCX requests
-  by aborting the endpoint (`fail_peer`) before the receive buffer is released.
-* Endpoints are cached per peer *instance* (a random id in HELLO), so a restarted peer gets a
-  fresh endpoint and a stale one is never reused; the cache is bounded (LRU).
+  by aborting the link's endpoint (`fail_channel`) before the receive buffer is released.
+* Endpoints are kept per control link (`Peer.channel`), created on its first payload and
+  closed with it: a restarted peer's new links get fresh endpoints, the count is bounded by
+  the connection caps, and cancelling one transfer's operations (aborting its link's
+  endpoint) never touches another transfer to the same peer (issue 18).
 * Sends and receives are posted on the endpoint's UCXX request API and awaited through
   `transport.completion.CompletionPoller`, not by ``Endpoint.send``/``recv``: those await
   ``UCXRequest.wait()``, which in ``thread`` progress mode (without UCXX's Python-future
@@ -27,7 +29,6 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
 from __future__ import annotations
 
 import asyncio
-import collections
 import ctypes
 import logging
 import os
@@ -59,7 +60,6 @@ class UcxConfig:
     a no-error-handling endpoint by progressing until the peer acknowledges, which a
     SIGSTOPped peer never does, and the event loop hangs. "blocking" is faster on 2 cores
     (no extra threads) but is only safe where peers are trusted never to stall."""
-    max_cached_endpoints: int = 256
 
 
 def _import_ucxx() -> Any:
@@ -90,9 +90,9 @@ class UcxDataPlane(DataPlane):
     def __init__(self, config: UcxConfig | None = None) -> None:
         self._config = config or UcxConfig()
         self._ucxx: Any = None
-        self._send_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        self._recv_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        self._connecting: dict[tuple[bool, bytes], asyncio.Lock] = {}
+        self._eps: dict[int, Any] = {}
+        """UCX endpoint per channel (control link); lives as long as the link."""
+        self._connecting: dict[int, asyncio.Lock] = {}
         self._array: Any = None
         self._tag: Any = None
         self._full_mask: Any = None
@@ -114,15 +114,17 @@ class UcxDataPlane(DataPlane):
             return bytes(address)
         return bytes(self._ucxx.get_worker_address().tobytes())
 
-    async def _endpoint(self, peer: Peer, sending: bool) -> Any:
-        cache = self._send_eps if sending else self._recv_eps
-        ep = cache.get(peer.instance_id)
+    async def _endpoint(self, peer: Peer) -> Any:
+        """The channel's endpoint, created on first use. One per control link, not per peer:
+        aborting it (`fail_channel`) cancels that link's transfer's sends and receives only
+        (UCX tags match worker-wide, so a receive posted through any endpoint still gets
+        its message)."""
+        ep = self._eps.get(peer.channel)
         if ep is not None:
-            cache.move_to_end(peer.instance_id)
             return ep
-        lock = self._connecting.setdefault((sending, peer.instance_id), asyncio.Lock())
+        lock = self._connecting.setdefault(peer.channel, asyncio.Lock())
         async with lock:
-            ep = cache.get(peer.instance_id)
+            ep = self._eps.get(peer.channel)
             if ep is None:
                 try:
                     address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
@@ -131,15 +133,12 @@ class UcxDataPlane(DataPlane):
                     )
                 except Exception as exc:
                     raise errors.PeerLostError(f"cannot reach peer over UCX: {exc}") from exc
-                cache[peer.instance_id] = ep
-                while len(cache) > self._config.max_cached_endpoints:
-                    _, old = cache.popitem(last=False)
-                    _abort(old)
-        self._connecting.pop((sending, peer.instance_id), None)
+                self._eps[peer.channel] = ep
+        self._connecting.pop(peer.channel, None)
         return ep
 
     async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
-        ep = await self._endpoint(peer, sending=True)
+        ep = await self._endpoint(peer)
         try:
             raw = _requests(ep)
             buffer = self._array(_one_buffer(buffers))  # referenced until the send completes
@@ -148,7 +147,7 @@ class UcxDataPlane(DataPlane):
             raise errors.PeerLostError(f"UCX send failed: {exc}") from exc
 
     async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
-        ep = await self._endpoint(peer, sending=False)
+        ep = await self._endpoint(peer)
         try:
             raw = _requests(ep)
             buffer = self._array(into)  # referenced until the receive completes
@@ -156,16 +155,17 @@ class UcxDataPlane(DataPlane):
         except Exception as exc:
             raise errors.PeerLostError(f"UCX receive failed: {exc}") from exc
 
-    def fail_peer(self, peer: Peer) -> None:
-        for cache in (self._send_eps, self._recv_eps):
-            ep = cache.pop(peer.instance_id, None)
-            if ep is not None:
-                _abort(ep)
+    def fail_channel(self, peer: Peer) -> None:
+        ep = self._eps.pop(peer.channel, None)
+        if ep is not None:
+            _abort(ep)
+
+    def release(self, peer: Peer) -> None:
+        self.fail_channel(peer)  # nothing is pending on a link that closes cleanly
 
     async def close(self) -> None:
-        for cache in (self._send_eps, self._recv_eps):
-            while cache:
-                _abort(cache.popitem()[1])
+        while self._eps:
+            _abort(self._eps.popitem()[1])
 
 
 _COMPLETIONS = CompletionPoller()
