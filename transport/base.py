@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transport import errors
+from transport.control import RemoteRegion
 from transport.wire import KvCache
 
 
@@ -106,6 +107,24 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
         """Receive one layer's payload into ``into``, matching `send` (out-of-band only)."""
+
+    one_sided: bool = False
+    """True when the receiver *reads* each segment from the sender's registered memory
+    (`expose` on the sender, `read` on the receiver) instead of `send`/`recv`."""
+
+    def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
+        """One-sided, sender: register ``buffers`` for remote reads; return their regions
+        (for the SEGMENT message) and a handle for `withdraw`."""
+        raise NotImplementedError(f"{self.name} has no one-sided path")
+
+    def withdraw(self, handle: object) -> None:
+        """One-sided, sender: deregister what `expose` registered (the transfer ended)."""
+        raise NotImplementedError(f"{self.name} has no one-sided path")
+
+    async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
+        """One-sided, receiver: read ``regions`` of ``peer``'s memory, in order, into
+        ``into`` (exactly as long as they are together)."""
+        raise NotImplementedError(f"{self.name} has no one-sided path")
 
     @abc.abstractmethod
     def fail_channel(self, peer: Peer) -> None:

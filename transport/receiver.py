@@ -136,10 +136,11 @@ class KvReceiver:
                 conn.idle_since = time.monotonic()
                 # Between transfers: a pooled link waits here, bounded by the idle timeout.
                 msg = await link.next_message(s.connection_idle_s)
-                if msg.kind is control.Kind.OPEN:
+                if msg.kind in (control.Kind.OPEN, control.Kind.OPEN_READ):
                     conn.busy = True
+                    read = msg.kind is control.Kind.OPEN_READ
                     try:
-                        await self._transfer(link, *control.parse_open(msg.body))
+                        await self._transfer(link, *control.parse_open(msg.body), read=read)
                     finally:
                         conn.busy = False
                 elif msg.kind is not control.Kind.ABORT:  # a late ABORT is harmless
@@ -173,10 +174,12 @@ class KvReceiver:
             oldest.link.writer.transport.abort()  # its handler sees EOF and ends
 
     async def _transfer(
-        self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes
+        self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes, *, read: bool
     ) -> None:
         s = self.settings
         try:
+            if read and not self._plane.one_sided:
+                raise errors.HeaderRejectedError(f"{self._plane.name} has no one-sided path")
             header = wire.decode_header(header_bytes, s.max_kv_bytes)
             exp = wire.Expectation(
                 max_kv_bytes=s.max_kv_bytes,
@@ -193,8 +196,8 @@ class KvReceiver:
         started = time.monotonic()
         try:
             payload = self._buffers.acquire(header.payload_bytes)
-            receive = _Receive(self._plane, link, header, tag, payload, s, segment_bytes)
-            if not self._plane.inline:
+            receive = _Receive(self._plane, link, header, tag, payload, s, segment_bytes, read)
+            if not self._plane.inline and not read:
                 receive.post_receives()
             await link.send(control.encode(control.Kind.ACCEPT), s.idle_timeout_s)
             await receive.run()
@@ -255,6 +258,7 @@ class _Receive:
     payload: np.ndarray
     settings: TransportSettings
     segment_bytes: int
+    one_sided: bool
     frames: dict[int, wire.LayerFrame] = dataclasses.field(default_factory=dict)
     landed: set[int] = dataclasses.field(default_factory=set)
     receiving: dict[asyncio.Task[None], range] = dataclasses.field(default_factory=dict)
@@ -263,6 +267,15 @@ class _Receive:
 
     def __post_init__(self) -> None:
         self.offsets = self.header.layer_offsets()
+        self.segments = wire.segments(self.header, self.segment_bytes)
+        self.reading: set[int] = set()
+        """One-sided: segments whose read was started (each is read once)."""
+
+    def segment_view(self, n: int) -> memoryview:
+        seg = self.segments[n]
+        start = self.offsets[seg.start]
+        end = self.offsets[seg.stop - 1] + self.header.layer_nbytes(seg.stop - 1)
+        return self.payload[start:end].data
 
     def view(self, index: int) -> memoryview:
         off = self.offsets[index]
@@ -274,11 +287,8 @@ class _Receive:
 
     def post_receives(self) -> None:
         """Out-of-band only: post every segment's receive into its slice of the payload."""
-        h = self.header
-        for n, seg in enumerate(wire.segments(h, self.segment_bytes)):
-            start = self.offsets[seg.start]
-            end = self.offsets[seg.stop - 1] + h.layer_nbytes(seg.stop - 1)
-            view = self.payload[start:end].data
+        for n, seg in enumerate(self.segments):
+            view = self.segment_view(n)
             coro = self.plane.recv(self.link.peer, control.layer_tag(self.tag, n), view)
             self.receiving[asyncio.create_task(coro, name=f"pdorch-kv-recv-{n}")] = seg
 
@@ -348,6 +358,9 @@ class _Receive:
     async def _on_message(self, msg: control.Message) -> None:
         if msg.kind is control.Kind.ABORT:
             raise errors.PeerLostError(f"sender aborted: {msg.body.decode(errors='replace')}")
+        if msg.kind is control.Kind.SEGMENT and self.one_sided:
+            self._read_segment(*control.parse_segment(msg.body))
+            return
         if msg.kind is control.Kind.LAYERS and not self.plane.inline:
             size = wire.LAYER_FRAME_SIZE
             for pos in range(0, len(msg.body), size):
@@ -360,6 +373,18 @@ class _Receive:
             await self.link.read_into(self.view(frame.index), self.settings.idle_timeout_s)
             self.landed.add(frame.index)
             self._maybe_verify(frame.index)
+
+    def _read_segment(self, n: int, regions: list[control.RemoteRegion]) -> None:
+        """Start reading segment ``n`` into its slice of our buffer — the only memory the
+        read may write: its regions must add up to exactly that slice's length."""
+        if not 0 <= n < len(self.segments) or n in self.reading:
+            raise errors.WireFormatError(f"SEGMENT {n} out of range or repeated")
+        view = self.segment_view(n)
+        if sum(r.length for r in regions) != view.nbytes:
+            raise errors.WireFormatError(f"SEGMENT {n}: regions do not add up to its size")
+        self.reading.add(n)
+        coro = self.plane.read(self.link.peer, regions, view)
+        self.receiving[asyncio.create_task(coro, name=f"pdorch-kv-read-{n}")] = self.segments[n]
 
     def _on_frame(self, frame: wire.LayerFrame) -> wire.LayerFrame:
         wire.check_layer_frame(self.header, frame, self.frames)  # no per-frame set copy

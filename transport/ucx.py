@@ -32,15 +32,17 @@ import asyncio
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from transport import errors
+from transport import errors, ucp
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.completion import CompletionPoller
+from transport.control import RemoteRegion
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
 from transport.wire import ModelSpec
@@ -60,6 +62,11 @@ class UcxConfig:
     a no-error-handling endpoint by progressing until the peer acknowledges, which a
     SIGSTOPped peer never does, and the event loop hangs. "blocking" is faster on 2 cores
     (no extra threads) but is only safe where peers are trusted never to stall."""
+    one_sided: bool = True
+    """Payloads are read by the receiver from the sender's registered memory (``get``),
+    not sent as tagged messages (README "KV transport": push or pull, and why)."""
+    error_handling: bool = False
+    """UCX endpoint peer-error handling (see the module docstring for what it costs)."""
 
 
 def _import_ucxx() -> Any:
@@ -89,9 +96,12 @@ class UcxDataPlane(DataPlane):
 
     def __init__(self, config: UcxConfig | None = None) -> None:
         self._config = config or UcxConfig()
+        self.one_sided = self._config.one_sided
         self._ucxx: Any = None
         self._eps: dict[int, Any] = {}
         """UCX endpoint per channel (control link); lives as long as the link."""
+        self._reading: dict[int, _Reads] = {}
+        """One-sided reads per channel: guards its endpoint against an abort mid-call."""
         self._connecting: dict[int, asyncio.Lock] = {}
         self._array: Any = None
         self._tag: Any = None
@@ -129,7 +139,7 @@ class UcxDataPlane(DataPlane):
                 try:
                     address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
                     ep = await self._ucxx.create_endpoint_from_worker_address(
-                        address, endpoint_error_handling=False
+                        address, endpoint_error_handling=self._config.error_handling
                     )
                 except Exception as exc:
                     raise errors.PeerLostError(f"cannot reach peer over UCX: {exc}") from exc
@@ -155,9 +165,49 @@ class UcxDataPlane(DataPlane):
         except Exception as exc:
             raise errors.PeerLostError(f"UCX receive failed: {exc}") from exc
 
+    # ------------------------------------------------------------------ one-sided
+
+    def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
+        context = _context_handle()
+        regions: list[ucp.Region] = []
+        try:
+            for address, length in _runs(buffers):
+                regions.append(ucp.register(context, address, length))
+        except BaseException:
+            self.withdraw(regions)
+            raise
+        remote = [RemoteRegion(r.address, r.length, r.rkey) for r in regions]
+        return remote, regions
+
+    def withdraw(self, handle: object) -> None:
+        assert isinstance(handle, list)
+        context = _context_handle()
+        for region in handle:
+            ucp.deregister(context, region)
+
+    async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
+        ep = await self._endpoint(peer)
+        reads = self._reading.setdefault(peer.channel, _Reads())
+        try:
+            handle = int(_requests(ep).handle)
+        except Exception as exc:
+            raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
+        # The thread holds ``into`` (so its memory outlives every read into it) and the
+        # channel's lock while it calls into UCX on the endpoint.
+        await asyncio.to_thread(reads.run, handle, list(regions), into)
+
     def fail_channel(self, peer: Peer) -> None:
+        """Abort the channel's endpoint. One-sided reads in progress are let finish their
+        current UCX call first (the lock: a CMA read copies inside the call, a segment at
+        most) and issue nothing after; the abort cancels any still outstanding."""
+        reads = self._reading.pop(peer.channel, None)
         ep = self._eps.pop(peer.channel, None)
-        if ep is not None:
+        if reads is not None:
+            with reads.lock:
+                reads.abandoned.set()
+                if ep is not None:
+                    _abort(ep)
+        elif ep is not None:
             _abort(ep)
 
     def release(self, peer: Peer) -> None:
@@ -166,6 +216,52 @@ class UcxDataPlane(DataPlane):
     async def close(self) -> None:
         while self._eps:
             _abort(self._eps.popitem()[1])
+
+
+class _Reads:
+    """A channel's one-sided reads, run in threads (``ucp_get_nbx`` may copy inline)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = threading.Event()
+
+    def run(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> None:
+        gets = ucp.Gets(_worker_handle(), endpoint)
+        base = _address(into)
+        with self.lock:
+            if self.abandoned.is_set():
+                raise errors.PeerLostError("the transfer was abandoned")
+            offset = 0
+            for r in regions:
+                gets.issue(base + offset, r.length, r.address, r.rkey)
+                offset += r.length
+        gets.wait(self.abandoned)
+
+
+def _runs(buffers: Sequence[memoryview]) -> list[tuple[int, int]]:
+    """(address, length) of each run of adjacent buffers: one registration, one read each."""
+    runs: list[tuple[int, int]] = []
+    for b in buffers:
+        if not b.nbytes:
+            continue
+        address = _address(b)
+        if runs and runs[-1][0] + runs[-1][1] == address:
+            runs[-1] = (runs[-1][0], runs[-1][1] + b.nbytes)
+        else:
+            runs.append((address, b.nbytes))
+    return runs
+
+
+def _worker_handle() -> int:
+    from ucxx import core  # noqa: PLC0415 - lazy like every ucxx import
+
+    return int(core._get_ctx().worker.handle)
+
+
+def _context_handle() -> int:
+    from ucxx import core  # noqa: PLC0415 - lazy like every ucxx import
+
+    return int(core._get_ctx().context.handle)
 
 
 _COMPLETIONS = CompletionPoller()
