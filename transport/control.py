@@ -18,7 +18,8 @@ One-sided (UCX, `transport.ucx`): OPEN_READ instead of OPEN, and for each segmen
 layers exist, SEGMENT(index, regions) — the addresses, lengths and remote keys of the
 sender's registered memory holding it — before its LAYERS frames (the checksums follow while
 the receiver already reads). The receiver reads each segment into its own reserved buffer,
-verifies each layer as both its bytes and its frame are in, and answers DONE | ERROR.
+verifies each layer as both its bytes and its frame are in, says LANDED as segments land
+(but the last), and answers DONE | ERROR.
 
 The transfer tag is random per transfer and keys payload messages on the data plane, so a
 late payload of an aborted transfer can never be matched by a later one. Out of band, the
@@ -61,6 +62,9 @@ class Kind(enum.IntEnum):
     """OPEN for a one-sided transfer: the receiver reads the payload (SEGMENT messages)."""
     SEGMENT = 10
     """One-sided: a segment is ready in the sender's memory — where, and its remote keys."""
+    LANDED = 11
+    """One-sided: the receiver read a segment. The sender, with nothing in flight, waits
+    for DONE: these keep its idle deadline for a live, reading receiver."""
 
 
 class ErrorCode(enum.IntEnum):

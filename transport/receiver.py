@@ -314,12 +314,17 @@ class _Receive:
                 for task in [t for t in self.verifying if t.done()]:
                     verified += self.verifying.pop(task)
                     task.result()
+                landed = 0
                 for task in [t for t in self.receiving if t.done()]:
                     seg = self.receiving.pop(task)
                     task.result()
+                    landed += 1
                     for index in seg:
                         self.landed.add(index)
                         self._maybe_verify(index)
+                if landed and self.one_sided and (self.receiving or self.ready):
+                    # The sender has nothing in flight to watch: this is its sign of life.
+                    await link.send(control.encode(control.Kind.LANDED), s.idle_timeout_s)
                 if reading and link.pending().done():
                     await self._on_message(link.take_pending())
                 self._start_verifying()

@@ -148,10 +148,10 @@ def deregister(context: int, region: Region) -> None:
 
 
 class Gets:
-    """One-sided reads issued on an endpoint: `issue` each, then `wait` for all.
+    """One-sided reads issued on an endpoint: `issue` each, then `poll` or `wait`.
 
-    Remote keys are unpacked per read and destroyed in `wait` (or `cancel`), before the
-    endpoint can be closed: UCX requires that order.
+    Remote keys are unpacked per read and destroyed once every read completed (UCX wants
+    a key destroyed after the operations that use it, and before its endpoint closes).
     """
 
     def __init__(self, worker: int, endpoint: int) -> None:
@@ -159,6 +159,7 @@ class Gets:
         self._ep = endpoint
         self._rkeys: list[ctypes.c_void_p] = []
         self._requests: list[int] = []
+        self._failure = 0
 
     def issue(self, into: int, length: int, remote: int, rkey: bytes) -> None:
         lib = _ucp()
@@ -173,41 +174,44 @@ class Gets:
             _check(value - (1 << 64), "ucp_get_nbx")
         self._requests.append(value)
 
-    def wait(self, abandoned: threading.Event) -> None:
-        """Until every read completed; raise the first failure. Deadlines are the caller's:
-        it sets ``abandoned`` and aborts the endpoint, which cancels what is outstanding
-        (those reads then complete, failed); after that, at most ``_ABANDON_GRACE_S``."""
+    def poll(self) -> bool:
+        """Progress the worker, collect finished reads; True once none is pending (then
+        the first failure, if any, is raised and the keys are destroyed).
+
+        Progress is made here rather than left to UCXX's progress thread: that thread
+        sleeps on the worker's events, and a CMA read's completion raises none (reads then
+        completed ~2 ms late at 1 MiB)."""
         lib = _ucp()
-        failure = 0
+        while lib.ucp_worker_progress(self._worker):
+            pass
+        still = []
+        for req in self._requests:
+            status = lib.ucp_request_check_status(req)
+            if status == _INPROGRESS:
+                still.append(req)
+            else:
+                self._failure = self._failure or status
+                lib.ucp_request_free(req)
+        self._requests = still
+        if still:
+            return False
+        self.release_keys()
+        _check(self._failure, "ucp_get_nbx")
+        return True
+
+    def wait(self, abandoned: threading.Event) -> None:
+        """`poll` until every read completed. Deadlines are the caller's: it sets
+        ``abandoned`` and aborts the endpoint, which cancels what is outstanding (those
+        reads then complete, failed); after that, at most ``_ABANDON_GRACE_S``. Keys of
+        reads still pending then are leaked with them: never destroy a key in use."""
         given_up_at: float | None = None
-        try:
-            while self._requests:
-                # Progress here rather than wait for UCXX's progress thread: it sleeps on
-                # the worker's events, and a CMA copy's completion raises none (the reads
-                # then completed ~2 ms late at 1 MiB).
-                while lib.ucp_worker_progress(self._worker):
-                    pass
-                still = []
-                for req in self._requests:
-                    status = lib.ucp_request_check_status(req)
-                    if status == _INPROGRESS:
-                        still.append(req)
-                    else:
-                        failure = failure or status
-                        lib.ucp_request_free(req)
-                self._requests = still
-                if not still:
-                    break
-                if abandoned.is_set():
-                    now = time.monotonic()
-                    given_up_at = given_up_at or now
-                    if now - given_up_at > _ABANDON_GRACE_S:
-                        raise errors.PeerLostError("one-sided reads not cancelled by the abort")
-                time.sleep(_POLL_S)
-            _check(failure, "ucp_get_nbx")
-        finally:
-            if not self._requests:
-                self.release_keys()  # else leaked with them: never destroy a key in use
+        while not self.poll():
+            if abandoned.is_set():
+                now = time.monotonic()
+                given_up_at = given_up_at or now
+                if now - given_up_at > _ABANDON_GRACE_S:
+                    raise errors.PeerLostError("one-sided reads not cancelled by the abort")
+            time.sleep(_POLL_S)
 
     def release_keys(self) -> None:
         lib = _ucp()

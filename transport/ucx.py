@@ -29,6 +29,7 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -192,6 +193,12 @@ class UcxDataPlane(DataPlane):
             handle = int(_requests(ep).handle)
         except Exception as exc:
             raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
+        if into.nbytes <= _INLINE_READ_BYTES:  # a thread hop costs more than the copy
+            gets = reads.start(handle, list(regions), into)
+            if gets.poll():
+                return
+            await asyncio.to_thread(reads.finish, gets, into)
+            return
         # The thread holds ``into`` (so its memory outlives every read into it) and the
         # channel's lock while it calls into UCX on the endpoint.
         await asyncio.to_thread(reads.run, handle, list(regions), into)
@@ -226,16 +233,34 @@ class _Reads:
         self.abandoned = threading.Event()
 
     def run(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> None:
+        self.finish(self.start(endpoint, regions, into), into)
+
+    def start(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> ucp.Gets:
+        """Issue the reads (a CMA read copies right here) under the channel's lock."""
         gets = ucp.Gets(_worker_handle(), endpoint)
         base = _address(into)
-        with self.lock:
-            if self.abandoned.is_set():
-                raise errors.PeerLostError("the transfer was abandoned")
-            offset = 0
-            for r in regions:
-                gets.issue(base + offset, r.length, r.address, r.rkey)
-                offset += r.length
+        try:
+            with self.lock:
+                if self.abandoned.is_set():
+                    raise errors.PeerLostError("the transfer was abandoned")
+                offset = 0
+                for r in regions:
+                    gets.issue(base + offset, r.length, r.address, r.rkey)
+                    offset += r.length
+        except BaseException:
+            if gets.pending:  # e.g. a bad remote key after good ones: let those finish
+                with contextlib.suppress(errors.TransportError):
+                    gets.wait(self.abandoned)
+            raise
+        return gets
+
+    def finish(self, gets: ucp.Gets, into: memoryview) -> None:
+        """Wait for the reads (``into`` is held until they are done)."""
         gets.wait(self.abandoned)
+
+
+_INLINE_READ_BYTES = 1 << 20
+"""Segments up to this size are read on the event loop (a CMA copy of 1 MiB: ~0.1 ms)."""
 
 
 def _runs(buffers: Sequence[memoryview]) -> list[tuple[int, int]]:

@@ -315,6 +315,7 @@ def test_control_messages_built_by_helpers_all_decode() -> None:
         control.encode(Kind.LAYERS, b"\0" * (3 * LAYER_FRAME_SIZE)),
         control.open_(control.new_transfer_tag(), 1 << 20, b"header", read=True),
         control.segment(0, [control.RemoteRegion(1, 2, b"rkey")]),
+        control.encode(Kind.LANDED),
     ]
     assert [split(m)[0] for m in messages] == list(Kind)
 
