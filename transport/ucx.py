@@ -1,4 +1,33 @@
-"""UCX backend: layer payloads over UCXX tag messages; control stays on the TCP link.
+"""UCX backend: the receiver reads each segment from the sender's registered memory
+(one-sided ``get``, transport v2), or — ``UcxConfig(one_sided=False)`` — layer payloads travel
+as UCXX tag messages (v1). Control stays on the TCP link either way.
+
+One-sided, per transfer (`transport.control` has the message flow): the sender registers
+each segment's memory as soon as the segment exists (``ucp_mem_map``, a few µs; adjacent
+buffers make one region, others a block list) and sends its regions and remote keys in a
+SEGMENT message, then its layers' checksums; the receiver, which checked the header and
+reserved the (request id, epoch) and the bytes before anything else, reads the regions into
+its own slice for that segment (``ucp_get_nbx``: CMA between local processes, one copy
+done by the receiver's own thread), verifies each layer as bytes and frame are both in, and
+answers DONE. The calls UCXX's Python API lacks are in `transport.ucp` (ctypes on UCXX's
+own context, worker and endpoints).
+
+**Pull, and why no stale write can land in re-used memory.** Only the receiver's own reads
+ever write into its memory, and only into the slice of a buffer reserved for the (request
+id, epoch) being received, whose length the regions must match exactly. A transfer that
+fails stops its reads before its buffer can be re-used: `fail_channel` takes the channel's
+lock (a read in progress finishes its current call first), marks it abandoned so nothing
+more is issued, and aborts the link's endpoint, which cancels what is still outstanding;
+the thread running the reads holds the buffer until they completed or were cancelled, and a
+failed transfer's buffer never returns to the pool (it is freed once nothing refers to it).
+A sender that died or stalled writes nothing anywhere: its memory is only read. On the
+sender's side, a failed transfer's registered buffers stay referenced for the idle deadline
+(the receiver's reads end within it) and are then deregistered; a receiver reading memory
+the prefill already re-used gets bytes whose checksums do not match, and refuses them.
+With push (the sender writing into memory the receiver announced), a stalled prefill
+resumed after its transfer was failed and the blocks re-used would write into someone
+else's KV — CMA does not revoke access on deregistration — unless those blocks were
+quarantined for as long as the prefill process lives.
 
 The configuration, and why (figures measured on the 2-core CI kind of machine; see README):
 
@@ -9,8 +38,9 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
   cannot run without error handling, hence worker addresses.
 * Peer-death detection therefore does not come from UCX. It comes from the control link: a
   killed peer's TCP connection is reset by its kernel within milliseconds, and a stalled peer
-  trips the transfer's idle deadline. Either way the transport cancels the posted UCX requests
-  by aborting the link's endpoint (`fail_channel`) before the receive buffer is released.
+  trips the transfer's idle deadline (one-sided, the receiver's LANDED messages keep the
+  sender's). Either way the transport cancels the posted UCX requests by aborting the
+  link's endpoint (`fail_channel`) before the receive buffer is released.
 * Endpoints are kept per control link (`Peer.channel`), created on its first payload and
   closed with it: a restarted peer's new links get fresh endpoints, the count is bounded by
   the connection caps, and cancelling one transfer's operations (aborting its link's
@@ -67,7 +97,10 @@ class UcxConfig:
     """Payloads are read by the receiver from the sender's registered memory (``get``),
     not sent as tagged messages (README "KV transport": push or pull, and why)."""
     error_handling: bool = False
-    """UCX endpoint peer-error handling (see the module docstring for what it costs)."""
+    """UCX endpoint peer-error handling. Off: with it on, libucx 1.21 gives our endpoints
+    no CMA/shared-memory lanes — tags go over ``tcp/lo`` and one-sided reads become
+    "software emulation" over ``tcp/lo`` (``UCX_PROTO_INFO=y``), which stalled a 4 MiB
+    transfer past its 5 s deadline here. Peer failure is detected by the control link."""
 
 
 def _import_ucxx() -> Any:
