@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from transport import nixl_ref, wire
-from transport.backends import make_receiver, make_sender
+from transport.backends import UCX_TAG, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.testing import synthetic_cache
 from transport.ucx import UcxConfig
@@ -262,7 +262,7 @@ async def _interleaved(
     got: dict[str, list[float]] = {}
     ours = {"ours": _Ours(backend, size, layers), "ours-32": _Ours(backend, size, 32, apart=True)}
     if backend == "ucx":
-        ours["ours-tag"] = _Ours(backend, size, layers, ucx=UcxConfig(one_sided=False))
+        ours["ours-tag"] = _Ours(UCX_TAG, size, layers)
     nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if nixl else []
     async with contextlib.AsyncExitStack() as stack:
         for session in ours.values():

@@ -245,10 +245,12 @@ class _Receive:
     """The layer loop of one accepted transfer.
 
     Inline (TCP): each LAYER frame is followed by its payload on the link; verification of
-    layer *i* runs in a thread while layer *i+1* is read. Out-of-band (UCX): the receive of
-    every segment is posted before ACCEPT goes out (tags and sizes follow from the header),
-    so payloads land as soon as the sender starts them; a layer is verified once both its
-    segment and its frame (which carries the checksum, and may come later) are in.
+    layer *i* runs in a thread while layer *i+1* is read. One-sided (UCX): each SEGMENT
+    message starts the read of that segment from the sender's memory into its slice of the
+    payload (`_read_segment`). Tagged (UCX v1): the receive of every segment is posted
+    before ACCEPT goes out (tags and sizes follow from the header), so payloads land as
+    soon as the sender starts them. Either way out of band, a layer is verified once both
+    its segment and its frame (which carries the checksum, and may come later) are in.
     """
 
     plane: DataPlane

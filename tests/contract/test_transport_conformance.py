@@ -9,16 +9,13 @@ from typing import Any
 import pytest
 
 from transport import testing
+from transport.backends import UCX_TAG
 from transport.ucx import ucx_available
 
+_UCX = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")]
 BACKENDS = [
-    pytest.param(
-        "ucx",
-        marks=[
-            pytest.mark.ucx,
-            pytest.mark.skipif(not ucx_available(), reason="ucxx not installed"),
-        ],
-    ),
+    pytest.param("ucx", marks=_UCX),  # one-sided reads (transport v2)
+    pytest.param(UCX_TAG, marks=_UCX),  # v1's tag messages, while they are kept
     "tcp",
 ]
 
