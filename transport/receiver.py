@@ -271,7 +271,9 @@ class _Receive:
         self.offsets = self.header.layer_offsets()
         self.segments = wire.segments(self.header, self.segment_bytes)
         self.reading: set[int] = set()
-        """One-sided: segments whose read was started (each is read once)."""
+        """One-sided: segments announced (each is read once)."""
+        self.queued: list[tuple[int, list[control.RemoteRegion]]] = []
+        """One-sided: announced segments waiting for a read slot (`_MAX_READS`)."""
 
     def segment_view(self, n: int) -> memoryview:
         seg = self.segments[n]
@@ -316,17 +318,7 @@ class _Receive:
                 for task in [t for t in self.verifying if t.done()]:
                     verified += self.verifying.pop(task)
                     task.result()
-                landed = 0
-                for task in [t for t in self.receiving if t.done()]:
-                    seg = self.receiving.pop(task)
-                    task.result()
-                    landed += 1
-                    for index in seg:
-                        self.landed.add(index)
-                        self._maybe_verify(index)
-                if landed and self.one_sided and (self.receiving or self.ready):
-                    # The sender has nothing in flight to watch: this is its sign of life.
-                    await link.send(control.encode(control.Kind.LANDED), s.idle_timeout_s)
+                await self._collect_landed()
                 if reading and link.pending().done():
                     await self._on_message(link.take_pending())
                 self._start_verifying()
@@ -339,6 +331,23 @@ class _Receive:
             for task in unfinished:
                 with contextlib.suppress(BaseException):
                     await task
+
+    async def _collect_landed(self) -> None:
+        """File the segments whose payload is in; one-sided, start the next reads and tell
+        the sender (it has nothing in flight to watch: this is its sign of life)."""
+        landed = 0
+        for task in [t for t in self.receiving if t.done()]:
+            seg = self.receiving.pop(task)
+            task.result()
+            landed += 1
+            for index in seg:
+                self.landed.add(index)
+                self._maybe_verify(index)
+        if self.one_sided:
+            self._start_reads()
+            if landed and (self.receiving or self.ready):
+                msg = control.encode(control.Kind.LANDED)
+                await self.link.send(msg, self.settings.idle_timeout_s)
 
     def _maybe_verify(self, index: int) -> None:
         if index in self.frames and index in self.landed:
@@ -390,8 +399,19 @@ class _Receive:
         if sum(r.length for r in regions) != view.nbytes:
             raise errors.WireFormatError(f"SEGMENT {n}: regions do not add up to its size")
         self.reading.add(n)
-        coro = self.plane.read(self.link.peer, regions, view)
-        self.receiving[asyncio.create_task(coro, name=f"pdorch-kv-read-{n}")] = self.segments[n]
+        self.queued.append((n, regions))
+        self._start_reads()
+
+    def _start_reads(self) -> None:
+        """Read announced segments in order, ``_MAX_READS`` at a time: all at once, a
+        transfer's first segment landed only with its last (the copies share the memory
+        bandwidth), the sender heard nothing for that long, and verification could not
+        overlap the reads."""
+        while self.queued and len(self.receiving) < _MAX_READS:
+            n, regions = self.queued.pop(0)
+            coro = self.plane.read(self.link.peer, regions, self.segment_view(n))
+            task = asyncio.create_task(coro, name=f"pdorch-kv-read-{n}")
+            self.receiving[task] = self.segments[n]
 
     def _on_frame(self, frame: wire.LayerFrame) -> wire.LayerFrame:
         wire.check_layer_frame(self.header, frame, self.frames)  # no per-frame set copy
@@ -399,6 +419,9 @@ class _Receive:
         self._maybe_verify(frame.index)
         return frame
 
+
+_MAX_READS = 2
+"""One-sided: segment reads in flight per transfer (one landing, the next already reading)."""
 
 _SPLIT_TAIL_BYTES = 4 << 20
 """A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""
