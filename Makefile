@@ -69,8 +69,8 @@ nixl: venv
 	$(PY) -c "import nixl_cu12._api; print('nixl imports')"
 
 bench: venv nixl
-	$(VENV)/bin/pdorch bench transport --backend ucx --iters 10
-	$(VENV)/bin/pdorch bench transport --backend tcp --iters 10
+	$(VENV)/bin/pdorch bench transport --backend ucx --iters 10 --rounds 3
+	$(VENV)/bin/pdorch bench transport --backend tcp --iters 10 --rounds 3
 
 # Regenerate the committed gRPC code from proto/ (a test fails if it is stale).
 proto: venv

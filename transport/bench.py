@@ -31,6 +31,7 @@ import numpy as np
 from transport import nixl_ref, wire
 from transport.backends import UCX_TAG, make_receiver, make_sender
 from transport.base import TransportSettings
+from transport.errors import TransportError
 from transport.testing import synthetic_cache
 from transport.ucx import UcxConfig
 
@@ -101,9 +102,13 @@ async def _receiver_main(backend: str, settings: TransportSettings) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
         rid = line.decode().strip()
-        cache = await receiver.take(rid, 1, timeout_s=60)
+        try:
+            cache = await receiver.take(rid, 1, timeout_s=60)
+        except TransportError as exc:
+            print(_REPLY_PREFIX, f"{type(exc).__name__}: {exc}", flush=True)
+            continue
         cache.release()  # as a decode worker does once it has adopted the KV
-        print("ok", flush=True)
+        print(_REPLY_PREFIX, "ok", flush=True)
     await receiver.close()
 
 
@@ -162,8 +167,8 @@ class _Ours:
                 await transfer.finish()
             total += time.perf_counter() - started
             proc.stdin.write(rid.encode() + b"\n")
-            if (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() != b"ok":
-                raise BenchError("benchmark receiver did not confirm a transfer")
+            if (reply := await _read_reply(proc.stdout)) != "ok":
+                raise BenchError(f"benchmark receiver did not confirm a transfer: {reply}")
         return self.cache.nbytes * iters / total / 1e9
 
     async def __aexit__(self, *exc: object) -> None:
@@ -186,6 +191,16 @@ def _apart(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _ADDRESS_PREFIX = "pdorch-bench-receiver"
+_REPLY_PREFIX = "pdorch-bench-reply"
+
+
+async def _read_reply(stdout: asyncio.StreamReader) -> str:
+    """The receiver's reply line (native libraries may print other lines first)."""
+    while line := await asyncio.wait_for(stdout.readline(), 60):
+        word, _, reply = line.decode().strip().partition(" ")
+        if word == _REPLY_PREFIX:
+            return reply
+    return "the receiver exited"
 
 
 async def _read_address(stdout: asyncio.StreamReader) -> str:
