@@ -109,8 +109,10 @@ class DataPlane(abc.ABC):
         """Receive one layer's payload into ``into``, matching `send` (out-of-band only)."""
 
     one_sided: bool = False
-    """True when the receiver *reads* each segment from the sender's registered memory
-    (`expose` on the sender, `read` on the receiver) instead of `send`/`recv`."""
+    """Sender: open transfers whose receiver *reads* each segment from this side's
+    registered memory (`expose` here, `read` there) instead of `send`/`recv`."""
+    can_read: bool = False
+    """Receiver: whether it takes such one-sided transfers (`read`)."""
 
     def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
         """One-sided, sender: register ``buffers`` for remote reads; return their regions

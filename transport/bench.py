@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from transport import nixl_ref, wire
-from transport.backends import UCX_TAG, make_receiver, make_sender
+from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.errors import TransportError
 from transport.testing import synthetic_cache
@@ -62,10 +62,10 @@ class BenchResult:
     iters: int
     layers: int
     gbps: dict[str, float]
-    """Variant → median GB/s. ``ours``: one contiguous KV (one region per segment);
-    ``ours-32``: 32 layers allocated apart (32 regions, a block list); ``ours-tag``: the
-    UCX tag-message path of transport v1; ``nixl-write``/``nixl-read`` (``-32``: 32
-    descriptors); ``ucx_perftest``: ``-t tag_bw``, a floor of UCX's raw speed."""
+    """Variant → median GB/s. ``ours``: the default path, one contiguous KV; ``ours-32``:
+    32 layers allocated apart (a block list); ``ours-read``: UCX one-sided reads
+    (transport v2, opt-in); ``nixl-write``/``nixl-read`` (``-32``: 32 descriptors);
+    ``ucx_perftest``: ``-t tag_bw``."""
 
     def ratio(self, variant: str, reference: str) -> float | None:
         a, b = self.gbps.get(variant), self.gbps.get(reference)
@@ -277,7 +277,7 @@ async def _interleaved(
     got: dict[str, list[float]] = {}
     ours = {"ours": _Ours(backend, size, layers), "ours-32": _Ours(backend, size, 32, apart=True)}
     if backend == "ucx":
-        ours["ours-tag"] = _Ours(UCX_TAG, size, layers)
+        ours["ours-read"] = _Ours(UCX_READ, size, layers)
     nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if nixl else []
     async with contextlib.AsyncExitStack() as stack:
         for session in ours.values():

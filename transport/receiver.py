@@ -178,7 +178,7 @@ class KvReceiver:
     ) -> None:
         s = self.settings
         try:
-            if read and not self._plane.one_sided:
+            if read and not self._plane.can_read:
                 raise errors.HeaderRejectedError(f"{self._plane.name} has no one-sided path")
             header = wire.decode_header(header_bytes, s.max_kv_bytes)
             exp = wire.Expectation(

@@ -1,6 +1,6 @@
-"""UCX backend: the receiver reads each segment from the sender's registered memory
-(one-sided ``get``, transport v2), or — ``UcxConfig(one_sided=False)`` — layer payloads travel
-as UCXX tag messages (v1). Control stays on the TCP link either way.
+"""UCX backend: layer payloads travel as UCXX tag messages (v1, the default), or — with
+``UcxConfig(one_sided=True)`` — the receiver reads each segment from the sender's registered
+memory (one-sided ``get``, transport v2). Control stays on the TCP link either way.
 
 One-sided, per transfer (`transport.control` has the message flow): the sender registers
 each segment's memory as soon as the segment exists (``ucp_mem_map``, a few µs; adjacent
@@ -93,9 +93,12 @@ class UcxConfig:
     a no-error-handling endpoint by progressing until the peer acknowledges, which a
     SIGSTOPped peer never does, and the event loop hangs. "blocking" is faster on 2 cores
     (no extra threads) but is only safe where peers are trusted never to stall."""
-    one_sided: bool = True
-    """Payloads are read by the receiver from the sender's registered memory (``get``),
-    not sent as tagged messages (README "KV transport": push or pull, and why)."""
+    one_sided: bool = False
+    """Payloads are read by the receiver from the sender's registered memory (``get``,
+    transport v2) instead of sent as tagged messages (v1). Opt-in: measured side by side
+    here (README "Limits", a load of 11–17 on 2 cores) v2 was not faster than v1 at 1 MiB
+    and 2.5× slower at 256 MiB; it stays off until a quiet machine says otherwise. A
+    receiver takes either, as each sender opens it."""
     error_handling: bool = False
     """UCX endpoint peer-error handling. Off: with it on, libucx 1.21 gives our endpoints
     no CMA/shared-memory lanes — tags go over ``tcp/lo`` and one-sided reads become
@@ -127,6 +130,7 @@ def ucx_available() -> bool:
 class UcxDataPlane(DataPlane):
     name = "ucx"
     inline = False
+    can_read = True
 
     def __init__(self, config: UcxConfig | None = None) -> None:
         self._config = config or UcxConfig()

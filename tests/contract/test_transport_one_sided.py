@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from transport import control, errors, testing, wire
-from transport.backends import make_receiver
+from transport.backends import UCX_READ, make_receiver
 from transport.base import TransportSettings
 from transport.tcp import tcp_receiver
 from transport.ucx import ucx_available
@@ -26,7 +26,7 @@ async def _message(reader: asyncio.StreamReader) -> control.Message:
 
 
 async def _refused(regions: list[control.RemoteRegion], index: int = 0) -> str:
-    receiver = make_receiver("ucx", TransportSettings())
+    receiver = make_receiver(UCX_READ, TransportSettings())
     address = await receiver.start()
     try:
         reader, writer = await testing._say_hello(address)
