@@ -3,9 +3,14 @@
     PdorchError                       root; ``retryable`` says whether trying again may help
     ├── InvalidRequestError           bad input; names the field (→ INVALID_ARGUMENT)
     ├── ConflictError                 same request id, different body (→ ALREADY_EXISTS)
-    ├── NotFoundError                 unknown request id (→ NOT_FOUND)
+    ├── NotFoundError                 unknown request id, or another tenant's (→ NOT_FOUND)
+    ├── UnauthenticatedError          no credential, or one no tokens file lists (→ UNAUTHENTICATED)
+    ├── PermissionDeniedError         a credential claiming a tenant it may not act for
+    │                                 (→ PERMISSION_DENIED)
     ├── OverloadedError               backpressure: rejected early (→ RESOURCE_EXHAUSTED)
     ├── UnavailableError              no worker / store unreachable (→ UNAVAILABLE)
+    │   └── StoreUnavailableError     the request store is unreachable (an outage, not a
+    │                                 refusal); after its outage window when it says so
     ├── StaleEpochError               a write from a superseded epoch (fencing)
     ├── InvalidTransitionError        a state change the state machine forbids
     │   ├── RequestEndedError         the request already ended (e.g. cancelled elsewhere)
@@ -43,6 +48,14 @@ class NotFoundError(PdorchError):
     """No request with that id."""
 
 
+class UnauthenticatedError(PdorchError):
+    """The call carries no credential, or one the tokens file does not list (revoked)."""
+
+
+class PermissionDeniedError(PdorchError):
+    """An authenticated caller asked for what its credential does not allow."""
+
+
 class OverloadedError(PdorchError):
     retryable = True
 
@@ -53,6 +66,12 @@ class OverloadedError(PdorchError):
 
 class UnavailableError(PdorchError):
     retryable = True
+
+
+class StoreUnavailableError(UnavailableError):
+    """The request store did not answer (connection refused or lost, timed out, still
+    loading its data). Raised at once by calls that don't wait out an outage, and by those
+    that do (`orchestrator.store.outage`) once its window has passed."""
 
 
 class StaleEpochError(PdorchError):

@@ -89,6 +89,7 @@ class Link:
             raise errors.TransferTimeoutError(f"peer did not read for {timeout_s}s") from None
         except OSError as exc:
             self.broken = True
+            self._raise_if_refused()
             raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
 
     async def send_payload(self, buffers: Iterable[memoryview], timeout_s: float) -> None:
@@ -109,8 +110,8 @@ class Link:
     def _raise_if_refused(self) -> None:
         """If the peer's ERROR already arrived before our write broke, raise it instead."""
         task, msg = self._pending, self._stash
-        done = task is not None and task.done() and not task.cancelled()
-        if msg is None and task is not None and done and task.exception() is None:
+        finished = task is not None and task.done() and not task.cancelled()
+        if msg is None and task is not None and finished and task.exception() is None:
             msg = task.result()
         if msg is not None and msg.kind is control.Kind.ERROR:
             raise control.parse_error(msg.body)
@@ -124,17 +125,22 @@ class Link:
                 if self._stash is None:
                     watch.append(self.pending())
                 done = await wait_first(watch, timeout_s, what=what, on_timeout=self)
+                # The peer's word first, even when our write finished too: a receiver that
+                # refused keeps reading (and discarding) only for a while, and writes that
+                # always drain at once would otherwise never look at its ERROR.
+                if self._stash is None and self._pending is not None and self._pending.done():
+                    msg = self.take_pending()  # raises PeerLostError on EOF
+                    if msg.kind is control.Kind.ERROR:
+                        self.broken = True
+                        raise control.parse_error(msg.body)
+                    if msg.kind is control.Kind.ABORT:
+                        self.broken = True
+                        reason = msg.body.decode(errors="replace")
+                        raise errors.PeerLostError(f"peer aborted: {reason}")
+                    self._stash = msg  # e.g. DONE racing our last drain: keep it for later
                 if task in done:
                     task.result()
                     return
-                msg = self.take_pending()  # raises PeerLostError on EOF
-                if msg.kind is control.Kind.ERROR:
-                    self.broken = True
-                    raise control.parse_error(msg.body)
-                if msg.kind is control.Kind.ABORT:
-                    self.broken = True
-                    raise errors.PeerLostError(f"peer aborted: {msg.body.decode(errors='replace')}")
-                self._stash = msg  # e.g. DONE racing our last drain: keep it for later
         except BaseException:
             self.broken = True
             raise

@@ -38,6 +38,7 @@ import grpc
 
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.bench.stats import percentile
+from orchestrator.rpc import client
 
 if TYPE_CHECKING:
     from orchestrator.api.orchestrator_pb2_grpc import OrchestratorAsyncStub
@@ -214,12 +215,13 @@ async def _one(stub: OrchestratorAsyncStub, n: int, spec: LoadSpec) -> Sample:
     return sample
 
 
-async def run_load(spec: LoadSpec) -> LoadResult:
-    """Send ``spec.requests`` requests, ``spec.concurrency`` at a time; one sample each."""
+async def run_load(spec: LoadSpec, token: str | None = None) -> LoadResult:
+    """Send ``spec.requests`` requests, ``spec.concurrency`` at a time; one sample each
+    (authenticated as ``token``, if given: `rpc.client`)."""
     per_target = max(1, math.ceil(spec.concurrency / STREAMS_PER_CHANNEL / len(spec.targets)))
     channels = [
         # A local subchannel pool: otherwise channels to one target share one connection.
-        grpc.aio.insecure_channel(t, options=[("grpc.use_local_subchannel_pool", 1)])
+        client.channel(t, token, options=[("grpc.use_local_subchannel_pool", 1)])
         for t in spec.targets
         for _ in range(per_target)
     ]

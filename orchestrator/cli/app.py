@@ -33,7 +33,14 @@ from orchestrator.cli import (
     up,
     worker,
 )
-from orchestrator.cli.common import CommandError, Commands, Parents, Parser, add_logging_flags
+from orchestrator.cli.common import (
+    CommandError,
+    Commands,
+    Parents,
+    Parser,
+    add_logging_flags,
+    resolve_redis,
+)
 
 DESCRIPTION = """pdorch: prefill/decode disaggregated LLM serving.
 
@@ -138,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.log_level, args.log_format)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     try:
+        resolve_redis(args, os.environ)
         if getattr(args, "call", None) is not None:
             return int(args.call(args))
         if getattr(args, "profile", ""):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from orchestrator.cli.common import (
     Commands,
     Parents,
     add_command,
+    client_token,
     default,
     field_doc,
     positive_int,
@@ -71,6 +73,14 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         description="Starts Redis, simulated workers (pdorch worker --sim) and orchestrators, "
         "drives concurrent requests through gRPC and reports admitted req/s, orchestration "
         "overhead (client TTFT - worker TTFT) and CPU per request. See README 'Scale'.",
+    ))  # fmt: skip
+    _kv_routing(add_command(
+        bsub, "kv-routing", parents, parents.json,
+        help="multi-turn chat on simulated prefix-cache workers: KV-aware routing off vs on",
+        description="Runs one multi-turn chat workload (conversations sharing a system "
+        "prompt, plus one-shot requests) on a fresh simulated cluster per mode, --kv-routing "
+        "off then on, and reports TTFT p50/p99, prefill GPU time, KV bytes and cost per "
+        "request side by side. See README 'Admission and placement'.",
     ))  # fmt: skip
     _load(add_command(
         bsub, "load", parents, parents.json,
@@ -172,6 +182,46 @@ def _run_precision(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- kv routing
+
+
+def _kv_routing(bk: argparse.ArgumentParser) -> None:
+    from orchestrator.bench.kv_routing import ChatBench  # noqa: PLC0415 - cluster
+
+    for field in ("conversations", "turns", "system_tokens", "user_tokens", "one_shot",
+                  "max_tokens", "concurrency", "prefill_workers", "decode_workers"):  # fmt: skip
+        bk.add_argument(
+            "--" + field.replace("_", "-"),
+            type=positive_int,
+            default=default(ChatBench, field),
+            help=field_doc(ChatBench, field, field.replace("_", " ")),
+        )
+    bk.set_defaults(call=_run_kv_routing)
+
+
+def _run_kv_routing(args: argparse.Namespace) -> int:
+    from orchestrator.bench.kv_routing import ChatBench, format_result, run_bench  # noqa: PLC0415
+    from orchestrator.cluster import ClusterError  # noqa: PLC0415
+
+    def progress(message: str) -> None:
+        if not args.json:
+            print(f"  {message}", file=sys.stderr, flush=True)
+
+    spec = ChatBench(
+        conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens, one_shot=args.one_shot, max_tokens=args.max_tokens,
+        concurrency=args.concurrency, prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+    )  # fmt: skip
+    try:
+        result = run_bench(spec, log_level=args.log_level, progress=progress)
+    except ClusterError as exc:
+        print(f"pdorch bench kv-routing: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
 # -------------------------------------------------------------------------- control plane
 
 
@@ -270,7 +320,7 @@ def _load(bl: argparse.ArgumentParser) -> None:
 def _run_load(args: argparse.Namespace) -> int:
     from orchestrator.bench.load import run_load  # noqa: PLC0415
 
-    result = asyncio.run(run_load(load_spec(args)))
+    result = asyncio.run(run_load(load_spec(args), client_token(os.environ)))
     if args.samples:  # for `bench control-plane`, which merges several clients
         print(result.to_json())
     elif args.json:

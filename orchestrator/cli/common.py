@@ -20,6 +20,7 @@ import itertools
 import logging
 import signal
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, NoReturn, TypeAlias
 
 from orchestrator.errors import ConfigError
@@ -173,8 +174,11 @@ class Parents:
             "--redis",
             type=redis_url,
             default=self._env.get("PDORCH_REDIS_URL", default(StoreSettings, "url")),
-            help="Redis URL (default: $PDORCH_REDIS_URL, else %(default)s)",
+            help="Redis URL (default: $PDORCH_REDIS_URL, else %(default)s); redis:// or "
+            "rediss:// (TLS), an ACL user as redis://USER@HOST:PORT/DB — its password from "
+            "--redis-password-file or $PDORCH_REDIS_URL, never the command line",
         )
+        _redis_password_flag(p, self._env)
         return p
 
     @functools.cached_property
@@ -191,6 +195,7 @@ class Parents:
             help="the cluster's Redis URL (default: $PDORCH_REDIS_URL, else the running "
             "`pdorch up` cluster's, else %(default)s)",
         )
+        _redis_password_flag(p, self._env)
         return p
 
     @functools.cached_property
@@ -355,21 +360,81 @@ def port(text: str) -> int:
     return value
 
 
+TOKEN_ENV = "PDORCH_TOKEN"  # noqa: S105 - a variable name
+TOKEN_FILE_ENV = "PDORCH_TOKEN_FILE"  # noqa: S105 - a variable name
+
+
+def client_token(env: Mapping[str, str]) -> str | None:
+    """The bearer token pdorch's clients send: ``$PDORCH_TOKEN``, else the first line of
+    ``$PDORCH_TOKEN_FILE``; None (no credential) when neither is set."""
+    if env.get(TOKEN_ENV):
+        return env[TOKEN_ENV].strip()
+    path = env.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CommandError(f"${TOKEN_FILE_ENV} {path}: {exc}") from None
+    if not token:
+        raise CommandError(f"${TOKEN_FILE_ENV} {path}: empty")
+    return token
+
+
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_PASSWORD_FILE_ENV = "PDORCH_REDIS_PASSWORD_FILE"  # noqa: S105 - a variable name
+REDIS_URL_ENV = "PDORCH_REDIS_URL"
+
+
+def _redis_password_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    p.add_argument(
+        "--redis-password-file",
+        default=env.get(REDIS_PASSWORD_FILE_ENV, ""),
+        metavar="PATH",
+        help="read Redis's password (of --redis's user, else the default user) from PATH "
+        "(one line; default: $PDORCH_REDIS_PASSWORD_FILE)",
+    )
+
+
+def resolve_redis(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Fold ``--redis-password-file`` into ``args.redis`` (in memory only) and warn when a
+    password came on the command line, where every user of the host can read it."""
+    url = getattr(args, "redis", None)
+    if url is None:
+        return
+    from orchestrator.store.url import has_password, with_password  # noqa: PLC0415
+
+    if has_password(url) and url != env.get(REDIS_URL_ENV):
+        log.warning(
+            "--redis carries a password on the command line (visible to every user of this "
+            "host): use $%s or --redis-password-file",
+            REDIS_URL_ENV,
+        )
+    path = getattr(args, "redis_password_file", "")
+    if path:
+        try:
+            password = Path(path).read_text(encoding="utf-8").strip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CommandError(f"--redis-password-file {path}: {exc}") from None
+        if not password:
+            raise CommandError(f"--redis-password-file {path}: empty")
+        args.redis = with_password(url, password)
 
 
 def redis_url(text: str) -> str:
     """``redis://HOST:PORT/DB`` (or rediss://, unix://), checked for form only."""
     from urllib.parse import urlsplit  # noqa: PLC0415
 
+    from orchestrator.store.url import redacted  # noqa: PLC0415
+
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a Redis URL: {text!r} ({exc})") from None
+        raise argparse.ArgumentTypeError(f"not a Redis URL: {redacted(text)!r} ({exc})") from None
     if parts.scheme not in REDIS_SCHEMES or not (parts.hostname or parts.path):
         raise argparse.ArgumentTypeError(
-            f"not a Redis URL: {text!r} (expected redis://HOST:PORT/DB)"
+            f"not a Redis URL: {redacted(text)!r} (expected redis://HOST:PORT/DB)"
         )
     return text
 
@@ -441,8 +506,18 @@ def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         client.ping()
+    except redis.AuthenticationError as exc:
+        from orchestrator.store.url import has_password, redacted  # noqa: PLC0415
+
+        who = "a password" if has_password(url) else "no password"
+        raise CommandError(
+            f"{flag} {redacted(url)}: Redis refused the credentials (sent {who}; "
+            f"--redis-password-file or ${REDIS_URL_ENV} give them): {exc}"
+        ) from None
     except (redis.RedisError, OSError, ValueError) as exc:
-        raise CommandError(f"{flag} {url}: Redis does not answer ({exc})") from None
+        from orchestrator.store.url import redacted  # noqa: PLC0415
+
+        raise CommandError(f"{flag} {redacted(url)}: Redis does not answer ({exc})") from None
     finally:
         client.close()
 

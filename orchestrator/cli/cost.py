@@ -7,7 +7,7 @@ import argparse
 import json
 from collections.abc import Mapping
 
-from orchestrator.cli.common import CommandError, Commands, Parents, add_command
+from orchestrator.cli.common import CommandError, Commands, Parents, add_command, check_redis
 
 NAME = "cost"
 HELP = "what each tenant's requests cost so far"
@@ -30,18 +30,20 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 async def run(args: argparse.Namespace) -> int:
     from orchestrator.errors import UnavailableError  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.store.url import redacted  # noqa: PLC0415
 
+    check_redis(args.redis)  # a refused password, said as Redis says it (not "unreachable")
     store = RedisStore(StoreSettings(url=args.redis))
     try:
         totals = await store.tenant_costs()
     except UnavailableError as exc:
-        raise CommandError(f"--redis {args.redis}: {exc}") from None
+        raise CommandError(f"--redis {redacted(args.redis)}: {exc}") from None
     finally:
         await store.close()
     if not totals:
         raise CommandError(
-            f"no costs in the Redis at {args.redis}: no request has finished there yet, or "
-            "it is not the cluster's Redis (--redis, $PDORCH_REDIS_URL)"
+            f"no costs in the Redis at {redacted(args.redis)}: no request has finished there "
+            "yet, or it is not the cluster's Redis (--redis, $PDORCH_REDIS_URL)"
         )
     if args.json:
         print(json.dumps(totals, sort_keys=True))

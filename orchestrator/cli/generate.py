@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping
 
@@ -11,6 +12,7 @@ from orchestrator.cli.common import (
     Commands,
     Parents,
     add_command,
+    client_token,
     non_negative_float,
     positive_float,
     positive_int,
@@ -90,7 +92,9 @@ async def run(args: argparse.Namespace) -> int:
         req.chat.messages.add(role="user", content=args.prompt)
     else:
         req.text = args.prompt
-    async with grpc.aio.insecure_channel(args.orchestrator) as channel:
+    from orchestrator.rpc.client import channel as client_channel  # noqa: PLC0415
+
+    async with client_channel(args.orchestrator, client_token(os.environ)) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         tokens = 0
         try:

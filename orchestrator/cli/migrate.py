@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.cli.common import Commands, Parents, add_command, default, field_doc
+from orchestrator.cli.common import TOKEN_ENV, Commands, Parents, add_command, default, field_doc
 from orchestrator.errors import PdorchError
 from orchestrator.migrate.settings import Limits, MigrationSettings, Pricing, Upstreams
 
@@ -101,8 +102,9 @@ def _proxy_flags(p: argparse.ArgumentParser, mode: str) -> None:
     )
     p.add_argument(
         "--pdorch-api-key",
-        default=default(Upstreams, "pdorch_api_key"),
-        help="key for pdorch (default: client's)",
+        default=os.environ.get(TOKEN_ENV, default(Upstreams, "pdorch_api_key")),
+        help="bearer token for pdorch's gateway (default: $PDORCH_TOKEN, else the client's "
+        "own Authorization); prefer the variable: arguments are visible to every user",
     )
     p.add_argument(
         "--existing-usd-per-1k-tokens",

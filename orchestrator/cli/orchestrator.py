@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.cli.common import (
+    CommandError,
     Commands,
     Parents,
     add_command,
@@ -31,8 +35,11 @@ from orchestrator.cli.common import (
     until_signalled,
 )
 
+log = logging.getLogger("pdorch")
+
 if TYPE_CHECKING:
     from orchestrator.control.orchestrator import ControlSettings, Orchestrator
+    from orchestrator.control.tokens import TokenFile
     from orchestrator.gateway.server import HttpServer
 
 
@@ -53,6 +60,13 @@ class ServerSettings:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+
+API_KEY_ENV = "PDORCH_API_KEY"
+TOKENS_FILE_ENV = "PDORCH_TOKENS_FILE"
+UNAUTHENTICATED_WARNING = (
+    "NO AUTHENTICATION: no --tokens-file, so anyone who reaches this orchestrator's port "
+    "can submit, read and cancel requests and bill any tenant (README: Security)"
+)
 
 AGGREGATE_BELOW = "auto"
 """`pdorch orchestrator`'s ``--aggregate-below``: the measured rates decide. (A bare
@@ -76,7 +90,9 @@ HELP = "run an orchestrator replica"
 def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     from orchestrator.control.orchestrator import ControlSettings  # noqa: PLC0415 - grpc
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415 - numpy
+    from orchestrator.core.routing import RoutingPolicy  # noqa: PLC0415
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
+    from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
 
     o = add_command(sub, NAME, parents, parents.redis, help=HELP)
     o.add_argument(
@@ -139,7 +155,19 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         default=default(ControlSettings, "detach_grace_s"),
         help=field_doc(ControlSettings, "detach_grace_s"),
     )
+    o.add_argument(
+        "--store-outage",
+        type=non_negative_float,
+        default=default(StoreSettings, "outage_s"),
+        help=field_doc(StoreSettings, "outage_s"),
+    )
     _admission_flags(o)
+    o.add_argument(
+        "--kv-routing",
+        choices=("on", "off"),
+        default="on" if default(RoutingPolicy, "enabled") else "off",
+        help=field_doc(RoutingPolicy, "enabled"),
+    )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.add_argument(
         "--http-port",
@@ -150,8 +178,18 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     o.add_argument("--http-host", default="", help="the gateway's address (default: --host)")
     o.add_argument(
         "--api-key",
-        default=env.get("PDORCH_API_KEY", default(GatewaySettings, "api_key")),
-        help="gateway: require 'Authorization: Bearer KEY' (default: $PDORCH_API_KEY; none)",
+        default=env.get(API_KEY_ENV, default(GatewaySettings, "api_key")),
+        help="gateway only, one shared key: require 'Authorization: Bearer KEY' (default: "
+        "$PDORCH_API_KEY; none). Prefer --tokens-file: it guards both APIs and names tenants",
+    )
+    o.add_argument(
+        "--tokens-file",
+        default=env.get(TOKENS_FILE_ENV, ""),
+        metavar="PATH",
+        help="bearer tokens (SHA-256 hashed) and the tenants each may act for (README: "
+        "Security); both the gRPC API and the gateway then require one, and the tenant comes "
+        "from it. Re-read when it changes, or on SIGHUP (default: $PDORCH_TOKENS_FILE; none: "
+        "the API is open)",
     )
     o.set_defaults(run=run)
 
@@ -224,6 +262,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
     )
     from orchestrator.core.hardware import PRICED_KINDS, with_prices  # noqa: PLC0415
     from orchestrator.core.kvdtype import KvPolicy  # noqa: PLC0415
+    from orchestrator.core.routing import RoutingPolicy  # noqa: PLC0415
 
     prices = with_prices(PRICED_KINDS, dict(args.price))
     admission = AdmissionPolicy(
@@ -241,6 +280,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),
         admission=admission,
+        routing=RoutingPolicy(enabled=args.kv_routing == "on"),
     )
 
 
@@ -261,17 +301,18 @@ async def run(args: argparse.Namespace) -> int:
         print(f"pdorch orchestrator: {exc}", file=sys.stderr)
         return 2
     preflight(args)
+    tokens = _tokens(args)
     serving = server_settings(args)
-    store = RedisStore(StoreSettings(url=args.redis))
+    store = RedisStore(StoreSettings(url=args.redis, outage_s=args.store_outage))
     clients = WorkerClients()
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
     metrics_server = serve_metrics(metrics.registry, serving.host, serving.metrics_port)
-    server = rpc_server(control, SERVER_OPTIONS)
+    server = rpc_server(control, SERVER_OPTIONS, tokens)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(serving.address)
-    http = _gateway(args, control) if args.http_port is not None else None
+    http = _gateway(args, control, tokens) if args.http_port is not None else None
     await server.start()
     await control.start()
     try:
@@ -296,7 +337,32 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gateway(args: argparse.Namespace, control: Orchestrator) -> HttpServer:
+def _tokens(args: argparse.Namespace) -> TokenFile | None:
+    """The tokens file (re-read on SIGHUP too), or None after one loud warning."""
+    from orchestrator.control.tokens import TokenFile  # noqa: PLC0415
+
+    if args.api_key and args.api_key != os.environ.get(API_KEY_ENV):
+        log.warning(
+            "--api-key on the command line is visible to every user of this host: "
+            "use $%s or --tokens-file",
+            API_KEY_ENV,
+        )
+    if not args.tokens_file:
+        log.warning(UNAUTHENTICATED_WARNING)
+        return None
+    if args.api_key:
+        raise CommandError(
+            "--tokens-file and --api-key exclude each other: list the key's "
+            "SHA-256 in the tokens file"
+        )
+    tokens = TokenFile(args.tokens_file)  # ConfigError: does not start on a bad file
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, tokens.reload)
+    return tokens
+
+
+def _gateway(
+    args: argparse.Namespace, control: Orchestrator, tokens: TokenFile | None
+) -> HttpServer:
     """The OpenAI-compatible gateway over this process's orchestrator (the `gateway` extra)."""
     try:
         from orchestrator.gateway.app import Gateway  # noqa: PLC0415 - imports starlette
@@ -309,5 +375,5 @@ def _gateway(args: argparse.Namespace, control: Orchestrator) -> HttpServer:
     from orchestrator.gateway.backend import OrchestratorBackend  # noqa: PLC0415
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
 
-    app = Gateway(OrchestratorBackend(control), GatewaySettings(api_key=args.api_key)).app
+    app = Gateway(OrchestratorBackend(control), GatewaySettings(api_key=args.api_key), tokens).app
     return HttpServer(app, args.http_host or args.host, args.http_port, args.drain_grace)

@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from orchestrator.cli.common import CommandError, Commands, Parents, add_command
+from orchestrator.cli.common import CommandError, Commands, Parents, add_command, check_redis
 
 NAME = "status"
 HELP = "the cluster's orchestrator, workers, pools and requests in flight"
@@ -61,6 +61,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
+    check_redis(args.redis)  # a refused password, said as Redis says it (not "unreachable")
     snap = await snapshot(args.orchestrator, args.redis)
     print(
         json.dumps(asdict(snap) | {"healthy": snap.healthy}) if args.json else format_status(snap)
@@ -71,13 +72,14 @@ async def run(args: argparse.Namespace) -> int:
 async def snapshot(orchestrator: str, redis_url: str) -> Snapshot:
     from orchestrator.errors import UnavailableError  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
+    from orchestrator.store.url import redacted  # noqa: PLC0415
 
     store = RedisStore(StoreSettings(url=redis_url))
     try:
         infos = await store.workers()
         active = await store.active()
     except UnavailableError as exc:
-        raise CommandError(f"--redis {redis_url}: {exc}") from None
+        raise CommandError(f"--redis {redacted(redis_url)}: {exc}") from None
     finally:
         await store.close()
     rows = tuple(
@@ -93,7 +95,8 @@ async def snapshot(orchestrator: str, redis_url: str) -> Snapshot:
         )
         for w in sorted(infos, key=lambda w: (w.role != "prefill", w.worker_id))
     )
-    return Snapshot(orchestrator, await _health(orchestrator), redis_url, rows, len(active))
+    health = await _health(orchestrator)
+    return Snapshot(orchestrator, health, redacted(redis_url), rows, len(active))
 
 
 async def _health(address: str) -> str:

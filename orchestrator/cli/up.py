@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         state = ClusterState(
             pid=os.getpid(),
             orchestrator=cluster.orchestrator_addresses[0],
-            redis=cluster.redis_url,
+            redis=_without_password(cluster.redis_url),  # a file others read: no secret
             http=f"{cluster.gateway_urls[0]}/v1" if gateway else "",
             metrics={name: f"http://{HOST}:{p}/metrics" for name, p in metrics.items()},
             model=_served_model(cluster),
@@ -290,3 +290,9 @@ def endpoints_text(state: ClusterState, path: Path, gateway: bool) -> str:
         )
     lines += ["  pdorch status", "  pdorch cost", "  pdorch down", ""]
     return "\n".join(lines)
+
+
+def _without_password(url: str) -> str:
+    from orchestrator.store.url import without_password  # noqa: PLC0415 - keeps `plan` light
+
+    return without_password(url)

@@ -159,6 +159,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "llama-3-8b@H100 or llama-3-70b@H100x4 (TCP transport; see README 'Scale')",
     )
     w.add_argument(
+        "--sim-prefix-cache",
+        action="store_true",
+        help="with --sim: simulate vLLM's prefix cache (prefills charged for uncached "
+        "tokens only; the cache reported for KV-aware routing)",
+    )
+    w.add_argument(
         "--count",
         type=positive_int,
         default=1,
@@ -256,6 +262,8 @@ def preflight(args: argparse.Namespace) -> None:
         check_transport(args.transport)
     if args.count != 1 and not args.sim:
         raise CommandError("--count needs --sim")
+    if args.sim_prefix_cache and not args.sim:
+        raise CommandError("--sim-prefix-cache needs --sim")
     check_redis(args.redis)
     if args.count == 1:  # a fleet's members take the ports after these
         check_port_free(args.host, args.port, "--port")
@@ -353,7 +361,10 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
     from transport.tcp import TcpDataPlane, tcp_receiver  # noqa: PLC0415
 
     spec = SimSpec.parse(args.sim)  # validated by the parser already
-    engine = SimEngine(spec)
+    cached = args.sim_prefix_cache
+    # One engine for all when stateless; a prefix cache is per worker.
+    engines = [SimEngine(spec, prefix_cache=cached) for _ in range(args.count if cached else 1)]
+    engine = engines[0]
     # Heartbeats only: a few connections, not one per worker beating at the same moment.
     store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
     tsettings = TransportSettings(kv_hold_s=args.kv_hold, check_finite=args.kv_finite_check)
@@ -372,12 +383,12 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
     sender = SharedSender(TcpDataPlane(), tsettings, users=count) if prefill else None
     workers = [
         Worker(
-            engine,
+            engines[i % len(engines)],
             member_settings(base, i, count),
             publish,
             sender=sender,
             receiver=(None if prefill else tcp_receiver(tsettings, engine.info.model_spec())),
-            runner=SimRunner(engine),
+            runner=SimRunner(engines[i % len(engines)]),
         )
         for i in range(count)
     ]

@@ -101,6 +101,7 @@ class Dispatch:
             resp = await self.legs.prefill(prefill, decode, request, run.check)
         finally:
             self.ledger.prefilled(booking)
+        self.ledger.answered(booking, prefill.worker_id)
         rates = self.ledger.rates
         rates.prefill(prefill.worker_id, prefill.gpu_kind, len(tokens), resp.prefill_ms / 1000)
         rates.transfer(int(resp.kv_bytes), resp.transfer_ms / 1000)

@@ -8,7 +8,9 @@ What happens when a worker dies mid-request:
 2. `_attempt` records the failure: the worker is excluded from this request's next
    placements, its breaker opens (placement skips it for everyone for a while), and
    ``pdorch_failovers_total{cause=<phase>}`` counts it.
-3. `RETRY` decides by the error's type and phase whether another attempt may succeed.
+3. `RETRY` decides by the error's type and phase whether another attempt may succeed. A
+   store outage is not an attempt's failure: its store calls wait it out (up to
+   ``StoreSettings.outage_s``, `orchestrator.store.outage`), and fail the request after.
 4. `_reassign` fences the failed attempt off: ``requeue`` (epoch + 1) — the store, the
    decode worker's KV inbox and the journal refuse the old epoch, so a zombie's late KV or
    tokens are never used.
@@ -45,6 +47,7 @@ from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.state import Edge, State
 from orchestrator.store.base import Store
+from orchestrator.store.outage import outlasting
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,10 @@ CAUSES = CALL_PHASES | WATCH_PHASES | {"other"}
 RETRY: tuple[tuple[type[BaseException], frozenset[str] | None, Verdict], ...] = (
     (errors.WorkerError, WATCH_PHASES, Verdict.RETRY),
     (errors.WorkerError, None, Verdict.BY_STATUS),
-    (errors.UnavailableError, None, Verdict.RETRY),  # no worker placeable now, store away
+    # The store stayed unreachable through its whole outage window (the calls that raise it
+    # here have waited it out, `orchestrator.store.outage`): another attempt cannot help.
+    (errors.StoreUnavailableError, None, Verdict.FAIL),
+    (errors.UnavailableError, None, Verdict.RETRY),  # no worker placeable now
     (errors.OverloadedError, None, Verdict.RETRY),  # no KV room now
     (BaseException, None, Verdict.FAIL),
 )
@@ -136,7 +142,9 @@ class Failover:
                 with attempt:
                     if attempt.retry_state.attempt_number > 1:
                         await self._reassign(run)
-                        workers = await self.store.workers()
+                        workers = await outlasting(
+                            self.store.settings.outage_s, "list workers", self.store.workers
+                        )
                     async for chunk in self._attempt(run, workers):
                         yield chunk
         except asyncio.CancelledError:
@@ -179,8 +187,11 @@ class Failover:
         return record is not None and record.state is State.CANCELLED
 
     async def _reassign(self, run: Run) -> None:
-        """Fence the failed attempt off: epoch + 1, back to queued."""
-        record = await self.store.get(run.rid)
+        """Fence the failed attempt off: epoch + 1, back to queued (waiting out a store
+        outage: `orchestrator.store.outage`)."""
+        record = await outlasting(
+            self.store.settings.outage_s, "get", lambda: self.store.get(run.rid)
+        )
         if record is None:
             raise errors.NotFoundError(f"request {run.rid!r} vanished")
         if record.state.terminal:
@@ -211,14 +222,21 @@ class Failover:
             prefill_tokens=len(spec.prompt) + len(run.output),
             excluded=run.attempts.excluded,
             now=time.monotonic(),
+            tokens=[*spec.prompt, *run.output],
         )
         if self.metrics is not None:
             self.metrics.placements.labels(str(booking.placement.mode)).inc()
         try:
             run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
             relayed = self.relay.relay(run, self.dispatch.stream(run, booking))
+            answered = False
             async with contextlib.aclosing(relayed):
                 async for chunk in relayed:
+                    if not answered:
+                        # Its workers answered: a half-open breaker's probe is over now,
+                        # not when the stream ends (the worker must not be starved).
+                        answered = True
+                        self.ledger.succeeded(booking)
                     yield chunk
         except errors.WorkerError as exc:
             tried = run.attempts

@@ -6,7 +6,9 @@ and checked against the model, and admission (`Ledger.estimate`) refuses early w
 only queue to time out; a call whose deadline passed meanwhile is refused too (its client
 is gone: nothing is started for it). Then the record is created in the store, idempotently: the
 client's request id is the key, and a resubmission with the same body (`RequestSpec
-.body_hash`) is answered from the existing request, a different body refused.
+.body_hash`) by the same tenant is answered from the existing request; a different body, or
+another tenant's request under that id, is refused alike (`ConflictError`), so a reused id
+never returns another tenant's output.
 """
 
 from __future__ import annotations
@@ -107,7 +109,11 @@ class Intake:
         except errors.OverloadedError as exc:
             self.rejected(exc)
             raise
-        if existing is not None and existing.body_hash != record.body_hash:
+        # Another tenant's request under this id is refused the same way as a different
+        # body — never followed (its output is not this caller's), never told apart.
+        if existing is not None and (
+            existing.body_hash != record.body_hash or (existing.tenant or "default") != spec.tenant
+        ):
             raise errors.ConflictError(
                 f"request id {spec.request_id!r} was already used for a different request"
             )

@@ -22,8 +22,10 @@ from orchestrator.control.settings import ControlSettings
 from orchestrator.core.admission import Decision, PrefillQueue, admit, disaggregate_or_not
 from orchestrator.core.breaker import Breakers
 from orchestrator.core.hardware import get_gpu
+from orchestrator.core.prefix import PrefixIndex
 from orchestrator.core.rates import Rates
 from orchestrator.core.records import WorkerInfo
+from orchestrator.core.routing import hint_for
 from orchestrator.core.scheduler import Placement, place
 
 
@@ -56,6 +58,8 @@ class Ledger:
         self._queue: dict[str, tuple[int, int]] = {}
         """Prefill worker id -> (requests, prompt tokens) this replica sent and not yet
         prefilled: the bounded queues admission checks."""
+        self.prefixes = PrefixIndex()
+        """What the workers' prefix caches hold, as their last heartbeats said."""
 
     # ------------------------------------------------------------------ admission
 
@@ -88,39 +92,40 @@ class Ledger:
         prefill_tokens: int,
         excluded: set[str],
         now: float,
+        tokens: Sequence[int] = (),
     ) -> Booking:
         """Place an attempt (``need``: context tokens; ``prefill_tokens``: what a prefill
-        computes) avoiding ``excluded`` and, while anything else is left, open breakers."""
-        blocked = self.breakers.blocked(now)
-        held_back = {w.worker_id for w in workers if breaker_key(w) in blocked}
-        queue = {wid: tokens for wid, (_, tokens) in self._queue.items()}
+        computes, ``tokens`` those tokens for KV-aware routing) avoiding ``excluded`` and,
+        while others are left, workers whose breakers hold them back
+        (`orchestrator.core.scheduler.place` says how)."""
+        held = self.breakers.held_back(now)
+        held_back = {w.worker_id: held[k] for w in workers if (k := breaker_key(w)) in held}
+        queue = {wid: queued for wid, (_, queued) in self._queue.items()}
         rates: dict[str, float] = {}
         for w in workers:
             if w.role == "prefill" and (r := self.rates.prefill_rate(w.worker_id, w.gpu_kind)):
                 rates[w.worker_id] = r
 
+        hint = hint_for(self.prefixes, workers, tokens, self.settings.routing)
+
         def decide(prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
             return self.decide(prefill_tokens, prefill, decode)
 
-        def placed_on(exclude: set[str]) -> Placement:
-            return place(
-                workers, need, fallback=self.settings.fallback, exclude=exclude,
-                load=self._load, queue=queue, rates=rates, decide=decide,
-            )  # fmt: skip
-
-        try:
-            placement = placed_on(excluded | held_back)
-        except (errors.UnavailableError, errors.OverloadedError):
-            # Breakers are advice: with nothing else left, try the workers they hold back.
-            placement = placed_on(excluded)
+        placement = place(
+            workers, need, fallback=self.settings.fallback, exclude=excluded,
+            held_back=held_back, load=self._load, queue=queue, rates=rates, decide=decide,
+            hint=hint,
+        )  # fmt: skip
         chosen = {w.worker_id: w for w in (placement.prefill, placement.decode) if w}
         booking = Booking(placement, need * placement.decode.kv_bytes_per_token, chosen)
         self._count(placement.decode.worker_id, 1, booking.kv_need)
         if placement.prefill is not None:
             wid = placement.prefill.worker_id
+            # What it will compute: its cache's share is no queue (routing's estimate).
+            compute = prefill_tokens - (hint.reused(wid) if hint is not None else 0)
             requests, queued = self._queue.get(wid, (0, 0))
-            self._queue[wid] = (requests + 1, queued + prefill_tokens)
-            booking.queued = (wid, prefill_tokens)
+            self._queue[wid] = (requests + 1, queued + compute)
+            booking.queued = (wid, compute)
         booking.used = [breaker_key(w) for w in chosen.values()]
         for key in booking.used:
             self.breakers.placed(key, now)
@@ -178,7 +183,14 @@ class Ledger:
         if worker_id in booking.chosen:
             self.breakers.failure(breaker_key(booking.chosen[worker_id]), now)
 
+    def answered(self, booking: Booking, worker_id: str) -> None:
+        """``worker_id`` answered the attempt (a prefill's reply): its breaker closes — a
+        half-open worker's probe is over at its first answer, not at the stream's end."""
+        if worker_id in booking.chosen:
+            self.breakers.success(breaker_key(booking.chosen[worker_id]))
+
     def succeeded(self, booking: Booking) -> None:
+        """Every worker of the attempt answered (its first token reached the client)."""
         for key in booking.used:
             self.breakers.success(key)
 

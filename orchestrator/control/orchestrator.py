@@ -17,7 +17,7 @@ It also re-exports the names the fronts use (`GenerateInput`, `OutChunk`, `Contr
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 
 from orchestrator import errors
 from orchestrator.control.clients import WorkerClients
@@ -60,13 +60,15 @@ class Orchestrator:
         self.local = Local()
         self.ledger = Ledger(settings)
         self.legs = WorkerLegs(clients, settings, self._alive)
-        self.relay = Relay(store, settings, JournalWriter(store, settings.store_outage_s), metrics)
+        self.relay = Relay(store, settings, JournalWriter(store, store.settings.outage_s), metrics)
         self.leases = LeaseKeeper(store, self.local, owner)
         dispatch = Dispatch(store, self.legs, self.ledger, settings, metrics)
         self.failover = Failover(
             store, settings, self.ledger, dispatch, self.relay, self.leases, self.local, metrics
         )
-        self.ownership = Ownership(store, settings, self.local, self.failover, self.relay, owner)
+        self.ownership = Ownership(
+            store, settings, self.local, self.failover, self.relay, self.legs, owner
+        )
         intake = Intake(store, settings, self.legs, self.ledger, metrics, owner)
         self.sessions = Sessions(store, settings, intake, self.failover, self.local, metrics)
 
@@ -83,11 +85,14 @@ class Orchestrator:
         """Stream a request this call does not drive, from its journal (resubmit, resume)."""
         return self.sessions.follow(rid, start)
 
-    async def cancel(self, rid: str) -> State:
-        return await self.sessions.cancel(rid)
+    async def cancel(self, rid: str, tenants: Collection[str] | None = None) -> State:
+        """Cancel ``rid``; with ``tenants`` (the caller's), another tenant's is NotFound."""
+        return await self.sessions.cancel(rid, tenants)
 
-    async def get(self, rid: str) -> RequestRecord:
-        return await self.sessions.get(rid)
+    async def get(self, rid: str, tenants: Collection[str] | None = None) -> RequestRecord:
+        """The record of ``rid``; with ``tenants`` (the caller's), another tenant's is
+        NotFound, answered as an unknown id is."""
+        return await self.sessions.get(rid, tenants)
 
     async def start(self) -> None:
         """Start the reaper that takes over requests whose owner's lease expired."""

@@ -5,7 +5,9 @@ reads their lease holders in one round trip, and takes over (``take_over``: epoc
 lease now ours) every request whose owner's lease lapsed — a crashed or stalled replica, or
 one that handed its requests off while draining. A request taken over is resumed from its
 journal (`_resume`): its spec is rebuilt from the record, the journalled tokens are the
-output so far, and the drive loop continues it; its clients follow the journal.
+output so far, and the drive loop continues it; its clients follow the journal. KV the old
+owner's attempt left on its decode worker (received, never adopted: the owner died between
+prefill and decode) is released at once (`release_stale`), not after the worker's hold lease.
 
 Every ``deadline_scan_s`` the reaper also fails (``expire``) any live request that sat in its
 state past that state's deadline (`orchestrator.core.deadlines`), whoever drives it — the
@@ -22,11 +24,14 @@ import time
 from orchestrator import errors
 from orchestrator.aio import cancel_and_wait
 from orchestrator.control.failover import Failover
+from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.local import Local
 from orchestrator.control.relay import Relay
 from orchestrator.control.run import Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.deadlines import overdue
+from orchestrator.core.records import RequestRecord, WorkerInfo
+from orchestrator.core.scheduler import Mode
 from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge
 from orchestrator.store.base import Store
@@ -42,6 +47,7 @@ class Ownership:
         local: Local,
         failover: Failover,
         relay: Relay,
+        legs: WorkerLegs,
         owner: str,
     ) -> None:
         self.store = store
@@ -49,6 +55,7 @@ class Ownership:
         self.local = local
         self.failover = failover
         self.relay = relay
+        self.legs = legs
         self.owner = owner
         self._reaper: asyncio.Task[None] | None = None
 
@@ -113,6 +120,8 @@ class Ownership:
             record = await self.store.get(rid)
             if record is None or not record.prompt_ids:
                 return
+            workers = await self.store.workers()
+            self.release_stale(record, epoch, workers)
             entries = await self.store.journal(rid)
             run = Run(RequestSpec.from_record(record), epoch, time.monotonic())
             run.output = [t for e in entries for t in e.token_ids]
@@ -126,7 +135,6 @@ class Ownership:
                 # the end: record it (there is nothing left to generate).
                 await self.relay.finish(run, Edge.FINISH, "length", "")
                 return
-            workers = await self.store.workers()
             async for _ in self.failover.drive(run, workers):
                 pass  # clients follow the journal
         except errors.UnavailableError as exc:
@@ -139,3 +147,18 @@ class Ownership:
             log.warning("request %s: resumed run ended: %r", rid, exc)
         finally:
             self.local.resuming.discard(rid)
+
+    def release_stale(self, record: RequestRecord, epoch: int, workers: list[WorkerInfo]) -> None:
+        """Tell the decode worker of the attempt taken over (at ``epoch`` - 1) to drop KV it
+        holds for it and never adopted: freed now, not after its hold lease (30 s by
+        default); the worker also refuses that epoch from now on, so a late transfer of the
+        old attempt can't land. In the background: a dead worker costs the resume nothing."""
+        if record.mode != Mode.DISAGGREGATED or not record.decode_worker:
+            return
+        rid = record.request_id
+        for w in workers:
+            if w.worker_id == record.decode_worker and w.role == "decode":
+                log.info("request %s: releasing epoch %d's KV on %s", rid, epoch - 1, w.worker_id)
+                self.local.spawn(
+                    self.legs.release(w, rid, epoch - 1), f"pdorch-release-{rid}-{epoch - 1}"
+                )

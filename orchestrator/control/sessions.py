@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 
 from orchestrator import errors
 from orchestrator.control.failover import Failover
@@ -219,8 +219,9 @@ class Sessions:
             if not entries:
                 await asyncio.sleep(self.settings.follow_poll_s)
 
-    async def cancel(self, rid: str) -> State:
-        record = await self.get(rid)  # validates the id
+    async def cancel(self, rid: str, tenants: Collection[str] | None = None) -> State:
+        """Cancel ``rid``; with ``tenants``, only a request of one of them (else NotFound)."""
+        record = await self.get(rid, tenants)  # validates the id
         if record.state.terminal:
             return record.state
         self.local.stop_driving(rid)  # driven here: cancelling it cancels the worker calls too
@@ -231,9 +232,11 @@ class Sessions:
         got = await self.store.get(rid)
         return got.state if got else State.CANCELLED
 
-    async def get(self, rid: str) -> RequestRecord:
+    async def get(self, rid: str, tenants: Collection[str] | None = None) -> RequestRecord:
+        """The record of ``rid``; with ``tenants`` (an authenticated caller's), another
+        tenant's request answers exactly as an unknown id does: its existence is not told."""
         check_request_id(rid)  # no such id can exist; and an error may not echo a megabyte
         record = await self.store.get(rid)
-        if record is None:
+        if record is None or (tenants is not None and (record.tenant or "default") not in tenants):
             raise errors.NotFoundError(f"no request {rid!r}")
         return record

@@ -9,6 +9,7 @@ from orchestrator.core.admission import AdmissionPolicy
 from orchestrator.core.deadlines import StateDeadlines
 from orchestrator.core.hardware import PRICED_KINDS, GpuProfile
 from orchestrator.core.kvdtype import KvPolicy
+from orchestrator.core.routing import RoutingPolicy
 from orchestrator.core.spec import RequestLimits
 
 
@@ -32,8 +33,6 @@ class ControlSettings:
     retry_max_s: float = 1.0
     breaker_cooldown_s: float = 2.0
     """A worker whose call failed is skipped this long, then probed by one request."""
-    store_outage_s: float = 30.0
-    """How long a finishing request waits for an unreachable store before giving up."""
     reap_interval_s: float = 1.0
     """How often a replica looks for requests whose owner's lease expired."""
     deadlines: StateDeadlines = field(default_factory=StateDeadlines)
@@ -54,3 +53,6 @@ class ControlSettings:
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     """Early rejection (SLO, bounded queues, in-flight and tenant limits) and conditional
     disaggregation (`orchestrator.core.admission`)."""
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    """KV-cache-aware routing (`orchestrator.core.routing`): on by default; it changes no
+    placement while no worker reports a prefix cache."""

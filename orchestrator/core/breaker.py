@@ -1,9 +1,16 @@
 """Per-worker circuit breakers. Pure: time is passed in.
 
 A worker call that fails with a retryable error *opens* that worker's breaker: placement
-skips it for ``cooldown`` seconds, without waiting for its heartbeat to expire. Then it is
-*half-open*: one request may probe it; success closes the breaker, failure opens it again
-for twice as long (up to ``max_cooldown``).
+avoids it for ``cooldown`` seconds, without waiting for its heartbeat to expire. Then it is
+*half-open*: one request may probe it, and placement avoids it while that probe has not
+answered. The probe's answer is the worker's first response — a prefill's reply, a stream's
+first token — not the end of its stream: a probe that streams for a minute must not keep a
+healthy worker out of placement for that minute. An answer closes the breaker; a failure
+opens it again for twice as long (up to ``max_cooldown``).
+
+Breakers are advice (`held_back`): placement prefers workers they don't hold back, then
+half-open ones, and never calls a pool *down* because of them
+(`orchestrator.core.scheduler.place`).
 """
 
 from __future__ import annotations
@@ -37,9 +44,20 @@ class Breakers:
             return BreakerState.CLOSED
         return BreakerState.OPEN if now < e.open_until else BreakerState.HALF_OPEN
 
+    def held_back(self, now: float) -> dict[str, BreakerState]:
+        """Workers placement should avoid now, and why: OPEN ones (cooling down), and
+        HALF_OPEN ones whose probe has not answered yet."""
+        out: dict[str, BreakerState] = {}
+        for w, e in self._entries.items():
+            if now < e.open_until:
+                out[w] = BreakerState.OPEN
+            elif e.probing:
+                out[w] = BreakerState.HALF_OPEN
+        return out
+
     def blocked(self, now: float) -> set[str]:
-        """Workers placement must skip now: open ones, and half-open ones being probed."""
-        return {w for w, e in self._entries.items() if now < e.open_until or e.probing}
+        """The workers `held_back` names."""
+        return set(self.held_back(now))
 
     def placed(self, worker: str, now: float) -> None:
         """A request was placed on ``worker``; if half-open, it is the probe."""
@@ -57,4 +75,5 @@ class Breakers:
         e.probing = False
 
     def success(self, worker: str) -> None:
+        """``worker`` answered a call (its first response, not the end of a stream): close."""
         self._entries.pop(worker, None)

@@ -41,6 +41,12 @@ class WorkerInfo:
     kv_free_blocks: int = 0
     """Of those, the free ones now. Every request over, all are free again: what the chaos
     checker's leak check compares with the pool's size."""
+    kv_block_size: int = 0
+    """Tokens per block of the engine's prefix cache; 0: no prefix cache (reference and
+    simulated engines), ``kv_prefix`` is then empty."""
+    kv_prefix: str = ""
+    """The blocks its prefix cache holds, as `orchestrator.core.prefix.encode_keys` (newest
+    last, bounded by the worker): what KV-aware routing reads."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

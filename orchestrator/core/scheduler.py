@@ -8,6 +8,13 @@ with the batch), ties broken by more headroom. With both pools up, ``decide`` ma
 short prompt on the decode worker (conditional disaggregation, `orchestrator.core.admission`).
 When a whole pool is missing the request runs *aggregated* on a worker of the other pool
 (``fallback="local"``) or is refused (``fallback="fail"``).
+
+A pool is *down* only when it has no live worker this request may use (none registered, or
+every one failed this request: ``exclude``). Circuit breakers (``held_back``) are advice:
+within a pool, workers they don't hold back come first, then half-open ones (a probe in
+flight: a live worker, likely healthy), then open ones. Only a pool whose every worker's
+breaker is *open* is bypassed for the other pool (aggregated, ``fallback="local"``). The
+placement's ``reason`` — written on the request's record — says which of these happened.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from orchestrator.core.admission import Decision
+from orchestrator.core.breaker import BreakerState
 from orchestrator.core.records import WorkerInfo
+from orchestrator.core.routing import Hint, pick_decode, pick_prefill
 from orchestrator.errors import OverloadedError, UnavailableError
 
 
@@ -52,24 +61,88 @@ def with_local_load(w: WorkerInfo, load: Mapping[str, tuple[int, int]]) -> Worke
     return replace(w, active=max(w.active, active), kv_used_bytes=max(w.kv_used_bytes, kv))
 
 
+_TIER = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+"""Placement's preference by breaker state (lower first)."""
+
+
+def _down(role: str, workers: Sequence[WorkerInfo], banned: set[str]) -> str:
+    """Why the ``role`` pool cannot take this request: none live, or all failed it."""
+    failed = sorted(w.worker_id for w in workers if w.role == role and w.worker_id in banned)
+    if failed:
+        return f"{role} pool unusable: its live workers failed this request ({', '.join(failed)})"
+    return f"{role} pool down: no live {role} worker"
+
+
+def _held(role: str, chosen: WorkerInfo, state: BreakerState) -> str:
+    """A note for a reason: ``chosen`` was placed on although its breaker holds it back."""
+    if state is BreakerState.HALF_OPEN:
+        return f"{role} {chosen.worker_id} half-open, probed again (no closed {role} worker)"
+    return f"{role} {chosen.worker_id}'s breaker open, placed anyway (no other {role} worker)"
+
+
+def _bypass(
+    prefill: WorkerInfo, p_state: BreakerState, decode: WorkerInfo, d_state: BreakerState
+) -> Placement | None:
+    """When one pool's every usable worker just failed (breakers open) and the other's
+    did not, the other pool runs the request alone, saying so. Both pools open: breakers
+    are advice, disaggregate anyway (None)."""
+    if (d_state is BreakerState.OPEN) == (p_state is BreakerState.OPEN):
+        return None
+    if d_state is BreakerState.OPEN:
+        reason = "every decode worker's breaker is open (all just failed): aggregated on prefill"
+        return Placement(Mode.AGGREGATED, None, prefill, reason)
+    reason = "every prefill worker's breaker is open (all just failed): aggregated"
+    return Placement(Mode.AGGREGATED, None, decode, reason)
+
+
+def _pick_decode(
+    decodes: Sequence[tuple[WorkerInfo, int, int]],
+    total_tokens: int,
+    breaker: Callable[[WorkerInfo], BreakerState],
+    hint: Hint | None,
+) -> tuple[WorkerInfo, str]:
+    """Among (worker, active, KV used) with KV room for the request, the least held back;
+    among those the fewest sequences, then the most headroom — or, with a routing ``hint``,
+    the holder of the longest prefix within its slack. And a note for the reason."""
+    fitting: list[tuple[int, int, int, str, WorkerInfo]] = []  # (tier, active, -headroom, id, w)
+    for w, active, used in decodes:
+        free = max(0, w.kv_capacity_bytes - used)
+        if free >= _kv_need(w, total_tokens):
+            fitting.append((_TIER[breaker(w)], active, -free, w.worker_id, w))
+    if not fitting:
+        raise OverloadedError("no decode worker has KV room for this request", 1.0)
+    tier = min(f[0] for f in fitting)
+    best = [f[1:] for f in fitting if f[0] == tier]
+    if hint is None:
+        return min(best, key=lambda f: f[:3])[3], ""
+    return pick_decode(best, hint)
+
+
 def place(
     workers: Sequence[WorkerInfo],
     total_tokens: int,
     *,
     fallback: str = "local",
     exclude: Iterable[str] = (),
+    held_back: Mapping[str, BreakerState] | None = None,
     load: Mapping[str, tuple[int, int]] | None = None,
     queue: Mapping[str, int] | None = None,
     rates: Mapping[str, float] | None = None,
     decide: Callable[[WorkerInfo, WorkerInfo], Decision] | None = None,
+    hint: Hint | None = None,
 ) -> Placement:
     """Pick workers for a request needing KV for ``total_tokens`` (prompt + max output).
 
-    ``load``: worker id → (sequences, KV bytes) this replica has placed there and not yet
-    finished (see `with_local_load`). ``queue``: prefill worker id → prompt tokens this
-    replica placed there and not yet prefilled; ``rates``: prefill worker id → measured
-    tokens/s. ``decide(prefill, decode)``: whether to run aggregated anyway."""
+    ``exclude``: workers this request must not use (they failed it). ``held_back``: worker
+    id -> its breaker's state, for workers the breakers advise against (see the module's
+    docstring). ``load``: worker id -> (sequences, KV bytes) this replica has placed there
+    and not yet finished (see `with_local_load`). ``queue``: prefill worker id -> prompt
+    tokens this replica placed there and not yet prefilled; ``rates``: prefill worker id ->
+    measured tokens/s. ``decide(prefill, decode)``: whether to run aggregated anyway.
+    ``hint``: the prefixes workers hold (`orchestrator.core.routing`): it orders workers
+    within a breaker tier, never across; its notes join the reason."""
     banned = set(exclude)
+    held = held_back or {}
     known = load or {}
     queued = queue or {}
     speed = rates or {}
@@ -86,33 +159,56 @@ def place(
     if not prefills and not decodes:
         raise UnavailableError("no workers available")
 
-    def prefill_key(p: tuple[WorkerInfo, int, int]) -> tuple[float, int, str]:
+    def breaker(w: WorkerInfo) -> BreakerState:
+        return held.get(w.worker_id, BreakerState.CLOSED)
+
+    def prefill_key(p: tuple[WorkerInfo, int, int]) -> tuple[int, float, int, str]:
         w, active, _ = p
         tokens = queued.get(w.worker_id, 0)
         rate = speed.get(w.worker_id)
-        return (tokens / rate if rate else float(tokens), active, w.worker_id)
+        return (_TIER[breaker(w)], tokens / rate if rate else float(tokens), active, w.worker_id)
 
-    if decodes:
-        fitting: list[tuple[int, int, str, WorkerInfo]] = []  # (active, -headroom, id, w)
-        for w, active, used in decodes:
-            free = max(0, w.kv_capacity_bytes - used)
-            if free >= _kv_need(w, total_tokens):
-                fitting.append((active, -free, w.worker_id, w))
-        if not fitting:
-            raise OverloadedError("no decode worker has KV room for this request", 1.0)
-        decode = with_local_load(min(fitting, key=lambda f: f[:3])[3], known)
-        if prefills:
-            prefill = with_local_load(min(prefills, key=prefill_key)[0], known)
-            if decide is not None:
-                decision = decide(prefill, decode)
-                if decision.aggregate:
-                    return Placement(Mode.AGGREGATED, None, decode, decision.reason, True)
-                return Placement(Mode.DISAGGREGATED, prefill, decode, decision.reason)
-            return Placement(Mode.DISAGGREGATED, prefill, decode, "both pools up")
+    def best_prefill() -> tuple[WorkerInfo, str]:
+        if hint is None:
+            return min(prefills, key=prefill_key)[0], ""
+        tier = min(_TIER[breaker(p[0])] for p in prefills)
+        best = [(w, active) for w, active, _ in prefills if _TIER[breaker(w)] == tier]
+        return pick_prefill(best, queued, speed, hint)
+
+    def why(reason: str, *notes: str) -> str:
+        return "; ".join([reason, *(n for n in notes if n)])
+
+    if not decodes:
+        if fallback != "local":
+            raise UnavailableError("decode pool is down and fallback is 'fail'")
+        picked, pnote = best_prefill()
+        reason = why(f"{_down('decode', workers, banned)}: aggregated on prefill", pnote)
+        return Placement(Mode.AGGREGATED, None, with_local_load(picked, known), reason)
+    chosen, dnote = _pick_decode(decodes, total_tokens, breaker, hint)
+    decode = with_local_load(chosen, known)
+    if not prefills:
         if fallback != "local":
             raise UnavailableError("prefill pool is down and fallback is 'fail'")
-        return Placement(Mode.AGGREGATED, None, decode, "prefill pool down: aggregated")
-    if fallback != "local":
-        raise UnavailableError("decode pool is down and fallback is 'fail'")
-    worker = with_local_load(min(prefills, key=prefill_key)[0], known)
-    return Placement(Mode.AGGREGATED, None, worker, "decode pool down: aggregated on prefill")
+        reason = why(f"{_down('prefill', workers, banned)}: aggregated", dnote)
+        return Placement(Mode.AGGREGATED, None, decode, reason)
+    picked, pnote = best_prefill()
+    prefill = with_local_load(picked, known)
+    d_state, p_state = breaker(decode), breaker(prefill)
+    if fallback == "local" and (bypass := _bypass(prefill, p_state, decode, d_state)):
+        return bypass
+    notes = [
+        _held(role, w, state)
+        for role, w, state in (("prefill", prefill, p_state), ("decode", decode, d_state))
+        if state is not BreakerState.CLOSED
+    ]
+    if decide is not None:
+        decision = decide(prefill, decode)
+        if decision.aggregate:
+            return Placement(
+                Mode.AGGREGATED, None, decode, why(decision.reason, dnote, *notes), True
+            )
+        reason = why(decision.reason, pnote, dnote, *notes)
+        return Placement(Mode.DISAGGREGATED, prefill, decode, reason)
+    return Placement(
+        Mode.DISAGGREGATED, prefill, decode, why("both pools up", pnote, dnote, *notes)
+    )

@@ -4,6 +4,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /v1/models/{model}`` and ``GET /health`` (open, for probes). Every error is answered
 in the OpenAI shape through `orchestrator.gateway.errors`.
 
+Auth: with a tokens file (`control.tokens`), every ``/v1`` call needs ``Authorization:
+Bearer <token>`` (401 without a listed one) and the tenant comes from the token; a tenant
+the call names (``x-pdorch-tenant``, else ``user``) must be one the token allows (403).
+Else the optional shared ``api_key``; else the routes are open.
+
 A streamed call reads the request's first chunk *before* it answers, so everything that can
 go wrong at admission (validation, backpressure, no workers, a failed prefill) still gets its
 own status code; after the headers are out, a failure ends the stream with an error event
@@ -34,6 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from orchestrator import errors
 from orchestrator.control.orchestrator import GenerateInput, OutChunk
+from orchestrator.core.auth import Caller
 from orchestrator.core.idents import shown
 from orchestrator.gateway import parse, render
 from orchestrator.gateway.errors import SERVER, ApiError, api_error_for
@@ -43,6 +49,12 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 """The response header carrying pdorch's request id (the official client reads it)."""
+
+
+class Authenticator(Protocol):
+    def authenticate(self, authorization: str | None) -> Caller:
+        """The caller an ``Authorization`` value proves, else `UnauthenticatedError`."""
+        ...
 
 
 class Backend(Protocol):
@@ -126,9 +138,14 @@ async def _close(source: AsyncIterator[OutChunk]) -> None:
 class Gateway:
     """The routes over one `Backend`; `app` is the ASGI application."""
 
-    def __init__(self, backend: Backend, settings: GatewaySettings) -> None:
+    def __init__(
+        self, backend: Backend, settings: GatewaySettings, tokens: Authenticator | None = None
+    ) -> None:
+        if tokens is not None and settings.api_key:
+            raise ValueError("a tokens file and a shared API key exclude each other")
         self.backend = backend
         self.settings = settings
+        self.tokens = tokens
         routes = [
             Route("/v1/completions", _answering_errors(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", _answering_errors(self.chat), methods=["POST"]),
@@ -168,12 +185,13 @@ class Gateway:
     # ---------------------------------------------------------------------- generation
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        self._authorize(request)
+        caller = self._authorize(request)
         body = await self._body(request)
         rid = parse.request_id(request.headers)
         reader = parse.parse_chat if chat else parse.parse_completion
         call = reader(body, rid, self.settings)
-        call = replace(call, inp=replace(call.inp, tenant=parse.tenant(request.headers, body)))
+        tenant = self._tenant(request, caller, body)
+        call = replace(call, inp=replace(call.inp, tenant=tenant))
         await self._check_model(call.model)
         renderer = render.Renderer(chat, call.model, rid, int(time.time()))
         tally = render.Tally(rid)
@@ -197,10 +215,24 @@ class Gateway:
             renderer.whole(tally), headers={REQUEST_ID_HEADER: parse.header_value(rid)}
         )
 
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request) -> Caller | None:
+        """The caller (with a tokens file), else None once the shared key (if any) matched;
+        a refusal is a 401 logged with the peer's address, never the credential."""
+        if self.tokens is not None:
+            try:
+                return self.tokens.authenticate(request.headers.get("authorization"))
+            except errors.UnauthenticatedError as exc:
+                log.warning(
+                    "%s %s: refused a call from %s: %s",
+                    request.method,
+                    shown(request.url.path),
+                    _peer(request),
+                    exc,
+                )
+                raise ApiError(401, f"{exc}", code="invalid_api_key") from None
         key = self.settings.api_key
         if not key:
-            return
+            return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             raise ApiError(
@@ -209,7 +241,36 @@ class Gateway:
                 code="invalid_api_key",
             )
         if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            log.warning(
+                "%s %s: refused a call from %s: wrong API key",
+                request.method,
+                shown(request.url.path),
+                _peer(request),
+            )
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return None
+
+    def _tenant(self, request: Request, caller: Caller | None, body: dict[str, Any]) -> str:
+        """The call's tenant: with a tokens file, the token's, or the one ``x-pdorch-tenant``
+        (else the body's ``user``) picks among those the token allows — any other is a 403,
+        logged with the peer; without one, the header's or ``user``'s word (`parse.tenant`)."""
+        named = parse.tenant(request.headers, body)
+        if caller is None:
+            return named
+        claimed = parse.TENANT_HEADER in request.headers or body.get("user") is not None
+        where = parse.TENANT_HEADER if parse.TENANT_HEADER in request.headers else "user"
+        try:
+            return caller.tenant_for(named if claimed else None, where)
+        except errors.PermissionDeniedError as exc:
+            log.warning(
+                "%s %s: refused a call from %s (%s): %s",
+                request.method,
+                shown(request.url.path),
+                _peer(request),
+                caller.name,
+                exc,
+            )
+            raise ApiError(403, str(exc), param=where, code="tenant_not_allowed") from None
 
     async def _body(self, request: Request) -> dict[str, Any]:
         limit = self.settings.max_body_bytes
@@ -283,6 +344,11 @@ async def _events(
         yield render.error_event(_internal())
         return
     yield renderer.closing(tally, call.include_usage)
+
+
+def _peer(request: Request) -> str:
+    client = request.client
+    return "unknown" if client is None else f"{client.host}:{client.port}"
 
 
 def _model_card(name: str) -> dict[str, Any]:

@@ -67,6 +67,8 @@ _TABLE: tuple[tuple[type[errors.PdorchError], int, str, str], ...] = (
     (errors.InvalidRequestError, 400, INVALID, "invalid_value"),
     (errors.ConflictError, 409, INVALID, "request_id_conflict"),
     (errors.NotFoundError, 404, INVALID, "request_not_found"),
+    (errors.UnauthenticatedError, 401, INVALID, "invalid_api_key"),
+    (errors.PermissionDeniedError, 403, INVALID, "tenant_not_allowed"),
     (errors.OverloadedError, 429, "rate_limit_error", "overloaded"),
     (errors.UnavailableError, 503, SERVER, "unavailable"),
     (errors.DeadlineExceededError, 504, SERVER, "deadline_exceeded"),

@@ -31,6 +31,7 @@ from orchestrator import errors
 from orchestrator.migrate.policy import Sample, WindowStats
 from orchestrator.migrate.settings import MigrationSettings
 from orchestrator.store.keys import DEFAULT_PREFIX, Keys
+from orchestrator.store.url import redacted
 
 T = TypeVar("T")
 
@@ -104,9 +105,9 @@ class MigrationState:
         try:
             return await op
         except (rexc.ConnectionError, rexc.TimeoutError) as exc:
-            raise errors.UnavailableError(f"redis {self.url}: {exc}") from exc
+            raise errors.UnavailableError(f"redis {redacted(self.url)}: {exc}") from exc
         except rexc.RedisError as exc:
-            raise errors.UnavailableError(f"redis {self.url}: {exc}") from exc
+            raise errors.UnavailableError(f"redis {redacted(self.url)}: {exc}") from exc
 
     # ------------------------------------------------------------------------- config
 
@@ -209,7 +210,7 @@ class MigrationState:
         pipe.xlen(self.samples_key)
         raw, windows, rollbacks, count = await self._call(pipe.execute())
         if not raw:
-            raise errors.NotFoundError(f"no migration named {self.name!r} in {self.url}")
+            raise errors.NotFoundError(f"no migration named {self.name!r} in {redacted(self.url)}")
         config: dict[str, Any] = {}
         counters: dict[str, int] = {}
         for k, v in raw.items():

@@ -3,9 +3,11 @@
 What a client sends is held to one set of rules, `orchestrator.core.idents`: tenants here,
 request ids where `control` admits or looks up a request (the same check serves the HTTP
 gateway). Requests protobuf cannot decode are answered by the `RefuseUndecodable`
-interceptor, which `server` installs. The call's deadline travels with the
-input: a request whose deadline passes before it is created is refused (DEADLINE_EXCEEDED)
-and nothing runs for it. Client strings in logs go through `shown`.
+interceptor, which `server` installs; with a tokens file, `rpc.auth.Authenticate` in front
+of it, and the tenant comes from the credential (`_tenant`): GetRequest and Cancel of
+another tenant's request answer NOT_FOUND, as an unknown id does. The call's deadline
+travels with the input: a request whose deadline passes before it is created is refused
+(DEADLINE_EXCEEDED) and nothing runs for it. Client strings in logs go through `shown`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from orchestrator.api import convert, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.control.orchestrator import GenerateInput, Orchestrator, OutChunk
 from orchestrator.core.idents import check_tenant, shown
 from orchestrator.core.records import RequestRecord
+from orchestrator.rpc.auth import Authenticate, Authenticator, caller
 from orchestrator.rpc.interceptors import RefuseUndecodable
 from orchestrator.rpc.status import status_for
 
@@ -34,24 +37,51 @@ RETRY_AFTER_KEY = "retry-after"
 """Trailing metadata of a RESOURCE_EXHAUSTED refusal: seconds before a retry can succeed."""
 
 
-def server(orchestrator: Orchestrator, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
+def server(
+    orchestrator: Orchestrator,
+    options: Sequence[tuple[str, Any]] = (),
+    tokens: Authenticator | None = None,
+) -> grpc.aio.Server:
     """A gRPC server serving the client API over ``orchestrator`` (requests protobuf cannot
-    decode answer INVALID_ARGUMENT); the caller adds ports and other services."""
-    out = grpc.aio.server(options=options, interceptors=[RefuseUndecodable()])
+    decode answer INVALID_ARGUMENT); with ``tokens``, every call but health checks needs a
+    bearer token (`rpc.auth`). The caller adds ports and other services."""
+    interceptors: list[Any] = [] if tokens is None else [Authenticate(tokens)]
+    interceptors.append(RefuseUndecodable())
+    out = grpc.aio.server(options=options, interceptors=interceptors)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(orchestrator), out)
     return out
 
 
-def _tenant(context: Context) -> str:
-    """The caller's tenant, from call metadata (`idents.check_tenant`; "default" without one)."""
+def _claimed(context: Context) -> str | None:
+    """The tenant the call metadata names (None: none)."""
     for key, value in context.invocation_metadata() or ():
         if key == TENANT_KEY:
             try:
-                text = value.decode() if isinstance(value, bytes) else str(value)
+                return value.decode() if isinstance(value, bytes) else str(value)
             except UnicodeDecodeError:
                 raise errors.InvalidRequestError(TENANT_KEY, "not valid UTF-8") from None
-            return check_tenant(text, TENANT_KEY)
-    return "default"
+    return None
+
+
+def _tenant(context: Context) -> str:
+    """The call's tenant. Authenticated: the token's, or the one ``x-pdorch-tenant`` picks
+    among those the token allows (`Caller.tenant_for`; any other: PERMISSION_DENIED, logged
+    with the peer). Open API: the header's word ("default" without one)."""
+    claimed = _claimed(context)
+    who = caller()
+    if who is None:
+        return "default" if claimed is None else check_tenant(claimed, TENANT_KEY)
+    try:
+        return who.tenant_for(claimed, TENANT_KEY)
+    except errors.PermissionDeniedError as exc:
+        log.warning("refused a call from %s (%s): %s", context.peer(), who.name, exc)
+        raise
+
+
+def _tenants() -> frozenset[str] | None:
+    """The tenants whose requests the caller may see and cancel (None: the API is open)."""
+    who = caller()
+    return None if who is None else who.tenants
 
 
 def _input(
@@ -129,7 +159,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.CancelRequest, context: Context
     ) -> orchestrator_pb2.CancelResponse:
         try:
-            state = await self.o.cancel(request.request_id)
+            state = await self.o.cancel(request.request_id, _tenants())
         except errors.PdorchError as exc:
             await context.abort(status_for(exc), str(exc))
         return orchestrator_pb2.CancelResponse(state=str(state))
@@ -138,7 +168,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GetRequestRequest, context: Context
     ) -> orchestrator_pb2.RequestInfo:
         try:
-            record = await self.o.get(request.request_id)
+            record = await self.o.get(request.request_id, _tenants())
         except errors.PdorchError as exc:
             await context.abort(status_for(exc), str(exc))
         return info_pb(record)

@@ -10,6 +10,8 @@ _TABLE: tuple[tuple[type[errors.PdorchError], grpc.StatusCode], ...] = (
     (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -17,7 +17,12 @@ The rules every implementation keeps:
   `orchestrator.core.state.apply` says; a terminal state removes the request from `active`
   and drops its lease.
 - **Errors.** Backend trouble (unreachable, timed out, refused) is `UnavailableError`, raised
-  promptly (bounded by the settings' timeouts), never a hang and never a foreign exception.
+  promptly (bounded by the settings' timeouts), never a hang and never a foreign exception;
+  an outage (the backend did not answer) is its subclass `StoreUnavailableError`.
+- **Outages.** Writes to a request's record (`transition`, `set_fields`) wait an outage out
+  for ``settings.outage_s`` before raising `StoreUnavailableError`; a transition retried
+  after its reply was lost takes effect once (`orchestrator.store.outage`). Every other
+  call fails at once.
   Refusals: `NotFoundError` (no such request), `StaleEpochError`, `InvalidTransitionError`
   and its subclasses `RequestEndedError` and `JournalGapError` (with ``journal_end``),
   `OverloadedError` (a tenant at its limit). ``ValueError`` is a caller's bug (writing

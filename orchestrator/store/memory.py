@@ -18,9 +18,10 @@ How it keeps the contract:
   injectable clock in seconds (`time.monotonic` by default); `ManualClock` lets a test move
   time forward instead of waiting. ``updated_at`` and `now_ms` are that clock in ms.
 - **Replicas and outages.** `peer` is a second client of the same data (another replica);
-  `available` and `fail_next` make calls fail with `UnavailableError` before they take effect,
-  as an outage of the shared store would, for every client of it; `lose_replies` after they
-  took effect (a connection dropped after the command ran).
+  `available` and `fail_next` make calls fail with `StoreUnavailableError` before they take
+  effect, as an outage of the shared store would, for every client of it; `lose_replies`
+  after they took effect (a connection dropped after the command ran). Writes to a record
+  wait an outage out as the Redis store's do (`orchestrator.store.outage`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from typing import Any, Generic, TypeVar
 from orchestrator import errors
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import TERMINAL, Edge, State, apply
+from orchestrator.store.outage import outlasting
 from orchestrator.store.settings import StoreSettings
 
 Clock = Callable[[], float]
@@ -154,14 +157,16 @@ class MemoryStore:
         await asyncio.sleep(0)
         data = self._data
         if not data.available:
-            raise errors.UnavailableError(f"request store unreachable during {what}: down")
+            raise errors.StoreUnavailableError(f"request store unreachable during {what}: down")
         if data.failures_left > 0:
             data.failures_left -= 1
-            raise errors.UnavailableError(f"request store unreachable during {what}: injected")
+            raise errors.StoreUnavailableError(f"request store unreachable during {what}: injected")
         yield data
         if data.lost_replies_left > 0:
             data.lost_replies_left -= 1
-            raise errors.UnavailableError(f"request store unreachable during {what}: reply lost")
+            raise errors.StoreUnavailableError(
+                f"request store unreachable during {what}: reply lost"
+            )
 
     async def close(self) -> None:
         return None
@@ -211,12 +216,27 @@ class MemoryStore:
     ) -> int:
         if fields and {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch are set by the transition itself")
+        token = secrets.token_hex(8)  # one for every retry: see `orchestrator.store.outage`
+
+        async def once() -> int:
+            return await self._transition(request_id, edge, epoch, fields or {}, token)
+
+        return await outlasting(self._settings.outage_s, f"transition {edge.wire}", once)
+
+    async def _transition(
+        self, request_id: str, edge: Edge, epoch: int, fields: Mapping[str, Any], token: str
+    ) -> int:
         async with self._call("transition") as d:
             rec = d.live(d.records, request_id)
             if rec is None:
                 raise errors.NotFoundError(f"no request {request_id!r}")
             cur = rec.value
             state, cur_epoch = State(cur["state"]), int(cur["epoch"])
+            if cur.get("op") == token and (cur["state"], cur_epoch) == (
+                str(edge.target),
+                epoch + int(edge.rule.bumps_epoch),
+            ):
+                return cur_epoch  # this very call landed already, its reply was lost
             if cur["epoch"] != str(epoch):
                 raise errors.StaleEpochError(
                     f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
@@ -227,8 +247,9 @@ class MemoryStore:
                 raise errors.InvalidTransitionError(
                     f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
                 ) from exc
-            cur.update(state=str(target), epoch=str(new_epoch), updated_at=str(d.now_ms()))
-            cur.update({k: str(v) for k, v in (fields or {}).items()})
+            now = str(d.now_ms())
+            cur.update(state=str(target), epoch=str(new_epoch), updated_at=now, op=token)
+            cur.update({k: str(v) for k, v in fields.items()})
             if target in TERMINAL:
                 d.active.discard(request_id)
                 d.leases.pop(request_id, None)
@@ -237,11 +258,15 @@ class MemoryStore:
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         if {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch change only through transition()")
-        async with self._call("set_fields") as d:
-            rec = d.live(d.records, request_id)
-            if rec is None:
-                raise errors.NotFoundError(f"no request {request_id!r}")
-            rec.value.update({k: str(v) for k, v in fields.items()})
+
+        async def once() -> None:
+            async with self._call("set_fields") as d:
+                rec = d.live(d.records, request_id)
+                if rec is None:
+                    raise errors.NotFoundError(f"no request {request_id!r}")
+                rec.value.update({k: str(v) for k, v in fields.items()})
+
+        await outlasting(self._settings.outage_s, "set_fields", once)
 
     async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
         async with self._call("journal append") as d:

@@ -9,14 +9,17 @@ It meets the store contract, `orchestrator.store.base.Store`. The key layout is
 `orchestrator.store.keys`.
 
 Redis errors are translated here: connection problems, timeouts and error replies become
-`UnavailableError` with a message that holds none of Redis's text (that goes to the log);
-script refusals become `StaleEpochError`/`InvalidTransitionError`.
+`UnavailableError` with a message that holds none of Redis's text (that goes to the log):
+`StoreUnavailableError` for an outage, which writes to a record wait out for
+``settings.outage_s`` (`orchestrator.store.outage`); script refusals become
+`StaleEpochError`/`InvalidTransitionError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -28,6 +31,7 @@ from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import Edge, State
 from orchestrator.store.keys import Keys
 from orchestrator.store.lua import PRELUDE
+from orchestrator.store.outage import outlasting
 from orchestrator.store.settings import StoreSettings
 
 __all__ = ["RedisStore", "StoreSettings"]
@@ -136,19 +140,28 @@ return {1, epoch}
 """
 
 # KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease (both cleared on a terminal state).
-# ARGV[1] expected epoch, ARGV[2] the edge's name (`EDGES`), ARGV[3..] field/value pairs.
+# ARGV[1] expected epoch, ARGV[2] the edge's name (`EDGES`), ARGV[3] the call's token,
+# ARGV[4..] field/value pairs.
 # Returns {1, state, epoch} on success; {-1} missing; {-2, state, epoch} epoch mismatch;
 # {-3, state, epoch} state not one of the edge's sources.
+# The token (field ``op``) makes a retry exactly-once: a call whose write landed but whose
+# reply was lost is tried again (`orchestrator.store.outage`) and answered as done — only
+# while the record is still where that write left it (its token, target state and epoch);
+# anything that moved it since (a takeover, an expiry) answers as for any other caller.
 _TRANSITION = """
 local edge = EDGES[ARGV[2]]
 if not edge then return redis.error_reply('unknown edge ' .. ARGV[2]) end
-local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'op')
 if not cur[1] then return {-1} end
+local epoch = tostring(tonumber(ARGV[1]) + edge.bump)
+if cur[3] == ARGV[3] and cur[1] == edge.dst and cur[2] == epoch then
+  return {1, cur[1], cur[2]}
+end
 if cur[2] ~= ARGV[1] then return {-2, cur[1], cur[2]} end
 if not edge.src[cur[1]] then return {-3, cur[1], cur[2]} end
-local epoch = tostring(tonumber(cur[2]) + edge.bump)
-redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', epoch, 'updated_at', now_ms())
-if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', epoch, 'updated_at', now_ms(),
+  'op', ARGV[3])
+if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
 if TERMINAL[edge.dst] then
   redis.call('SREM', KEYS[2], KEYS[1])
   redis.call('DEL', KEYS[3])
@@ -205,8 +218,10 @@ async def _translated(what: str) -> AsyncIterator[None]:
     try:
         yield
     except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+        # BusyLoadingError (a restarted Redis loading its data) is a ConnectionError: an
+        # outage too, which writes wait out (`orchestrator.store.outage`).
         log.info("request store unreachable during %s: %s", what, exc)  # callers warn
-        raise errors.UnavailableError(f"request store unreachable ({what})") from exc
+        raise errors.StoreUnavailableError(f"request store unreachable ({what})") from exc
     except rexc.RedisError as exc:
         # An error reply is a bug or tampering, not an outage: loud, with Redis's words.
         log.exception("request store error during %s", what)
@@ -306,11 +321,14 @@ class RedisStore:
         if fields and {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch are set by the transition itself")
         flat = [str(x) for kv in (fields or {}).items() for x in kv]
-        async with _translated("transition"):
-            res = await self._transition(
-                keys=[self._keys.request(request_id), self._active, self._keys.lease(request_id)],
-                args=[epoch, edge.wire, *flat],
-            )
+        keys = [self._keys.request(request_id), self._active, self._keys.lease(request_id)]
+        args = [epoch, edge.wire, secrets.token_hex(8), *flat]  # one token for every retry
+
+        async def once() -> Any:
+            async with _translated("transition"):
+                return await self._transition(keys=keys, args=args)
+
+        res = await outlasting(self.settings.outage_s, f"transition {edge.wire}", once)
         code = int(res[0])
         if code == 1:
             return int(res[2])
@@ -330,8 +348,12 @@ class RedisStore:
         if {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch change only through transition()")
         flat = [str(x) for kv in fields.items() for x in kv]
-        async with _translated("set_fields"):
-            found = await self._set(keys=[self._keys.request(request_id)], args=flat)
+
+        async def once() -> Any:
+            async with _translated("set_fields"):
+                return await self._set(keys=[self._keys.request(request_id)], args=flat)
+
+        found = await outlasting(self.settings.outage_s, "set_fields", once)
         if not int(found):
             raise errors.NotFoundError(f"no request {request_id!r}")
 

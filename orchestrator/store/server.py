@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -60,6 +61,8 @@ class RedisServer:
         port: int = 0,
         appendonly: bool = False,
         log: Path | None = None,
+        config: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
@@ -67,6 +70,12 @@ class RedisServer:
         """With an AOF a killed server restarts without loss: the AOF is written before
         replies (``everysec`` only defers the fsync, which matters for a machine crash)."""
         self.log = log or workdir / f"redis-{self.port}.log"
+        self.config = tuple(config)
+        """Extra ``redis.conf`` lines (``requirepass``, ``user …`` ACL rules, ``tls-*``):
+        written to a file only its owner reads, never passed as arguments (a password there
+        is visible to every user of the host in ``ps``)."""
+        self.password = password
+        """The default user's password, for the readiness probe (with ``requirepass``)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,9 +83,15 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
+    def config_path(self) -> Path:
+        return self.workdir / f"redis-{self.port}.conf"
+
+    @property
     def argv(self) -> list[str]:
+        conf = [str(self.config_path)] if self.config else []
         return [
             redis_server_binary(),
+            *conf,  # redis-server reads a config file only as its first argument
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",  # no RDB snapshots: the AOF, when on, is the persistence
@@ -90,6 +105,10 @@ class RedisServer:
         if self.running:
             raise RedisServerError(f"redis-server on {self.port} is running already")
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.config:
+            fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as conf:
+                conf.write("\n".join(self.config) + "\n")
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
@@ -116,7 +135,10 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         delay = _POLL_S[0]
         client = redis.Redis(
-            port=self.port, socket_connect_timeout=_PING_TIMEOUT_S, socket_timeout=_PING_TIMEOUT_S
+            port=self.port,
+            password=self.password,
+            socket_connect_timeout=_PING_TIMEOUT_S,
+            socket_timeout=_PING_TIMEOUT_S,
         )
         try:
             while True:

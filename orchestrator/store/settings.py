@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from orchestrator.store.keys import DEFAULT_PREFIX
+from orchestrator.store.url import redacted
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,3 +26,16 @@ class StoreSettings:
     makes one call at a time, so thousands of requests share these)."""
     pool_timeout_s: float = 5.0
     """Longest wait for a free connection before the call fails as unavailable."""
+    outage_s: float = 30.0
+    """The store outage a running request outlasts: writes to its record are retried this
+    long (a Redis restart with its AOF load, a managed Redis's failover), and a finishing
+    request waits this long to journal and record its end. 0: fail at once."""
+
+    def __repr__(self) -> str:
+        """Every field, the URL's password masked (`store.url.redacted`): settings get logged,
+        and show up in tracebacks."""
+        shown = ", ".join(
+            f"{f.name}={redacted(self.url) if f.name == 'url' else getattr(self, f.name)!r}"
+            for f in fields(self)
+        )
+        return f"StoreSettings({shown})"

@@ -113,3 +113,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def kv_bytes(self, state: DecodeState) -> int: ...
+
+    def prefix_report(self) -> tuple[int, str]:
+        """(block size, `orchestrator.core.prefix.encode_keys` of its prefix cache) for
+        KV-aware routing; (0, "") without a prefix cache — the reference engine recomputes
+        every prompt (its KV is per request)."""
+        return 0, ""

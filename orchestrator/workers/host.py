@@ -54,6 +54,12 @@ class EngineHost(abc.ABC):
         """(blocks in the engine's KV block pool, free ones); (0, 0) when it has no pool."""
         return 0, 0
 
+    def kv_prefix(self) -> tuple[int, str]:
+        """(block size, `orchestrator.core.prefix.encode_keys` of the blocks its prefix cache
+        holds) for KV-aware routing; (0, "") for an engine without a prefix cache (the
+        reference engine: it recomputes every prompt)."""
+        return 0, ""
+
     @abc.abstractmethod
     async def tokenize(self, text: str) -> list[int]: ...
 

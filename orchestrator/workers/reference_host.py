@@ -88,6 +88,9 @@ class ReferenceHost(EngineHost):
     def kv_capacity(self) -> int:
         return self._capacity
 
+    def kv_prefix(self) -> tuple[int, str]:
+        return self.engine.prefix_report()
+
     async def tokenize(self, text: str) -> list[int]:
         return await self._runner.call(self.engine.tokenize, text)
 

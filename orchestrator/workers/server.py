@@ -137,6 +137,7 @@ class Worker:
     def info(self) -> WorkerInfo:
         m = self.host.info
         blocks, free_blocks = self.host.kv_blocks()
+        block_size, prefix = self.host.kv_prefix()
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.settings.role,
@@ -155,6 +156,8 @@ class Worker:
             kv_dtype=m.kv_dtype.name.lower() if m.kv_convertible else "",
             kv_blocks=blocks,
             kv_free_blocks=free_blocks,
+            kv_block_size=block_size,
+            kv_prefix=prefix,
         )
 
     async def _beat(self) -> None:

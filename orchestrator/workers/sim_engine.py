@@ -24,6 +24,12 @@ K's first two elements of every (layer, head, token) hold the token id, 14 bits 
 patterns of finite bf16 values: receivers refuse NaN and infinities), and `start_decode`
 checks them: a KV adopted for the wrong tokens fails loudly.
 
+**Prefix cache** (``prefix_cache=True``, ``pdorch worker --sim ... --sim-prefix-cache``): a
+simulated vLLM prefix cache — an LRU of pdorch's block keys (`orchestrator.core.prefix`,
+blocks of ``SIM_BLOCK`` tokens) as large as the worker's KV room, filled by every prefill
+and every adopted KV. A prefill is then charged only for the tokens after the longest cached
+run (at least the last one), and the heartbeat reports the keys, as a vLLM worker does.
+
 **Time.** A prefill of *n* tokens holds the GPU for ``prefill_seconds(model, gpu, n)``; one
 decode step of a batch for ``decode_step_seconds(model, gpu, batch, mean context)``; adopting
 a KV, tokenizing and detokenizing take no simulated time. The real KV moves over the
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -48,6 +55,7 @@ from orchestrator.core.perfmodel import (
     kv_bytes_per_token,
     prefill_seconds,
 )
+from orchestrator.core.prefix import DEFAULT_REPORT_BLOCKS, block_keys, encode_keys
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.errors import ConfigError
 from orchestrator.workers.batcher import EngineRunner
@@ -67,6 +75,8 @@ SIM_KV_HEADS = 1
 SIM_HEAD_DIM = 4
 SIM_MAX_CONTEXT = 8192
 """Llama 3's context; the presets do not carry one."""
+SIM_BLOCK = 16
+"""Tokens per block of the simulated prefix cache (vLLM's default block size)."""
 KV_MEMORY_FRACTION = 0.9
 """Of GPU memory usable for weights + KV (the planner's headroom)."""
 
@@ -186,10 +196,39 @@ class SimDecodeState(DecodeState):
     owner: SimEngine = field(repr=False)
 
 
+class SimPrefixCache:
+    """An LRU of block keys, ``capacity`` blocks large."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def use(self, token_ids: Sequence[int]) -> int:
+        """Tokens of the longest cached run of ``token_ids``' blocks; then all its full
+        blocks are cached (most recently used)."""
+        keys = block_keys(token_ids, SIM_BLOCK)
+        hit = 0
+        while hit < len(keys) and keys[hit] in self._lru:
+            hit += 1
+        for k in keys:
+            self._lru[k] = None
+            self._lru.move_to_end(k)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+        return hit * SIM_BLOCK
+
+    def report(self, limit: int) -> str:
+        keys = list(self._lru)
+        return encode_keys(keys[-limit:] if limit > 0 else [])
+
+
 class SimEngine(Engine):
     """`Engine` whose compute is a hash and whose time comes from the performance model."""
 
-    def __init__(self, spec: SimSpec) -> None:
+    def __init__(self, spec: SimSpec, *, prefix_cache: bool = False) -> None:
         self.spec = spec
         m = spec.model
         kv_dtype = m.kv_dtype or m.dtype
@@ -207,6 +246,11 @@ class SimEngine(Engine):
             kv_convertible=False,  # K's bits carry token ids, not numbers
         )
         self._words = m.vocab - 1
+        blocks = spec.kv_capacity_bytes // (self.info.kv_bytes_per_token() * SIM_BLOCK)
+        self.cache = SimPrefixCache(blocks) if prefix_cache else None
+        self.reused = 0
+        """Prompt tokens the last prefill found cached (what `busy_seconds` does not charge)."""
+        self.reused_total = 0
 
     # ------------------------------------------------------------------ text
     def tokenize(self, text: str) -> list[int]:
@@ -233,6 +277,9 @@ class SimEngine(Engine):
         if not 0 < n <= self.info.max_context:
             raise ValueError(f"prompt of {n} tokens; this model takes 1..{self.info.max_context}")
         self._check_ids(token_ids)
+        if self.cache is not None:
+            self.reused = min(self.cache.use(token_ids), n - 1)
+            self.reused_total += self.reused
         info = self.info
         # One block, layer after layer (K then V), like the reference engine: the transport
         # can send consecutive layers as one message.
@@ -255,6 +302,8 @@ class SimEngine(Engine):
     ) -> SimDecodeState:
         self._check_kv(kv, token_ids)
         self._check_ids([*token_ids, last_token])
+        if self.cache is not None:  # the adopted KV's blocks are cached from now on
+            self.cache.use(token_ids)
         if generated < 1:
             raise ValueError("generated must be >= 1: last_token is output token generated - 1")
         context = _roll(context_hash(token_ids), last_token)
@@ -285,7 +334,8 @@ class SimEngine(Engine):
         """Simulated GPU time of ``fn(*args)`` (a call a worker makes through its runner)."""
         name = getattr(fn, "__name__", "")
         if name == "prefill":
-            return self.spec.prefill_s(len(args[0]))
+            reused, self.reused = self.reused, 0
+            return self.spec.prefill_s(len(args[0]) - reused)
         if name == "decode_step":
             states: Sequence[DecodeState] = args[0]
             if not states:
@@ -293,6 +343,11 @@ class SimEngine(Engine):
             context = sum(len(s.token_ids) for s in states) // len(states)
             return self.spec.decode_step_s(len(states), max(1, context))
         return 0.0
+
+    def prefix_report(self) -> tuple[int, str]:
+        if self.cache is None:
+            return 0, ""
+        return SIM_BLOCK, self.cache.report(DEFAULT_REPORT_BLOCKS)
 
     # ------------------------------------------------------------------ checks
     def _own(self, state: DecodeState) -> SimDecodeState:

@@ -616,11 +616,13 @@ def test_scripts_survive_a_script_cache_flush(settings: StoreSettings) -> None:
     run(scenario)
 
 
-def doomed_settings(url: str) -> StoreSettings:
+def doomed_settings(url: str, outage_s: float = 0.0) -> StoreSettings:
+    """Calls fail at once on an outage, unless ``outage_s`` (the writes' window) is given."""
     return StoreSettings(
         url=url,
         socket_timeout_s=SOCKET_TIMEOUT_S,
         connect_timeout_s=SOCKET_TIMEOUT_S,
+        outage_s=outage_s,
     )
 
 
@@ -701,10 +703,95 @@ def test_hung_redis_times_out_as_unavailable(doomed: RedisServer) -> None:
     run(scenario)
 
 
+# Redis only: a restart (stopped, then started on the same port with its AOF) — issue 18,
+# defect 3: the failover loop's backoff gave up on a 1.5-2 s Redis restart.
+def test_a_write_outlasts_a_redis_restart(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, appendonly=True).start()
+
+    async def scenario() -> None:
+        async with opened(doomed_settings(server.url, outage_s=15.0)) as store:
+            assert await store.create(record("r1")) is None
+            await asyncio.to_thread(server.stop)  # SIGTERM: the AOF is flushed
+
+            async def back_in(outage_s: float) -> None:
+                await asyncio.sleep(outage_s)  # the outage itself, not a wait for a condition
+                await asyncio.to_thread(server.start)  # same port, same AOF
+
+            restarted = asyncio.create_task(back_in(2.0))
+            started = time.monotonic()
+            assert await store.transition("r1", Edge.PREFILL, epoch=0) == 0
+            waited = time.monotonic() - started
+            await restarted
+            assert waited >= 2.0  # it waited the outage out, then wrote
+            got = await store.get("r1")
+            assert got is not None
+            assert (got.state, got.epoch) == (State.PREFILLING, 0)
+
+    try:
+        run(scenario, limit_s=40)
+    finally:
+        server.kill()
+
+
+# Redis only: an outage longer than the window.
+def test_a_write_beyond_the_outage_window_fails_with_a_store_error(doomed: RedisServer) -> None:
+    async def scenario() -> None:
+        async with opened(doomed_settings(doomed.url, outage_s=1.0)) as store:
+            assert await store.create(record("r1")) is None
+            doomed.kill()
+            started = time.monotonic()
+            with pytest.raises(errors.StoreUnavailableError) as info:
+                await store.transition("r1", Edge.PREFILL, epoch=0)
+            waited = time.monotonic() - started
+            assert "outage window of 1 s (transition prefill)" in str(info.value)
+            assert 1.0 <= waited < 1.0 + 2 * SOCKET_TIMEOUT_S + 1.0  # the window, one try more
+
+    run(scenario)
+
+
+def test_a_transition_retried_after_its_reply_was_lost_lands_once(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write can land and its reply be lost; the retry (`orchestrator.store.outage`)
+    carries the same token and is answered as done — not refused as stale, not applied
+    twice. A write from another call (another token) is refused as before."""
+    import secrets  # noqa: PLC0415 (patched for this test only)
+
+    async def scenario() -> None:
+        async with backend.open() as store:
+            assert await store.create(record("r1", epoch=1)) is None
+            monkeypatch.setattr(secrets, "token_hex", lambda n: "one-call")
+            assert await store.transition("r1", Edge.REQUEUE, epoch=1) == 2
+            assert await store.transition("r1", Edge.REQUEUE, epoch=1) == 2  # its retry
+            got = await store.get("r1")
+            assert got is not None
+            assert (got.state, got.epoch) == (State.QUEUED, 2)
+            monkeypatch.setattr(secrets, "token_hex", lambda n: "another-call")
+            with pytest.raises(errors.StaleEpochError):
+                await store.transition("r1", Edge.REQUEUE, epoch=1)
+
+    run(scenario)
+
+
+def test_a_memory_store_write_outlasts_an_outage_and_a_lost_reply() -> None:
+    async def scenario() -> None:
+        store = MemoryStore(StoreSettings(url="memory://", outage_s=5.0))
+        await store.create(record("r1", epoch=1))
+        store.fail_next(3)
+        assert await store.transition("r1", Edge.AGGREGATE, epoch=1) == 1
+        store.lose_replies(1)  # REQUEUE lands, its reply is lost: the retry says done
+        assert await store.transition("r1", Edge.REQUEUE, epoch=1) == 2
+        got = await store.get("r1")
+        assert got is not None
+        assert (got.state, got.epoch) == (State.QUEUED, 2)
+
+    run(scenario)
+
+
 def test_an_unavailable_memory_store_fails_every_call() -> None:
     # The in-memory store's outage switch, for fast outage tests of the control plane.
     async def scenario() -> None:
-        store = MemoryStore()
+        store = MemoryStore(StoreSettings(url="memory://", outage_s=0))
         peer = store.peer()
         await store.create(record("r1"))
         store.available = False  # an outage of the shared store: every client sees it

@@ -41,3 +41,24 @@ def test_placing_on_a_closed_worker_changes_nothing() -> None:
     b.placed("w", 1.0)
     assert b.blocked(1.0) == set()
     assert b.state("w", 1.0) is BreakerState.CLOSED
+
+
+def test_held_back_says_why_open_or_probing() -> None:
+    b = Breakers(cooldown_s=2.0)
+    b.failure("a", 0.0)
+    b.failure("b", 0.0)
+    b.failure("c", 1.0)
+    b.placed("a", 2.5)  # a's probe is in flight; b is half-open, not probed yet
+    assert b.held_back(2.5) == {"a": BreakerState.HALF_OPEN, "c": BreakerState.OPEN}
+    assert b.blocked(2.5) == {"a", "c"}
+
+
+def test_a_probe_answered_closes_the_breaker_while_its_stream_goes_on() -> None:
+    """The probe is over at the worker's first answer: ``success`` then, not at the end."""
+    b = Breakers(cooldown_s=2.0)
+    b.failure("w", 0.0)
+    b.placed("w", 2.0)
+    b.success("w")  # the first token
+    assert b.held_back(2.1) == {}
+    b.placed("w", 2.2)  # the next request: a closed worker, no probe
+    assert b.state("w", 2.2) is BreakerState.CLOSED

@@ -71,8 +71,8 @@ CASES = [
     # --- found by the command before it starts anything
     (["worker", "--role", "decode", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
     (["orchestrator", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
-    (["cost", "--redis", DEAD_REDIS], FAILS, "request store unreachable"),
-    (["status", "--redis", DEAD_REDIS], FAILS, "request store unreachable"),
+    (["cost", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
+    (["status", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
     (["generate", "hi", "--orchestrator", "127.0.0.1:1"], FAILS, "no orchestrator answers"),
     (["down"], FAILS, "no `pdorch up` cluster is running"),
     (["plan", "--gpus", "T4", "--model", "llama-3-70b"], FAILS, "no layout is feasible"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
@@ -37,7 +38,6 @@ FAST = ControlSettings(
     follow_poll_s=0.005,
     attach_refresh_s=0.05,
     reap_interval_s=0.01,
-    store_outage_s=2.0,
     detach_grace_s=5.0,
 )
 LIMIT_S = 10.0
@@ -53,7 +53,7 @@ async def setup(
     store: MemoryStore | None = None,
     owner: str = "a",
 ) -> tuple[Orchestrator, MemoryStore, ControlMetrics]:
-    store = store or MemoryStore()
+    store = store or MemoryStore(StoreSettings(url="memory://", outage_s=2.0))
     for w in workers:
         await store.heartbeat(w.info, 1e6)
     metrics = ControlMetrics()
@@ -151,6 +151,31 @@ def test_decode_worker_dying_mid_stream_fails_over_without_gap_or_duplicate() ->
         assert d1.decoded("r1", 2) == 1
         assert metric(metrics, 'pdorch_failovers_total{cause="decode"} 1.0')
         assert orch.ledger.breakers.state("d0@d0:1", 0.0) is BreakerState.OPEN
+
+    run(main())
+
+
+def test_a_half_open_workers_probe_is_over_at_its_first_token() -> None:
+    """Issue 18, defect 2: a half-open breaker's probe was the whole stream, and the worker
+    was held back from every other placement until it ended."""
+
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", delay_s=0.05)
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0)
+        breakers = orch.ledger.breakers
+        breakers.failure("d0@d0:1", time.monotonic() - 10)  # failed a while ago: half-open
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=20)):
+                got.append(chunk)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 1))
+        assert breakers.blocked(time.monotonic()) == set()  # closed at the first token
+        assert not task.done()  # while the probe's stream goes on
+        await task
+        assert_contiguous(got, 20)
 
     run(main())
 
@@ -292,6 +317,66 @@ def test_tokens_keep_flowing_while_the_store_is_down_and_are_journalled_after() 
     run(main())
 
 
+def test_a_failover_during_a_store_outage_waits_it_out() -> None:
+    """Issue 18, defect 3: a decode worker failed while Redis restarted; the failover loop's
+    4 attempts with backoff (milliseconds here, under half a second by default) were spent
+    on the outage and the request failed. Its store calls now wait the outage out."""
+
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", fail_after=3, delay_s=0.05)
+        d1 = FakeWorker("d1", "decode")
+        orch, store, _ = await setup(FakeWorker("p0", "prefill"), d0, d1)
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=8)):
+                got.append(chunk)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 1))
+        store.available = False  # Redis restarts; d0 fails two chunks later
+        await eventually(lambda: _true(d0.cancelled > 0))
+        await asyncio.sleep(0.5)  # the outage goes on (its length, not a wait for a state)
+        store.available = True
+        await task
+        assert_contiguous(got, 8)
+        record = await orch.get("r1")
+        assert (record.state, record.epoch, record.decode_worker) == (State.DONE, 2, "d1")
+
+    run(main())
+
+
+def test_a_store_outage_past_its_window_fails_the_request_with_a_store_error() -> None:
+    """Past ``outage_s`` the request fails with an error that says so — once: the failover
+    loop does not spend its attempts waiting the window out again."""
+
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", fail_after=3, delay_s=0.05)
+        store = MemoryStore(StoreSettings(url="memory://", outage_s=0.5))
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, FakeWorker("d1", "decode"),
+                                 store=store)  # fmt: skip
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=8)):
+                got.append(chunk)
+                if len(got) == 1:
+                    store.available = False  # and it stays down
+
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(errors.StoreUnavailableError, match=r"outage window of 0\.5 s"):
+            await client()
+        waited = asyncio.get_running_loop().time() - started
+        # One window for the failover, one to record the end (1 s), not one per attempt
+        # (4 attempts and the end: 2.5 s).
+        assert waited < 2.0
+        store.available = True
+        record = await orch.get("r1")
+        assert record.epoch == 1  # the failover never happened: the store was away
+
+    run(main())
+
+
 class _BuggyStore(MemoryStore):
     """A store whose journal append fails with a foreign exception (a bug, not an outage)."""
 
@@ -394,6 +479,33 @@ def test_a_request_whose_owner_died_is_taken_over_from_its_journal() -> None:
         journal = await store.journal("r1")
         assert [t for e in journal for t in e.token_ids] == [token(i) for i in range(8)]
         assert d0.decoded("r1", 2) == 1
+
+    run(main())
+
+
+def test_kv_held_for_a_request_taken_over_is_released_at_once() -> None:
+    """Issue 18: the owner died between prefill and decode; its decode worker held the KV
+    for the old epoch until its 30 s hold lease ran out. The new owner releases it."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        store = MemoryStore(StoreSettings(url="memory://", lease_ttl_s=3.0), clock=clock)
+        spec = RequestSpec("r1", (1, 2, 3), 6)
+        await store.create(spec.record("dead"))
+        placed = {"mode": "disaggregated", "prefill_worker": "p0", "decode_worker": "d0"}
+        await store.transition("r1", Edge.PREFILL, epoch=1, fields=placed)
+        await store.transition("r1", Edge.KV_SENT, epoch=1)  # then the owner died
+        d0 = FakeWorker("d0", "decode")
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store, owner="b")
+        await orch.start()
+        try:
+            clock.advance(3.5)  # the dead owner's lease lapses
+            await eventually(lambda: _true(("r1", 1) in d0.released))
+            await eventually(lambda: state_is(store, "r1", State.DONE))
+        finally:
+            await orch.stop()
+        assert (await orch.get("r1")).epoch == 2
+        assert d0.decoded("r1", 1) == 0  # the old epoch's KV was never adopted
 
     run(main())
 

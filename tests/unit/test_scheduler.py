@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.core.admission import Decision
+from orchestrator.core.breaker import BreakerState
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.scheduler import Mode, place, with_local_load
 from orchestrator.errors import OverloadedError, UnavailableError
@@ -267,3 +268,73 @@ def test_local_load_is_a_lower_bound_not_added_to_heartbeats() -> None:
     assert with_local_load(busy, {"decode-a": (1, 100)}) is busy
     raised = with_local_load(busy, {"decode-a": (3, 9000)})
     assert (raised.active, raised.kv_used_bytes) == (3, 9000)
+
+
+# ------------------------------------------------------- breakers are advice (issue 18)
+
+HALF, OPEN = BreakerState.HALF_OPEN, BreakerState.OPEN
+
+
+def test_a_closed_decode_worker_is_preferred_to_a_half_open_one() -> None:
+    got = place([prefill("p1"), decode("d1"), decode("d2", active=5)], 10, held_back={"d1": HALF})
+    assert got.decode.worker_id == "d2"
+    assert got.reason == "both pools up"
+
+
+def test_decode_workers_all_probing_are_not_a_pool_down() -> None:
+    """Issue 18, defect 2: every decode worker half-open with a probe in flight fell back to
+    "decode pool down: aggregated on prefill" while both were alive."""
+    got = place(
+        [prefill("p1"), decode("d1", active=1), decode("d2")],
+        10,
+        held_back={"d1": HALF, "d2": HALF},
+    )
+    assert got.mode is Mode.DISAGGREGATED
+    assert got.decode.worker_id == "d2"
+    assert "pool down" not in got.reason
+    assert "decode d2 half-open, probed again" in got.reason
+
+
+def test_decode_breakers_all_open_aggregate_on_prefill_and_say_so() -> None:
+    got = place([prefill("p1"), decode("d1"), decode("d2")], 10, held_back={"d1": OPEN, "d2": OPEN})
+    assert (got.mode, got.decode.worker_id) == (Mode.AGGREGATED, "p1")
+    assert got.reason == (
+        "every decode worker's breaker is open (all just failed): aggregated on prefill"
+    )
+
+
+def test_prefill_breakers_all_open_aggregate_on_decode_and_say_so() -> None:
+    got = place([prefill("p1"), decode("d1")], 10, held_back={"p1": OPEN})
+    assert (got.mode, got.decode.worker_id) == (Mode.AGGREGATED, "d1")
+    assert got.reason.startswith("every prefill worker's breaker is open")
+
+
+def test_an_open_decode_pool_is_used_when_fallback_is_fail() -> None:
+    got = place([prefill("p1"), decode("d1")], 10, fallback="fail", held_back={"d1": OPEN})
+    assert got.mode is Mode.DISAGGREGATED
+    assert "decode d1's breaker open, placed anyway" in got.reason
+
+
+def test_both_pools_open_still_disaggregate() -> None:
+    got = place([prefill("p1"), decode("d1")], 10, held_back={"p1": OPEN, "d1": OPEN})
+    assert got.mode is Mode.DISAGGREGATED
+    assert "prefill p1's breaker open" in got.reason
+    assert "decode d1's breaker open" in got.reason
+
+
+def test_pool_down_means_no_live_worker() -> None:
+    got = place([prefill("p1")], 10)
+    assert got.reason == "decode pool down: no live decode worker: aggregated on prefill"
+
+
+def test_a_decode_pool_that_failed_this_request_is_named_so() -> None:
+    got = place([prefill("p1"), decode("d1"), decode("d2")], 10, exclude={"d1", "d2"})
+    assert got.mode is Mode.AGGREGATED
+    assert got.reason == (
+        "decode pool unusable: its live workers failed this request (d1, d2): aggregated on prefill"
+    )
+
+
+def test_a_half_open_decode_worker_with_room_beats_a_full_closed_one() -> None:
+    got = place([prefill("p1"), decode("d1", free=50), decode("d2")], 100, held_back={"d2": HALF})
+    assert got.decode.worker_id == "d2"

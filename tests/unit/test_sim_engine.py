@@ -9,11 +9,18 @@ import pytest
 
 from orchestrator.core import perfmodel as pm
 from orchestrator.core.hardware import DEFAULT_GPUS
+from orchestrator.core.prefix import PrefixIndex, block_keys
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.errors import ConfigError
 from orchestrator.workers.fleet import member_settings
 from orchestrator.workers.server import WorkerSettings
-from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec
+from orchestrator.workers.sim_engine import (
+    SIM_BLOCK,
+    SimEngine,
+    SimPrefixCache,
+    SimRunner,
+    SimSpec,
+)
 from transport.wire import DType, has_nonfinite
 
 LLAMA = pm.get_model("llama-3-8b")
@@ -248,3 +255,44 @@ def test_member_settings() -> None:
     assert member_settings(base, 3, 10).port == 7003
     assert member_settings(base, 3, 10).kv_port == 0
     assert member_settings(WorkerSettings(worker_id="d"), 0, 1).worker_id == "d"
+
+
+# ------------------------------------------------------------------ prefix cache
+
+
+def test_prefix_cache_charges_only_uncached_tokens() -> None:
+    spec = SimSpec.parse("llama-3-8b@H100")
+    eng = SimEngine(spec, prefix_cache=True)
+    greedy = SamplingParams()
+    turn1 = list(range(1, 161))  # 10 blocks of 16
+    eng.prefill(turn1, greedy)
+    assert eng.busy_seconds(eng.prefill, [turn1]) == spec.prefill_s(160)
+    turn2 = [*turn1, *range(500, 540)]
+    eng.prefill(turn2, greedy)
+    assert eng.busy_seconds(eng.prefill, [turn2]) == spec.prefill_s(40)
+    eng.prefill(turn1, greedy)  # all cached: the last token is still computed
+    assert eng.busy_seconds(eng.prefill, [turn1]) == spec.prefill_s(1)
+
+
+def test_prefix_cache_is_reported_and_bounded() -> None:
+    cache = SimPrefixCache(4)
+    cache.use(list(range(64)))  # 4 blocks
+    assert cache.use(list(range(64))) == 64
+    cache.use(list(range(1000, 1032)))  # 2 more: the 2 least recent go
+    assert len(cache) == 4
+    assert cache.use(list(range(64))) == 0  # block 0 was evicted: no run from the start
+    eng = SimEngine(SimSpec.parse("llama-3-8b@H100"), prefix_cache=True)
+    eng.prefill(list(range(48)), SamplingParams())
+    size, payload = eng.prefix_report()
+    index = PrefixIndex()
+    index.sync({"w": (size, payload)})
+    assert size == SIM_BLOCK
+    assert index.match({size: block_keys(list(range(48)), size)})["w"].blocks == 3
+
+
+def test_no_prefix_cache_by_default(engine: SimEngine) -> None:
+    assert engine.prefix_report() == (0, "")
+    prompt = list(range(1, 40))
+    engine.prefill(prompt, SamplingParams())
+    engine.prefill(prompt, SamplingParams())
+    assert engine.busy_seconds(engine.prefill, [prompt]) == engine.spec.prefill_s(39)

@@ -55,10 +55,11 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from orchestrator.api import convert, worker_pb2
 from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
+from orchestrator.core.prefix import DEFAULT_REPORT_BLOCKS
 from orchestrator.workers.engine import ModelInfo
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
-from orchestrator.workers.vllm import kv, sampler
+from orchestrator.workers.vllm import kv, kv_events, sampler
 from orchestrator.workers.vllm.accounting import BlockPool, ChunkStream, StepLedger
 from orchestrator.workers.vllm.kv_params import DTYPES as KV_DTYPES
 from transport.wire import DType
@@ -92,6 +93,9 @@ class VllmSettings:
     """Decode side: free a pushed KV nobody claims after this long."""
     kv_timeout_s: float = 30.0
     """How long either side waits on a transfer before failing it."""
+    kv_report_blocks: int = DEFAULT_REPORT_BLOCKS
+    """The most prefix-cache blocks one heartbeat reports (the newest stored), from vLLM's
+    KV cache events (`kv_events`); 0: report none (no KV-aware routing to this worker)."""
 
 
 class _StepStats(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped to mypy
@@ -141,6 +145,8 @@ class VllmHost(EngineHost):
         self._connector = False
         """pdorch's KV connector is loaded (prefill and decode roles)."""
         self._control: kv.DecodeKvControl | None = None
+        self._events: kv_events.KvEventFeed | None = None
+        """vLLM's KV cache events: what its prefix cache holds (`kv_prefix`)."""
         self.info = model_info(settings)  # fingerprint filled in by start()
 
     # ------------------------------------------------------------------------ lifecycle
@@ -164,6 +170,7 @@ class VllmHost(EngineHost):
                 timeout_s=s.kv_timeout_s,
                 control_path=self._control.control_path if self._control else None,
             )
+        events = kv_events.endpoint() if s.kv_report_blocks > 0 else ""
         args = AsyncEngineArgs(
             model=str(s.model_dir),
             dtype=s.dtype,
@@ -175,6 +182,8 @@ class VllmHost(EngineHost):
             enable_logging_iteration_details=True,  # step time and batch size, for cost
             kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
             logits_processors=[sampler.PROCESSOR],  # pdorch's seeded draw (`sampler`)
+            kv_events_config=kv_events.events_config(events) if events else None,
+            prefix_caching_hash_algo="sha256_cbor",  # vLLM's hashes are then pdorch's too
         )
         started = time.perf_counter()
         self._llm = AsyncLLM.from_engine_args(
@@ -184,6 +193,9 @@ class VllmHost(EngineHost):
         self._blocks = int(cache.num_gpu_blocks or 0)
         self._block_size = int(cache.block_size)
         self._tokenizer = self._llm.get_tokenizer()
+        if events:  # subscribed before any request: the first stores are not missed
+            self._events = kv_events.KvEventFeed(events, self._block_size)
+            self._events.start()
         if self._control is not None:  # the connector inside vLLM listens by now
             kv_address = await self._control.start(s.kv_timeout_s)
             self.transport = self._control.backend or s.transport
@@ -197,6 +209,9 @@ class VllmHost(EngineHost):
         return kv_address
 
     async def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         if self._control is not None:
             await self._control.close()
         if self._llm is not None:
@@ -221,6 +236,11 @@ class VllmHost(EngineHost):
     def kv_blocks(self) -> tuple[int, int]:
         pool = self.pool()
         return pool.blocks, pool.free_blocks
+
+    def kv_prefix(self) -> tuple[int, str]:
+        if self._events is None:
+            return 0, ""
+        return self._events.block_size, self._events.report(self.settings.kv_report_blocks)
 
     def engine_busy_s(self) -> float:
         """vLLM's step time so far (all requests together)."""
