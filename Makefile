@@ -10,7 +10,7 @@ STAMP_VLLM := $(VENV_VLLM)/.installed
 # pointed at the whole tree there).
 VLLM_TESTS ?= tests/vllm tests/integration/test_vllm_connector.py
 
-.PHONY: venv venv-vllm demo up test lint check bench clean proto
+.PHONY: venv venv-vllm nixl demo up test lint check bench clean proto
 
 venv: $(STAMP)
 
@@ -60,9 +60,17 @@ demo: venv
 up: venv
 	$(VENV)/bin/pdorch up
 
-bench: venv
-	$(VENV)/bin/pdorch bench transport --backend ucx --size 64MiB --iters 10
-	$(VENV)/bin/pdorch bench transport --backend tcp --size 64MiB --iters 10
+# NIXL, the reference `pdorch bench transport` measures against in the same run (optional):
+# nixl-cu12 declares CUDA packages it does not need on CPU (numpy is its one runtime need),
+# so it is installed without dependencies, pinned, and its import checked.
+NIXL_PKG ?= nixl-cu12==1.5.1
+nixl: venv
+	$(PY) -m pip install --quiet --no-deps '$(NIXL_PKG)'
+	$(PY) -c "import nixl_cu12._api; print('nixl imports')"
+
+bench: venv nixl
+	$(VENV)/bin/pdorch bench transport --backend ucx --iters 10 --rounds 3
+	$(VENV)/bin/pdorch bench transport --backend tcp --iters 10 --rounds 3
 
 # Regenerate the committed gRPC code from proto/ (a test fails if it is stale).
 proto: venv

@@ -716,6 +716,45 @@ async def check_nonfinite(backend: str) -> None:
             await receiver.close()
 
 
+async def check_failure_isolated(backend: str) -> None:
+    """One transfer failing with its payload moving fails only itself: another transfer
+    between the same pair, mid-way at that moment (its receives posted, a segment in
+    flight), completes intact (issue 18, defect 1: a failure used to cancel every UCX
+    operation to the peer)."""
+    settings = TransportSettings(segment_bytes=1 * MIB)
+    receiver = make_receiver(backend, settings)
+    address = await receiver.start()
+    sender = make_sender(backend, settings)
+    a = synthetic_cache("iso-a", 1, 8 * MIB, n_layers=8)
+    b = synthetic_cache("iso-b", 1, 8 * MIB, n_layers=8, seed=1)
+    try:
+        tb = await sender.open(address, b.header)
+        ta = await sender.open(address, a.header)
+        await tb.send_layer(0, *b.layers[0])  # a segment of each in flight
+        await ta.send_layer(0, *a.layers[0])
+        await ta.abort("the request was cancelled")
+        for i, (k, v) in enumerate(b.layers[1:], start=1):
+            await tb.send_layer(i, k, v)
+        await tb.finish()
+        got = await receiver.take("iso-b", 1, timeout_s=5)
+        assert digest(got) == digest(b)
+        got.release()
+        try:
+            await receiver.take("iso-a", 1, timeout_s=5)
+        except errors.PeerLostError:
+            pass
+        else:
+            raise AssertionError("an aborted KV was handed over")
+        assert receiver.inbox.bytes_in_use == 0
+        await sender.send(address, synthetic_cache("iso-c", 1, 2 * MIB))  # the pair still works
+        assert digest(await receiver.take("iso-c", 1, 5)) == digest(
+            synthetic_cache("iso-c", 1, 2 * MIB)
+        )
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
 CHECKS = (
     check_sizes,
     check_scaled,
@@ -731,6 +770,7 @@ CHECKS = (
     check_idle_connections,
     check_connection_caps,
     check_nonfinite,
+    check_failure_isolated,
 )
 
 
