@@ -12,7 +12,7 @@ VLLM_TESTS ?= tests/vllm tests/integration/test_vllm_connector.py
 
 VENV_LMEVAL ?= .venv-lmeval
 
-.PHONY: venv venv-vllm demo up test lint check bench clean proto lmeval
+.PHONY: venv venv-vllm nixl demo up test lint check bench clean proto lmeval
 
 venv: $(STAMP)
 
@@ -62,9 +62,17 @@ demo: venv
 up: venv
 	$(VENV)/bin/pdorch up
 
-bench: venv
-	$(VENV)/bin/pdorch bench transport --backend ucx --size 64MiB --iters 10
-	$(VENV)/bin/pdorch bench transport --backend tcp --size 64MiB --iters 10
+# NIXL, the reference `pdorch bench transport` measures against in the same run (optional):
+# nixl-cu12 declares CUDA packages it does not need on CPU (numpy is its one runtime need),
+# so it is installed without dependencies, pinned, and its import checked.
+NIXL_PKG ?= nixl-cu12==1.5.1
+nixl: venv
+	$(PY) -m pip install --quiet --no-deps '$(NIXL_PKG)'
+	$(PY) -c "import nixl_cu12._api; print('nixl imports')"
+
+bench: venv nixl
+	$(VENV)/bin/pdorch bench transport --backend ucx --iters 10 --rounds 3
+	$(VENV)/bin/pdorch bench transport --backend tcp --iters 10 --rounds 3
 
 # lm-evaluation-harness (the `lmeval` extra, in its own environment) runs the small
 # multiple-choice task evals/lm_eval/pdorch_mc through its `local-completions` model against

@@ -154,7 +154,8 @@ class LocalCluster:
     expected: dict[str, str] = field(default_factory=dict)
     """Worker name -> the gRPC address its current process publishes."""
     worker_extra: dict[str, list[str]] = field(default_factory=dict)
-    """Role -> extra `pdorch worker` flags for every worker of that role (e.g. --kv-fault)."""
+    """Role -> extra `pdorch worker` flags for every worker of that role (e.g. --kv-fault);
+    ``{index}`` in a flag is replaced by the worker's index (e.g. a metrics port each)."""
     heartbeat_ttl_s: float = 3.0
     advertise: dict[str, str] = field(default_factory=dict)
     """Worker name -> address to publish instead of its own (a fault proxy in front of it)."""
@@ -167,7 +168,8 @@ class LocalCluster:
     gateway_port: int = 0
     """The gateway port of orchestrator 0 (0: a free port); the others always get free ones."""
     orchestrator_extra: list[str] = field(default_factory=list)
-    """Extra `pdorch orchestrator` flags for every orchestrator (e.g. --api-key)."""
+    """Extra `pdorch orchestrator` flags for every orchestrator (e.g. --api-key); ``{index}``
+    is replaced by the orchestrator's index."""
     aggregate_below: str = "0"
     """Conditional disaggregation (`--aggregate-below`). Off by default here: on one machine
     every worker is the same CPU, where "auto" rightly keeps short prompts local, and the
@@ -253,7 +255,7 @@ class LocalCluster:
             args += ["--kv-advertise", self.kv_advertise[name]]
         if self.on_worker_ports is not None:
             self.on_worker_ports(name, port, kv_port)
-        args += [*self.worker_extra.get(role, []), *extra]
+        args += [*_indexed(self.worker_extra.get(role, []), index), *extra]
         return self._spawn(name, args)
 
     def registered_names(self) -> set[str]:
@@ -353,7 +355,7 @@ class LocalCluster:
             "--port", str(port),
             "--replica-id", f"orchestrator-{index}",
             "--aggregate-below", self.aggregate_below,
-            *self.orchestrator_extra,
+            *_indexed(self.orchestrator_extra, index),
             *extra,
         )  # fmt: skip
         url = ""
@@ -402,3 +404,8 @@ def _serving(address: str) -> bool:
         except grpc.RpcError:
             return False
     return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _indexed(flags: list[str], index: int) -> list[str]:
+    """Extra flags for the process of this index: ``{index}`` replaced by it."""
+    return [flag.replace("{index}", str(index)) for flag in flags]

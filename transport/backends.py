@@ -13,6 +13,9 @@ from transport.wire import ModelSpec
 
 Backend = Literal["ucx", "tcp"]
 BACKENDS: tuple[Backend, ...] = ("ucx", "tcp")
+UCX_READ = "ucx-read"
+"""Not offered on the command line yet: UCX with one-sided reads (transport v2,
+``UcxConfig(one_sided=True)``), for the benchmark and the conformance suite."""
 
 
 def make_sender(
@@ -20,6 +23,8 @@ def make_sender(
 ) -> KvSender:
     if backend == "ucx":
         return ucx_sender(settings, ucx)
+    if backend == UCX_READ:
+        return ucx_sender(settings, UcxConfig(one_sided=True))
     if backend == "tcp":
         return tcp_sender(settings)
     raise ValueError(f"unknown transport backend {backend!r} (choose from {BACKENDS})")
@@ -31,7 +36,7 @@ def make_receiver(
     model: ModelSpec | None = None,
     ucx: UcxConfig | None = None,
 ) -> KvReceiver:
-    if backend == "ucx":
+    if backend in ("ucx", UCX_READ):  # a UCX receiver takes either, as the sender opens it
         return ucx_receiver(settings, model, ucx)
     if backend == "tcp":
         return tcp_receiver(settings, model)

@@ -16,11 +16,13 @@ import abc
 import asyncio
 import collections
 import contextlib
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transport import errors
+from transport.control import RemoteRegion
 from transport.wire import KvCache
 
 
@@ -72,12 +74,19 @@ class TransportSettings:
     NaN KV comes from the sender's own computation (README "KV transport": the trade-off)."""
 
 
+_channels = itertools.count(1)
+
+
 @dataclass(frozen=True, slots=True)
 class Peer:
     """The remote end of one control connection, as it introduced itself in HELLO."""
 
     instance_id: bytes
     data_address: bytes
+    channel: int = field(default_factory=lambda: next(_channels))
+    """This connection's id in this process. A data plane keeps its per-peer state (UCX
+    endpoints) per channel: a connection carries one transfer at a time, so cancelling a
+    channel's operations cancels one transfer's and never another's (issue 18)."""
 
 
 class DataPlane(abc.ABC):
@@ -99,9 +108,35 @@ class DataPlane(abc.ABC):
     async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
         """Receive one layer's payload into ``into``, matching `send` (out-of-band only)."""
 
+    one_sided: bool = False
+    """Sender: open transfers whose receiver *reads* each segment from this side's
+    registered memory (`expose` here, `read` there) instead of `send`/`recv`."""
+    can_read: bool = False
+    """Receiver: whether it takes such one-sided transfers (`read`)."""
+
+    def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
+        """One-sided, sender: register ``buffers`` for remote reads; return their regions
+        (for the SEGMENT message) and a handle for `withdraw`."""
+        raise NotImplementedError(f"{self.name} has no one-sided path")
+
+    def withdraw(self, handle: object) -> None:
+        """One-sided, sender: deregister what `expose` registered (the transfer ended)."""
+        raise NotImplementedError(f"{self.name} has no one-sided path")
+
+    async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
+        """One-sided, receiver: read ``regions`` of ``peer``'s memory, in order, into
+        ``into`` (exactly as long as they are together)."""
+        raise NotImplementedError(f"{self.name} has no one-sided path")
+
     @abc.abstractmethod
-    def fail_peer(self, peer: Peer) -> None:
-        """Cancel everything pending with ``peer`` and forget its endpoints (it broke)."""
+    def fail_channel(self, peer: Peer) -> None:
+        """Cancel everything pending on ``peer``'s channel — that connection's transfer,
+        and no other — and forget its endpoints. Returns once no posted operation can
+        touch that transfer's buffers any more."""
+
+    @abc.abstractmethod
+    def release(self, peer: Peer) -> None:
+        """``peer``'s connection closed: free what the plane holds for its channel."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...

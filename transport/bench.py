@@ -1,11 +1,12 @@
-"""`pdorch bench transport`: our KV transfer vs ``ucx_perftest -t tag_bw``, in one run.
+"""`pdorch bench transport`: our KV transfer vs NIXL and ``ucx_perftest -t tag_bw``, in one run.
 
 The receiver runs in its own process (spawned: UCX objects must not cross a fork); this
 process is the sender. Each iteration is one KV transfer of ``size`` bytes split into
 ``layers`` layers, timed from `open` to `finish` — i.e. until the receiver has verified
 every layer's checksum and filed the KV, so checksumming both ends is inside the figure.
-The reference, ``ucx_perftest`` (shipped in the ``libucx`` wheel), then runs between two
-processes for the same message size and iteration count, and the ratio is ours/reference.
+The references then run for the same size and iteration count, alternating round by round:
+NIXL (`transport.nixl_ref`, when installed: READ and WRITE, one buffer and 32 descriptors)
+and ``ucx_perftest`` (shipped in the ``libucx`` wheel) between two processes.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from transport.backends import make_receiver, make_sender
+import numpy as np
+
+from transport import nixl_ref, wire
+from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
+from transport.errors import TransportError
 from transport.testing import synthetic_cache
+from transport.ucx import UcxConfig
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 _UNITS |= {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
@@ -49,31 +55,40 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class BenchResult:
+    """One size: median GB/s of each variant measured, alternating, in the same run."""
+
     backend: str
     size_bytes: int
     iters: int
     layers: int
-    ours_gbps: float
-    ucx_perftest_gbps: float | None
-    ratio: float | None
+    gbps: dict[str, float]
+    """Variant → median GB/s. ``ours``: the default path, one contiguous KV; ``ours-32``:
+    32 layers allocated apart (a block list); ``ours-read``: UCX one-sided reads
+    (transport v2, opt-in); ``nixl-write``/``nixl-read`` (``-32``: 32 descriptors);
+    ``ucx_perftest``: ``-t tag_bw``."""
+
+    def ratio(self, variant: str, reference: str) -> float | None:
+        a, b = self.gbps.get(variant), self.gbps.get(reference)
+        return round(a / b, 2) if a and b else None
+
+    @property
+    def best_nixl(self) -> float | None:
+        got = [v for k, v in self.gbps.items() if k.startswith("nixl")]
+        return max(got) if got else None
 
     def human(self) -> str:
-        ref = (
-            f"ucx_perftest {self.ucx_perftest_gbps:.2f} GB/s, ratio {self.ratio:.2f}"
-            if self.ucx_perftest_gbps and self.ratio is not None
-            else "ucx_perftest unavailable"
-        )
-        return (
-            f"{self.backend}: {self.size_bytes / (1 << 20):.1f} MiB x {self.iters} in "
-            f"{self.layers} layers: ours {self.ours_gbps:.2f} GB/s, {ref}"
-        )
+        mib = self.size_bytes / (1 << 20)
+        parts = [
+            f"{name} {g:.2f} GB/s ({self.size_bytes / g / 1e3:.0f} µs)"
+            for name, g in self.gbps.items()
+        ]
+        line = f"{self.backend}: {mib:g} MiB x {self.iters} in {self.layers} layers: "
+        best = self.best_nixl
+        tail = f"; ours/best NIXL {self.gbps['ours'] / best:.2f}" if best else ""
+        return line + ", ".join(parts) + tail
 
     def json(self) -> str:
-        d = asdict(self)
-        return json.dumps({k: d[k] for k in _JSON_KEYS} | {"iters": self.iters})
-
-
-_JSON_KEYS = ("backend", "size_bytes", "ours_gbps", "ucx_perftest_gbps", "ratio")
+        return json.dumps(asdict(self))
 
 
 # ------------------------------------------------------------------------------- ours
@@ -87,9 +102,13 @@ async def _receiver_main(backend: str, settings: TransportSettings) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
         rid = line.decode().strip()
-        cache = await receiver.take(rid, 1, timeout_s=60)
+        try:
+            cache = await receiver.take(rid, 1, timeout_s=60)
+        except TransportError as exc:
+            print(_REPLY_PREFIX, f"{type(exc).__name__}: {exc}", flush=True)
+            continue
         cache.release()  # as a decode worker does once it has adopted the KV
-        print("ok", flush=True)
+        print(_REPLY_PREFIX, "ok", flush=True)
     await receiver.close()
 
 
@@ -97,12 +116,23 @@ class _Ours:
     """A receiver process plus a sender here; `round()` times ``iters`` transfers."""
 
     def __init__(
-        self, backend: str, size: int, layers: int, settings: TransportSettings | None = None
+        self,
+        backend: str,
+        size: int,
+        layers: int,
+        settings: TransportSettings | None = None,
+        *,
+        apart: bool = False,
+        ucx: UcxConfig | None = None,
     ) -> None:
         self.backend, self.size, self.layers = backend, size, layers
         self.settings = settings or TransportSettings()
         self.cache = synthetic_cache("bench", 1, size, n_layers=layers)
-        self.sender = make_sender(backend, self.settings)
+        if apart:  # each layer in its own allocation: a block list, not one region
+            self.cache = wire.KvCache(
+                self.cache.header, tuple(_apart(k, v) for k, v in self.cache.layers)
+            )
+        self.sender = make_sender(backend, self.settings, ucx)
         self.count = 0
 
     async def __aenter__(self) -> _Ours:
@@ -137,8 +167,8 @@ class _Ours:
                 await transfer.finish()
             total += time.perf_counter() - started
             proc.stdin.write(rid.encode() + b"\n")
-            if (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() != b"ok":
-                raise BenchError("benchmark receiver did not confirm a transfer")
+            if (reply := await _read_reply(proc.stdout)) != "ok":
+                raise BenchError(f"benchmark receiver did not confirm a transfer: {reply}")
         return self.cache.nbytes * iters / total / 1e9
 
     async def __aexit__(self, *exc: object) -> None:
@@ -152,7 +182,25 @@ class _Ours:
             await self.proc.wait()
 
 
+def _apart(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    block = np.empty(k.nbytes + v.nbytes, dtype=np.uint8)
+    kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
+    vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
+    kk[...], vv[...] = k, v
+    return kk, vv
+
+
 _ADDRESS_PREFIX = "pdorch-bench-receiver"
+_REPLY_PREFIX = "pdorch-bench-reply"
+
+
+async def _read_reply(stdout: asyncio.StreamReader) -> str:
+    """The receiver's reply line (native libraries may print other lines first)."""
+    while line := await asyncio.wait_for(stdout.readline(), 60):
+        word, _, reply = line.decode().strip().partition(" ")
+        if word == _REPLY_PREFIX:
+            return reply
+    return "the receiver exited"
 
 
 async def _read_address(stdout: asyncio.StreamReader) -> str:
@@ -224,34 +272,54 @@ def measure_perftest(size: int, iters: int, timeout_s: float = 120.0) -> float |
 
 
 async def _interleaved(
-    backend: str, size: int, iters: int, layers: int, rounds: int
-) -> tuple[list[float], list[float]]:
-    ours: list[float] = []
-    ref: list[float] = []
-    async with _Ours(backend, size, layers) as session:
+    backend: str, size: int, iters: int, layers: int, rounds: int, nixl: bool
+) -> dict[str, list[float]]:
+    got: dict[str, list[float]] = {}
+    ours = {"ours": _Ours(backend, size, layers), "ours-32": _Ours(backend, size, 32, apart=True)}
+    if backend == "ucx":
+        ours["ours-read"] = _Ours(UCX_READ, size, layers)
+    nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if nixl else []
+    async with contextlib.AsyncExitStack() as stack:
+        for session in ours.values():
+            await stack.enter_async_context(session)
         for _ in range(rounds):
-            ours.append(await session.round(iters))
-            got = await asyncio.to_thread(measure_perftest, size, iters)
-            if got is not None:
-                ref.append(got)
-    return ours, ref
+            for name, session in ours.items():
+                got.setdefault(name, []).append(await session.round(iters))
+            for op, descs in nixl_modes:
+                name = f"nixl-{op.lower()}" + ("-32" if descs > 1 else "")
+                try:
+                    seconds = await asyncio.to_thread(nixl_ref.measure, size, iters, op, descs)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    raise BenchError(str(exc)) from exc
+                got.setdefault(name, []).append(size / seconds / 1e9)
+            ref = await asyncio.to_thread(measure_perftest, size, iters)
+            if ref is not None:
+                got.setdefault("ucx_perftest", []).append(ref)
+    return got
 
 
-def run(backend: str, size: int, iters: int, layers: int = 32, rounds: int = 5) -> BenchResult:
-    """Alternate ours and the reference ``rounds`` times; compare the medians (noisy host)."""
+def run(
+    backend: str,
+    size: int,
+    iters: int,
+    layers: int = 32,
+    rounds: int = 5,
+    nixl: bool | None = None,
+) -> BenchResult:
+    """Alternate ours (its variants) and the references ``rounds`` times; compare medians
+    (noisy host). NIXL joins when importable unless ``nixl`` is False."""
     if iters < 1 or layers < 1 or rounds < 1:
         raise BenchError("--iters, --layers and --rounds must be at least 1")
-    ours, ref = asyncio.run(_interleaved(backend, size, iters, layers, rounds))
-    ours_gbps = statistics.median(ours)
-    ref_gbps = statistics.median(ref) if ref else None
+    with_nixl = nixl_ref.nixl_available() if nixl is None else nixl
+    if with_nixl and not nixl_ref.nixl_available():
+        raise BenchError("NIXL is not installed (`make nixl` installs nixl-cu12)")
+    got = asyncio.run(_interleaved(backend, size, iters, layers, rounds, with_nixl))
     return BenchResult(
         backend=backend,
         size_bytes=size,
         iters=iters,
         layers=layers,
-        ours_gbps=round(ours_gbps, 3),
-        ucx_perftest_gbps=round(ref_gbps, 3) if ref_gbps else None,
-        ratio=round(ours_gbps / ref_gbps, 3) if ref_gbps else None,
+        gbps={k: round(statistics.median(v), 3) for k, v in got.items()},
     )
 
 

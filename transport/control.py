@@ -14,6 +14,13 @@ that connection for TCP, over UCX tags for UCX). A message is ``type u8 | length
                                ◀──────────   DONE | ERROR(code, message)
       ABORT(message) ────────────────────▶   (at any time: discard the partial KV)
 
+One-sided (UCX, `transport.ucx`): OPEN_READ instead of OPEN, and for each segment, once its
+layers exist, SEGMENT(index, regions) — the addresses, lengths and remote keys of the
+sender's registered memory holding it — before its LAYERS frames (the checksums follow while
+the receiver already reads). The receiver reads each segment into its own reserved buffer,
+verifies each layer as both its bytes and its frame are in, says LANDED as segments land
+(but the last), and answers DONE | ERROR.
+
 The transfer tag is random per transfer and keys payload messages on the data plane, so a
 late payload of an aborted transfer can never be matched by a later one. Out of band, the
 payload moves in *segments* — runs of consecutive layers of about ``segment size`` bytes,
@@ -51,6 +58,13 @@ class Kind(enum.IntEnum):
     ABORT = 7
     LAYERS = 8
     """Several LAYER frames in one message (out of band: a segment's frames at once)."""
+    OPEN_READ = 9
+    """OPEN for a one-sided transfer: the receiver reads the payload (SEGMENT messages)."""
+    SEGMENT = 10
+    """One-sided: a segment is ready in the sender's memory — where, and its remote keys."""
+    LANDED = 11
+    """One-sided: the receiver read a segment. The sender, with nothing in flight, waits
+    for DONE: these keep its idle deadline for a live, reading receiver."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -143,9 +157,10 @@ _OPEN = struct.Struct("<QQ")
 MIN_SEGMENT_BYTES = 64 * 1024
 
 
-def open_(tag: int, segment_bytes: int, header: bytes) -> bytes:
-    """OPEN: transfer tag, segment size (out-of-band payload grouping), KV header."""
-    return encode(Kind.OPEN, _OPEN.pack(tag, segment_bytes) + header)
+def open_(tag: int, segment_bytes: int, header: bytes, *, read: bool = False) -> bytes:
+    """OPEN (or OPEN_READ, one-sided): transfer tag, segment size (out-of-band payload
+    grouping), KV header."""
+    return encode(Kind.OPEN_READ if read else Kind.OPEN, _OPEN.pack(tag, segment_bytes) + header)
 
 
 def parse_open(body: bytes) -> tuple[int, int, bytes]:
@@ -155,6 +170,55 @@ def parse_open(body: bytes) -> tuple[int, int, bytes]:
     if segment_bytes < MIN_SEGMENT_BYTES:
         raise errors.WireFormatError(f"segment size {segment_bytes} below {MIN_SEGMENT_BYTES}")
     return tag, segment_bytes, body[_OPEN.size :]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRegion:
+    """Memory of the sender that the receiver may read: address, length, remote key."""
+
+    address: int
+    length: int
+    rkey: bytes
+
+
+_SEG = struct.Struct("<IH")
+_REGION = struct.Struct("<QQH")
+MAX_REGIONS = 256
+"""Per segment: a segment of 32 layers whose K and V lie apart is 64 regions."""
+MAX_RKEY_BYTES = 1024
+
+
+def segment(index: int, regions: list[RemoteRegion]) -> bytes:
+    if not 0 < len(regions) <= MAX_REGIONS:
+        raise errors.WireFormatError(f"{len(regions)} regions in a segment")
+    parts = [_SEG.pack(index, len(regions))]
+    for r in regions:
+        if len(r.rkey) > MAX_RKEY_BYTES:
+            raise errors.WireFormatError(f"remote key of {len(r.rkey)} bytes")
+        parts.append(_REGION.pack(r.address, r.length, len(r.rkey)) + r.rkey)
+    return encode(Kind.SEGMENT, b"".join(parts))
+
+
+def parse_segment(body: bytes) -> tuple[int, list[RemoteRegion]]:
+    """Decode a SEGMENT body, bounds checked (the caller checks lengths against the header)."""
+    if len(body) < _SEG.size:
+        raise errors.WireFormatError("SEGMENT too short")
+    index, count = _SEG.unpack_from(body)
+    if not 0 < count <= MAX_REGIONS:
+        raise errors.WireFormatError(f"SEGMENT with {count} regions")
+    pos, regions = _SEG.size, []
+    for _ in range(count):
+        if pos + _REGION.size > len(body):
+            raise errors.WireFormatError("SEGMENT truncated")
+        address, length, klen = _REGION.unpack_from(body, pos)
+        pos += _REGION.size
+        if klen > MAX_RKEY_BYTES or pos + klen > len(body):
+            raise errors.WireFormatError("SEGMENT remote key truncated or too long")
+        regions.append(RemoteRegion(address, length, body[pos : pos + klen]))
+        pos += klen
+    if pos != len(body):
+        raise errors.WireFormatError("SEGMENT has trailing bytes")
+    return index, regions
 
 
 def error(exc: BaseException) -> bytes:

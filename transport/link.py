@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from transport import control, errors
@@ -42,6 +42,8 @@ class Link:
         self._pending: asyncio.Task[control.Message] | None = None
         self._stash: control.Message | None = None  # read early while racing a payload
         self.broken = False
+        self.on_close: Callable[[], None] | None = None
+        """Called once when the link closes (the data plane frees the channel's state)."""
 
     # -------------------------------------------------------------------------- reading
 
@@ -188,6 +190,9 @@ class Link:
     async def close(self) -> None:
         """Close the connection; a broken one is aborted (unsent bytes dropped, no waiting)."""
         broken, self.broken = self.broken, True
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()
         if self._pending is not None:
             self._pending.cancel()
             with contextlib.suppress(BaseException):

@@ -130,15 +130,17 @@ class KvReceiver:
             if msg.kind is not control.Kind.HELLO:
                 raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
             link.peer = Peer(*control.parse_hello(msg.body))
+            link.on_close = partial(self._plane.release, link.peer)
             await link.send(control.hello(self._instance, self._data_address), s.connect_timeout_s)
             while not link.broken and not self._closed:
                 conn.idle_since = time.monotonic()
                 # Between transfers: a pooled link waits here, bounded by the idle timeout.
                 msg = await link.next_message(s.connection_idle_s)
-                if msg.kind is control.Kind.OPEN:
+                if msg.kind in (control.Kind.OPEN, control.Kind.OPEN_READ):
                     conn.busy = True
+                    read = msg.kind is control.Kind.OPEN_READ
                     try:
-                        await self._transfer(link, *control.parse_open(msg.body))
+                        await self._transfer(link, *control.parse_open(msg.body), read=read)
                     finally:
                         conn.busy = False
                 elif msg.kind is not control.Kind.ABORT:  # a late ABORT is harmless
@@ -172,10 +174,12 @@ class KvReceiver:
             oldest.link.writer.transport.abort()  # its handler sees EOF and ends
 
     async def _transfer(
-        self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes
+        self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes, *, read: bool
     ) -> None:
         s = self.settings
         try:
+            if read and not self._plane.can_read:
+                raise errors.HeaderRejectedError(f"{self._plane.name} has no one-sided path")
             header = wire.decode_header(header_bytes, s.max_kv_bytes)
             exp = wire.Expectation(
                 max_kv_bytes=s.max_kv_bytes,
@@ -192,8 +196,8 @@ class KvReceiver:
         started = time.monotonic()
         try:
             payload = self._buffers.acquire(header.payload_bytes)
-            receive = _Receive(self._plane, link, header, tag, payload, s, segment_bytes)
-            if not self._plane.inline:
+            receive = _Receive(self._plane, link, header, tag, payload, s, segment_bytes, read)
+            if not self._plane.inline and not read:
                 receive.post_receives()
             await link.send(control.encode(control.Kind.ACCEPT), s.idle_timeout_s)
             await receive.run()
@@ -241,10 +245,12 @@ class _Receive:
     """The layer loop of one accepted transfer.
 
     Inline (TCP): each LAYER frame is followed by its payload on the link; verification of
-    layer *i* runs in a thread while layer *i+1* is read. Out-of-band (UCX): the receive of
-    every segment is posted before ACCEPT goes out (tags and sizes follow from the header),
-    so payloads land as soon as the sender starts them; a layer is verified once both its
-    segment and its frame (which carries the checksum, and may come later) are in.
+    layer *i* runs in a thread while layer *i+1* is read. One-sided (UCX): each SEGMENT
+    message starts the read of that segment from the sender's memory into its slice of the
+    payload (`_read_segment`). Tagged (UCX v1): the receive of every segment is posted
+    before ACCEPT goes out (tags and sizes follow from the header), so payloads land as
+    soon as the sender starts them. Either way out of band, a layer is verified once both
+    its segment and its frame (which carries the checksum, and may come later) are in.
     """
 
     plane: DataPlane
@@ -254,6 +260,7 @@ class _Receive:
     payload: np.ndarray
     settings: TransportSettings
     segment_bytes: int
+    one_sided: bool
     frames: dict[int, wire.LayerFrame] = dataclasses.field(default_factory=dict)
     landed: set[int] = dataclasses.field(default_factory=set)
     receiving: dict[asyncio.Task[None], range] = dataclasses.field(default_factory=dict)
@@ -262,6 +269,17 @@ class _Receive:
 
     def __post_init__(self) -> None:
         self.offsets = self.header.layer_offsets()
+        self.segments = wire.segments(self.header, self.segment_bytes)
+        self.reading: set[int] = set()
+        """One-sided: segments announced (each is read once)."""
+        self.queued: list[tuple[int, list[control.RemoteRegion]]] = []
+        """One-sided: announced segments waiting for a read slot (`_MAX_READS`)."""
+
+    def segment_view(self, n: int) -> memoryview:
+        seg = self.segments[n]
+        start = self.offsets[seg.start]
+        end = self.offsets[seg.stop - 1] + self.header.layer_nbytes(seg.stop - 1)
+        return self.payload[start:end].data
 
     def view(self, index: int) -> memoryview:
         off = self.offsets[index]
@@ -273,11 +291,8 @@ class _Receive:
 
     def post_receives(self) -> None:
         """Out-of-band only: post every segment's receive into its slice of the payload."""
-        h = self.header
-        for n, seg in enumerate(wire.segments(h, self.segment_bytes)):
-            start = self.offsets[seg.start]
-            end = self.offsets[seg.stop - 1] + h.layer_nbytes(seg.stop - 1)
-            view = self.payload[start:end].data
+        for n, seg in enumerate(self.segments):
+            view = self.segment_view(n)
             coro = self.plane.recv(self.link.peer, control.layer_tag(self.tag, n), view)
             self.receiving[asyncio.create_task(coro, name=f"pdorch-kv-recv-{n}")] = seg
 
@@ -303,24 +318,36 @@ class _Receive:
                 for task in [t for t in self.verifying if t.done()]:
                     verified += self.verifying.pop(task)
                     task.result()
-                for task in [t for t in self.receiving if t.done()]:
-                    seg = self.receiving.pop(task)
-                    task.result()
-                    for index in seg:
-                        self.landed.add(index)
-                        self._maybe_verify(index)
+                await self._collect_landed()
                 if reading and link.pending().done():
                     await self._on_message(link.take_pending())
                 self._start_verifying()
         finally:
             unfinished = [*self.receiving, *self.verifying]
             if self.receiving:  # posted receives must not outlive the buffer: cancel them
-                self.plane.fail_peer(link.peer)
+                self.plane.fail_channel(link.peer)  # this transfer's only (issue 18)
             for task in unfinished:
                 task.cancel()
             for task in unfinished:
                 with contextlib.suppress(BaseException):
                     await task
+
+    async def _collect_landed(self) -> None:
+        """File the segments whose payload is in; one-sided, start the next reads and tell
+        the sender (it has nothing in flight to watch: this is its sign of life)."""
+        landed = 0
+        for task in [t for t in self.receiving if t.done()]:
+            seg = self.receiving.pop(task)
+            task.result()
+            landed += 1
+            for index in seg:
+                self.landed.add(index)
+                self._maybe_verify(index)
+        if self.one_sided:
+            self._start_reads()
+            if landed and (self.receiving or self.ready):
+                msg = control.encode(control.Kind.LANDED)
+                await self.link.send(msg, self.settings.idle_timeout_s)
 
     def _maybe_verify(self, index: int) -> None:
         if index in self.frames and index in self.landed:
@@ -347,6 +374,9 @@ class _Receive:
     async def _on_message(self, msg: control.Message) -> None:
         if msg.kind is control.Kind.ABORT:
             raise errors.PeerLostError(f"sender aborted: {msg.body.decode(errors='replace')}")
+        if msg.kind is control.Kind.SEGMENT and self.one_sided:
+            self._read_segment(*control.parse_segment(msg.body))
+            return
         if msg.kind is control.Kind.LAYERS and not self.plane.inline:
             size = wire.LAYER_FRAME_SIZE
             for pos in range(0, len(msg.body), size):
@@ -360,12 +390,38 @@ class _Receive:
             self.landed.add(frame.index)
             self._maybe_verify(frame.index)
 
+    def _read_segment(self, n: int, regions: list[control.RemoteRegion]) -> None:
+        """Start reading segment ``n`` into its slice of our buffer — the only memory the
+        read may write: its regions must add up to exactly that slice's length."""
+        if not 0 <= n < len(self.segments) or n in self.reading:
+            raise errors.WireFormatError(f"SEGMENT {n} out of range or repeated")
+        view = self.segment_view(n)
+        if sum(r.length for r in regions) != view.nbytes:
+            raise errors.WireFormatError(f"SEGMENT {n}: regions do not add up to its size")
+        self.reading.add(n)
+        self.queued.append((n, regions))
+        self._start_reads()
+
+    def _start_reads(self) -> None:
+        """Read announced segments in order, ``_MAX_READS`` at a time: all at once, a
+        transfer's first segment landed only with its last (the copies share the memory
+        bandwidth), the sender heard nothing for that long, and verification could not
+        overlap the reads."""
+        while self.queued and len(self.receiving) < _MAX_READS:
+            n, regions = self.queued.pop(0)
+            coro = self.plane.read(self.link.peer, regions, self.segment_view(n))
+            task = asyncio.create_task(coro, name=f"pdorch-kv-read-{n}")
+            self.receiving[task] = self.segments[n]
+
     def _on_frame(self, frame: wire.LayerFrame) -> wire.LayerFrame:
         wire.check_layer_frame(self.header, frame, self.frames)  # no per-frame set copy
         self.frames[frame.index] = frame
         self._maybe_verify(frame.index)
         return frame
 
+
+_MAX_READS = 2
+"""One-sided: segment reads in flight per transfer (one landing, the next already reading)."""
 
 _SPLIT_TAIL_BYTES = 4 << 20
 """A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""

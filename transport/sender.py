@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 PayloadHook = Callable[[int, memoryview, memoryview], tuple[memoryview, memoryview]]
 DelayHook = Callable[[int], float]
+Exposed = list[tuple[object, list[memoryview]]]
+"""One-sided: data-plane registrations, each with the buffers it covers."""
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
@@ -60,6 +63,8 @@ class KvSender:
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._address = b""
         self._pools: dict[str, _Pool] = {}
+        self._held: dict[int, Exposed] = {}
+        """Failed transfers' exposed memory, held a while (`_quarantine`)."""
         self._started = False
         self._closed = False
         self._checksummer = concurrent.futures.ThreadPoolExecutor(
@@ -100,7 +105,12 @@ class KvSender:
                 tag = control.new_transfer_tag()
                 try:
                     await link.send(
-                        control.open_(tag, self.settings.segment_bytes, encoded),
+                        control.open_(
+                            tag,
+                            self.settings.segment_bytes,
+                            encoded,
+                            read=self._plane.one_sided,
+                        ),
                         self.settings.idle_timeout_s,
                     )
                     msg = await link.next_message(self.settings.idle_timeout_s)
@@ -163,6 +173,7 @@ class KvSender:
             if msg.kind is not control.Kind.HELLO:
                 raise errors.WireFormatError(f"expected HELLO from {address}, got {msg.kind.name}")
             link.peer = Peer(*control.parse_hello(msg.body))
+            link.on_close = partial(self._plane.release, link.peer)
         except BaseException:
             await link.close()
             raise
@@ -174,11 +185,29 @@ class KvSender:
             pool.idle.append((link, time.monotonic()))
         pool.slots.release()
 
+    def _quarantine(self, exposed: Exposed, hold_s: float) -> None:
+        """A failed one-sided transfer: its receiver may still be reading (it aborts its
+        reads within its idle deadline). Its buffers stay referenced, so never freed under
+        a read, and registered for ``hold_s``; then they are withdrawn."""
+        key = id(exposed)
+        self._held[key] = exposed
+        loop = asyncio.get_running_loop()
+        loop.call_later(hold_s, lambda: self._withdraw(self._held.pop(key, [])))
+
+    def _withdraw(self, exposed: Exposed) -> None:
+        for handle, _ in exposed:
+            try:
+                self._plane.withdraw(handle)
+            except errors.TransportError:
+                log.warning("could not deregister KV memory", exc_info=True)
+
     async def close(self) -> None:
         """Close idle links and the data plane. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        while self._held:
+            self._withdraw(self._held.popitem()[1])
         for pool in self._pools.values():
             while pool.idle:
                 await pool.idle.pop()[0].close()
@@ -221,6 +250,9 @@ class OutgoingTransfer:
         self._missing = [len(seg) for seg in self._segments]
         self._outgoing: dict[int, tuple[list[memoryview], list[memoryview]]] = {}
         """Layers of incomplete segments: buffers as checksummed, buffers as sent."""
+        self._exposed: Exposed = []
+        """One-sided: registrations to withdraw when the transfer ends, with the buffers
+        they cover (kept alive until then: the receiver reads them)."""
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
@@ -295,6 +327,42 @@ class OutgoingTransfer:
     async def _segment(
         self, seg: int, parts: list[tuple[int, list[memoryview], list[memoryview]]]
     ) -> None:
+        if self._sender._plane.one_sided:
+            await self._expose_segment(seg, parts)
+        else:
+            await self._send_segment(seg, parts)
+
+    async def _expose_segment(
+        self, seg: int, parts: list[tuple[int, list[memoryview], list[memoryview]]]
+    ) -> None:
+        """One-sided: register the segment's memory and tell the receiver where it is at
+        once (it starts reading), then checksum its layers in one thread hop meanwhile and
+        send their frames; the receiver verifies each layer once both are in."""
+        plane = self._sender._plane
+        bufs = [b for _, _, sent in parts for b in sent]
+        regions, handle = plane.expose(bufs)
+        self._exposed.append((handle, bufs))
+        await self._link.send(control.segment(seg, regions), self._wait_s())
+        await self._send_frames(parts)
+
+    async def _send_frames(
+        self, parts: list[tuple[int, list[memoryview], list[memoryview]]]
+    ) -> None:
+        sums = await self._sender.checksums([summed for _, summed, _ in parts])
+        frames = b"".join(
+            wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))
+            for (i, summed, _), c in zip(parts, sums, strict=True)
+        )
+        await self._link.send(control.encode(control.Kind.LAYERS, frames), self._wait_s())
+
+    def _withdraw(self) -> None:
+        """Deregister the transfer's exposed memory (it ended, and the receiver said DONE)."""
+        self._sender._withdraw(self._exposed)
+        self._exposed = []
+
+    async def _send_segment(
+        self, seg: int, parts: list[tuple[int, list[memoryview], list[memoryview]]]
+    ) -> None:
         """Start the segment's payload (the receiver posted its receive already), checksum
         its layers meanwhile in one thread hop, send their frames in one write, then wait
         for the payload to be delivered."""
@@ -305,12 +373,7 @@ class OutgoingTransfer:
             plane.send(self._link.peer, tag, bufs), name=f"pdorch-kv-payload-{seg}"
         )
         try:
-            sums = await self._sender.checksums([summed for _, summed, _ in parts])
-            frames = b"".join(
-                wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))
-                for (i, summed, _), c in zip(parts, sums, strict=True)
-            )
-            await self._link.send(control.encode(control.Kind.LAYERS, frames), self._wait_s())
+            await self._send_frames(parts)
             await payload
         finally:
             if not payload.done():
@@ -328,11 +391,14 @@ class OutgoingTransfer:
             while self._in_flight:
                 await self._link.race(self._in_flight.pop(0), self._wait_s(), what="a layer send")
             msg = await self._link.next_message(self._wait_s())
+            while msg.kind is control.Kind.LANDED:  # one-sided: the receiver is reading
+                msg = await self._link.next_message(self._wait_s())
         except BaseException:
             await self._fail()
             raise
         if msg.kind is control.Kind.DONE:
             self._state = "done"
+            self._withdraw()
             self._sender._release(self._pool, self._link, reusable=True)
             return
         await self._fail()
@@ -356,15 +422,20 @@ class OutgoingTransfer:
             return
         self._state = "failed"
         if any(not t.done() for t in self._in_flight):
-            # Out-of-band sends still posted reference our buffers: only cancelling the
-            # peer's endpoints releases them (other transfers to it fail and retry).
-            self._sender._plane.fail_peer(self._link.peer)
+            # Out-of-band sends still posted reference our buffers: cancel them. Only this
+            # link's channel: other transfers to the same peer go on (issue 18).
+            self._sender._plane.fail_channel(self._link.peer)
         for t in self._in_flight:
             t.cancel()
         for t in self._in_flight:
             with contextlib.suppress(BaseException):
                 await t
         self._in_flight.clear()
+        if self._exposed:
+            # The receiver may still be reading (it aborts its reads within its idle
+            # deadline): the buffers stay referenced, so never freed under a read, until then.
+            exposed, self._exposed = self._exposed, []
+            self._sender._quarantine(exposed, self._settings.idle_timeout_s)
         await self._link.close()
         self._sender._release(self._pool, self._link, reusable=False)
 

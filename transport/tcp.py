@@ -27,8 +27,11 @@ class TcpDataPlane(DataPlane):
     async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
         raise NotImplementedError("TCP payloads travel inline on the control link")
 
-    def fail_peer(self, peer: Peer) -> None:
+    def fail_channel(self, peer: Peer) -> None:
         """Nothing is held outside the control link, which its owner closes."""
+
+    def release(self, peer: Peer) -> None:
+        """Nothing is held per channel."""
 
     async def close(self) -> None:
         """No resources beyond the links."""

@@ -5,8 +5,9 @@ end of the transfer as a separate process (`PeerProcess`, driven by JSON lines o
 stdin/stdout) and raises AssertionError on a violation. The local end runs in the caller's
 event loop, so the test sees typed errors and timings first-hand.
 
-`FaultInjector` is the fault-injecting wrapper: attached to a `KvSender`, it corrupts or
-delays a chosen layer's payload *after* its checksum was taken, for any backend.
+`FaultInjector` is the fault-injecting wrapper: attached to a `KvSender`, it corrupts, stalls
+or delays a chosen layer's payload *after* its checksum was taken, slows or drops every layer,
+or holds one at a gate, for any backend.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -87,12 +89,25 @@ def digest(cache: wire.KvCache) -> int:
 
 @dataclass
 class FaultInjector:
-    """Corrupts one byte of, delays, or stalls a chosen layer on its way out of a sender.
+    """Faults on the KV link, applied to each layer on its way out of a sender.
 
-    ``delay_s`` stalls the sending process (blocking: a hung prefill worker); ``link_delay_s``
-    holds the layer back without blocking (a slow link). ``probability`` draws, per transfer,
-    whether the fault hits it (seeded, so a chaos run repeats); ``armed`` switches the whole
-    injector on and off at run time (the worker CLI maps SIGUSR1/SIGUSR2 onto it).
+    Faults at one layer (``layer``), drawn per transfer with ``probability`` (seeded, so a
+    chaos run repeats): ``corrupt_offset`` flips one byte *after* the checksum was taken;
+    ``delay_s`` stalls the sending process (blocking: a hung prefill worker);
+    ``link_delay_s`` holds the layer back without blocking.
+
+    Faults on every layer (a degraded link; each is independent of the others):
+    ``lag_s`` holds each layer back this long (the sender awaits it, so a transfer of L
+    layers is late by up to L × ``lag_s``); ``bytes_per_s`` paces each layer to this rate;
+    ``drop`` fails each layer's send with `PeerLostError` (a link that is down: the transfer
+    fails, the sender aborts it).
+
+    ``hold_s`` at ``hold_layer`` is a gate for phase-triggered chaos: the layer waits
+    (without blocking) and ``on_hold`` is told, so a fault can land while the transfer is
+    in flight — its header accepted, the layers before ``hold_layer`` sent, the rest not.
+
+    ``armed`` switches the whole injector on and off at run time (the worker CLI maps
+    SIGUSR1/SIGUSR2 onto it).
     """
 
     layer: int = 0
@@ -100,11 +115,36 @@ class FaultInjector:
     delay_s: float = 0.0
     link_delay_s: float = 0.0
     probability: float = 1.0
+    lag_s: float = 0.0
+    bytes_per_s: float = 0.0
+    """0: unlimited."""
+    drop: bool = False
+    hold_layer: int = 0
+    hold_s: float = 0.0
     armed: bool = True
     seed: int = 0
     hits: int = 0
+    on_hold: Callable[[int], None] | None = field(default=None, repr=False)
+    """Called (with the layer index) when a layer starts waiting at the gate."""
     _rng: random.Random = field(init=False, repr=False)
     _last_hit: int = field(default=-1, init=False, repr=False)
+    _last_bytes: int = field(default=0, init=False, repr=False)
+
+    SPEC_KEYS: ClassVar[dict[str, str]] = {
+        "layer": "layer",
+        "corrupt": "corrupt_offset",
+        "stall": "delay_s",
+        "delay": "link_delay_s",
+        "p": "probability",
+        "lag": "lag_s",
+        "bw": "bytes_per_s",
+        "drop": "drop",
+        "hold_layer": "hold_layer",
+        "hold": "hold_s",
+        "seed": "seed",
+        "armed": "armed",
+    }
+    """``parse``'s keys → fields."""
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)  # noqa: S311 - reproducible faults, not secrets
@@ -112,41 +152,37 @@ class FaultInjector:
     @classmethod
     def parse(cls, spec: str) -> FaultInjector:
         """From ``key=value,...`` — keys: layer, corrupt (byte offset), stall (s), delay (s),
-        p (probability), seed, armed (0/1). Raises ValueError naming the bad key."""
-        keys = {
-            "layer": "layer",
-            "corrupt": "corrupt_offset",
-            "stall": "delay_s",
-            "delay": "link_delay_s",
-            "p": "probability",
-            "seed": "seed",
-            "armed": "armed",
-        }
+        p (probability), lag (s, every layer), bw (bytes/s, every layer), drop (0/1),
+        hold_layer, hold (s), seed, armed (0/1). Raises ValueError naming the bad key."""
         values: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             key, sep, raw = item.partition("=")
-            if not sep or key not in keys:
+            if not sep or key not in cls.SPEC_KEYS:
                 raise ValueError(f"fault spec {spec!r}: unknown item {item!r}")
             try:
                 number = float(raw)
             except ValueError:
                 raise ValueError(f"fault spec {spec!r}: {key} needs a number") from None
-            if key in {"layer", "corrupt", "seed"}:
-                values[keys[key]] = int(number)
-            elif key == "armed":
-                values[keys[key]] = bool(number)
+            if not math.isfinite(number) or number < 0:
+                raise ValueError(f"fault spec {spec!r}: {key} must be finite and >= 0")
+            if key in {"layer", "corrupt", "seed", "hold_layer"}:
+                values[cls.SPEC_KEYS[key]] = int(number)
+            elif key in {"armed", "drop"}:
+                values[cls.SPEC_KEYS[key]] = bool(number)
             else:
-                values[keys[key]] = number
+                values[cls.SPEC_KEYS[key]] = number
         injector = cls(**values)
-        if not 0.0 <= injector.probability <= 1.0 or injector.layer < 0:
-            raise ValueError(f"fault spec {spec!r}: p must be in [0, 1] and layer >= 0")
+        if injector.probability > 1.0:
+            raise ValueError(f"fault spec {spec!r}: p must be in [0, 1]")
         return injector
 
     def configure(self, other: FaultInjector) -> None:
-        """Take ``other``'s fault (layer, corruption, delays, probability, seed)."""
+        """Take ``other``'s faults (all of them: a fault ``other`` lacks is switched off)."""
         self.layer, self.corrupt_offset = other.layer, other.corrupt_offset
         self.delay_s, self.link_delay_s = other.delay_s, other.link_delay_s
         self.probability, self.seed = other.probability, other.seed
+        self.lag_s, self.bytes_per_s, self.drop = other.lag_s, other.bytes_per_s, other.drop
+        self.hold_layer, self.hold_s = other.hold_layer, other.hold_s
         self._rng = random.Random(self.seed)  # noqa: S311 - reproducible faults, not secrets
 
     def attach(self, sender: KvSender) -> None:
@@ -161,9 +197,25 @@ class FaultInjector:
         return hit
 
     def _delay(self, index: int) -> float:
-        return self.link_delay_s if self._last_hit == index else 0.0
+        """Seconds the layer just given to `_hook` waits before it leaves (awaited)."""
+        if not self.armed:
+            return 0.0
+        held = self.link_delay_s if self._last_hit == index else 0.0
+        held += self.lag_s
+        if self.bytes_per_s > 0:
+            held += self._last_bytes / self.bytes_per_s
+        if self.hold_s > 0 and index == self.hold_layer:
+            held += self.hold_s
+            if self.on_hold is not None:
+                self.on_hold(index)
+        return held
 
     def _hook(self, index: int, k: memoryview, v: memoryview) -> tuple[memoryview, memoryview]:
+        # The sender calls this, then `_delay`, for the same layer with no await between.
+        self._last_bytes = k.nbytes + v.nbytes
+        if self.drop and self.armed:
+            self.hits += 1
+            raise errors.PeerLostError(f"fault injection: the KV link is down (layer {index})")
         self._last_hit = index if self._hits(index) else -1
         if self._last_hit != index:
             return k, v
@@ -664,6 +716,45 @@ async def check_nonfinite(backend: str) -> None:
             await receiver.close()
 
 
+async def check_failure_isolated(backend: str) -> None:
+    """One transfer failing with its payload moving fails only itself: another transfer
+    between the same pair, mid-way at that moment (its receives posted, a segment in
+    flight), completes intact (issue 18, defect 1: a failure used to cancel every UCX
+    operation to the peer)."""
+    settings = TransportSettings(segment_bytes=1 * MIB)
+    receiver = make_receiver(backend, settings)
+    address = await receiver.start()
+    sender = make_sender(backend, settings)
+    a = synthetic_cache("iso-a", 1, 8 * MIB, n_layers=8)
+    b = synthetic_cache("iso-b", 1, 8 * MIB, n_layers=8, seed=1)
+    try:
+        tb = await sender.open(address, b.header)
+        ta = await sender.open(address, a.header)
+        await tb.send_layer(0, *b.layers[0])  # a segment of each in flight
+        await ta.send_layer(0, *a.layers[0])
+        await ta.abort("the request was cancelled")
+        for i, (k, v) in enumerate(b.layers[1:], start=1):
+            await tb.send_layer(i, k, v)
+        await tb.finish()
+        got = await receiver.take("iso-b", 1, timeout_s=5)
+        assert digest(got) == digest(b)
+        got.release()
+        try:
+            await receiver.take("iso-a", 1, timeout_s=5)
+        except errors.PeerLostError:
+            pass
+        else:
+            raise AssertionError("an aborted KV was handed over")
+        assert receiver.inbox.bytes_in_use == 0
+        await sender.send(address, synthetic_cache("iso-c", 1, 2 * MIB))  # the pair still works
+        assert digest(await receiver.take("iso-c", 1, 5)) == digest(
+            synthetic_cache("iso-c", 1, 2 * MIB)
+        )
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
 CHECKS = (
     check_sizes,
     check_scaled,
@@ -679,6 +770,7 @@ CHECKS = (
     check_idle_connections,
     check_connection_caps,
     check_nonfinite,
+    check_failure_isolated,
 )
 
 

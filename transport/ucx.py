@@ -1,4 +1,33 @@
-"""UCX backend: layer payloads over UCXX tag messages; control stays on the TCP link.
+"""UCX backend: layer payloads travel as UCXX tag messages (v1, the default), or — with
+``UcxConfig(one_sided=True)`` — the receiver reads each segment from the sender's registered
+memory (one-sided ``get``, transport v2). Control stays on the TCP link either way.
+
+One-sided, per transfer (`transport.control` has the message flow): the sender registers
+each segment's memory as soon as the segment exists (``ucp_mem_map``, a few µs; adjacent
+buffers make one region, others a block list) and sends its regions and remote keys in a
+SEGMENT message, then its layers' checksums; the receiver, which checked the header and
+reserved the (request id, epoch) and the bytes before anything else, reads the regions into
+its own slice for that segment (``ucp_get_nbx``: CMA between local processes, one copy
+done by the receiver's own thread), verifies each layer as bytes and frame are both in, and
+answers DONE. The calls UCXX's Python API lacks are in `transport.ucp` (ctypes on UCXX's
+own context, worker and endpoints).
+
+**Pull, and why no stale write can land in re-used memory.** Only the receiver's own reads
+ever write into its memory, and only into the slice of a buffer reserved for the (request
+id, epoch) being received, whose length the regions must match exactly. A transfer that
+fails stops its reads before its buffer can be re-used: `fail_channel` takes the channel's
+lock (a read in progress finishes its current call first), marks it abandoned so nothing
+more is issued, and aborts the link's endpoint, which cancels what is still outstanding;
+the thread running the reads holds the buffer until they completed or were cancelled, and a
+failed transfer's buffer never returns to the pool (it is freed once nothing refers to it).
+A sender that died or stalled writes nothing anywhere: its memory is only read. On the
+sender's side, a failed transfer's registered buffers stay referenced for the idle deadline
+(the receiver's reads end within it) and are then deregistered; a receiver reading memory
+the prefill already re-used gets bytes whose checksums do not match, and refuses them.
+With push (the sender writing into memory the receiver announced), a stalled prefill
+resumed after its transfer was failed and the blocks re-used would write into someone
+else's KV — CMA does not revoke access on deregistration — unless those blocks were
+quarantined for as long as the prefill process lives.
 
 The configuration, and why (figures measured on the 2-core CI kind of machine; see README):
 
@@ -9,10 +38,13 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
   cannot run without error handling, hence worker addresses.
 * Peer-death detection therefore does not come from UCX. It comes from the control link: a
   killed peer's TCP connection is reset by its kernel within milliseconds, and a stalled peer
-  trips the transfer's idle deadline. Either way the transport cancels the posted UCX requests
-  by aborting the endpoint (`fail_peer`) before the receive buffer is released.
-* Endpoints are cached per peer *instance* (a random id in HELLO), so a restarted peer gets a
-  fresh endpoint and a stale one is never reused; the cache is bounded (LRU).
+  trips the transfer's idle deadline (one-sided, the receiver's LANDED messages keep the
+  sender's). Either way the transport cancels the posted UCX requests by aborting the
+  link's endpoint (`fail_channel`) before the receive buffer is released.
+* Endpoints are kept per control link (`Peer.channel`), created on its first payload and
+  closed with it: a restarted peer's new links get fresh endpoints, the count is bounded by
+  the connection caps, and cancelling one transfer's operations (aborting its link's
+  endpoint) never touches another transfer to the same peer (issue 18).
 * Sends and receives are posted on the endpoint's UCXX request API and awaited through
   `transport.completion.CompletionPoller`, not by ``Endpoint.send``/``recv``: those await
   ``UCXRequest.wait()``, which in ``thread`` progress mode (without UCXX's Python-future
@@ -27,19 +59,21 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from transport import errors
+from transport import errors, ucp
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.completion import CompletionPoller
+from transport.control import RemoteRegion
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
 from transport.wire import ModelSpec
@@ -59,7 +93,17 @@ class UcxConfig:
     a no-error-handling endpoint by progressing until the peer acknowledges, which a
     SIGSTOPped peer never does, and the event loop hangs. "blocking" is faster on 2 cores
     (no extra threads) but is only safe where peers are trusted never to stall."""
-    max_cached_endpoints: int = 256
+    one_sided: bool = False
+    """Payloads are read by the receiver from the sender's registered memory (``get``,
+    transport v2) instead of sent as tagged messages (v1). Opt-in: measured side by side
+    here (README "Limits", a loaded 2-core VM) v2 was about as fast as v1 at 1–4 MiB and
+    0.4–0.7× at 64–256 MiB; it stays off until a quiet machine says otherwise. A receiver
+    takes either, as each sender opens it."""
+    error_handling: bool = False
+    """UCX endpoint peer-error handling. Off: with it on, libucx 1.21 gives our endpoints
+    no CMA/shared-memory lanes — tags go over ``tcp/lo`` and one-sided reads become
+    "software emulation" over ``tcp/lo`` (``UCX_PROTO_INFO=y``), which stalled a 4 MiB
+    transfer past its 5 s deadline here. Peer failure is detected by the control link."""
 
 
 def _import_ucxx() -> Any:
@@ -86,13 +130,17 @@ def ucx_available() -> bool:
 class UcxDataPlane(DataPlane):
     name = "ucx"
     inline = False
+    can_read = True
 
     def __init__(self, config: UcxConfig | None = None) -> None:
         self._config = config or UcxConfig()
+        self.one_sided = self._config.one_sided
         self._ucxx: Any = None
-        self._send_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        self._recv_eps: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
-        self._connecting: dict[tuple[bool, bytes], asyncio.Lock] = {}
+        self._eps: dict[int, Any] = {}
+        """UCX endpoint per channel (control link); lives as long as the link."""
+        self._reading: dict[int, _Reads] = {}
+        """One-sided reads per channel: guards its endpoint against an abort mid-call."""
+        self._connecting: dict[int, asyncio.Lock] = {}
         self._array: Any = None
         self._tag: Any = None
         self._full_mask: Any = None
@@ -114,32 +162,31 @@ class UcxDataPlane(DataPlane):
             return bytes(address)
         return bytes(self._ucxx.get_worker_address().tobytes())
 
-    async def _endpoint(self, peer: Peer, sending: bool) -> Any:
-        cache = self._send_eps if sending else self._recv_eps
-        ep = cache.get(peer.instance_id)
+    async def _endpoint(self, peer: Peer) -> Any:
+        """The channel's endpoint, created on first use. One per control link, not per peer:
+        aborting it (`fail_channel`) cancels that link's transfer's sends and receives only
+        (UCX tags match worker-wide, so a receive posted through any endpoint still gets
+        its message)."""
+        ep = self._eps.get(peer.channel)
         if ep is not None:
-            cache.move_to_end(peer.instance_id)
             return ep
-        lock = self._connecting.setdefault((sending, peer.instance_id), asyncio.Lock())
+        lock = self._connecting.setdefault(peer.channel, asyncio.Lock())
         async with lock:
-            ep = cache.get(peer.instance_id)
+            ep = self._eps.get(peer.channel)
             if ep is None:
                 try:
                     address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
                     ep = await self._ucxx.create_endpoint_from_worker_address(
-                        address, endpoint_error_handling=False
+                        address, endpoint_error_handling=self._config.error_handling
                     )
                 except Exception as exc:
                     raise errors.PeerLostError(f"cannot reach peer over UCX: {exc}") from exc
-                cache[peer.instance_id] = ep
-                while len(cache) > self._config.max_cached_endpoints:
-                    _, old = cache.popitem(last=False)
-                    _abort(old)
-        self._connecting.pop((sending, peer.instance_id), None)
+                self._eps[peer.channel] = ep
+        self._connecting.pop(peer.channel, None)
         return ep
 
     async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
-        ep = await self._endpoint(peer, sending=True)
+        ep = await self._endpoint(peer)
         try:
             raw = _requests(ep)
             buffer = self._array(_one_buffer(buffers))  # referenced until the send completes
@@ -148,7 +195,7 @@ class UcxDataPlane(DataPlane):
             raise errors.PeerLostError(f"UCX send failed: {exc}") from exc
 
     async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
-        ep = await self._endpoint(peer, sending=False)
+        ep = await self._endpoint(peer)
         try:
             raw = _requests(ep)
             buffer = self._array(into)  # referenced until the receive completes
@@ -156,16 +203,127 @@ class UcxDataPlane(DataPlane):
         except Exception as exc:
             raise errors.PeerLostError(f"UCX receive failed: {exc}") from exc
 
-    def fail_peer(self, peer: Peer) -> None:
-        for cache in (self._send_eps, self._recv_eps):
-            ep = cache.pop(peer.instance_id, None)
-            if ep is not None:
-                _abort(ep)
+    # ------------------------------------------------------------------ one-sided
+
+    def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
+        context = _context_handle()
+        regions: list[ucp.Region] = []
+        try:
+            for address, length in _runs(buffers):
+                regions.append(ucp.register(context, address, length))
+        except BaseException:
+            self.withdraw(regions)
+            raise
+        remote = [RemoteRegion(r.address, r.length, r.rkey) for r in regions]
+        return remote, regions
+
+    def withdraw(self, handle: object) -> None:
+        assert isinstance(handle, list)
+        context = _context_handle()
+        for region in handle:
+            ucp.deregister(context, region)
+
+    async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
+        ep = await self._endpoint(peer)
+        reads = self._reading.setdefault(peer.channel, _Reads())
+        try:
+            handle = int(_requests(ep).handle)
+        except Exception as exc:
+            raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
+        if into.nbytes <= _INLINE_READ_BYTES:  # a thread hop costs more than the copy
+            gets = reads.start(handle, list(regions), into)
+            if gets.poll():
+                return
+            await asyncio.to_thread(reads.finish, gets, into)
+            return
+        # The thread holds ``into`` (so its memory outlives every read into it) and the
+        # channel's lock while it calls into UCX on the endpoint.
+        await asyncio.to_thread(reads.run, handle, list(regions), into)
+
+    def fail_channel(self, peer: Peer) -> None:
+        """Abort the channel's endpoint. One-sided reads in progress are let finish their
+        current UCX call first (the lock: a CMA read copies inside the call, a segment at
+        most) and issue nothing after; the abort cancels any still outstanding."""
+        reads = self._reading.pop(peer.channel, None)
+        ep = self._eps.pop(peer.channel, None)
+        if reads is not None:
+            with reads.lock:
+                reads.abandoned.set()
+                if ep is not None:
+                    _abort(ep)
+        elif ep is not None:
+            _abort(ep)
+
+    def release(self, peer: Peer) -> None:
+        self.fail_channel(peer)  # nothing is pending on a link that closes cleanly
 
     async def close(self) -> None:
-        for cache in (self._send_eps, self._recv_eps):
-            while cache:
-                _abort(cache.popitem()[1])
+        while self._eps:
+            _abort(self._eps.popitem()[1])
+
+
+class _Reads:
+    """A channel's one-sided reads, run in threads (``ucp_get_nbx`` may copy inline)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = threading.Event()
+
+    def run(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> None:
+        self.finish(self.start(endpoint, regions, into), into)
+
+    def start(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> ucp.Gets:
+        """Issue the reads (a CMA read copies right here) under the channel's lock."""
+        gets = ucp.Gets(_worker_handle(), endpoint)
+        base = _address(into)
+        try:
+            with self.lock:
+                if self.abandoned.is_set():
+                    raise errors.PeerLostError("the transfer was abandoned")
+                offset = 0
+                for r in regions:
+                    gets.issue(base + offset, r.length, r.address, r.rkey)
+                    offset += r.length
+        except BaseException:
+            if gets.pending:  # e.g. a bad remote key after good ones: let those finish
+                with contextlib.suppress(errors.TransportError):
+                    gets.wait(self.abandoned)
+            raise
+        return gets
+
+    def finish(self, gets: ucp.Gets, into: memoryview) -> None:
+        """Wait for the reads (``into`` is held until they are done)."""
+        gets.wait(self.abandoned)
+
+
+_INLINE_READ_BYTES = 1 << 20
+"""Segments up to this size are read on the event loop (a CMA copy of 1 MiB: ~0.1 ms)."""
+
+
+def _runs(buffers: Sequence[memoryview]) -> list[tuple[int, int]]:
+    """(address, length) of each run of adjacent buffers: one registration, one read each."""
+    runs: list[tuple[int, int]] = []
+    for b in buffers:
+        if not b.nbytes:
+            continue
+        address = _address(b)
+        if runs and runs[-1][0] + runs[-1][1] == address:
+            runs[-1] = (runs[-1][0], runs[-1][1] + b.nbytes)
+        else:
+            runs.append((address, b.nbytes))
+    return runs
+
+
+def _worker_handle() -> int:
+    from ucxx import core  # noqa: PLC0415 - lazy like every ucxx import
+
+    return int(core._get_ctx().worker.handle)
+
+
+def _context_handle() -> int:
+    from ucxx import core  # noqa: PLC0415 - lazy like every ucxx import
+
+    return int(core._get_ctx().context.handle)
 
 
 _COMPLETIONS = CompletionPoller()

@@ -55,11 +55,20 @@ class RunVerdict:
     """The workers' gauges after the quiet period (None: not checked)."""
     fault_errors: int = 0
     """Faults that could not be injected (or whose trigger was never met)."""
+    late_faults: int = 0
+    """Faults executed later than the scenario's bound after they were due."""
+    fault_notes: list[str] = field(default_factory=list)
+    """What went wrong with each fault not injected or late."""
 
     @property
     def clean(self) -> bool:
         leaking = self.leaks is not None and not self.leaks.clean
-        return not leaking and not any(r.lost or r.duplicates or r.gaps for r in self.requests)
+        dishonest = self.fault_errors or self.late_faults  # the run did not test its plan
+        return (
+            not leaking
+            and not dishonest
+            and not any(r.lost or r.duplicates or r.gaps for r in self.requests)
+        )
 
 
 def check_run(
@@ -112,6 +121,13 @@ def check_run(
         failovers,
         leaks,
         sum(1 for f in history.faults if f.error),
+        sum(1 for f in history.faults if f.late),
+        [
+            f"{f.label()} at {f.at:.3f}s: "
+            + (f.error or f"executed {f.late_s * 1000:.0f} ms after it was due")
+            for f in history.faults
+            if f.error or f.late
+        ],
     )
 
 
@@ -191,6 +207,7 @@ class Summary:
             "indeterminate": sum(r.outcome == "indeterminate" for r in reqs),
             "faults": sum(run.faults for run in self.runs),
             "fault_errors": sum(run.fault_errors for run in self.runs),
+            "late_faults": sum(run.late_faults for run in self.runs),
             "failovers": sum(run.failovers for run in self.runs),
             "recoveries": len(recovery),
             "unrecovered": sum(len(run.unrecovered) for run in self.runs),
@@ -209,7 +226,8 @@ class Summary:
     def violations(self, invariants: Iterable[str]) -> list[str]:
         s = self.to_json()
         wanted = set(invariants)
-        out = []
+        # Always: a fault not injected, or injected late, means the run did not test its plan.
+        out = [f"{key}={s[key]}" for key in ("fault_errors", "late_faults") if s[key]]
         for inv, key in (("no_lost", "lost"), ("no_duplicates", "duplicates"),
                          ("no_gaps", "gaps"), ("outputs_match", "mismatched"),
                          ("no_leaks", "leaked_blocks"), ("no_leaks", "kv_in_use_bytes"),
@@ -240,6 +258,10 @@ class Summary:
                 f"{s['kv_in_use_bytes']} bytes  active {s['active_after_quiet']}"
                 + ("" if settle is None else f"  (settled within {settle * 1000:.0f} ms)")
             )
+        if s["fault_errors"] or s["late_faults"]:
+            lines.append(f"  faults not injected {s['fault_errors']}  late {s['late_faults']}")
+            for run in self.runs:
+                lines += [f"  run {run.run} (seed {run.seed}) fault: {e}" for e in run.fault_notes]
         if s["errors"]:
             codes = ", ".join(f"{k} {v}" for k, v in s["errors"].items())
             lines.append(f"  errors seen by clients (incl. retried): {codes}")

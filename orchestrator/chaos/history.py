@@ -50,6 +50,16 @@ class FaultRecord:
     the fault, however late they reach the client, so they don't count as its recovery."""
     trigger: str = ""
     """For a fault with a trigger: the request and phase that fired it."""
+    planned_at: float = 0.0
+    """The fault's time in the plan (``at`` is when it was executed)."""
+    late_s: float = 0.0
+    """Executed this long after it was due: its time, the heals it waited for, or the moment
+    its trigger was seen."""
+    late: bool = False
+    """``late_s`` is over the scenario's bound: the run's verdict fails."""
+    records_age_s: float | None = None
+    """Age of the request records the target and the affected streams were read from (a
+    watcher reads them all along, so a fault never waits for a read)."""
 
     def label(self) -> str:
         return f"{self.kind} {self.resolved or self.target}"

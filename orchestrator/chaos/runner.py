@@ -31,7 +31,13 @@ from orchestrator.chaos.faults import FaultExecutor
 from orchestrator.chaos.history import History
 from orchestrator.chaos.leaks import Gauges, LeakReport, check_leaks
 from orchestrator.chaos.proxy import FaultProxy
-from orchestrator.chaos.scenario import ClusterSpec, Scenario, ScenarioError, plan
+from orchestrator.chaos.scenario import (
+    ClusterSpec,
+    Scenario,
+    ScenarioError,
+    kv_fault_spec,
+    plan,
+)
 from orchestrator.chaos.workload import Clients, RequestPlan, make_requests
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.errors import PdorchError
@@ -72,18 +78,6 @@ def _transport(name: str) -> str:
     return "ucx" if ucx_available() else "tcp"
 
 
-def _kv_fault_spec(scenario: Scenario) -> str:
-    """The in-worker injector for KV-link faults over UCX (armed by the runner)."""
-    params = scenario.kv_fault_params()
-    parts = ["layer=1", "seed=7"]
-    if "uses_corrupt" in params:
-        parts.append("corrupt=4099")
-        parts.append(f"p={params.get('probability', 1.0)}")
-    if "uses_delay" in params:
-        parts.append(f"delay={params.get('delay_ms', 0.0) / 1000}")
-    return ",".join(parts)
-
-
 def cluster_for(spec: ClusterSpec, model_cache: Path | None = None) -> LocalCluster:
     """A (not yet started) local cluster for scenarios with this cluster spec. Its workers
     take their KV fault from a file, re-read at each SIGUSR1, so one cluster serves many
@@ -102,8 +96,9 @@ def cluster_for(spec: ClusterSpec, model_cache: Path | None = None) -> LocalClus
     if spec.engine == "vllm":
         cluster.ready_timeout_s = VLLM_READY_S
     fault_file = str(cluster.workdir / "kv-fault")
-    for role in ("prefill", "decode"):
-        cluster.worker_extra[role] = ["--kv-fault-file", fault_file]
+    for role, flags in (("prefill", spec.prefill_flags), ("decode", spec.decode_flags)):
+        cluster.worker_extra[role] = ["--kv-fault-file", fault_file, *flags]
+    cluster.orchestrator_extra = list(spec.orchestrator_flags)
     return cluster
 
 
@@ -113,12 +108,16 @@ def shareable(scenario: Scenario, cluster: LocalCluster) -> bool:
     spec = scenario.cluster
     transport = _transport(spec.transport)
     proxies = scenario.links() - ({"kv"} if transport == "ucx" else set())
+    fault_file = str(cluster.workdir / "kv-fault")
     return not proxies and (
         (cluster.model, cluster.engine, cluster.transport, cluster.prefill_workers,
          cluster.decode_workers, cluster.orchestrators, cluster.redis_aof,
-         cluster.heartbeat_ttl_s)
+         cluster.heartbeat_ttl_s, cluster.worker_extra.get("prefill"),
+         cluster.worker_extra.get("decode"), cluster.orchestrator_extra)
         == (spec.model, spec.engine, transport, spec.prefill, spec.decode, spec.orchestrators,
-            spec.redis_aof, spec.heartbeat_ttl_s)
+            spec.redis_aof, spec.heartbeat_ttl_s,
+            ["--kv-fault-file", fault_file, *spec.prefill_flags],
+            ["--kv-fault-file", fault_file, *spec.decode_flags], list(spec.orchestrator_flags))
     )  # fmt: skip
 
 
@@ -156,6 +155,10 @@ class ChaosRunner:
                 f"scenario {scenario.name}: KV-link faults with engine vllm need transport tcp"
             )
         self.proxies: dict[str, dict[str, FaultProxy]] = {}
+        self.kv_file: Path | None = (
+            self.cluster.workdir / "kv-fault" if scenario.cluster.engine == "reference" else None
+        )
+        """The workers' KV fault file (their injector's faults; reference engine only)."""
 
     # ------------------------------------------------------------------------ setup
 
@@ -167,8 +170,8 @@ class ChaosRunner:
 
     async def _start(self) -> list[str]:
         """Start proxies and the cluster; returns the addresses clients connect to."""
-        if self.kv_injector:
-            (self.cluster.workdir / "kv-fault").write_text(_kv_fault_spec(self.scenario))
+        if self.kv_file is not None:
+            self.kv_file.write_text(kv_fault_spec((), None))  # nothing armed
         if self.shared:
             await self._restore()
             return list(self.cluster.orchestrator_addresses)
@@ -216,10 +219,12 @@ class ChaosRunner:
             redis_proc = c.procs["redis"]
             if redis_proc.popen.poll() is not None:
                 c.start_redis(c.redis_aof)
+            if self.kv_file is not None:
+                self.kv_file.write_text(kv_fault_spec((), None))  # for workers restarted below
             for name in self._workers():
                 proc = c.procs[name]
                 proc.signal(signal.SIGCONT)
-                if self.kv_injector:  # (a worker still importing would die of SIGUSR2)
+                if self.kv_file is not None:  # (a worker still importing would die of SIGUSR2)
                     proc.signal(signal.SIGUSR2)  # KV fault injector off
                 if proc.popen.poll() is not None:
                     role, index = name.rsplit("-", 1)
@@ -269,6 +274,9 @@ class ChaosRunner:
                 if i + 1 < self.runs:
                     await self._restore()
             result.violations = summary.violations(self.scenario.invariants)
+            if (keep := self.scenario.keep_up_s) > 0:
+                with self.steps(f"{name}: keeping the cluster up for {keep:g} s (keep_up_s)"):
+                    await asyncio.sleep(keep)  # the scenario asks for it: metrics, logs
             return result
         finally:
             await store.close()
@@ -329,16 +337,22 @@ class ChaosRunner:
             kv_injector=self.kv_injector,
             now=clients.now,
             seed=seed,
+            late_bound_s=self.scenario.late_bound_s,
+            kv_file=self.kv_file,
         )
 
         async def faults() -> None:
             for fault in plan(self.scenario, seed):
+                due = fault.at
                 if fault.after_healed:
                     await executor.settle()  # earlier faults back in service first
+                    due = max(due, clients.now())
                 delay = fault.at - clients.now()
                 if delay > 0:
                     await asyncio.sleep(delay)  # the fault's scheduled time
-                await executor.inject(fault)
+                await executor.inject(fault, due)
+
+        executor.watcher.start()  # request records read all along: faults never wait on reads
 
         load = asyncio.create_task(clients.run(plans), name="pdorch-chaos-workload")
         injector = asyncio.create_task(faults(), name="pdorch-chaos-faults")

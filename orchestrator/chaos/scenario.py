@@ -28,15 +28,30 @@ command runs from the vllm extra's environment). KV-link faults then need ``tran
 (a proxy on the link): over UCX the KV leaves from inside vLLM's processes, where the
 transport's fault-injecting wrapper is not installed.
 
-A worker fault may wait for a request *phase* instead of trusting the clock alone:
-``when: {state: decoding, tokens: 3}`` fires it, at ``at`` or later, as soon as a request of
-this run is in that state on a worker of the target's role (with at least ``tokens`` output
-tokens journalled, for at least ``after_s`` seconds), and aims it at that request's worker
-(a named target must be the one).
+A fault may wait for a request *phase* instead of trusting the clock alone:
+``when: {state: decoding, tokens: 3}`` fires a worker fault, at ``at`` or later, as soon as a
+request of this run is in that state on a worker of the target's role (with at least
+``tokens`` output tokens journalled, for at least ``after_s`` seconds), and aims it at that
+request's worker (a named target must be the one).
 States: ``prefilling`` (for vLLM workers: computing *and pushing* its KV, one call),
-``transferring`` (the KV sent, the decode not started), ``decoding``. ``within_s`` (30) bounds
-the wait; a trigger not met by then is reported as the fault's error, and the fault is not
-injected. Faults run in file order of their times, each after the previous one.
+``sending`` (a KV transfer in flight: its header accepted, the layers before ``layer`` — 1 by
+default — sent, the rest not: the prefill workers' KV fault injector holds layer ``layer`` of
+each transfer at a gate, up to `GATE_HOLD_S`, until the fault fires; a decode target is the
+transfer's receiver; reference engine only), ``transferring`` (the KV sent and verified, the
+Decode call not yet streaming), ``decoding``. ``when: {streams: N}`` (any target, with or
+without a state) waits until at least N of this run's streams are active (a token received,
+not ended). ``within_s`` (30) bounds the wait; a trigger not met by then is reported as the
+fault's error — it fails the run's verdict — and the fault is not injected. Faults run in
+file order of their times, each after the previous one.
+
+Honest reports: every fault is recorded with its planned time and the time it was executed;
+one executed more than ``late_bound_s`` (0.5 s) after its time (or its trigger) is *late*,
+and late faults and faults that could not be injected fail the verdict.
+
+The cluster can be given extra flags, per role: ``cluster: {prefill_flags: [--kv-hold, "2"],
+decode_flags: [--metrics-port, "920{index}"], orchestrator_flags: [...]}`` (``{index}`` is the
+process's index in its role); ``keep_up_s`` keeps the cluster up that long after the runs
+(to read its metrics or logs).
 
 Targets: ``prefill`` / ``decode`` with a selector (``:busiest`` the worker serving the most
 of this run's streams, ``:random``, or a worker name such as ``decode-1``), ``pool:prefill``,
@@ -48,12 +63,13 @@ and links for network faults: ``link:kv``, ``link:worker`` (orchestrator → wor
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.spec import RequestLimits
 from orchestrator.errors import PdorchError
 
 
@@ -67,6 +83,29 @@ KINDS = PROCESS_KINDS | LINK_KINDS
 ROLES = ("prefill", "decode")
 LINKS = ("kv", "worker", "client")
 INVARIANTS = frozenset({"no_lost", "no_duplicates", "no_gaps", "outputs_match", "no_leaks"})
+MODEL_CONTEXT: dict[tuple[str, str], int] = {
+    ("tiny", "reference"): 8192,
+    ("smollm2", "reference"): 8192,
+    ("smollm2", "vllm"): 2048,
+}
+"""(model, engine) → the context a request's prompt and output share: the models'
+``max_position_embeddings`` (`orchestrator.workers.model_files`), vLLM's ``max_model_len``
+(`orchestrator.workers.vllm.engine.VllmSettings`); a test checks they still agree."""
+PROMPT_TOKENS_PER_WORD = 16
+"""A generous bound on a workload word's tokens (the tiny model's tokenizer is byte-level:
+the longest workload word and its space are under 16 bytes)."""
+PROMPT_OVERHEAD_TOKENS = 64
+"""The chat template's tokens around the prompt, with room to spare."""
+OWN_FLAGS = frozenset({
+    "--role", "--redis", "--model", "--transport", "--worker-id", "--port", "--kv-port",
+    "--engine", "--kv-fault", "--kv-fault-file", "--advertise", "--kv-advertise",
+    "--replica-id", "--heartbeat-ttl", "--http-port",
+})  # fmt: skip
+"""Flags the local cluster sets itself: a scenario's extra flags may not override them."""
+GATE_HOLD_S = 1.0
+"""How long a ``sending`` trigger's gate holds a layer: the runner sees the hold within
+~20 ms (more under load) and fires; the gate is opened right after, but layers already
+waiting finish their hold, so the held transfer's recovery includes up to this much."""
 LINK_PARAMS: dict[str, tuple[str, ...]] = {
     "delay": ("delay_ms",),
     "bandwidth": ("bytes_per_s",),
@@ -87,6 +126,10 @@ class ClusterSpec:
     """The workers' engine (``pdorch worker --engine``): reference, or vllm."""
     redis_aof: bool = True
     heartbeat_ttl_s: float = 3.0
+    prefill_flags: tuple[str, ...] = ()
+    decode_flags: tuple[str, ...] = ()
+    orchestrator_flags: tuple[str, ...] = ()
+    """Extra flags for each process of a role (``{index}``: the process's index)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +145,8 @@ class Workload:
 
 
 TRIGGER_STATES: dict[str, tuple[str, ...]] = {
-    "prefill": ("prefilling",),
-    "decode": ("transferring", "decoding"),
+    "prefill": ("prefilling", "sending"),
+    "decode": ("sending", "transferring", "decoding"),
 }
 """Request states a worker fault can wait for, by the target's role (the worker the record
 names for that role is serving the request in that state)."""
@@ -111,9 +154,11 @@ names for that role is serving the request in that state)."""
 
 @dataclass(frozen=True, slots=True)
 class Trigger:
-    """Fire a worker fault once a request is in ``state`` on a worker of its target's role."""
+    """Fire a fault once a request is in ``state`` on a worker of its target's role, and/or
+    once ``streams`` of this run's streams are active."""
 
-    state: str
+    state: str = ""
+    """"": no phase (``streams`` alone)."""
     tokens: int = 0
     """...with at least this many output tokens journalled."""
     after_s: float = 0.0
@@ -121,6 +166,11 @@ class Trigger:
     KV push under way, past its header, on a slowed link."""
     within_s: float = 30.0
     """The longest wait after the fault's time; unmet, the fault is reported, not injected."""
+    streams: int = 0
+    """...while at least this many of this run's streams are active (a token received, the
+    request not ended)."""
+    layer: int = 1
+    """``sending``: the layer held at the gate (the layers before it are sent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +217,10 @@ class Scenario:
     """After the quiet period: the longest wait for every worker's KV gauges to return
     (`orchestrator.chaos.leaks`); None: the transport's hold lease (a received KV nobody
     claims is freed by it, by design) plus the heartbeat TTL."""
+    late_bound_s: float = 0.5
+    """A fault executed later than this after its time (or its trigger) is *late*."""
+    keep_up_s: float = 0.0
+    """After the runs: keep the cluster up this long (read its metrics, logs)."""
 
     def links(self) -> frozenset[str]:
         """The links a fault proxy must sit on (UCX KV faults use the transport's wrapper)."""
@@ -175,21 +229,27 @@ class Scenario:
         ]
         return frozenset(t.split(":", 1)[1] for t in targets if t.startswith("link:"))
 
-    def kv_fault_params(self) -> dict[str, float]:
-        """Every parameter of this scenario's KV-link faults (for the in-process injector)."""
-        out: dict[str, float] = {}
-        kinds: set[str] = set()
-        for f in self.faults:
-            if f.target == "link:kv":
-                out.update(f.params)
-                kinds.add(f.kind)
-        for r in self.random_faults:
-            if "link:kv" in r.targets:
-                out.update(r.params)
-                kinds.update(r.kinds)
-        for kind in kinds:
-            out.setdefault(f"uses_{kind}", 1.0)
-        return out
+
+def kv_fault_spec(active: Iterable[tuple[str, Mapping[str, float]]], gate: int | None) -> str:
+    """The in-worker KV fault injector's spec (`transport.testing.FaultInjector.parse`) for
+    the KV-link faults active now — (kind, params) each, independent of one another — and a
+    ``sending`` trigger's gate at layer ``gate`` (None: none)."""
+    parts: dict[str, float] = {}
+    for kind, params in active:
+        if kind == "corrupt":
+            parts["layer"], parts["corrupt"] = 1, 4099
+            parts["p"] = max(parts.get("p", 0.0), params["probability"])
+        elif kind == "delay":
+            parts["lag"] = parts.get("lag", 0.0) + params["delay_ms"] / 1000
+        elif kind == "bandwidth":
+            rate = params["bytes_per_s"]
+            parts["bw"] = min(parts.get("bw", rate), rate)
+        elif kind == "drop":
+            parts["drop"] = 1
+    if gate is not None:
+        parts["hold_layer"], parts["hold"] = gate, GATE_HOLD_S
+    armed = 1 if parts else 0
+    return ",".join([*(f"{k}={v:g}" for k, v in parts.items()), "seed=7", f"armed={armed}"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +328,11 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
     """Validate a scenario's YAML data; every error names the field."""
     d = _mapping(data, path)
     _known(d, path, {"name", "description", "cluster", "workload", "faults", "random_faults",
-                     "duration_s", "quiet_s", "invariants", "leak_wait_s"})  # fmt: skip
+                     "duration_s", "quiet_s", "invariants", "leak_wait_s", "late_bound_s",
+                     "keep_up_s"})  # fmt: skip
     cluster = _cluster(_mapping(d.get("cluster", {}), f"{path}: cluster"), f"{path}: cluster")
     workload = _workload(_mapping(d.get("workload", {}), f"{path}: workload"), f"{path}: workload")
+    _check_output(workload, cluster, f"{path}: workload.output_tokens")
     faults = tuple(
         _fault(_mapping(f, f"{path}: faults[{i}]"), f"{path}: faults[{i}]", cluster)
         for i, f in enumerate(_list(d.get("faults", []), f"{path}: faults"))
@@ -300,7 +362,15 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
             if d.get("leak_wait_s") is None
             else _number(d["leak_wait_s"], f"{path}: leak_wait_s", lo=0.0)
         ),
+        late_bound_s=_number(d.get("late_bound_s", 0.5), f"{path}: late_bound_s", lo=0.01),
+        keep_up_s=_number(d.get("keep_up_s", 0.0), f"{path}: keep_up_s", lo=0.0, hi=86400.0),
     )
+    gated = any(f.when is not None and f.when.state == "sending" for f in faults)
+    if cluster.engine == "vllm" and gated:
+        raise ScenarioError(
+            f"{path}: the trigger state sending needs engine reference (its gate is the "
+            "workers' KV fault injector, which vLLM's processes don't have)"
+        )
     if cluster.engine == "vllm" and cluster.transport == "ucx" and "kv" in scenario.links():
         raise ScenarioError(
             f"{path}: KV-link faults with engine vllm need transport tcp (over UCX the KV "
@@ -314,7 +384,8 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
 
 def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
     _known(d, where, {"prefill", "decode", "orchestrators", "transport", "model", "engine",
-                      "redis_aof", "heartbeat_ttl_s"})  # fmt: skip
+                      "redis_aof", "heartbeat_ttl_s", "prefill_flags", "decode_flags",
+                      "orchestrator_flags"})  # fmt: skip
     spec = ClusterSpec(
         prefill=_int(d.get("prefill", 2), f"{where}.prefill", lo=0, hi=16),
         decode=_int(d.get("decode", 2), f"{where}.decode", lo=0, hi=16),
@@ -324,12 +395,39 @@ def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
         engine=_choice(d.get("engine", "reference"), f"{where}.engine", ("reference", "vllm")),
         redis_aof=bool(d.get("redis_aof", True)),
         heartbeat_ttl_s=_number(d.get("heartbeat_ttl_s", 3.0), f"{where}.heartbeat_ttl_s", lo=0.3),
+        prefill_flags=_flags(d.get("prefill_flags", []), f"{where}.prefill_flags"),
+        decode_flags=_flags(d.get("decode_flags", []), f"{where}.decode_flags"),
+        orchestrator_flags=_flags(d.get("orchestrator_flags", []), f"{where}.orchestrator_flags"),
     )
     if spec.prefill + spec.decode == 0:
         raise ScenarioError(f"{where}: needs at least one worker")
     if spec.engine == "vllm" and spec.model != "smollm2":
         raise ScenarioError(f"{where}: engine vllm serves model smollm2 only")
     return spec
+
+
+def _flags(value: object, where: str) -> tuple[str, ...]:
+    flags = tuple(_str(x, where) for x in _list(value, where))
+    for flag in flags:
+        if flag.split("=", 1)[0] in OWN_FLAGS:
+            raise ScenarioError(f"{where}: {flag} is set by the local cluster itself")
+    return flags
+
+
+def _check_output(workload: Workload, cluster: ClusterSpec, where: str) -> None:
+    """The longest output asked for, with the longest prompt, must fit the model's context and
+    the orchestrator's max_tokens: else every request is refused (INVALID_ARGUMENT) at once."""
+    hi = workload.output_tokens[1]
+    cap = RequestLimits().max_tokens
+    if hi > cap:
+        raise ScenarioError(f"{where}: {hi} is above the orchestrator's max_tokens of {cap}")
+    context = MODEL_CONTEXT[(cluster.model, cluster.engine)]
+    prompt = workload.prompt_words[1] * PROMPT_TOKENS_PER_WORD + PROMPT_OVERHEAD_TOKENS
+    if hi + prompt > context:
+        raise ScenarioError(
+            f"{where}: {hi} output tokens and a prompt of up to {prompt} tokens exceed the "
+            f"context of {context} tokens of model {cluster.model} on engine {cluster.engine}"
+        )
 
 
 def _workload(d: Mapping[str, Any], where: str) -> Workload:
@@ -416,15 +514,26 @@ def _fault(d: Mapping[str, Any], where: str, cluster: ClusterSpec) -> FaultSpec:
 
 
 def _trigger(d: Mapping[str, Any], where: str, target: str) -> Trigger:
-    _known(d, where, {"state", "tokens", "after_s", "within_s"})
+    _known(d, where, {"state", "tokens", "after_s", "within_s", "streams", "layer"})
     role = target.partition(":")[0]
-    if role not in TRIGGER_STATES:
-        raise ScenarioError(f"{where}: only prefill and decode worker faults take a trigger")
+    state = ""
+    if "state" in d:
+        if role not in TRIGGER_STATES:
+            raise ScenarioError(f"{where}: only prefill and decode worker faults wait for a state")
+        state = _choice(d["state"], f"{where}.state", TRIGGER_STATES[role])
+    elif "streams" not in d:
+        raise ScenarioError(f"{where}: give a state, streams, or both")
+    if state != "sending" and "layer" in d:
+        raise ScenarioError(f"{where}.layer: only for state sending")
+    if not state and ("tokens" in d or "after_s" in d):
+        raise ScenarioError(f"{where}: tokens and after_s need a state")
     return Trigger(
-        state=_choice(d.get("state"), f"{where}.state", TRIGGER_STATES[role]),
+        state=state,
         tokens=_int(d.get("tokens", 0), f"{where}.tokens", lo=0, hi=1_000_000),
         after_s=_number(d.get("after_s", 0.0), f"{where}.after_s", lo=0.0),
         within_s=_number(d.get("within_s", 30.0), f"{where}.within_s", lo=0.1),
+        streams=_int(d.get("streams", 0), f"{where}.streams", lo=0, hi=100_000),
+        layer=_int(d.get("layer", 1), f"{where}.layer", lo=0, hi=4096),
     )
 
 

@@ -111,11 +111,21 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 def _transport(bt: argparse.ArgumentParser) -> None:
     bt.add_argument("--backend", choices=("ucx", "tcp"), default="ucx", help="the transport")
-    bt.add_argument("--size", default="64MiB", help="KV bytes per transfer (e.g. 64MiB)")
+    bt.add_argument(
+        "--size",
+        default="1MiB,4MiB,16MiB,64MiB,256MiB",
+        help="KV bytes per transfer, or a comma-separated list of sizes (e.g. 64MiB)",
+    )
     bt.add_argument("--iters", type=positive_int, default=10, help="transfers per round")
     bt.add_argument("--layers", type=int, default=32, help="layers the KV is split into")
     bt.add_argument(
         "--rounds", type=int, default=5, help="alternations of ours/reference (medians compared)"
+    )
+    bt.add_argument(
+        "--nixl",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="NIXL as a reference in the same run (default: when nixl-cu12 is installed)",
     )
     bt.set_defaults(call=_run_transport)
 
@@ -124,12 +134,13 @@ def _run_transport(args: argparse.Namespace) -> int:
     from transport import bench  # noqa: PLC0415
 
     try:
-        size = bench.parse_size(args.size)
-        result = bench.run(args.backend, size, args.iters, args.layers, args.rounds)
+        sizes = [bench.parse_size(s) for s in args.size.split(",")]
+        for size in sizes:
+            result = bench.run(args.backend, size, args.iters, args.layers, args.rounds, args.nixl)
+            print(result.json() if args.json else result.human(), flush=True)
     except bench.BenchError as exc:
         print(f"pdorch bench transport: {exc}", file=sys.stderr)
         return 2
-    print(result.json() if args.json else result.human())
     return 0
 
 

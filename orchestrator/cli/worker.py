@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -414,24 +415,43 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
 
 def _attach_kv_fault(sender: object, args: argparse.Namespace) -> None:
     """Fault injection on outgoing KV: SIGUSR1 arms it — re-reading ``--kv-fault-file`` when
-    given, so a chaos run can change the fault without restarting the worker — SIGUSR2
-    disarms it."""
+    given (the whole set of KV faults active now), so a chaos run can change the faults
+    without restarting the worker — SIGUSR2 disarms it. A worker started with a fault file
+    reads it at once (a restarted worker gets the faults still active). A layer held at the
+    injector's gate is announced in ``<fault file>.held.<worker id>`` (its wall-clock time),
+    which the chaos runner watches for phase triggers."""
     from transport.testing import FaultInjector  # noqa: PLC0415
+
+    def read_file() -> FaultInjector | None:
+        try:
+            return FaultInjector.parse(Path(args.kv_fault_file).read_text().strip())
+        except (OSError, ValueError) as exc:
+            log.warning("kv fault file %s: %s", args.kv_fault_file, exc)
+            return None
 
     if args.kv_fault:
         injector = FaultInjector.parse(args.kv_fault)  # validated by the parser already
     elif args.kv_fault_file:
         injector = FaultInjector(armed=False)
+        if Path(args.kv_fault_file).exists() and (first := read_file()) is not None:
+            injector.configure(first)
+            injector.armed = first.armed
     else:  # stall while sending layer 1 of every KV
         injector = FaultInjector(layer=1, delay_s=args.inject_kv_stall)
+    if args.kv_fault_file:
+        marker = Path(f"{args.kv_fault_file}.held.{args.worker_id}")
+
+        def held(index: int) -> None:
+            with contextlib.suppress(OSError):
+                marker.write_text(f"{time.time()} {index}")
+
+        injector.on_hold = held
     injector.attach(sender)  # type: ignore[arg-type]
 
     def arm() -> None:
         if args.kv_fault_file:
-            try:
-                spec = FaultInjector.parse(Path(args.kv_fault_file).read_text().strip())
-            except (OSError, ValueError) as exc:
-                log.warning("kv fault file %s: %s", args.kv_fault_file, exc)
+            spec = read_file()
+            if spec is None:
                 return
             injector.configure(spec)
         injector.armed = True

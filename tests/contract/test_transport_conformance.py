@@ -9,16 +9,13 @@ from typing import Any
 import pytest
 
 from transport import testing
+from transport.backends import UCX_READ
 from transport.ucx import ucx_available
 
+_UCX = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")]
 BACKENDS = [
-    pytest.param(
-        "ucx",
-        marks=[
-            pytest.mark.ucx,
-            pytest.mark.skipif(not ucx_available(), reason="ucxx not installed"),
-        ],
-    ),
+    pytest.param("ucx", marks=_UCX),  # tag messages (v1, the default)
+    pytest.param(UCX_READ, marks=_UCX),  # one-sided reads (v2, opt-in)
     "tcp",
 ]
 

@@ -176,12 +176,17 @@ def test_plans_are_reproducible_from_the_seed() -> None:
         assert 0.5 <= p.at <= 4.0
 
 
-def test_kv_fault_params_merge_the_scenarios_kv_faults() -> None:
+def test_kv_fault_spec_keeps_each_kv_fault_its_own_parameters() -> None:
     s = sc.load("kv-link-faults")
-    params = s.kv_fault_params()
-    assert params["delay_ms"] == 300
-    assert params["probability"] == 0.5
     assert s.links() == {"kv"}
+    delay, corrupt = ("delay", {"delay_ms": 300.0}), ("corrupt", {"probability": 0.5})
+    bandwidth, drop = ("bandwidth", {"bytes_per_s": 1e6}), ("drop", {})
+    spec = sc.kv_fault_spec([delay, corrupt, bandwidth, drop], gate=None)
+    assert spec == "lag=0.3,layer=1,corrupt=4099,p=0.5,bw=1e+06,drop=1,seed=7,armed=1"
+    # one fault healed: the others keep their parameters; none left: nothing armed
+    assert sc.kv_fault_spec([corrupt], gate=None) == "layer=1,corrupt=4099,p=0.5,seed=7,armed=1"
+    assert sc.kv_fault_spec([], gate=None) == "seed=7,armed=0"
+    assert sc.kv_fault_spec([], gate=2) == f"hold_layer=2,hold={sc.GATE_HOLD_S:g},seed=7,armed=1"
 
 
 CORRUPT_2 = {"probability": 2}

@@ -313,5 +313,62 @@ def test_control_messages_built_by_helpers_all_decode() -> None:
         control.error(errors.BudgetExceededError("full")),
         control.encode(Kind.ABORT, b"cancelled"),
         control.encode(Kind.LAYERS, b"\0" * (3 * LAYER_FRAME_SIZE)),
+        control.open_(control.new_transfer_tag(), 1 << 20, b"header", read=True),
+        control.segment(0, [control.RemoteRegion(1, 2, b"rkey")]),
+        control.encode(Kind.LANDED),
     ]
     assert [split(m)[0] for m in messages] == list(Kind)
+
+
+REGIONS = st.lists(
+    st.builds(
+        control.RemoteRegion,
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**64 - 1),
+        st.binary(max_size=control.MAX_RKEY_BYTES),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@FUZZ
+@given(st.integers(0, U32_MAX), REGIONS)
+def test_segment_round_trip(index: int, regions: list[control.RemoteRegion]) -> None:
+    msg = control.segment(index, regions)
+    kind, length = control.decode_head(msg[:HEAD_SIZE])
+    assert kind is Kind.SEGMENT
+    assert length == len(msg) - HEAD_SIZE
+    assert control.parse_segment(msg[HEAD_SIZE:]) == (index, regions)
+
+
+def test_a_segment_with_no_or_too_many_regions_is_refused() -> None:
+    region = control.RemoteRegion(1, 2, b"k")
+    for count in (0, control.MAX_REGIONS + 1):
+        with pytest.raises(errors.WireFormatError):
+            control.segment(0, [region] * count)
+        body = struct.pack("<IH", 0, count) + struct.pack("<QQH", 1, 2, 1) + b"k"
+        with pytest.raises(errors.WireFormatError):
+            control.parse_segment(body)
+
+
+def test_a_remote_key_over_the_limit_is_refused() -> None:
+    with pytest.raises(errors.WireFormatError):
+        control.segment(0, [control.RemoteRegion(1, 2, b"k" * (control.MAX_RKEY_BYTES + 1))])
+
+
+@FUZZ
+@given(st.binary(max_size=256))
+def test_random_segment_bodies_only_raise_wire_format_errors(body: bytes) -> None:
+    try:
+        index, regions = control.parse_segment(body)
+    except errors.WireFormatError:
+        return
+    assert control.segment(index, regions)[HEAD_SIZE:] == body  # accepted means canonical
+
+
+def test_open_read_round_trip() -> None:
+    msg = control.open_(7 << 16, 1 << 20, b"hdr", read=True)
+    kind, _ = control.decode_head(msg[:HEAD_SIZE])
+    assert kind is Kind.OPEN_READ
+    assert control.parse_open(msg[HEAD_SIZE:]) == (7 << 16, 1 << 20, b"hdr")

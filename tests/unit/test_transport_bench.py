@@ -1,0 +1,41 @@
+"""`pdorch bench transport`'s report and its NIXL reference switch (no transfers run)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from transport import bench, nixl_ref
+
+
+def _result(**gbps: float) -> bench.BenchResult:
+    return bench.BenchResult("ucx", 1 << 20, 10, 32, dict(gbps))
+
+
+def test_the_report_compares_ours_with_the_best_nixl_variant() -> None:
+    r = _result(ours=2.0, **{"nixl-write": 1.0, "nixl-read": 4.0, "ucx_perftest": 8.0})
+    assert r.best_nixl == 4.0
+    assert r.ratio("ours", "ucx_perftest") == 0.25
+    line = r.human()
+    assert "ours 2.00 GB/s (524 µs)" in line
+    assert line.endswith("ours/best NIXL 0.50")
+    assert json.loads(r.json())["gbps"]["nixl-read"] == 4.0
+
+
+def test_without_nixl_the_report_says_nothing_of_it() -> None:
+    r = _result(ours=2.0, ucx_perftest=8.0)
+    assert r.best_nixl is None
+    assert r.ratio("ours", "nixl-read") is None
+    assert "NIXL" not in r.human()
+
+
+@pytest.mark.skipif(nixl_ref.nixl_available(), reason="NIXL is installed here")
+def test_asking_for_nixl_where_it_is_missing_is_a_clear_error() -> None:
+    with pytest.raises(bench.BenchError, match="NIXL is not installed"):
+        bench.run("tcp", 1 << 20, 1, nixl=True)
+
+
+def test_bad_counts_are_refused_before_anything_starts() -> None:
+    with pytest.raises(bench.BenchError, match="at least 1"):
+        bench.run("tcp", 1 << 20, 0, nixl=False)

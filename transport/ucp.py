@@ -1,0 +1,224 @@
+"""The few libucp calls UCXX's Python API lacks: memory registration, remote keys, get.
+
+UCXX 0.52 exposes tag, stream and active-message operations but no one-sided (RMA) ones
+(checked with ``dir()`` on ``ucxx._lib.libucxx``). Its context is created with
+``UCP_FEATURE_RMA`` and its worker in ``UCS_THREAD_MODE_MULTI``, so the one-sided calls can
+be made on UCXX's own context, worker and endpoints through ctypes, on the ``libucp`` that
+the ``libucx`` wheel ships (the one UCXX has loaded). Everything here is synchronous and
+may block for a copy (UCX runs a CMA get inside ``ucp_get_nbx``): callers run it in a thread.
+
+Only `transport.ucx` uses this module, and only after UCXX started (the library is loaded).
+Structure layouts follow ``ucp/api/ucp.h`` of libucx 1.21 (``ucp_mem_map_params_t``,
+``ucp_request_param_t``); `pdorch[ucx]` pins that minor version range through ucxx.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transport import errors
+
+_MEM_MAP_ADDRESS = 1 << 0
+_MEM_MAP_LENGTH = 1 << 1
+_INPROGRESS = 1
+_ERR_LAST = -100
+_POLL_S = 50e-6
+"""Between completion checks of a get that did not complete inline (tcp lanes)."""
+_ABANDON_GRACE_S = 1.0
+
+
+class _MemMapParams(ctypes.Structure):
+    _fields_ = (
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    )
+
+
+class _RequestParam(ctypes.Structure):
+    _fields_ = (
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    )
+
+
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+_NO_PARAMS = _RequestParam()  # op_attr_mask 0: contiguous bytes, no callback
+
+
+def _ucp() -> ctypes.CDLL:
+    global _lib  # noqa: PLW0603 - one handle per process, loaded on first use
+    with _lib_lock:
+        if _lib is None:
+            _lib = _load()
+        return _lib
+
+
+def _load() -> ctypes.CDLL:
+    spec = importlib.util.find_spec("libucx")
+    if spec is None or not spec.submodule_search_locations:
+        raise errors.BackendUnavailableError("libucx (from pdorch[ucx]) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libucp.so.0"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise errors.BackendUnavailableError(f"cannot load {path}: {exc}") from exc
+    vp, st = ctypes.c_void_p, ctypes.c_int
+    sigs: dict[str, tuple[object, list[object]]] = {
+        "ucp_mem_map": (st, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
+        "ucp_mem_unmap": (st, [vp, vp]),
+        "ucp_rkey_pack": (st, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_size_t)]),
+        "ucp_rkey_buffer_release": (None, [vp]),
+        "ucp_ep_rkey_unpack": (st, [vp, ctypes.c_char_p, ctypes.POINTER(vp)]),
+        "ucp_rkey_destroy": (None, [vp]),
+        "ucp_get_nbx": (
+            vp,
+            [vp, vp, ctypes.c_size_t, ctypes.c_uint64, vp, ctypes.POINTER(_RequestParam)],
+        ),
+        "ucp_request_check_status": (st, [vp]),
+        "ucp_worker_progress": (ctypes.c_uint, [vp]),
+        "ucp_request_free": (None, [vp]),
+        "ucs_status_string": (ctypes.c_char_p, [st]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        text = _ucp().ucs_status_string(status).decode(errors="replace")
+        raise errors.PeerLostError(f"{what} failed: {text}")
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Registered local memory whose remote key a peer may use to read it."""
+
+    address: int
+    length: int
+    rkey: bytes
+    memh: int
+
+
+def register(context: int, address: int, length: int) -> Region:
+    """Register ``length`` bytes at ``address`` with UCX and pack their remote key."""
+    lib = _ucp()
+    params = _MemMapParams(
+        field_mask=_MEM_MAP_ADDRESS | _MEM_MAP_LENGTH, address=address, length=length
+    )
+    memh = ctypes.c_void_p()
+    _check(lib.ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    try:
+        _check(
+            lib.ucp_rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size)),
+            "ucp_rkey_pack",
+        )
+    except BaseException:
+        lib.ucp_mem_unmap(context, memh)
+        raise
+    rkey = ctypes.string_at(buf, size.value)
+    lib.ucp_rkey_buffer_release(buf)
+    return Region(address, length, rkey, int(memh.value or 0))
+
+
+def deregister(context: int, region: Region) -> None:
+    _ucp().ucp_mem_unmap(context, region.memh)
+
+
+class Gets:
+    """One-sided reads issued on an endpoint: `issue` each, then `poll` or `wait`.
+
+    Remote keys are unpacked per read and destroyed once every read completed (UCX wants
+    a key destroyed after the operations that use it, and before its endpoint closes).
+    """
+
+    def __init__(self, worker: int, endpoint: int) -> None:
+        self._worker = worker
+        self._ep = endpoint
+        self._rkeys: list[ctypes.c_void_p] = []
+        self._requests: list[int] = []
+        self._failure = 0
+
+    def issue(self, into: int, length: int, remote: int, rkey: bytes) -> None:
+        lib = _ucp()
+        key = ctypes.c_void_p()
+        _check(lib.ucp_ep_rkey_unpack(self._ep, rkey, ctypes.byref(key)), "ucp_ep_rkey_unpack")
+        self._rkeys.append(key)
+        ptr = lib.ucp_get_nbx(self._ep, into, length, remote, key, ctypes.byref(_NO_PARAMS))
+        value = int(ptr or 0)
+        if value == 0:
+            return  # completed inline (CMA copies here)
+        if value >= (1 << 64) + _ERR_LAST:
+            _check(value - (1 << 64), "ucp_get_nbx")
+        self._requests.append(value)
+
+    def poll(self) -> bool:
+        """Progress the worker, collect finished reads; True once none is pending (then
+        the first failure, if any, is raised and the keys are destroyed).
+
+        Progress is made here rather than left to UCXX's progress thread: that thread
+        sleeps on the worker's events, and a CMA read's completion raises none (reads then
+        completed ~2 ms late at 1 MiB)."""
+        lib = _ucp()
+        while lib.ucp_worker_progress(self._worker):
+            pass
+        still = []
+        for req in self._requests:
+            status = lib.ucp_request_check_status(req)
+            if status == _INPROGRESS:
+                still.append(req)
+            else:
+                self._failure = self._failure or status
+                lib.ucp_request_free(req)
+        self._requests = still
+        if still:
+            return False
+        self.release_keys()
+        _check(self._failure, "ucp_get_nbx")
+        return True
+
+    def wait(self, abandoned: threading.Event) -> None:
+        """`poll` until every read completed. Deadlines are the caller's: it sets
+        ``abandoned`` and aborts the endpoint, which cancels what is outstanding (those
+        reads then complete, failed); after that, at most ``_ABANDON_GRACE_S``. Keys of
+        reads still pending then are leaked with them: never destroy a key in use."""
+        given_up_at: float | None = None
+        while not self.poll():
+            if abandoned.is_set():
+                now = time.monotonic()
+                given_up_at = given_up_at or now
+                if now - given_up_at > _ABANDON_GRACE_S:
+                    raise errors.PeerLostError("one-sided reads not cancelled by the abort")
+            time.sleep(_POLL_S)
+
+    def release_keys(self) -> None:
+        lib = _ucp()
+        for key in self._rkeys:
+            lib.ucp_rkey_destroy(key)
+        self._rkeys.clear()
+
+    @property
+    def pending(self) -> int:
+        return len(self._requests)
