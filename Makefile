@@ -47,6 +47,7 @@ lint: venv
 test: lint venv-vllm
 	$(VENV)/bin/pytest -m "not vllm" $(PYTEST_ARGS)
 	$(VENV_VLLM)/bin/pytest -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
+	$(MAKE) lmeval
 
 # The inner loop (well under a minute): lint, the pure unit tests and the store and
 # transport contract suites; `make test` runs everything.
@@ -77,11 +78,14 @@ bench: venv nixl
 # lm-evaluation-harness (the `lmeval` extra, in its own environment) runs the small
 # multiple-choice task evals/lm_eval/pdorch_mc through its `local-completions` model against
 # a local cluster's gateway (tiny model): log-likelihoods from `echo` + `logprobs`.
-lmeval: venv
-	test -x $(VENV_LMEVAL)/bin/python || $(PYTHON) -m venv $(VENV_LMEVAL)
-	$(VENV_LMEVAL)/bin/python -m pip install --quiet -e '.[lmeval]'
+lmeval: venv $(VENV_LMEVAL)/.installed
 	PDORCH_LM_EVAL=$(VENV_LMEVAL)/bin/lm_eval $(VENV)/bin/pytest -q \
 		tests/integration/test_gateway_params.py -k lm_eval $(PYTEST_ARGS)
+
+$(VENV_LMEVAL)/.installed: pyproject.toml
+	test -x $(VENV_LMEVAL)/bin/python || $(PYTHON) -m venv $(VENV_LMEVAL)
+	$(VENV_LMEVAL)/bin/python -m pip install --quiet -e '.[lmeval]'
+	touch $@
 
 # Regenerate the committed gRPC code from proto/ (a test fails if it is stale).
 proto: venv
