@@ -105,7 +105,11 @@ class Dispatch:
             self.ledger.prefilled(booking)
         self.ledger.answered(booking, prefill.worker_id)
         rates = self.ledger.rates
-        rates.prefill(prefill.worker_id, prefill.gpu_kind, len(tokens), resp.prefill_ms / 1000)
+        cached = min(int(resp.cached_tokens), len(tokens))  # prefill_ms is the others' time
+        rates.prefill(
+            prefill.worker_id, prefill.gpu_kind, len(tokens) - cached, resp.prefill_ms / 1000
+        )
+        run.usage.reuse(cached, rates.prefill_rate(prefill.worker_id, prefill.gpu_kind))
         rates.transfer(int(resp.kv_bytes), resp.transfer_ms / 1000)
         run.timings["prefill_ms"] = resp.prefill_ms
         run.timings["transfer_ms"] = resp.transfer_ms
