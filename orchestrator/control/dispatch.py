@@ -109,7 +109,12 @@ class Dispatch:
         rates.prefill(
             prefill.worker_id, prefill.gpu_kind, len(tokens) - cached, resp.prefill_ms / 1000
         )
-        run.usage.reuse(cached, rates.prefill_rate(prefill.worker_id, prefill.gpu_kind))
+        # What the cached tokens would have taken: the worker's mean rate, or this prefill's
+        # own before the mean has enough samples.
+        rate = rates.prefill_rate(prefill.worker_id, prefill.gpu_kind)
+        if rate is None and resp.prefill_ms > 0 and len(tokens) > cached:
+            rate = (len(tokens) - cached) / (resp.prefill_ms / 1000)
+        run.usage.reuse(cached, rate)
         rates.transfer(int(resp.kv_bytes), resp.transfer_ms / 1000)
         run.timings["prefill_ms"] = resp.prefill_ms
         run.timings["transfer_ms"] = resp.transfer_ms
