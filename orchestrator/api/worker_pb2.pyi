@@ -112,6 +112,7 @@ class PrefillResponse(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _builtins.int
     FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """Output token first_index."""
     kv_bytes: _builtins.int
@@ -122,6 +123,10 @@ class PrefillResponse(_message.Message):
     """Time to convert the KV to its wire dtype and send it to kv_target."""
     kv_dtype: Global___KvDtype.ValueType
     """The dtype the KV travelled in."""
+    cached_tokens: _builtins.int
+    """Input tokens found in this worker's prefix cache, not computed (0: none, or the engine
+    cannot tell). prefill_ms is the time of the others.
+    """
     @_builtins.property
     def first_logprob(self) -> _common_pb2.TokenLogprob:
         """Output token first_index's, when sampling.logprobs is set."""
@@ -140,10 +145,11 @@ class PrefillResponse(_message.Message):
         kv_dtype: Global___KvDtype.ValueType = ...,
         first_logprob: _common_pb2.TokenLogprob | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "kv_bytes", b"kv_bytes", "kv_dtype", b"kv_dtype", "prefill_ms", b"prefill_ms", "prompt_logprobs", b"prompt_logprobs", "transfer_ms", b"transfer_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "first_logprob", b"first_logprob", "first_token", b"first_token", "kv_bytes", b"kv_bytes", "kv_dtype", b"kv_dtype", "prefill_ms", b"prefill_ms", "prompt_logprobs", b"prompt_logprobs", "transfer_ms", b"transfer_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,7 +22,9 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.json,
         help=HELP,
         description="Per-tenant totals the orchestrators keep in Redis: requests, USD, "
-        "GPU-seconds per pool and KV moved. Exits 1 when that Redis holds none.",
+        "GPU-seconds per pool, KV moved, and the prompt tokens prefill workers found cached "
+        "with what computing them would have cost (not billed). Exits 1 when that Redis "
+        "holds none.",
     )
     co.set_defaults(run=run)
 
@@ -49,7 +51,8 @@ async def run(args: argparse.Namespace) -> int:
         print(json.dumps(totals, sort_keys=True))
         return 0
     print(f"{'tenant':20s} {'requests':>9s} {'USD':>12s} {'USD/1k req':>11s} "
-          f"{'prefill GPU-s':>14s} {'decode GPU-s':>13s} {'KV GB':>8s}")  # fmt: skip
+          f"{'prefill GPU-s':>14s} {'decode GPU-s':>13s} {'KV GB':>8s} "
+          f"{'reused tok':>11s} {'saved USD':>12s}")  # fmt: skip
     for tenant, t in totals.items():
         n = t.get("requests", 0.0)
         usd = t.get("usd", 0.0)
@@ -57,6 +60,7 @@ async def run(args: argparse.Namespace) -> int:
             f"{tenant:20s} {n:9.0f} {usd:12.6f} {usd / n * 1000 if n else 0:11.4f} "
             f"{t.get('prefill_gpu_s', 0.0):14.2f} "
             f"{t.get('decode_gpu_s', 0.0) + t.get('aggregated_gpu_s', 0.0):13.2f} "
-            f"{t.get('transfer_bytes', 0.0) / 1e9:8.3f}"
+            f"{t.get('transfer_bytes', 0.0) / 1e9:8.3f} "
+            f"{t.get('prefill_reused_tokens', 0.0):11.0f} {t.get('reuse_saved_usd', 0.0):12.6f}"
         )
     return 0

@@ -105,7 +105,16 @@ class Dispatch:
             self.ledger.prefilled(booking)
         self.ledger.answered(booking, prefill.worker_id)
         rates = self.ledger.rates
-        rates.prefill(prefill.worker_id, prefill.gpu_kind, len(tokens), resp.prefill_ms / 1000)
+        cached = min(int(resp.cached_tokens), len(tokens))  # prefill_ms is the others' time
+        rates.prefill(
+            prefill.worker_id, prefill.gpu_kind, len(tokens) - cached, resp.prefill_ms / 1000
+        )
+        # What the cached tokens would have taken: the worker's mean rate, or this prefill's
+        # own before the mean has enough samples.
+        rate = rates.prefill_rate(prefill.worker_id, prefill.gpu_kind)
+        if rate is None and resp.prefill_ms > 0 and len(tokens) > cached:
+            rate = (len(tokens) - cached) / (resp.prefill_ms / 1000)
+        run.usage.reuse(cached, rate)
         rates.transfer(int(resp.kv_bytes), resp.transfer_ms / 1000)
         run.timings["prefill_ms"] = resp.prefill_ms
         run.timings["transfer_ms"] = resp.transfer_ms

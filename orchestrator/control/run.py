@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator import errors
-from orchestrator.core.cost import PoolUsage, cost_fields
+from orchestrator.core.cost import PoolUsage, cost_fields, reuse_saving, total_reuse
 from orchestrator.core.hardware import CPU_HOST, GpuProfile, get_gpu
 from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.records import JournalEntry, RequestRecord
@@ -44,7 +44,8 @@ class OutChunk:
 
 @dataclass(slots=True)
 class Usage:
-    """Engine seconds per pool and KV bytes moved: what the request is billed for."""
+    """Engine seconds per pool and KV bytes moved: what the request is billed for; and the
+    prompt tokens found cached, what it was spared."""
 
     gpu_s: dict[str, float] = field(default_factory=dict)
     """Engine seconds per pool ("prefill", "decode", "aggregated"), failed attempts included."""
@@ -52,6 +53,9 @@ class Usage:
     pool: str = ""
     """The pool whose worker streams the tokens in the current attempt."""
     kv_moved: int = 0
+    reused: list[tuple[int, float | None]] = field(default_factory=list)
+    """Per prefill: prompt tokens its worker found cached, and that worker's prefill rate
+    (tokens/s; ``None``: not measured yet) to price what they would have cost."""
 
     def streaming(self, pool: str, gpu_kind: str) -> None:
         """Tokens now come from a worker of ``gpu_kind`` in ``pool``."""
@@ -62,6 +66,11 @@ class Usage:
         self.gpu_s[pool] = self.gpu_s.get(pool, 0.0) + seconds
         self.gpu_kind.setdefault(pool, gpu_kind)
 
+    def reuse(self, tokens: int, tokens_per_second: float | None) -> None:
+        """A prefill found ``tokens`` of the prompt in its worker's cache (not billed)."""
+        if tokens > 0:
+            self.reused.append((tokens, tokens_per_second))
+
     def computed(self, seconds: float) -> None:
         """Engine time a streamed chunk reports, counted in the current pool."""
         if self.pool:
@@ -70,16 +79,20 @@ class Usage:
     def cost(
         self, prices: Mapping[str, GpuProfile], usd_per_gb: float, tenant: str, rid: str
     ) -> dict[str, Any]:
-        usages = []
-        for pool, seconds in self.gpu_s.items():
-            kind = self.gpu_kind.get(pool, "cpu")
-            try:
-                gpu = get_gpu(prices, kind)
-            except errors.ConfigError:
-                log.warning("request %s: no price for GPU kind %r; counted at 0", rid, kind)
-                gpu = replace(CPU_HOST, name=kind, price_per_hour=0.0)
-            usages.append(PoolUsage(pool, gpu, seconds))
-        return cost_fields(usages, self.kv_moved, usd_per_gb, tenant)
+        pools = [*self.gpu_s, *(["prefill"] if self.reused else [])]
+        gpus = {pool: self._gpu(prices, pool, rid) for pool in pools}
+        usages = [PoolUsage(pool, gpus[pool], seconds) for pool, seconds in self.gpu_s.items()]
+        prefill = gpus.get("prefill", CPU_HOST)
+        reuse = total_reuse(reuse_saving(prefill, n, rate) for n, rate in self.reused)
+        return cost_fields(usages, self.kv_moved, usd_per_gb, tenant, reuse)
+
+    def _gpu(self, prices: Mapping[str, GpuProfile], pool: str, rid: str) -> GpuProfile:
+        kind = self.gpu_kind.get(pool, "cpu")
+        try:
+            return get_gpu(prices, kind)
+        except errors.ConfigError:
+            log.warning("request %s: no price for GPU kind %r; counted at 0", rid, kind)
+            return replace(CPU_HOST, name=kind, price_per_hour=0.0)
 
 
 @dataclass(slots=True)

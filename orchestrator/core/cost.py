@@ -9,6 +9,13 @@ its KV cache travelled times a transfer price::
 GPU-seconds, and a request sharing a decode batch of 32 for 1 s holds 1/32 of it. The
 transfer price defaults to 0 (a local link inside a cluster costs nothing extra; cross-zone
 or cross-region traffic does).
+
+**KV reuse.** Prompt tokens the prefill worker found in its prefix cache (the worker says how
+many: the engine knows what it computed) are not computed, so not billed; what they would
+have cost is recorded beside the bill, at the same price, with the worker's measured prefill
+rate::
+
+    saved_usd = reused_tokens / tokens_per_second * price_per_hour / 3600
 """
 
 from __future__ import annotations
@@ -32,11 +39,46 @@ class PoolUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class Reuse:
+    """Prompt tokens a prefill found cached, and what computing them would have cost."""
+
+    tokens: int
+    saved_gpu_s: float
+    saved_usd: float
+
+
+NO_REUSE = Reuse(0, 0.0, 0.0)
+
+
+def reuse_saving(gpu: GpuProfile, reused_tokens: int, tokens_per_second: float | None) -> Reuse:
+    """What ``reused_tokens`` would have cost to prefill on ``gpu`` at ``tokens_per_second``
+    (``None`` or 0: rate unknown, the tokens are counted and the saving is 0)."""
+    if reused_tokens < 0:
+        raise ConfigError("reused_tokens", f"must be >= 0, got {reused_tokens!r}")
+    if tokens_per_second is None or not (
+        tokens_per_second > 0 and math.isfinite(tokens_per_second)
+    ):
+        return Reuse(reused_tokens, 0.0, 0.0)
+    seconds = reused_tokens / tokens_per_second
+    return Reuse(reused_tokens, seconds, gpu_usd(gpu, seconds))
+
+
+def total_reuse(reuses: Iterable[Reuse]) -> Reuse:
+    """Several prefills' reuse (a request re-prefilled after a failover) as one."""
+    tokens, seconds, usd = 0, 0.0, 0.0
+    for r in reuses:
+        tokens, seconds, usd = tokens + r.tokens, seconds + r.saved_gpu_s, usd + r.saved_usd
+    return Reuse(tokens, seconds, usd)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestCost:
     gpu_usd: tuple[tuple[str, float], ...]
     """(pool, USD) in the order the usages came, one entry per pool."""
     transfer_usd: float = 0.0
     transfer_bytes: int = 0
+    reuse: Reuse = NO_REUSE
+    """Prompt tokens not computed (cached) and what they would have cost; not in the total."""
 
     @property
     def gpu_total_usd(self) -> float:
@@ -55,7 +97,10 @@ def gpu_usd(gpu: GpuProfile, gpu_seconds: float) -> float:
 
 
 def request_cost(
-    usages: Sequence[PoolUsage], transfer_bytes: int = 0, usd_per_gb: float = 0.0
+    usages: Sequence[PoolUsage],
+    transfer_bytes: int = 0,
+    usd_per_gb: float = 0.0,
+    reuse: Reuse = NO_REUSE,
 ) -> RequestCost:
     """The cost of one request; pools named twice are summed."""
     if transfer_bytes < 0:
@@ -73,6 +118,7 @@ def request_cost(
         gpu_usd=tuple(by_pool.items()),
         transfer_usd=transfer_bytes / 1e9 * usd_per_gb,
         transfer_bytes=transfer_bytes,
+        reuse=reuse,
     )
 
 
@@ -83,6 +129,8 @@ class TenantCost:
     gpu_usd: float
     transfer_usd: float
     transfer_bytes: int
+    reused_tokens: int = 0
+    reuse_saved_usd: float = 0.0
 
     @property
     def total_usd(self) -> float:
@@ -104,15 +152,34 @@ def aggregate_by_tenant(costs: Iterable[tuple[str, RequestCost]]) -> dict[str, T
             t.gpu_usd + cost.gpu_total_usd,
             t.transfer_usd + cost.transfer_usd,
             t.transfer_bytes + cost.transfer_bytes,
+            t.reused_tokens + cost.reuse.tokens,
+            t.reuse_saved_usd + cost.reuse.saved_usd,
         )
     return totals
 
 
+TENANT_FLOAT_FIELDS = (
+    "usd",
+    "prefill_gpu_s",
+    "decode_gpu_s",
+    "aggregated_gpu_s",
+    "transfer_usd",
+    "reuse_saved_usd",
+)
+"""The `cost_fields` a store sums per tenant as floats (besides ``requests``)."""
+TENANT_INT_FIELDS = ("transfer_bytes", "prefill_reused_tokens")
+"""The `cost_fields` a store sums per tenant as integers."""
+
+
 def cost_fields(
-    usages: Sequence[PoolUsage], transfer_bytes: int, usd_per_gb: float, tenant: str
+    usages: Sequence[PoolUsage],
+    transfer_bytes: int,
+    usd_per_gb: float,
+    tenant: str,
+    reuse: Reuse = NO_REUSE,
 ) -> dict[str, float | int | str]:
     """A request's cost as stored on its record and sent to clients (`Cost` in the protos)."""
-    cost = request_cost(usages, transfer_bytes, usd_per_gb)
+    cost = request_cost(usages, transfer_bytes, usd_per_gb, reuse)
     seconds = {u.pool: 0.0 for u in usages}
     kinds: dict[str, str] = {}
     for u in usages:
@@ -128,4 +195,7 @@ def cost_fields(
         "prefill_gpu": kinds.get("prefill", ""),
         "decode_gpu": kinds.get("decode", kinds.get("aggregated", "")),
         "tenant": tenant,
+        "prefill_reused_tokens": reuse.tokens,
+        "reuse_saved_gpu_s": reuse.saved_gpu_s,
+        "reuse_saved_usd": reuse.saved_usd,
     }

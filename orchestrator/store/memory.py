@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from orchestrator import errors
+from orchestrator.core.cost import TENANT_FLOAT_FIELDS, TENANT_INT_FIELDS
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import TERMINAL, Edge, State, apply
 from orchestrator.store.outage import outlasting
@@ -46,8 +47,6 @@ Clock = Callable[[], float]
 
 _NEVER = math.inf
 T = TypeVar("T")
-
-_COST_FLOATS = ("usd", "prefill_gpu_s", "decode_gpu_s", "aggregated_gpu_s", "transfer_usd")
 
 
 class ManualClock:
@@ -412,11 +411,10 @@ class MemoryStore:
         async with self._call("tenant cost") as d:
             totals = d.costs.setdefault(tenant, {})
             totals["requests"] = totals.get("requests", 0.0) + 1
-            for name in _COST_FLOATS:
+            for name in TENANT_FLOAT_FIELDS:
                 totals[name] = totals.get(name, 0.0) + float(cost.get(name, 0.0))
-            totals["transfer_bytes"] = totals.get("transfer_bytes", 0.0) + int(
-                cost.get("transfer_bytes", 0)
-            )
+            for name in TENANT_INT_FIELDS:
+                totals[name] = totals.get(name, 0.0) + int(cost.get(name, 0))
 
     async def tenant_costs(self) -> dict[str, dict[str, float]]:
         async with self._call("tenant costs") as d:

@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 
 from orchestrator import errors
+from orchestrator.core.cost import TENANT_FLOAT_FIELDS, TENANT_INT_FIELDS
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import Edge, State
 from orchestrator.store.keys import Keys
@@ -472,10 +473,10 @@ class RedisStore:
         async with _translated("tenant cost"):
             pipe = self._redis.pipeline(transaction=True)
             pipe.hincrby(key, "requests", 1)
-            for name in ("usd", "prefill_gpu_s", "decode_gpu_s", "aggregated_gpu_s",
-                         "transfer_usd"):  # fmt: skip
+            for name in TENANT_FLOAT_FIELDS:
                 pipe.hincrbyfloat(key, name, float(cost.get(name, 0.0)))
-            pipe.hincrby(key, "transfer_bytes", int(cost.get("transfer_bytes", 0)))
+            for name in TENANT_INT_FIELDS:
+                pipe.hincrby(key, name, int(cost.get(name, 0)))
             pipe.sadd(self._keys.tenants, tenant)
             await pipe.execute()
 

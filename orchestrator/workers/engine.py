@@ -64,6 +64,8 @@ class PrefillResult:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """Every input token's, when ``sampling.prompt_logprobs`` is set and ``first_index`` is
     0 (a failover's re-prefill has the prompt's in the journal already)."""
+    cached_tokens: int = 0
+    """Input tokens the engine found in its prefix cache and did not compute."""
 
 
 class DecodeState(abc.ABC):

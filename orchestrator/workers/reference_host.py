@@ -320,6 +320,7 @@ class ReferenceHost(EngineHost):
             kv_dtype=convert.kv_dtype_to_pb(wire_dtype),
             first_logprob=self._named(scored) if scored is not None else None,
             prompt_logprobs=[self._named(lp) for lp in result.prompt_logprobs],
+            cached_tokens=result.cached_tokens,
         )
 
     async def decode(

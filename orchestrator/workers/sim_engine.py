@@ -326,7 +326,7 @@ class SimEngine(Engine):
             for t in token_ids[1:]:
                 prompt.append(sim_logprob(h, t, sampling.prompt_logprobs, info.vocab_size))
                 h = _roll(h, t)
-        return PrefillResult(first, kv, first_logprob, tuple(prompt))
+        return PrefillResult(first, kv, first_logprob, tuple(prompt), self.reused)
 
     def start_decode(
         self,

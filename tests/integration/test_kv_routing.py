@@ -5,15 +5,20 @@ with ``--kv-routing off`` it ignores them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import pytest
+import redis
 
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.cli import main
 from orchestrator.cluster import LocalCluster
+from orchestrator.core.hardware import PRICED_KINDS, get_gpu
 from orchestrator.core.prefix import block_keys, decode_keys
+from orchestrator.store.keys import Keys
 from orchestrator.workers.sim_engine import SIM_BLOCK
 from tests.integration.conftest import collect, request, run, wait_for, workers
 
@@ -48,8 +53,8 @@ def _reported(cluster: LocalCluster, worker_id: str, tokens: list[int]) -> bool:
 Info = orchestrator_pb2.RequestInfo
 
 
-def _turns(cluster: LocalCluster, address: str, tag: str) -> tuple[Info, Info]:
-    system = list(range(100, 100 + 10 * SIM_BLOCK))  # a 160-token system prompt
+def _turns(cluster: LocalCluster, address: str, tag: str, start: int = 100) -> tuple[Info, Info]:
+    system = list(range(start, start + 10 * SIM_BLOCK))  # a 160-token system prompt
     turn1 = [*system, *range(5000, 5020)]
     ids, _, _ = cast(
         "tuple[list[int], str, object]",
@@ -71,6 +76,40 @@ def test_turn_two_goes_where_turn_one_is_cached(cluster: LocalCluster) -> None:
     why = second.placement
     assert "prefill reuses 176/" in why, why  # 11 full blocks of turn 1's 180 tokens
     assert "decode holds " in why, why
+
+
+def _record_cost(cluster: LocalCluster, rid: str) -> dict[str, Any]:
+    client = redis.Redis(port=cluster.redis_port, decode_responses=True)
+    try:
+        return cast("dict[str, Any]", json.loads(client.hget(Keys().request(rid), "cost") or "{}"))
+    finally:
+        client.close()
+
+
+def test_turn_two_costs_show_the_reused_prefill(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20 item 4: the prefill worker says how many prompt tokens its cache held; the
+    record's cost carries them and what computing them would have cost, and `pdorch cost`
+    sums them per tenant."""
+    _turns(cluster, cluster.orchestrator_addresses[0], "cost", start=2000)  # a new prompt
+    first, second = _record_cost(cluster, "cost-1"), _record_cost(cluster, "cost-2")
+    assert first["prefill_reused_tokens"] == 0  # a cold cache: all computed
+    assert first["reuse_saved_usd"] == 0.0
+    # Turn 2 (218 tokens) found turn 1's 11 full blocks (176 tokens) in the worker's cache.
+    assert second["prefill_reused_tokens"] == 11 * SIM_BLOCK
+    assert second["reuse_saved_gpu_s"] > 0
+    assert second["reuse_saved_usd"] > 0
+    # Priced like the bill: the simulated H100's price per GPU-second.
+    price = get_gpu(PRICED_KINDS, second["prefill_gpu"]).price_per_hour
+    assert second["prefill_gpu"] == "H100"
+    assert second["reuse_saved_usd"] == pytest.approx(second["reuse_saved_gpu_s"] * price / 3600)
+    assert main(["cost", "--json", "--redis", f"redis://127.0.0.1:{cluster.redis_port}"]) == 0
+    totals = json.loads(capsys.readouterr().out)["default"]
+    assert totals["prefill_reused_tokens"] >= 11 * SIM_BLOCK
+    assert totals["reuse_saved_usd"] >= second["reuse_saved_usd"] * (1 - 1e-12)
+    assert main(["cost", "--redis", f"redis://127.0.0.1:{cluster.redis_port}"]) == 0
+    assert "saved USD" in capsys.readouterr().out
 
 
 def test_routing_off_ignores_the_reports(cluster: LocalCluster) -> None:

@@ -15,6 +15,7 @@ from orchestrator.control.failover import CAUSES
 from orchestrator.control.failover import cause as failover_cause
 from orchestrator.control.legs import heartbeat_lost
 from orchestrator.control.metrics import ControlMetrics
+from orchestrator.control.run import Usage
 from orchestrator.core.cost import PoolUsage, cost_fields
 from orchestrator.core.hardware import CPU_HOST, DEFAULT_GPUS, PRICED_KINDS, get_gpu
 from orchestrator.core.records import RequestRecord, WorkerInfo
@@ -125,3 +126,22 @@ def test_worker_gauges_read_the_worker_at_scrape_time() -> None:
     text = generate_latest(m.registry).decode()
     assert "pdorch_worker_kv_used_bytes 4096.0" in text
     assert "pdorch_worker_active_sequences 3.0" in text
+
+
+def test_usage_prices_reused_tokens_at_the_prefill_workers_gpu() -> None:
+    """What `Dispatch` records from a PrefillResponse's cached_tokens reaches the record:
+    1800 tokens at 500 tokens/s on the H100 prefill worker = 3.6 s = $0.0025 not spent."""
+    usage = Usage()
+    usage.spent("prefill", "H100", 0.05)
+    usage.reuse(1800, 500.0)
+    usage.reuse(0, 500.0)  # a prefill that found nothing cached adds nothing
+    usage.streaming("decode", "L4")
+    usage.computed(3.6)
+    got = usage.cost(PRICED_KINDS, 0.0, "team-a", "r1")
+    assert got["prefill_reused_tokens"] == 1800
+    assert got["reuse_saved_gpu_s"] == pytest.approx(3.6)
+    assert got["reuse_saved_usd"] == pytest.approx(0.0025)
+    assert got["usd"] == pytest.approx(0.05 * 2.50 / 3600 + 3.6 * 0.70 / 3600)
+    none = Usage()
+    none.spent("prefill", "H100", 0.05)
+    assert none.cost(PRICED_KINDS, 0.0, "t", "r2")["reuse_saved_usd"] == 0.0

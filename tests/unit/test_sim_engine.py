@@ -265,12 +265,12 @@ def test_prefix_cache_charges_only_uncached_tokens() -> None:
     eng = SimEngine(spec, prefix_cache=True)
     greedy = SamplingParams()
     turn1 = list(range(1, 161))  # 10 blocks of 16
-    eng.prefill(turn1, greedy)
+    assert eng.prefill(turn1, greedy).cached_tokens == 0
     assert eng.busy_seconds(eng.prefill, [turn1]) == spec.prefill_s(160)
     turn2 = [*turn1, *range(500, 540)]
-    eng.prefill(turn2, greedy)
+    assert eng.prefill(turn2, greedy).cached_tokens == 160  # what the worker reports
     assert eng.busy_seconds(eng.prefill, [turn2]) == spec.prefill_s(40)
-    eng.prefill(turn1, greedy)  # all cached: the last token is still computed
+    assert eng.prefill(turn1, greedy).cached_tokens == 159  # the last token is computed
     assert eng.busy_seconds(eng.prefill, [turn1]) == spec.prefill_s(1)
 
 
@@ -294,5 +294,5 @@ def test_no_prefix_cache_by_default(engine: SimEngine) -> None:
     assert engine.prefix_report() == (0, "")
     prompt = list(range(1, 40))
     engine.prefill(prompt, SamplingParams())
-    engine.prefill(prompt, SamplingParams())
+    assert engine.prefill(prompt, SamplingParams()).cached_tokens == 0
     assert engine.busy_seconds(engine.prefill, [prompt]) == engine.spec.prefill_s(39)

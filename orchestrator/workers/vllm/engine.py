@@ -378,11 +378,13 @@ class VllmHost(EngineHost):
         started = time.perf_counter()
         first: int | None = None
         spent_ms = 0.0
+        cached = 0  # prompt tokens vLLM's prefix cache held (RequestOutput.num_cached_tokens)
         transfer_params: dict[str, Any] | None = None
         outputs = self._outputs(rid, epoch, list(request.token_ids), sampling, context)
         async with contextlib.aclosing(outputs):
             async for out, ms in outputs:
                 spent_ms += ms
+                cached = int(out.num_cached_tokens or 0) or cached
                 if out.outputs[0].token_ids and first is None:
                     first = int(out.outputs[0].token_ids[0])
                 if out.finished:
@@ -409,6 +411,7 @@ class VllmHost(EngineHost):
             prefill_ms=max(0.0, elapsed_ms - transfer_ms),
             transfer_ms=transfer_ms,
             kv_dtype=convert.kv_dtype_to_pb(wire_dtype),
+            cached_tokens=cached,
         )
 
     async def decode(
