@@ -18,7 +18,15 @@ import pytest
 from orchestrator.api import orchestrator_pb2
 from orchestrator.cluster import LocalCluster
 from tests.integration.conftest import wait_for, workers
-from tests.vllm.conftest import SEEDED, generate, greedy, mismatches, token_ids
+from tests.vllm.conftest import (
+    SEEDED,
+    generate,
+    greedy,
+    logprob_errors,
+    mismatches,
+    scored,
+    token_ids,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -97,3 +105,16 @@ def test_seeded_sampling_through_pdorch_equals_vllm_offline(
     streams = asyncio.run(generate(cluster.orchestrator_addresses[0], reqs, 4))
     assert mismatches(chosen, streams) == []
     assert [r["output_ids"] for r in chosen] != [r["output_ids"] for r in greedy_run[:8]]
+
+
+def test_aggregated_log_probabilities_equal_transformers(
+    cluster: LocalCluster, offline: list[dict[str, Any]]
+) -> None:
+    """Aggregated on one vLLM worker, seeded (pdorch's draw inside vLLM): the prompt's
+    log-probabilities (first token unscored) and each output token's, with 5 alternatives,
+    are the log-softmax of transformers' raw logits within 1e-3; `test_vllm_logprobs`
+    checks the prefill/decode split."""
+    prompt = list(offline[0]["prompt_ids"])
+    (chunks,) = asyncio.run(generate(cluster.orchestrator_addresses[0], [scored(prompt, "lp")], 1))
+    assert chunks[-1].decode_worker == "decode-0"
+    assert logprob_errors(prompt, chunks) == []
