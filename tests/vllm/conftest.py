@@ -169,3 +169,25 @@ def logprob_errors(prompt: list[int], chunks: list[orchestrator_pb2.GenerateChun
             if abs(t.logprob - row[t.token_id]) > LOGPROB_TOL
         ]
     return errors
+
+
+def scored_stream(
+    cluster: Any, prompt: list[int], rid: str
+) -> list[orchestrator_pb2.GenerateChunk]:
+    """`scored`'s stream through ``cluster`` (a `LocalCluster`); a failure shows the workers'
+    logs."""
+    try:
+        (chunks,) = asyncio.run(
+            generate(cluster.orchestrator_addresses[0], [scored(prompt, rid)], 1)
+        )
+    except grpc.RpcError as exc:
+        logs = "\n".join(f"--- {n}\n{p.tail(4000)}" for n, p in cluster.procs.items() if "-" in n)
+        pytest.fail(f"{exc}\n{logs}")
+    return chunks
+
+
+def prompt_ids(text: str) -> list[int]:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir()))
+    return list(tokenizer.encode(text, add_special_tokens=False))

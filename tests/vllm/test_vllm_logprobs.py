@@ -7,14 +7,12 @@ checks the aggregated path; `test_logprob_conversion` vLLM's mapping → pdorch'
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
-from transformers import AutoTokenizer
 
 from orchestrator.cluster import LocalCluster
-from tests.vllm.conftest import generate, logprob_errors, model_dir, scored
+from tests.vllm.conftest import logprob_errors, prompt_ids, scored_stream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -29,18 +27,11 @@ def pd_cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def prompt_ids(text: str) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir()))
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def test_pd_log_probabilities_equal_transformers(pd_cluster: LocalCluster) -> None:
     """Split in two (prefill on one vLLM engine, decode on the other), seeded: the prompt's
     log-probabilities (first token unscored) and each output token's, with 5 alternatives,
     are transformers' within 1e-3."""
     prompt = prompt_ids("The capital of France is")
-    (chunks,) = asyncio.run(
-        generate(pd_cluster.orchestrator_addresses[0], [scored(prompt, "lp")], 1)
-    )
+    chunks = scored_stream(pd_cluster, prompt, "lp")
     assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-0")
     assert logprob_errors(prompt, chunks) == []

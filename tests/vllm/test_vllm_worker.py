@@ -24,7 +24,8 @@ from tests.vllm.conftest import (
     greedy,
     logprob_errors,
     mismatches,
-    scored,
+    prompt_ids,
+    scored_stream,
     token_ids,
 )
 
@@ -107,14 +108,12 @@ def test_seeded_sampling_through_pdorch_equals_vllm_offline(
     assert [r["output_ids"] for r in chosen] != [r["output_ids"] for r in greedy_run[:8]]
 
 
-def test_aggregated_log_probabilities_equal_transformers(
-    cluster: LocalCluster, offline: list[dict[str, Any]]
-) -> None:
+def test_aggregated_log_probabilities_equal_transformers(cluster: LocalCluster) -> None:
     """Aggregated on one vLLM worker, seeded (pdorch's draw inside vLLM): the prompt's
     log-probabilities (first token unscored) and each output token's, with 5 alternatives,
     are the log-softmax of transformers' raw logits within 1e-3; `test_vllm_logprobs`
     checks the prefill/decode split."""
-    prompt = list(offline[0]["prompt_ids"])
-    (chunks,) = asyncio.run(generate(cluster.orchestrator_addresses[0], [scored(prompt, "lp")], 1))
+    prompt = prompt_ids("The capital of France is")
+    chunks = scored_stream(cluster, prompt, "lp")
     assert chunks[-1].decode_worker == "decode-0"
     assert logprob_errors(prompt, chunks) == []
