@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -108,3 +109,85 @@ def mismatches(
             first = next((i for i, (a, b) in pairs if a != b), min(len(got), len(want)))
             out.append(f"{ref['prompt']!r}: first difference at {first}: {got} != {want}")
     return out
+
+
+LOGPROBS = 5
+"""Alternatives asked per token by the log-probability checks."""
+LOGPROB_TOL = 1e-3
+"""vLLM's float32 CPU forward against transformers' (same weights, float32 CPU)."""
+
+
+def scored(ids: list[int], rid: str, max_tokens: int = 8) -> orchestrator_pb2.GenerateRequest:
+    """A seeded request (pdorch's logits processor draws its tokens inside vLLM) asking
+    ``LOGPROBS`` alternatives for every output and prompt token."""
+    sampling = common_pb2.SamplingParams(
+        temperature=SEEDED[0], seed=SEEDED[1], logprobs=LOGPROBS, prompt_logprobs=LOGPROBS
+    )
+    req = orchestrator_pb2.GenerateRequest(request_id=rid, max_tokens=max_tokens, sampling=sampling)
+    req.tokens.ids.extend(ids)
+    return req
+
+
+def logprob_errors(prompt: list[int], chunks: list[orchestrator_pb2.GenerateChunk]) -> list[str]:
+    """Where a stream's log-probabilities (prompt's and outputs') differ from the log-softmax
+    of transformers' raw logits for the same tokens (`orchestrator.core.logprobs`, the
+    reference engine's computation): each token's and each alternative's value within
+    `LOGPROB_TOL`, the alternatives the ``LOGPROBS`` most probable, most probable first."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from orchestrator.core.logprobs import log_softmax  # noqa: PLC0415
+
+    output = token_ids(chunks)
+    seq = prompt + output
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir()), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0].numpy()
+    lp = log_softmax(logits)
+    got_prompt = [p for c in chunks for p in c.prompt_logprobs]
+    got_output = [p for c in chunks for p in c.logprobs]
+    errors: list[str] = []
+    if [p.token_id for p in got_prompt] != prompt:
+        errors.append(f"prompt log-probabilities for {[p.token_id for p in got_prompt]}")
+    if [p.token_id for p in got_output] != output:
+        errors.append(f"output log-probabilities for {[p.token_id for p in got_output]}")
+    if errors:
+        return errors
+    if got_prompt[0].HasField("logprob") or got_prompt[0].top:
+        errors.append("the first prompt token is scored")
+    for pos, item in enumerate(got_prompt[1:] + got_output, start=1):
+        row = lp[pos - 1]  # the logits after tokens 0..pos-1 score token pos
+        if abs(item.logprob - row[item.token_id]) > LOGPROB_TOL:
+            errors.append(f"token {pos}: {item.logprob} != {row[item.token_id]}")
+        top = [t.logprob for t in item.top]
+        kth = np.sort(row)[-LOGPROBS]
+        if len(top) != LOGPROBS or top != sorted(top, reverse=True) or min(top) < kth - LOGPROB_TOL:
+            errors.append(f"token {pos}: alternatives {top}, the top {LOGPROBS} end at {kth}")
+        errors += [
+            f"token {pos}: alternative {t.token_id}: {t.logprob} != {row[t.token_id]}"
+            for t in item.top
+            if abs(t.logprob - row[t.token_id]) > LOGPROB_TOL
+        ]
+    return errors
+
+
+def scored_stream(
+    cluster: Any, prompt: list[int], rid: str
+) -> list[orchestrator_pb2.GenerateChunk]:
+    """`scored`'s stream through ``cluster`` (a `LocalCluster`); a failure shows the workers'
+    logs."""
+    try:
+        (chunks,) = asyncio.run(
+            generate(cluster.orchestrator_addresses[0], [scored(prompt, rid)], 1)
+        )
+    except grpc.RpcError as exc:
+        logs = "\n".join(f"--- {n}\n{p.tail(4000)}" for n, p in cluster.procs.items() if "-" in n)
+        pytest.fail(f"{exc}\n{logs}")
+    return chunks
+
+
+def prompt_ids(text: str) -> list[int]:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir()))
+    return list(tokenizer.encode(text, add_special_tokens=False))

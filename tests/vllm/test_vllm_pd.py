@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation with vLLM on both pools: a prefill worker and a decode
 worker (`pdorch worker --engine vllm`), the prompt's KV moved by pdorch's connector through
 pdorch's transport, checked against vLLM on its own (greedy, the 20 shipped prompts; seeded,
-with pdorch's sampler in both)."""
+with pdorch's sampler in both); and log probabilities across the split (issue 17 defect 13:
+the prefill's response carries the prompt's and the first token's, the decode stream the
+rest), equal to the log-softmax of transformers' raw logits on the same model."""
 
 from __future__ import annotations
 
@@ -13,7 +15,15 @@ import pytest
 
 from orchestrator.cluster import LocalCluster
 from tests.integration.conftest import wait_for, workers
-from tests.vllm.conftest import SEEDED, generate, greedy, mismatches
+from tests.vllm.conftest import (
+    SEEDED,
+    generate,
+    greedy,
+    logprob_errors,
+    mismatches,
+    prompt_ids,
+    scored_stream,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -66,3 +76,14 @@ def test_pd_seeded_equals_the_uninterrupted_request(
     for chunks in streams:
         assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-0")
     assert mismatches(chosen, streams) == []
+
+
+def test_pd_log_probabilities_equal_transformers(pd_cluster: LocalCluster) -> None:
+    """Split in two (prefill on one vLLM engine, decode on the other), seeded: the prompt's
+    log-probabilities (first token unscored) and each output token's, with 5 alternatives,
+    are transformers' within 1e-3 (`test_vllm_worker` checks the aggregated path,
+    `test_logprob_conversion` the mapping of vLLM's results to pdorch's ranking)."""
+    prompt = prompt_ids("The capital of France is")
+    chunks = scored_stream(pd_cluster, prompt, "lp")
+    assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-0")
+    assert logprob_errors(prompt, chunks) == []

@@ -18,7 +18,16 @@ import pytest
 from orchestrator.api import orchestrator_pb2
 from orchestrator.cluster import LocalCluster
 from tests.integration.conftest import wait_for, workers
-from tests.vllm.conftest import SEEDED, generate, greedy, mismatches, token_ids
+from tests.vllm.conftest import (
+    SEEDED,
+    generate,
+    greedy,
+    logprob_errors,
+    mismatches,
+    prompt_ids,
+    scored_stream,
+    token_ids,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -97,3 +106,14 @@ def test_seeded_sampling_through_pdorch_equals_vllm_offline(
     streams = asyncio.run(generate(cluster.orchestrator_addresses[0], reqs, 4))
     assert mismatches(chosen, streams) == []
     assert [r["output_ids"] for r in chosen] != [r["output_ids"] for r in greedy_run[:8]]
+
+
+def test_aggregated_log_probabilities_equal_transformers(cluster: LocalCluster) -> None:
+    """Aggregated on one vLLM worker, seeded (pdorch's draw inside vLLM): the prompt's
+    log-probabilities (first token unscored) and each output token's, with 5 alternatives,
+    are the log-softmax of transformers' raw logits within 1e-3; `test_vllm_pd`
+    checks the prefill/decode split."""
+    prompt = prompt_ids("The capital of France is")
+    chunks = scored_stream(cluster, prompt, "lp")
+    assert chunks[-1].decode_worker == "decode-0"
+    assert logprob_errors(prompt, chunks) == []

@@ -23,7 +23,8 @@ these into the figures the orchestrator already understands:
 * **output chunks** (`ChunkStream`): vLLM's per-step token deltas and finish reasons as the
   worker API's `TokenChunk`s, with the reference engine's conventions: indices count from
   the request's first output token, an end-of-sequence token is not streamed (its index
-  carries the final chunk), text deltas never split a character.
+  carries the final chunk), text deltas never split a character; a token's log-probability
+  rides with it, the prompt's on the stream's first chunk.
 """
 
 from __future__ import annotations
@@ -127,12 +128,20 @@ class ChunkStream:
         self._eos = frozenset(eos)
         self._text = TextDeltas(detokenize, prior)
         self.finished = False
+        self._prompt: list[common_pb2.TokenLogprob] = []
 
     def push(
-        self, token_ids: Sequence[int], finish: str | None, compute_ms: float
+        self,
+        token_ids: Sequence[int],
+        finish: str | None,
+        compute_ms: float,
+        logprobs: Sequence[common_pb2.TokenLogprob] = (),
+        prompt_logprobs: Sequence[common_pb2.TokenLogprob] = (),
     ) -> list[worker_pb2.TokenChunk]:
         """Chunks for one delta; ``compute_ms`` (the engine time since the last delta) rides
-        on the first of them. ``finish``: vLLM's finish reason when the request ended."""
+        on the first of them. ``finish``: vLLM's finish reason when the request ended.
+        ``logprobs``: one per token of ``token_ids`` (or none); ``prompt_logprobs``: ride on
+        the first chunk."""
         if self.finished:
             return []
         ids: list[int] = []
@@ -154,7 +163,11 @@ class ChunkStream:
             delta = self._text.push(ids)
             out.append(
                 worker_pb2.TokenChunk(
-                    index=self.index, token_ids=ids, text=delta, compute_ms=compute_ms
+                    index=self.index,
+                    token_ids=ids,
+                    text=delta,
+                    compute_ms=compute_ms,
+                    logprobs=list(logprobs[: len(ids)]),
                 )
             )
             self.index += len(ids)
@@ -169,4 +182,8 @@ class ChunkStream:
                     compute_ms=compute_ms,
                 )
             )
+        self._prompt.extend(prompt_logprobs)
+        if out and self._prompt:  # the first chunk carries them (held until there is one)
+            out[0].prompt_logprobs.extend(self._prompt)
+            self._prompt = []
         return out

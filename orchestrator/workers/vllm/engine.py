@@ -25,6 +25,13 @@ processor its output offset (Generate: ``first_index``; Prefill: ``first_index``
 ``generated``), so a request split into prefill and decode, or continued after a failover in
 a new vLLM request, draws exactly what one uninterrupted request would.
 
+Log probabilities (``sampling.logprobs``/``prompt_logprobs``) are vLLM's, asked in its
+``raw_logprobs`` mode: the log-softmax of the raw logits, before pdorch's logits processor,
+as the reference engine computes them (`orchestrator.workers.vllm.logprobs`). A token's
+rides in its chunk; the prompt's are asked only for a request's first attempt
+(``first_index`` 0) — by Generate, or by Prefill, whose response carries them and the first
+token's as the reference prefill's does; Decode never computes the prompt.
+
 Imports vLLM at module level: only the composition root imports this module, and only for
 ``--engine vllm`` (the ``vllm`` extra's environment).
 """
@@ -54,12 +61,14 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from orchestrator.api import common_pb2, convert, worker_pb2
-from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, refusal
+from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
+from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.prefix import DEFAULT_REPORT_BLOCKS
 from orchestrator.workers.engine import ModelInfo
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
 from orchestrator.workers.vllm import kv, kv_events, sampler
+from orchestrator.workers.vllm import logprobs as vllm_logprobs
 from orchestrator.workers.vllm.accounting import BlockPool, ChunkStream, StepLedger
 from orchestrator.workers.vllm.kv_params import DTYPES as KV_DTYPES
 from transport.wire import DType
@@ -182,6 +191,7 @@ class VllmHost(EngineHost):
             enable_logging_iteration_details=True,  # step time and batch size, for cost
             kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
             logits_processors=[sampler.PROCESSOR],  # pdorch's seeded draw (`sampler`)
+            logprobs_mode="raw_logprobs",  # before that processor: the model's own
             kv_events_config=kv_events.events_config(events) if events else None,
             prefix_caching_hash_algo="sha256_cbor",  # vLLM's hashes are then pdorch's too
         )
@@ -273,10 +283,13 @@ class VllmHost(EngineHost):
         max_tokens: int,
         offset: int,
         kv_transfer_params: dict[str, Any] | None = None,
+        *,
+        prompt_scored: bool = False,
     ) -> Any:
         """vLLM's parameters for a request whose first output is pdorch's output token
         ``offset``. vLLM always samples greedily: a sampled request's tokens are drawn by
-        pdorch's `sampler.PdorchSampler` at their own output index."""
+        pdorch's `sampler.PdorchSampler` at their own output index. ``prompt_scored``: ask
+        the prompt's log-probabilities too (when the request asks them)."""
         p = convert.sampling_from_pb(msg)
         eos = self.info.eos_token_ids
         extra = sampler.extra_args(p, offset, eos) if sampler.draws(p) else {}
@@ -289,6 +302,8 @@ class VllmHost(EngineHost):
             stop_token_ids=[] if p.ignore_eos else list(eos),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # text deltas are ours (`accounting.ChunkStream`)
+            logprobs=p.logprobs,
+            prompt_logprobs=p.prompt_logprobs if prompt_scored else None,
             extra_args=extra or None,
         )
 
@@ -314,6 +329,27 @@ class VllmHost(EngineHost):
         finally:
             self._active -= 1
 
+    def _named(self, lp: TokenLogprob) -> common_pb2.TokenLogprob:
+        """A log-probability with its tokens' texts, for the wire."""
+        return convert.logprob_to_pb(lp.named(lambda t: self.detokenize([t])))
+
+    def _scores(
+        self, out: Any, sampling: Any, prompt: list[int]
+    ) -> tuple[list[common_pb2.TokenLogprob], list[common_pb2.TokenLogprob]]:
+        """One vLLM output's log-probabilities as the wire's: its new tokens' (when asked)
+        and the prompt's (when asked, in the output that carries them)."""
+        completion = out.outputs[0]
+        tokens = [int(t) for t in completion.token_ids]
+        scored: list[TokenLogprob] = []
+        if sampling.logprobs is not None and tokens:
+            scored = vllm_logprobs.output_logprobs(tokens, completion.logprobs, sampling.logprobs)
+        prompt_scored: list[TokenLogprob] = []
+        if sampling.prompt_logprobs is not None and out.prompt_logprobs:
+            prompt_scored = vllm_logprobs.prompt_logprobs(
+                prompt, out.prompt_logprobs, sampling.prompt_logprobs
+            )
+        return [self._named(lp) for lp in scored], [self._named(lp) for lp in prompt_scored]
+
     async def _stream(
         self,
         request_id: str,
@@ -329,8 +365,11 @@ class VllmHost(EngineHost):
                 completion = out.outputs[0]
                 finish = completion.finish_reason if out.finished else None
                 try:
-                    chunks = stream.push(completion.token_ids, finish, spent_ms)
-                except ValueError as exc:  # aborted inside vLLM
+                    scores, prompt_scores = self._scores(out, sampling, prompt)
+                    chunks = stream.push(
+                        completion.token_ids, finish, spent_ms, scores, prompt_scores
+                    )
+                except ValueError as exc:  # aborted inside vLLM, or scores missing
                     await context.abort(grpc.StatusCode.INTERNAL, str(exc))
                 for chunk in chunks:
                     yield chunk
@@ -341,7 +380,6 @@ class VllmHost(EngineHost):
     async def generate(
         self, request: worker_pb2.AggregatedRequest, context: Context
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        await _refuse_logprobs(request.sampling, context)
         ids = list(request.token_ids)
         first, limit = int(request.first_index), int(request.max_tokens)
         if first >= limit:
@@ -353,7 +391,7 @@ class VllmHost(EngineHost):
             eos=_eos(self.info, request.sampling),
             prior=ids[int(request.prompt_tokens) :],
         )
-        sampling = self._sampling(request.sampling, limit - first, first)
+        sampling = self._sampling(request.sampling, limit - first, first, prompt_scored=first == 0)
         async for chunk in self._stream(
             request.request_id, int(request.epoch), ids, sampling, stream, context
         ):
@@ -366,7 +404,6 @@ class VllmHost(EngineHost):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker, or no KV target"
             )
-        await _refuse_logprobs(request.sampling, context)
         rid, epoch = request.request_id, int(request.epoch)
         try:
             wire_dtype = convert.kv_dtype_from_pb(request.kv_dtype) or self.info.kv_dtype
@@ -374,19 +411,31 @@ class VllmHost(EngineHost):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown kv_dtype")
         wire_name = next(n for n, d in KV_DTYPES.items() if d is wire_dtype)
         params = kv.prefill_params(rid, epoch, request.kv_target, wire_name)
-        sampling = self._sampling(request.sampling, 1, int(request.first_index), params)
+        first_index = int(request.first_index)
+        sampling = self._sampling(
+            request.sampling, 1, first_index, params, prompt_scored=first_index == 0
+        )
         started = time.perf_counter()
         first: int | None = None
+        first_scored: list[common_pb2.TokenLogprob] = []
+        prompt_scored: list[common_pb2.TokenLogprob] = []
         spent_ms = 0.0
         cached = 0  # prompt tokens vLLM's prefix cache held (RequestOutput.num_cached_tokens)
         transfer_params: dict[str, Any] | None = None
-        outputs = self._outputs(rid, epoch, list(request.token_ids), sampling, context)
+        ids = list(request.token_ids)
+        outputs = self._outputs(rid, epoch, ids, sampling, context)
         async with contextlib.aclosing(outputs):
             async for out, ms in outputs:
                 spent_ms += ms
                 cached = int(out.num_cached_tokens or 0) or cached
+                try:
+                    scores, prompt_scores = self._scores(out, sampling, ids)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+                prompt_scored += prompt_scores
                 if out.outputs[0].token_ids and first is None:
                     first = int(out.outputs[0].token_ids[0])
+                    first_scored = scores[:1]
                 if out.finished:
                     transfer_params = out.kv_transfer_params
         result = kv.prefill_result(transfer_params)
@@ -412,6 +461,8 @@ class VllmHost(EngineHost):
             transfer_ms=transfer_ms,
             kv_dtype=convert.kv_dtype_to_pb(wire_dtype),
             cached_tokens=cached,
+            first_logprob=first_scored[0] if first_scored else None,
+            prompt_logprobs=prompt_scored,
         )
 
     async def decode(
@@ -420,7 +471,6 @@ class VllmHost(EngineHost):
         if self._control is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
         assert self._control is not None
-        await _refuse_logprobs(request.sampling, context)
         rid, epoch = request.request_id, int(request.epoch)
         ids = list(request.token_ids)
         generated, limit = int(request.generated), int(request.max_tokens)
@@ -448,17 +498,6 @@ class VllmHost(EngineHost):
         if self._control is None:
             return False
         return bool(await self._control.release(request.request_id, int(request.epoch)))
-
-
-async def _refuse_logprobs(msg: common_pb2.SamplingParams, context: Context) -> None:
-    """Log probabilities are not wired through vLLM yet (its own are of another draw's
-    logits): refused by name, never answered without them."""
-    for name in ("logprobs", "prompt_logprobs"):
-        if msg.HasField(name):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                refusal(name, "not supported by the vLLM engine (the reference engine has them)"),
-            )
 
 
 def _eos(info: ModelInfo, msg: common_pb2.SamplingParams) -> tuple[int, ...]:
