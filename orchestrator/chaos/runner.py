@@ -343,7 +343,9 @@ class ChaosRunner:
 
         async def faults() -> None:
             for fault in plan(self.scenario, seed):
-                due = fault.at
+                # Faults run in plan order: one due while an earlier one still waited for its
+                # trigger is due when that one is done (its `planned_at` keeps the plan's time).
+                due = max(fault.at, clients.now())
                 if fault.after_healed:
                     await executor.settle()  # earlier faults back in service first
                     due = max(due, clients.now())
