@@ -47,7 +47,6 @@ lint: venv
 test: lint venv-vllm
 	$(VENV)/bin/pytest -m "not vllm" $(PYTEST_ARGS)
 	$(VENV_VLLM)/bin/pytest -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
-	$(MAKE) lmeval
 
 # The inner loop (well under a minute): lint, the pure unit tests and the store and
 # transport contract suites; `make test` runs everything.
