@@ -12,7 +12,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,9 +203,7 @@ def _run_kv_routing(args: argparse.Namespace) -> int:
     from orchestrator.bench.kv_routing import ChatBench, format_result, run_bench  # noqa: PLC0415
     from orchestrator.cluster import ClusterError  # noqa: PLC0415
 
-    def progress(message: str) -> None:
-        if not args.json:
-            print(f"  {message}", file=sys.stderr, flush=True)
+    progress = _progress(quiet=args.json)
 
     spec = ChatBench(
         conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
@@ -220,6 +218,16 @@ def _run_kv_routing(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     return 0
+
+
+def _progress(*, quiet: bool) -> Callable[[str], None]:
+    """A bench's progress lines: on stderr (stdout stays the result), none when ``quiet``."""
+
+    def progress(message: str) -> None:
+        if not quiet:
+            print(f"  {message}", file=sys.stderr, flush=True)
+
+    return progress
 
 
 # -------------------------------------------------------------------------- control plane
@@ -262,9 +270,7 @@ def _run_control_plane(args: argparse.Namespace) -> int:
     from orchestrator.cluster import ClusterError  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
 
-    def progress(message: str) -> None:  # stderr: stdout stays the result
-        if not args.json:
-            print(f"  {message}", file=sys.stderr, flush=True)
+    progress = _progress(quiet=args.json)
 
     try:
         result = run_bench(control_plane_bench(args), log_level=args.log_level, progress=progress)
@@ -380,9 +386,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     from orchestrator.bench.engine_batching import format_result, run_bench  # noqa: PLC0415
     from orchestrator.cluster import ClusterError  # noqa: PLC0415
 
-    def progress(message: str) -> None:  # stderr: stdout stays the result
-        if not args.json:
-            print(f"  {message}", file=sys.stderr, flush=True)
+    progress = _progress(quiet=args.json)
 
     try:
         result = run_bench(engine_bench(args), log_level=args.log_level, progress=progress)
@@ -450,8 +454,7 @@ def _run_serving(args: argparse.Namespace) -> int:
         print(f"pdorch bench serving: {exc}", file=sys.stderr)
         return 2
 
-    def progress(message: str) -> None:  # stderr: stdout stays one JSON object
-        print(f"  {message}", file=sys.stderr, flush=True)
+    progress = _progress(quiet=False)  # stdout stays one JSON object
 
     try:
         result = run(bench, progress)
