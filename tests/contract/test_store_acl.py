@@ -26,7 +26,7 @@ from orchestrator.store.server import RedisServer
 from orchestrator.store.url import redacted, with_password
 from tests.contract import test_store as suite
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 ADMIN = secrets.token_hex(16)
 PASSWORDS = {role: secrets.token_hex(16) for role in ("orchestrator", "worker", "migrate")}

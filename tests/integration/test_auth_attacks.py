@@ -35,7 +35,7 @@ from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer
 from tests.integration.conftest import request
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOKEN_A = "attack-table-token-a-7f3c9b1e"  # team-a, may also act for team-a-batch
 TOKEN_B = "attack-table-token-b-0d5e2a44"  # team-b

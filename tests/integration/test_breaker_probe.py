@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from orchestrator.control.clients import WorkerClients
 from orchestrator.control.ledger import breaker_key
 from orchestrator.control.orchestrator import ControlSettings, GenerateInput, Orchestrator
@@ -24,6 +26,8 @@ from orchestrator.workers.server import Worker, WorkerSettings
 from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec
 from transport.base import TransportSettings
 from transport.tcp import tcp_receiver, tcp_sender
+
+pytestmark = pytest.mark.slow  # starts real processes (Redis, workers, orchestrators)
 
 SETTINGS = ControlSettings(admission=AdmissionPolicy(aggregate_below=0))  # always disaggregate
 

@@ -22,6 +22,8 @@ from orchestrator.store.keys import Keys
 from orchestrator.workers.sim_engine import SIM_BLOCK
 from tests.integration.conftest import collect, request, run, wait_for, workers
 
+pytestmark = pytest.mark.slow  # starts real processes (Redis, workers, orchestrators)
+
 SIM = "llama-3-8b@H100"
 
 
