@@ -4,6 +4,13 @@ Used by `pdorch demo`, the integration tests and the chaos tool. Every process i
 through the `pdorch` CLI (``python -m orchestrator.cli``), so what runs here is what runs
 in a deployment. Readiness is awaited on conditions (Redis PING, workers' heartbeats in
 Redis, the orchestrator's gRPC health), each with a deadline; `stop` terminates in phases.
+
+**TLS by default**: the cluster makes a throwaway CA in ``<workdir>/tls`` (`orchestrator
+.certs`, once per cluster) and starts every orchestrator and worker with ``--tls-dir``, so the
+client API and orchestrator→worker calls are mutual TLS. `channel` gives a test or a
+demo a channel to one of its processes with the right identity (a client's to an
+orchestrator, the orchestrator's to a worker). The gateway stays plain HTTP on loopback
+(``--http-plain``); ``tls=False`` runs everything plaintext (``--insecure``).
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.api.tls import Tls
+from orchestrator.core.peers import CA_FILE, ORCHESTRATOR_SERVER_NAME, WORKER_SERVER_NAME, Role
 from orchestrator.ports import free_port
+from orchestrator.rpc.client import channel as client_channel
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer, RedisServerError
 
-__all__ = ["ClusterError", "LocalCluster", "Proc", "free_port", "spawn"]
+__all__ = ["ClusterError", "LocalCluster", "Proc", "connect", "free_port", "spawn"]
 
 
 class ClusterError(Exception):
@@ -176,6 +186,46 @@ class LocalCluster:
     demo, the tests and the chaos scenarios are about moving KV between workers."""
     gateway_urls: list[str] = field(default_factory=list)
     """Orchestrator index -> its gateway's base URL (``http://127.0.0.1:PORT``)."""
+    tls: bool = True
+    """Run with TLS (a throwaway CA in ``<workdir>/tls``); False: plaintext (``--insecure``)."""
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.workdir / "tls"
+
+    def _tls_flags(self) -> list[str]:
+        """The TLS flags of every orchestrator and worker (the CA made on first use)."""
+        if not self.tls:
+            return ["--insecure"]
+        if not (self.tls_dir / CA_FILE).exists():
+            from orchestrator.certs import make_tls_dir  # noqa: PLC0415 - cryptography
+
+            make_tls_dir(self.tls_dir)
+        return ["--tls-dir", str(self.tls_dir)]
+
+    def _orchestrator_tls_flags(self) -> list[str]:
+        """An orchestrator's: the client API is mutual TLS too (clients here have a
+        certificate; a worker's is refused)."""
+        flags = self._tls_flags()
+        return [*flags, "--client-cert", "required"] if self.tls else flags
+
+    def credentials(self, role: Role = Role.CLIENT) -> Tls | None:
+        """The credentials of ``role`` (None when the cluster runs plaintext)."""
+        if not self.tls:
+            return None
+        self._tls_flags()
+        return Tls.load(self.tls_dir, role.identity)
+
+    def channel(self, address: str, token: str | None = None) -> grpc.aio.Channel:
+        """A channel to one of this cluster's processes: a client's to an orchestrator, the
+        orchestrator's to a worker (a test acting as the control plane)."""
+        worker = address in self.expected.values()
+        tls = self.credentials(Role.ORCHESTRATOR if worker else Role.CLIENT)
+        if tls is not None and worker:
+            from orchestrator.api.tls import secure_channel  # noqa: PLC0415
+
+            return secure_channel(address, tls, WORKER_SERVER_NAME)
+        return client_channel(address, token, tls=tls)
 
     @property
     def redis_url(self) -> str:
@@ -190,6 +240,8 @@ class LocalCluster:
         env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         proc = spawn(name, args, log_path, env)
         self.procs[name] = proc
+        if self not in _LIVE:
+            _LIVE.append(self)
         return proc
 
     def _pdorch(self, *args: str) -> list[str]:
@@ -236,6 +288,7 @@ class LocalCluster:
             "--torch-threads", "1",
             "--heartbeat-ttl", str(self.heartbeat_ttl_s),
             "--engine", self.engine,
+            *self._tls_flags(),
         )  # fmt: skip
         if self.model_cache is not None:
             args += ["--model-cache", str(self.model_cache)]
@@ -315,6 +368,7 @@ class LocalCluster:
             "--transport", "tcp",
             "--worker-id", f"{role}-s{index}",
             "--heartbeat-ttl", str(self.heartbeat_ttl_s),
+            *self._tls_flags(),
             *extra,
         )  # fmt: skip
         return self._spawn(f"{role}-sim-{index}", args)
@@ -355,6 +409,7 @@ class LocalCluster:
             "--port", str(port),
             "--replica-id", f"orchestrator-{index}",
             "--aggregate-below", self.aggregate_below,
+            *self._orchestrator_tls_flags(),
             *_indexed(self.orchestrator_extra, index),
             *extra,
         )  # fmt: skip
@@ -365,11 +420,14 @@ class LocalCluster:
             else:
                 http_port = (self.gateway_port if index == 0 else 0) or free_port()
             args += ["--http-port", str(http_port)]
+            if self.tls:  # loopback: the local gateway stays plain HTTP (README: Security)
+                args.append("--http-plain")
             url = f"http://127.0.0.1:{http_port}"
         proc = self._spawn(f"orchestrator-{index}", args)
         address = f"127.0.0.1:{port}"
         # An orchestrator reports SERVING only once its gateway, if any, serves too.
-        _wait(lambda: _serving(address), 30, f"orchestrator {address}", [proc])
+        tls = self.credentials()
+        _wait(lambda: _serving(address, tls), 30, f"orchestrator {address}", [proc])
         if index < len(self.orchestrator_addresses):
             self.orchestrator_addresses[index] = address
         else:
@@ -383,6 +441,11 @@ class LocalCluster:
     def stop(self) -> None:
         for name in sorted(self.procs, key=lambda n: n == "redis"):  # redis last
             self.procs[name].stop()
+        with contextlib.suppress(ValueError):
+            _LIVE.remove(self)
+
+    def owns(self, address: str) -> bool:
+        return address in self.orchestrator_addresses or address in self.expected.values()
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -395,8 +458,30 @@ class LocalCluster:
             yield name, proc.tail(4000)
 
 
-def _serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+_LIVE: list[LocalCluster] = []
+"""Clusters started in this process and not stopped: `connect` finds an address's owner."""
+
+
+def connect(address: str, token: str | None = None) -> grpc.aio.Channel:
+    """A channel to ``address``, a process of a local cluster this process started (with
+    that cluster's credentials, `LocalCluster.channel`); plaintext to any other address.
+    For tests and tools that hold an address, not the cluster."""
+    for cluster in reversed(_LIVE):
+        if cluster.owns(address):
+            return cluster.channel(address, token)
+    return client_channel(address, token)
+
+
+def _serving(address: str, tls: Tls | None = None) -> bool:
+    with (
+        grpc.insecure_channel(address)
+        if tls is None
+        else grpc.secure_channel(
+            address,
+            tls.channel_credentials(),
+            [("grpc.ssl_target_name_override", ORCHESTRATOR_SERVER_NAME)],
+        )
+    ) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=0.5

@@ -33,7 +33,7 @@ from orchestrator.api import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from orchestrator.cluster import ClusterError, LocalCluster
+from orchestrator.cluster import ClusterError, LocalCluster, connect
 from orchestrator.store.keys import Keys
 
 PROMPTS = (
@@ -111,7 +111,7 @@ async def _one(
 
 async def _reference(address: str, rid: str, tokens: list[int], max_tokens: int) -> list[int]:
     """The same prompt run aggregated on one worker (prefill and decode in one process)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         out: list[int] = []
         async for chunk in stub.Generate(
@@ -130,7 +130,7 @@ async def _reference(address: str, rid: str, tokens: list[int], max_tokens: int)
 
 
 async def _tokens(address: str, prompt: str, chat: bool) -> list[int]:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         req = worker_pb2.TokenizeRequest()
         if chat:
@@ -143,7 +143,7 @@ async def _tokens(address: str, prompt: str, chat: bool) -> list[int]:
 async def _run(cluster: LocalCluster, max_tokens: int, live: bool) -> list[DemoResult]:
     chat = cluster.model != "tiny"
     progress: dict[str, int] = {}
-    async with grpc.aio.insecure_channel(cluster.orchestrator_addresses[0]) as channel:
+    async with cluster.channel(cluster.orchestrator_addresses[0]) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         stamp = int(time.time())
         rids = [f"demo-{stamp}-{i}" for i in range(len(PROMPTS))]

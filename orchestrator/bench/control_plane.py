@@ -60,6 +60,9 @@ class ControlPlaneBench:
     """Extra `pdorch orchestrator` flags (e.g. ``--max-inflight=300``: admission under load)."""
     timeout_s: float = 600.0
     """The whole load phase."""
+    tls: bool = True
+    """Client API over TLS and orchestrator→worker calls over mutual TLS (the local
+    cluster's default); False: plaintext, to measure what TLS costs."""
 
     def check(self) -> None:
         for name in ("workers", "concurrency", "requests", "orchestrators", "clients"):
@@ -124,6 +127,7 @@ def run_bench(
         decode_workers=0,
         orchestrators=0,
         log_level=log_level,
+        tls=b.tls,
     )
     with cluster:
         for role, count, sim in (
@@ -153,7 +157,8 @@ def run_bench(
                     max_tokens=b.max_tokens,
                     prompt_words=b.prompt_words,
                     offset=10**9,
-                )
+                ),
+                tls=cluster.credentials(),
             )
         )
         if not any(s.completed for s in warm.samples):
@@ -168,7 +173,8 @@ def run_bench(
         pids = {g: [cluster.procs[n].popen.pid for n in names] for g, names in groups.items()}
         before = {g: _cpu_s(p) for g, p in pids.items()}
         progress(f"measuring: {b.requests} requests at concurrency {b.concurrency}")
-        results = _drive(b, targets, log_level)
+        tls_dir = str(cluster.tls_dir) if b.tls else ""
+        results = _drive(b, targets, log_level, tls_dir)
         after = {g: _cpu_s(p) for g, p in pids.items()}
 
     merged = LoadResult.merge(results)
@@ -188,6 +194,7 @@ def run_bench(
         "clients": b.clients,
         "max_tokens": b.max_tokens,
         "prompt_words": b.prompt_words,
+        "tls": b.tls,
         **summary,
         "orchestrator_cpu_ms_per_request": cpu_ms["orchestrators"],
         "cpu_ms_per_request": cpu_ms,
@@ -197,8 +204,11 @@ def run_bench(
     }
 
 
-def _drive(b: ControlPlaneBench, targets: tuple[str, ...], log_level: str) -> list[LoadResult]:
-    """Run the load processes; their results."""
+def _drive(
+    b: ControlPlaneBench, targets: tuple[str, ...], log_level: str, tls_dir: str
+) -> list[LoadResult]:
+    """Run the load processes (over TLS with the client identity in ``tls_dir``, if
+    given); their results."""
     procs = []
     offset = 0
     for requests, concurrency in zip(
@@ -216,6 +226,7 @@ def _drive(b: ControlPlaneBench, targets: tuple[str, ...], log_level: str) -> li
             "--prompt-words", str(b.prompt_words),
             "--offset", str(offset),
             "--samples",
+            *(["--tls-dir", tls_dir] if tls_dir else []),
         ]  # fmt: skip
         offset += requests
         procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE))

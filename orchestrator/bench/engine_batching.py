@@ -27,11 +27,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.bench.precision import prompts_from_text
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 
 if TYPE_CHECKING:
     from orchestrator.api.orchestrator_pb2_grpc import OrchestratorAsyncStub
@@ -113,7 +111,7 @@ async def _level(address: str, c: int, bench: EngineBench, offset: int) -> Level
     prompts = _prompts()
     queue = [prompts[(offset + i) % len(prompts)] for i in range(c * bench.rounds)]
     samples: list[Sample] = []
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub: OrchestratorAsyncStub = orchestrator_pb2_grpc.OrchestratorStub(channel)
 
         async def slot() -> None:
@@ -127,7 +125,7 @@ async def _level(address: str, c: int, bench: EngineBench, offset: int) -> Level
 
 
 async def _drive(address: str, bench: EngineBench, progress: Callable[[str], None]) -> list[Level]:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub: OrchestratorAsyncStub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         for i in range(bench.warmup):
             await _one(stub, _prompts()[i % 20], 8)

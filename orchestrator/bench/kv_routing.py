@@ -30,11 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-import grpc
-
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.bench.stats import percentile
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from orchestrator.workers.sim_engine import SimPrefixCache
 
 if TYPE_CHECKING:
@@ -114,7 +112,7 @@ async def drive(address: str, b: ChatBench, tag: str) -> list[Sample]:
     system, chats, one_shots = chat_workload(b)
     gate = asyncio.Semaphore(b.concurrency)
     samples: list[Sample] = []
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub: OrchestratorAsyncStub = orchestrator_pb2_grpc.OrchestratorStub(channel)
 
         async def chat(c: int, messages: Sequence[list[int]]) -> None:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api.tls import Tls
 from orchestrator.bench.stats import percentile
 from orchestrator.rpc import client
 
@@ -215,13 +216,13 @@ async def _one(stub: OrchestratorAsyncStub, n: int, spec: LoadSpec) -> Sample:
     return sample
 
 
-async def run_load(spec: LoadSpec, token: str | None = None) -> LoadResult:
+async def run_load(spec: LoadSpec, token: str | None = None, tls: Tls | None = None) -> LoadResult:
     """Send ``spec.requests`` requests, ``spec.concurrency`` at a time; one sample each
-    (authenticated as ``token``, if given: `rpc.client`)."""
+    (authenticated as ``token``, if given, over TLS with ``tls``: `rpc.client`)."""
     per_target = max(1, math.ceil(spec.concurrency / STREAMS_PER_CHANNEL / len(spec.targets)))
     channels = [
         # A local subchannel pool: otherwise channels to one target share one connection.
-        client.channel(t, token, options=[("grpc.use_local_subchannel_pool", 1)])
+        client.channel(t, token, options=[("grpc.use_local_subchannel_pool", 1)], tls=tls)
         for t in spec.targets
         for _ in range(per_target)
     ]

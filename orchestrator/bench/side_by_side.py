@@ -42,7 +42,7 @@ from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.bench.openai_load import make_calls, run_level
 from orchestrator.bench.serving import SYSTEMS, Level, Row, Workload, prompt_ids, summarize
 from orchestrator.bench.vllm_serve import ServeError, VllmServer, metric_sum_count
-from orchestrator.cluster import ClusterError, LocalCluster
+from orchestrator.cluster import ClusterError, LocalCluster, connect
 from orchestrator.ports import free_port
 from orchestrator.workers.vllm.cpu import reserved_cpus_env
 
@@ -203,12 +203,16 @@ def _started(system: str, bench: ServingBench, model_dir: Path, workdir: Path) -
 
 def _pdorch_transfer_ms(address: str, request_ids: Sequence[str]) -> list[float | None]:
     """Each request's KV transfer time from its record (None: it ran aggregated)."""
+    return asyncio.run(_transfer_ms(address, request_ids))
+
+
+async def _transfer_ms(address: str, request_ids: Sequence[str]) -> list[float | None]:
     out: list[float | None] = []
-    with grpc.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         for rid in request_ids:
             try:
-                info = stub.GetRequest(
+                info = await stub.GetRequest(
                     orchestrator_pb2.GetRequestRequest(request_id=rid), timeout=10
                 )
             except grpc.RpcError:

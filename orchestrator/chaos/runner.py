@@ -294,6 +294,7 @@ class ChaosRunner:
             concurrency=self.scenario.workload.concurrency,
             timeout_s=self.scenario.workload.request_timeout_s,
             prefix=f"chaos-{self.scenario.name}-{self.seed}-{time.time_ns()}-ref",
+            tls=self.cluster.credentials(),
         )
         try:
             reference = await clients.run(plans)
@@ -328,6 +329,7 @@ class ChaosRunner:
             concurrency=self.scenario.workload.concurrency,
             timeout_s=self.scenario.workload.request_timeout_s,
             prefix=f"chaos-{self.scenario.name}-{seed}-{time.time_ns()}",
+            tls=self.cluster.credentials(),
         )
         executor = FaultExecutor(
             self.cluster,

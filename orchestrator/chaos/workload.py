@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import grpc
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api.tls import Tls
 from orchestrator.chaos.history import History, Op, RequestSpec
 from orchestrator.chaos.scenario import Workload
+from orchestrator.rpc.client import channel as client_channel
 
 # Codes after which resuming may succeed: the replica, a link or the store had a problem.
 RETRYABLE = frozenset(
@@ -92,7 +94,9 @@ class Clients:
         timeout_s: float,
         prefix: str,
         idle_timeout_s: float = 10.0,
+        tls: Tls | None = None,
     ) -> None:
+        """``tls``: the client identity's credentials (the cluster runs TLS)."""
         self.addresses = list(addresses)
         self.history = history
         self.t0 = t0
@@ -101,7 +105,7 @@ class Clients:
         self.prefix = prefix
         self._slots = asyncio.Semaphore(concurrency)
         self._rng = random.Random(history.seed)  # noqa: S311 - jitter, not secrets
-        self._channels = {a: grpc.aio.insecure_channel(a) for a in self.addresses}
+        self._channels = {a: client_channel(a, tls=tls) for a in self.addresses}
 
     def now(self) -> float:
         return time.monotonic() - self.t0

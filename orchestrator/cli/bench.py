@@ -21,6 +21,7 @@ from orchestrator.cli.common import (
     Commands,
     Parents,
     add_command,
+    client_tls,
     client_token,
     default,
     field_doc,
@@ -83,7 +84,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "request side by side. See README 'Admission and placement'.",
     ))  # fmt: skip
     _load(add_command(
-        bsub, "load", parents, parents.json,
+        bsub, "load", parents, parents.json, parents.client_tls,
         help="drive concurrent requests at running orchestrators",
     ))  # fmt: skip
     _engine(add_command(
@@ -262,6 +263,12 @@ def _control_plane(bc: argparse.ArgumentParser) -> None:
         metavar="FLAG",
         help="pass FLAG to every orchestrator, e.g. --orchestrator-arg=--max-inflight=300",
     )
+    bc.add_argument(
+        "--tls",
+        choices=("on", "off"),
+        default="on" if default(ControlPlaneBench, "tls") else "off",
+        help=field_doc(ControlPlaneBench, "tls"),
+    )
     bc.set_defaults(call=_run_control_plane)
 
 
@@ -300,6 +307,7 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
         warmup=args.warmup,
         profile_dir=Path(args.profile_dir) if args.profile_dir else None,
         orchestrator_args=tuple(args.orchestrator_arg),
+        tls=args.tls == "on",
     )
 
 
@@ -326,7 +334,7 @@ def _load(bl: argparse.ArgumentParser) -> None:
 def _run_load(args: argparse.Namespace) -> int:
     from orchestrator.bench.load import run_load  # noqa: PLC0415
 
-    result = asyncio.run(run_load(load_spec(args), client_token(os.environ)))
+    result = asyncio.run(run_load(load_spec(args), client_token(os.environ), client_tls(args)))
     if args.samples:  # for `bench control-plane`, which merges several clients
         print(result.to_json())
     elif args.json:

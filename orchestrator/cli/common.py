@@ -214,6 +214,30 @@ class Parents:
         return p
 
     @functools.cached_property
+    def tls(self) -> argparse.ArgumentParser:
+        """``--tls-dir`` and ``--insecure`` for the servers (orchestrator, worker)."""
+        from orchestrator.cli.state import TLS_ENV  # noqa: PLC0415
+
+        p = _parent()
+        _tls_dir_flag(p, self._env.get(TLS_ENV, ""), "this process's certificate")
+        p.add_argument(
+            "--insecure",
+            action="store_true",
+            help="plaintext gRPC (and HTTP) even with $PDORCH_TLS_DIR set: for debugging "
+            "only, said at WARNING at start",
+        )
+        return p
+
+    @functools.cached_property
+    def client_tls(self) -> argparse.ArgumentParser:
+        """``--tls-dir`` for the client commands: also found from a running `pdorch up`."""
+        from orchestrator.cli.state import tls_default  # noqa: PLC0415
+
+        p = _parent()
+        _tls_dir_flag(p, tls_default(self._env), "the client identity's certificate")
+        return p
+
+    @functools.cached_property
     def model(self) -> argparse.ArgumentParser:
         """The engine's weights (workers, demo, precision bench) — not a performance preset."""
         p = _parent()
@@ -358,6 +382,45 @@ def port(text: str) -> int:
     if not 0 <= value <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"a port is 0 to {MAX_PORT}, got {value}")
     return value
+
+
+INSECURE_WARNING = (
+    "NO TLS: %s (anyone on the network can read and forge its traffic; README: Security)"
+)
+
+
+def _tls_dir_flag(p: argparse.ArgumentParser, default_dir: str, whose: str) -> None:
+    p.add_argument(
+        "--tls-dir",
+        default=default_dir,
+        metavar="DIR",
+        help=f"TLS directory: ca.pem, and {whose} as <identity>.pem/.key (README: Security; "
+        "`pdorch certs DIR` makes a throwaway one) (default: $PDORCH_TLS_DIR; none: plaintext)",
+    )
+
+
+def server_tls_dir(args: argparse.Namespace, what: str) -> str:
+    """The TLS directory a server runs with, "" for plaintext — which is said at WARNING:
+    "for debugging" with ``--insecure``, else that ``--tls-dir`` was not given."""
+    if args.tls_dir and not args.insecure:
+        return str(args.tls_dir)
+    why = (
+        f"--insecure: {what} serves plaintext, for debugging only"
+        if args.insecure
+        else f"no --tls-dir: {what} serves plaintext"
+    )
+    log.warning(INSECURE_WARNING, why)
+    return ""
+
+
+def client_tls(args: argparse.Namespace) -> Any:
+    """The client identity's `orchestrator.api.tls.Tls` from ``--tls-dir``, None without."""
+    if not getattr(args, "tls_dir", ""):
+        return None
+    from orchestrator.api.tls import Tls  # noqa: PLC0415 - imports grpc
+    from orchestrator.core.peers import Role  # noqa: PLC0415
+
+    return Tls.load(args.tls_dir, Role.CLIENT.identity)
 
 
 TOKEN_ENV = "PDORCH_TOKEN"  # noqa: S105 - a variable name

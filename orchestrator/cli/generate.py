@@ -12,6 +12,7 @@ from orchestrator.cli.common import (
     Commands,
     Parents,
     add_command,
+    client_tls,
     client_token,
     non_negative_float,
     positive_float,
@@ -42,6 +43,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         NAME,
         parents,
         parents.orchestrator,
+        parents.client_tls,
         help=HELP,
         description="Send one prompt to an orchestrator and print the tokens as they come; "
         "timings, KV bytes and the workers used go to stderr at the end.",
@@ -94,7 +96,8 @@ async def run(args: argparse.Namespace) -> int:
         req.text = args.prompt
     from orchestrator.rpc.client import channel as client_channel  # noqa: PLC0415
 
-    async with client_channel(args.orchestrator, client_token(os.environ)) as channel:
+    tls = client_tls(args)
+    async with client_channel(args.orchestrator, client_token(os.environ), tls=tls) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         tokens = 0
         try:

@@ -32,12 +32,16 @@ from orchestrator.cli.common import (
     positive_int,
     price,
     serve_metrics,
+    server_tls_dir,
     until_signalled,
 )
 
 log = logging.getLogger("pdorch")
 
 if TYPE_CHECKING:
+    import grpc
+
+    from orchestrator.api.tls import Tls
     from orchestrator.control.orchestrator import ControlSettings, Orchestrator
     from orchestrator.control.tokens import TokenFile
     from orchestrator.gateway.server import HttpServer
@@ -94,7 +98,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
     from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
 
-    o = add_command(sub, NAME, parents, parents.redis, help=HELP)
+    o = add_command(sub, NAME, parents, parents.redis, parents.tls, help=HELP)
     o.add_argument(
         "--host", default=default(ServerSettings, "host"), help="listen address (%(default)s)"
     )
@@ -191,6 +195,20 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "from it. Re-read when it changes, or on SIGHUP (default: $PDORCH_TOKENS_FILE; none: "
         "the API is open)",
     )
+    o.add_argument(
+        "--client-cert",
+        choices=("none", "required"),
+        default="none",
+        help="with --tls-dir, on the client API and the gateway: none: server TLS only, "
+        "callers prove themselves with a bearer token; required: mutual TLS, a caller "
+        "presents a certificate ca.pem signed, of a client identity (a worker's is refused)",
+    )
+    o.add_argument(
+        "--http-plain",
+        action="store_true",
+        help="with --tls-dir: serve the gateway as plain HTTP all the same, for a proxy "
+        "that terminates TLS in front of it; only on a loopback --http-host",
+    )
     o.set_defaults(run=run)
 
 
@@ -241,11 +259,27 @@ def _admission_flags(o: argparse.ArgumentParser) -> None:
 def preflight(args: argparse.Namespace) -> None:
     """What can be checked before anything starts: Redis answers, the ports are free (a
     replica that cannot reach Redis fails here instead of warning every second)."""
+    if args.http_plain and not _loopback(args.http_host or args.host):
+        raise CommandError(
+            "--http-plain serves plaintext HTTP only on a loopback address (a TLS proxy in "
+            f"the same host or pod), not on {args.http_host or args.host}"
+        )
     check_redis(args.redis)
     check_port_free(args.host, args.port, "--port")
     check_port_free(args.host, args.metrics_port, "--metrics-port")
     if args.http_port:
         check_port_free(args.http_host or args.host, args.http_port, "--http-port")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress  # noqa: PLC0415
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -302,17 +336,19 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     preflight(args)
     tokens = _tokens(args)
+    tls = _tls(args)
     serving = server_settings(args)
     store = RedisStore(StoreSettings(url=args.redis, outage_s=args.store_outage))
-    clients = WorkerClients()
+    clients = WorkerClients(tls)
     metrics = ControlMetrics()
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
     metrics_server = serve_metrics(metrics.registry, serving.host, serving.metrics_port)
-    server = rpc_server(control, SERVER_OPTIONS, tokens)
+    required = tls is not None and args.client_cert == "required"
+    server = rpc_server(control, SERVER_OPTIONS, tokens, client_certs=required)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(serving.address)
-    http = _gateway(args, control, tokens) if args.http_port is not None else None
+    port = _listen(server, serving.address, tls, required)
+    http = _gateway(args, control, tokens, tls) if args.http_port is not None else None
     await server.start()
     await control.start()
     try:
@@ -360,13 +396,31 @@ def _tokens(args: argparse.Namespace) -> TokenFile | None:
     return tokens
 
 
+def _listen(server: grpc.aio.Server, address: str, tls: Tls | None, required: bool) -> int:
+    """Add the client API's port: TLS with ``tls`` (client certificates verified when
+    presented; ``required``: always), else plaintext."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.server_credentials(require_client_cert=required))
+
+
+def _tls(args: argparse.Namespace) -> Tls | None:
+    """The orchestrator identity's credentials (client API, calls to workers), or None
+    (plaintext) after one loud warning."""
+    from orchestrator.api.tls import Tls  # noqa: PLC0415
+    from orchestrator.core.peers import Role  # noqa: PLC0415
+
+    directory = server_tls_dir(args, "the orchestrator (client API, calls to workers)")
+    return Tls.load(directory, Role.ORCHESTRATOR.identity) if directory else None
+
+
 def _gateway(
-    args: argparse.Namespace, control: Orchestrator, tokens: TokenFile | None
+    args: argparse.Namespace, control: Orchestrator, tokens: TokenFile | None, tls: Tls | None
 ) -> HttpServer:
     """The OpenAI-compatible gateway over this process's orchestrator (the `gateway` extra)."""
     try:
         from orchestrator.gateway.app import Gateway  # noqa: PLC0415 - imports starlette
-        from orchestrator.gateway.server import HttpServer  # noqa: PLC0415 - imports uvicorn
+        from orchestrator.gateway.server import HttpServer, ServedTls  # noqa: PLC0415 - uvicorn
     except ImportError as exc:
         raise SystemExit(
             f"pdorch orchestrator --http-port needs the gateway extra "
@@ -376,4 +430,7 @@ def _gateway(
     from orchestrator.gateway.settings import GatewaySettings  # noqa: PLC0415
 
     app = Gateway(OrchestratorBackend(control), GatewaySettings(api_key=args.api_key), tokens).app
-    return HttpServer(app, args.http_host or args.host, args.http_port, args.drain_grace)
+    served = None
+    if tls is not None and not args.http_plain:
+        served = ServedTls(*tls.ssl_files(), client_cert_required=args.client_cert == "required")
+    return HttpServer(app, args.http_host or args.host, args.http_port, args.drain_grace, served)

@@ -19,6 +19,7 @@ from pathlib import Path
 ORCHESTRATOR_ENV = "PDORCH_ORCHESTRATOR"
 REDIS_ENV = "PDORCH_REDIS_URL"
 STATE_ENV = "PDORCH_STATE"
+TLS_ENV = "PDORCH_TLS_DIR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,8 @@ class ClusterState:
     """The model name the gateway serves."""
     logs: str = ""
     """Folder holding every process's log."""
+    tls: str = ""
+    """The cluster's TLS directory (its throwaway CA); "" when it runs plaintext."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -111,3 +114,11 @@ def redis_default(env: Mapping[str, str], builtin: str) -> str:
         return env[REDIS_ENV]
     state = read_state(env)
     return state.redis if state is not None else builtin
+
+
+def tls_default(env: Mapping[str, str]) -> str:
+    """``$PDORCH_TLS_DIR``, else the running `pdorch up` cluster's TLS directory, else ""."""
+    if env.get(TLS_ENV):
+        return env[TLS_ENV]
+    state = read_state(env)
+    return state.tls if state is not None else ""

@@ -9,13 +9,24 @@ import argparse
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from orchestrator.cli.common import CommandError, Commands, Parents, add_command, check_redis
+from orchestrator.cli.common import (
+    CommandError,
+    Commands,
+    Parents,
+    add_command,
+    check_redis,
+    client_tls,
+)
 
 NAME = "status"
 HELP = "the cluster's orchestrator, workers, pools and requests in flight"
 
 HEALTH_TIMEOUT_S = 2.0
+
+if TYPE_CHECKING:
+    from orchestrator.api.tls import Tls
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +62,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents,
         parents.orchestrator,
         parents.cluster_redis,
+        parents.client_tls,
         parents.json,
         help=HELP,
         description="The orchestrator's health, the workers alive in each pool (from their "
@@ -62,14 +74,14 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 async def run(args: argparse.Namespace) -> int:
     check_redis(args.redis)  # a refused password, said as Redis says it (not "unreachable")
-    snap = await snapshot(args.orchestrator, args.redis)
+    snap = await snapshot(args.orchestrator, args.redis, client_tls(args))
     print(
         json.dumps(asdict(snap) | {"healthy": snap.healthy}) if args.json else format_status(snap)
     )
     return 0 if snap.healthy else 1
 
 
-async def snapshot(orchestrator: str, redis_url: str) -> Snapshot:
+async def snapshot(orchestrator: str, redis_url: str, tls: Tls | None = None) -> Snapshot:
     from orchestrator.errors import UnavailableError  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.store.url import redacted  # noqa: PLC0415
@@ -95,15 +107,17 @@ async def snapshot(orchestrator: str, redis_url: str) -> Snapshot:
         )
         for w in sorted(infos, key=lambda w: (w.role != "prefill", w.worker_id))
     )
-    health = await _health(orchestrator)
+    health = await _health(orchestrator, tls)
     return Snapshot(orchestrator, health, redacted(redis_url), rows, len(active))
 
 
-async def _health(address: str) -> str:
+async def _health(address: str, tls: Tls | None) -> str:
     import grpc  # noqa: PLC0415
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    from orchestrator.rpc.client import channel as client_channel  # noqa: PLC0415
+
+    async with client_channel(address, tls=tls) as channel:
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S

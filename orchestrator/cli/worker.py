@@ -37,10 +37,12 @@ from orchestrator.cli.common import (
     positive_float,
     positive_int,
     serve_metrics,
+    server_tls_dir,
     until_signalled,
 )
 
 if TYPE_CHECKING:
+    from orchestrator.api.tls import Tls
     from orchestrator.workers.engine import Engine
     from orchestrator.workers.host import EngineHost
     from orchestrator.workers.metrics import WorkerMetrics
@@ -73,6 +75,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.model,
         parents.model_cache,
         parents.transport,
+        parents.tls,
         help=HELP,
     )
     w.add_argument(
@@ -274,8 +277,9 @@ def preflight(args: argparse.Namespace) -> None:
 
 async def run(args: argparse.Namespace) -> int:
     preflight(args)
+    tls = _tls(args)  # before the model loads: a bad --tls-dir fails at once
     if args.sim:
-        return await _run_sim_workers(args)
+        return await _run_sim_workers(args, tls)
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.workers.host import EngineHost  # noqa: PLC0415
     from orchestrator.workers.metrics import WorkerMetrics  # noqa: PLC0415
@@ -314,7 +318,15 @@ async def run(args: argparse.Namespace) -> int:
     async def publish(info: object) -> None:
         await store.heartbeat(info, settings.heartbeat_ttl_s)  # type: ignore[arg-type]
 
-    worker = Worker(engine, settings, publish, sender=sender, receiver=receiver, metrics=metrics)
+    worker = Worker(
+        engine,
+        settings,
+        publish,
+        sender=sender,
+        receiver=receiver,
+        metrics=metrics,
+        tls=tls,
+    )
     metrics.watch(worker.kv_used, worker.active_sequences)
     metrics_server = serve_metrics(metrics.registry, args.host, args.metrics_port)
     await worker.start()
@@ -330,6 +342,15 @@ async def run(args: argparse.Namespace) -> int:
         await worker.stop()
         await store.close()
     return 0
+
+
+def _tls(args: argparse.Namespace) -> Tls | None:
+    """The worker's credentials (`api.tls.load_worker`), or None (plaintext) after one loud
+    warning."""
+    from orchestrator.api.tls import load_worker  # noqa: PLC0415
+
+    directory = server_tls_dir(args, "the worker's gRPC API")
+    return load_worker(directory, args.role) if directory else None
 
 
 def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics) -> EngineHost:
@@ -352,7 +373,7 @@ def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics) -> EngineHost:
     return VllmHost(settings, metrics)
 
 
-async def _run_sim_workers(args: argparse.Namespace) -> int:
+async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
     """``--count`` simulated workers in this process (`orchestrator.workers.fleet`)."""
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
@@ -390,6 +411,7 @@ async def _run_sim_workers(args: argparse.Namespace) -> int:
             sender=sender,
             receiver=(None if prefill else tcp_receiver(tsettings, engine.info.model_spec())),
             runner=SimRunner(engines[i % len(engines)]),
+            tls=tls,
         )
         for i in range(count)
     ]

@@ -1,4 +1,5 @@
-"""gRPC channels to workers, reused per address, and translation of worker call errors."""
+"""gRPC channels to workers (mutual TLS when given credentials), reused per address, and
+translation of worker call errors."""
 
 from __future__ import annotations
 
@@ -16,24 +17,34 @@ from orchestrator.api.protocol import (
     REFUSABLE_FIELDS,
     RETRYABLE_CODES,
 )
+from orchestrator.api.tls import Tls, secure_channel
+from orchestrator.core.peers import WORKER_SERVER_NAME
 
 
 class WorkerStubs:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str, tls: Tls | None = None) -> None:
+        self.channel = (
+            grpc.aio.insecure_channel(address)
+            if tls is None
+            else secure_channel(address, tls, WORKER_SERVER_NAME)
+        )
         self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
         self.general = worker_pb2_grpc.WorkerServiceStub(self.channel)
 
 
 class WorkerClients:
-    def __init__(self) -> None:
+    """``tls``: the orchestrator's credentials; every worker is then dialled over mutual
+    TLS and checked to be a worker (`core.peers.WORKER_SERVER_NAME`)."""
+
+    def __init__(self, tls: Tls | None = None) -> None:
         self._stubs: dict[str, WorkerStubs] = {}
+        self.tls = tls
 
     def get(self, address: str) -> WorkerStubs:
         stubs = self._stubs.get(address)
         if stubs is None:
-            stubs = self._stubs[address] = WorkerStubs(address)
+            stubs = self._stubs[address] = WorkerStubs(address, self.tls)
         return stubs
 
     async def close(self) -> None:

@@ -4,6 +4,12 @@ We bind the listening socket ourselves (so port 0 works and a bind error is an o
 ``OSError`` at start, not uvicorn's ``sys.exit``) and keep uvicorn away from signals: the
 process's owner (the CLI) handles SIGTERM and calls `HttpServer.stop`, which stops accepting,
 lets open responses finish for ``drain_grace_s``, then cancels them.
+
+With `ServedTls` it serves HTTPS (uvicorn's ssl settings): the orchestrator's certificate,
+and, when required (``--client-cert required``, as the gRPC API), a client certificate the
+CA signed — one from another CA, or none, fails the handshake. Which identity a client
+certificate names is not checked here (uvicorn does not hand it to the app): the bearer
+token decides what an HTTP caller may do.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import contextlib
 import logging
 import math
 import socket
+import ssl
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -29,9 +37,27 @@ class _Server(uvicorn.Server):
         yield
 
 
+@dataclass(frozen=True, slots=True)
+class ServedTls:
+    """The files an HTTPS gateway serves with (`orchestrator.api.tls.Tls.ssl_files`)."""
+
+    certfile: str
+    keyfile: str
+    ca_certs: str
+    client_cert_required: bool = False
+
+
 class HttpServer:
-    def __init__(self, app: ASGIApp, host: str, port: int, drain_grace_s: float) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        drain_grace_s: float,
+        tls: ServedTls | None = None,
+    ) -> None:
         self.host = host
+        self.tls = tls
         self.requested_port = port
         self.drain_grace_s = drain_grace_s
         self._config = uvicorn.Config(
@@ -42,6 +68,10 @@ class HttpServer:
             log_config=None,  # the CLI configures logging; a library never does
             access_log=False,
             timeout_graceful_shutdown=max(1, math.ceil(drain_grace_s)),
+            ssl_certfile=tls.certfile if tls else None,
+            ssl_keyfile=tls.keyfile if tls else None,
+            ssl_ca_certs=tls.ca_certs if tls else None,
+            ssl_cert_reqs=_cert_reqs(tls),
         )
         self._server = _Server(self._config)
         self._task: asyncio.Task[None] | None = None
@@ -50,7 +80,7 @@ class HttpServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     async def start(self, timeout_s: float = 10.0) -> None:
         """Listen, and return once uvicorn serves (or raise: bind error, early exit)."""
@@ -91,3 +121,8 @@ class HttpServer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _cert_reqs(tls: ServedTls | None) -> int:
+    """Client certificates: required (and verified), or none asked for."""
+    return ssl.CERT_REQUIRED if tls is not None and tls.client_cert_required else ssl.CERT_NONE

@@ -2,8 +2,10 @@
 
 `channel` opens a grpc.aio channel whose every call carries ``authorization: Bearer
 <token>`` (a client interceptor adds it), so `pdorch generate`, `pdorch bench load` and the
-local cluster's helpers authenticate without each call site knowing. No token: a plain
-channel, as against an orchestrator without a tokens file. Where the token comes from
+local cluster's helpers authenticate without each call site knowing. No token: no
+credential, as against an orchestrator without a tokens file. With TLS credentials
+(`api.tls.Tls`, the client identity's) the channel is TLS and the orchestrator is checked to
+be one (`core.peers.ORCHESTRATOR_SERVER_NAME`). Where the token comes from
 (``$PDORCH_TOKEN``, ``$PDORCH_TOKEN_FILE``) is the CLI's business.
 """
 
@@ -14,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from orchestrator.api.tls import Tls, secure_channel
+from orchestrator.core.peers import ORCHESTRATOR_SERVER_NAME
 from orchestrator.rpc.auth import AUTHORIZATION_KEY
 
 if TYPE_CHECKING:  # the stubs make them generic; at runtime they are not subscriptable
@@ -57,10 +61,17 @@ class _BearerStream(_UnaryStream):
 
 
 def channel(
-    target: str, token: str | None = None, options: Sequence[tuple[str, Any]] = ()
+    target: str,
+    token: str | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+    tls: Tls | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to ``target`` whose calls carry ``token`` (if any)."""
+    """A grpc.aio channel to ``target`` whose calls carry ``token`` (if any): over TLS with
+    ``tls`` (the server checked to be an orchestrator, ``tls``' certificate presented),
+    else plaintext."""
     interceptors: Any = (
         [_BearerUnary(token), _BearerStream(token)] if token else None
     )  # the stubs' type is private
+    if tls is not None:
+        return secure_channel(target, tls, ORCHESTRATOR_SERVER_NAME, options, interceptors)
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)

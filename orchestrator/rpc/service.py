@@ -21,9 +21,11 @@ import grpc
 
 from orchestrator import errors
 from orchestrator.api import convert, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api.peers import RequirePeer
 from orchestrator.api.undecodable import RefuseUndecodable
 from orchestrator.control.orchestrator import GenerateInput, Orchestrator, OutChunk
 from orchestrator.core.idents import check_tenant, shown
+from orchestrator.core.peers import Surface
 from orchestrator.core.records import RequestRecord
 from orchestrator.rpc.auth import Authenticate, Authenticator, caller
 from orchestrator.rpc.status import status_for
@@ -41,11 +43,17 @@ def server(
     orchestrator: Orchestrator,
     options: Sequence[tuple[str, Any]] = (),
     tokens: Authenticator | None = None,
+    *,
+    client_certs: bool = False,
 ) -> grpc.aio.Server:
     """A gRPC server serving the client API over ``orchestrator`` (requests protobuf cannot
     decode answer INVALID_ARGUMENT); with ``tokens``, every call but health checks needs a
-    bearer token (`rpc.auth`). The caller adds ports and other services."""
-    interceptors: list[Any] = [] if tokens is None else [Authenticate(tokens)]
+    bearer token (`rpc.auth`); with ``client_certs`` (the caller serves a mutual-TLS port),
+    the caller's certificate must be a client identity (`api.peers`: a worker's is
+    refused). The caller adds ports and other services."""
+    interceptors: list[Any] = [RequirePeer(Surface.CLIENT_API)] if client_certs else []
+    if tokens is not None:
+        interceptors.append(Authenticate(tokens))
     interceptors.append(RefuseUndecodable())
     out = grpc.aio.server(options=options, interceptors=interceptors)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(orchestrator), out)

@@ -7,7 +7,10 @@ sender/receiver (`reference_host`), or vLLM's async engine (`vllm.engine`). The 
 here validate a call, delegate it to the host and count what it produced; the worker owns
 the gRPC server, heartbeats and drain. An undecodable request (a string field that is not
 UTF-8) is answered INVALID_ARGUMENT with one log line (`api.undecodable`), as the
-orchestrator's own server does.
+orchestrator's own server does. With TLS credentials the gRPC port is mutual TLS and only
+orchestrator identities are served (`api.peers.RequirePeer`): a client's or another
+worker's certificate gets PERMISSION_DENIED, a certificate from another CA (or none) fails
+the handshake.
 
 Heartbeats go through a callback the composition root provides (workers never import the
 store): ``publish(WorkerInfo)`` every ``heartbeat_interval_s``.
@@ -28,7 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2, worker_pb2_grpc
+from orchestrator.api.peers import RequirePeer
+from orchestrator.api.tls import Tls
 from orchestrator.api.undecodable import RefuseUndecodable
+from orchestrator.core.peers import Surface
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.batcher import EngineRunner
 from orchestrator.workers.engine import Engine
@@ -79,9 +85,12 @@ class Worker:
         receiver: KvReceiver | None = None,
         metrics: WorkerMetrics | None = None,
         runner: EngineRunner | None = None,
+        tls: Tls | None = None,
     ) -> None:
         """``engine``: an `EngineHost`, or an `Engine` to run in a `ReferenceHost` with
-        ``sender``/``receiver``/``runner`` (which a host brings itself)."""
+        ``sender``/``receiver``/``runner`` (which a host brings itself). ``tls``: the
+        worker's credentials; it then serves mutual TLS and takes calls from orchestrator
+        identities only (`api.peers`); without, plaintext from anyone."""
         self.host = (
             engine
             if isinstance(engine, EngineHost)
@@ -96,6 +105,7 @@ class Worker:
             )
         )
         self.metrics = metrics
+        self.tls = tls
         self.settings = settings
         self.worker_id = settings.worker_id or f"{settings.role}-{uuid.uuid4().hex[:8]}"
         self._publish = publish
@@ -109,12 +119,18 @@ class Worker:
 
     async def start(self) -> str:
         self.kv_address = await self.host.start(self.settings.host, self.settings.kv_port)
-        server = grpc.aio.server(interceptors=[RefuseUndecodable()])
+        interceptors: list[Any] = [RequirePeer(Surface.WORKER_API)] if self.tls else []
+        server = grpc.aio.server(interceptors=[*interceptors, RefuseUndecodable()])
         worker_pb2_grpc.add_PrefillServiceServicer_to_server(_Prefill(self), server)
         worker_pb2_grpc.add_DecodeServiceServicer_to_server(_Decode(self), server)
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(_General(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        listen = f"{self.settings.host}:{self.settings.port}"
+        if self.tls is None:
+            port = server.add_insecure_port(listen)
+        else:  # mutual TLS: a caller without a certificate the CA signed fails the handshake
+            credentials = self.tls.server_credentials(require_client_cert=True)
+            port = server.add_secure_port(listen, credentials)
         await server.start()
         self._server = server
         self.address = f"{self.settings.host}:{port}"

@@ -9,12 +9,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import redis
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from orchestrator.core.records import WorkerInfo
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer
@@ -84,7 +83,7 @@ def request(
 async def collect(
     address: str, req: orchestrator_pb2.GenerateRequest
 ) -> tuple[list[int], str, list[orchestrator_pb2.GenerateChunk]]:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         chunks = [c async for c in stub.Generate(req, timeout=120)]
     ids = [t for c in chunks for t in c.token_ids]

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from orchestrator.store.keys import Keys
 from tests.integration.conftest import collect, request, run, wait_for, workers
 from transport.ucx import ucx_available
@@ -47,7 +47,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 async def _info(address: str, rid: str) -> orchestrator_pb2.RequestInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         return await stub.GetRequest(orchestrator_pb2.GetRequestRequest(request_id=rid))
 
@@ -56,7 +56,7 @@ async def _refusal(
     address: str, req: orchestrator_pb2.GenerateRequest, tenant: str = ""
 ) -> grpc.aio.AioRpcError:
     metadata = (("x-pdorch-tenant", tenant),) if tenant else None
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             async for _ in stub.Generate(req, timeout=30, metadata=metadata):
@@ -120,7 +120,7 @@ def test_a_tenant_at_its_limit_is_refused_on_every_replica(cluster: LocalCluster
     long_run = request("drain me slowly", max_tokens=2048, request_id="adm-tenant-1")
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(first) as channel:
+        async with connect(first) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             call = stub.Generate(long_run, timeout=120, metadata=(("x-pdorch-tenant", "capped"),))
             it = aiter(call)
@@ -153,7 +153,7 @@ def test_a_tenant_naming_another_tenants_keys_leaves_it_be(cluster: LocalCluster
         return int(float(client.hget(Keys().tenant_cost(tenant), "requests") or 0))
 
     async def as_tenant(rid: str, tenant: str) -> list[orchestrator_pb2.GenerateChunk]:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             call = stub.Generate(
                 request("hi", request_id=rid), timeout=30, metadata=(("x-pdorch-tenant", tenant),)
@@ -210,7 +210,7 @@ def test_calls_beyond_max_inflight_are_refused_at_the_door(cluster: LocalCluster
     long_run = request("drain me slowly", max_tokens=2048, request_id="adm-door-1")
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             call = stub.Generate(long_run, timeout=120)
             it = aiter(call)

@@ -30,7 +30,6 @@ import redis
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.cluster import LocalCluster
 from orchestrator.core.auth import token_digest
-from orchestrator.rpc.client import channel
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer
 from tests.integration.conftest import request
@@ -95,13 +94,13 @@ async def generate(
     tenant: str | None = None,
 ) -> list[orchestrator_pb2.GenerateChunk]:
     metadata = () if tenant is None else (("x-pdorch-tenant", tenant),)
-    async with channel(address(cluster), token) as ch:
+    async with cluster.channel(address(cluster), token) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         return [c async for c in stub.Generate(req, timeout=60, metadata=metadata)]
 
 
 async def get(cluster: LocalCluster, rid: str, token: str | None) -> orchestrator_pb2.RequestInfo:
-    async with channel(address(cluster), token) as ch:
+    async with cluster.channel(address(cluster), token) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         info: orchestrator_pb2.RequestInfo = await stub.GetRequest(
             orchestrator_pb2.GetRequestRequest(request_id=rid), timeout=10
@@ -110,7 +109,7 @@ async def get(cluster: LocalCluster, rid: str, token: str | None) -> orchestrato
 
 
 async def cancel(cluster: LocalCluster, rid: str, token: str | None) -> str:
-    async with channel(address(cluster), token) as ch:
+    async with cluster.channel(address(cluster), token) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
         resp = await stub.Cancel(orchestrator_pb2.CancelRequest(request_id=rid), timeout=10)
         return str(resp.state)
@@ -150,8 +149,14 @@ def test_no_credential_and_a_wrong_token_are_unauthenticated(cluster: LocalClust
 def test_health_checks_stay_open(cluster: LocalCluster) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    with grpc.insecure_channel(address(cluster)) as ch:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    async def check() -> health_pb2.HealthCheckResponse:
+        async with cluster.channel(address(cluster)) as ch:  # a client certificate, no token
+            reply: health_pb2.HealthCheckResponse = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            return reply
+
+    reply = asyncio.run(check())
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -348,7 +353,7 @@ def test_an_undecodable_request_without_a_token_is_unauthenticated(cluster: Loca
     junk = b"\x0a\x02\xff\xfe"  # GenerateRequest.request_id (field 1) = two bytes, not UTF-8
 
     async def call(token: str | None) -> grpc.StatusCode:
-        async with channel(address(cluster), token) as ch:
+        async with cluster.channel(address(cluster), token) as ch:
             method = ch.unary_stream(
                 "/pdorch.v1.Orchestrator/Generate",
                 request_serializer=lambda b: b,

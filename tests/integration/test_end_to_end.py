@@ -17,7 +17,7 @@ from orchestrator.api import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from orchestrator.cluster import LocalCluster, free_port
+from orchestrator.cluster import LocalCluster, connect, free_port
 from orchestrator.store.keys import Keys
 from tests.integration.conftest import collect, request, run, wait_for, workers
 
@@ -53,7 +53,7 @@ PROMPTS = [
 async def _aggregated(
     address: str, tokens: list[int], max_tokens: int, sampling: common_pb2.SamplingParams
 ) -> list[int]:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         out: list[int] = []
         async for chunk in stub.Generate(
@@ -72,7 +72,7 @@ async def _aggregated(
 
 
 async def _tokenize(address: str, text: str) -> list[int]:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         return list((await stub.Tokenize(worker_pb2.TokenizeRequest(text=text), timeout=30)).ids)
 
@@ -119,7 +119,7 @@ def test_get_request_reports_state_workers_and_timings(cluster: LocalCluster) ->
 
     async def main() -> orchestrator_pb2.RequestInfo:
         await collect(address, request("hello there", request_id="info-1"))
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             return await stub.GetRequest(
                 orchestrator_pb2.GetRequestRequest(request_id="info-1"), timeout=10
@@ -147,7 +147,7 @@ def test_resubmitting_a_request_id_returns_the_same_stream(cluster: LocalCluster
         second = await collect(address, req)
         assert first[0] == second[0]
         assert first[1] == second[1]
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             info = await stub.GetRequest(
                 orchestrator_pb2.GetRequestRequest(request_id="idem-1"), timeout=10
@@ -215,7 +215,7 @@ def test_bad_input_is_invalid_argument_and_creates_nothing(
             await collect(address, req)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in (err.value.details() or "")
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await stub.GetRequest(
@@ -230,7 +230,7 @@ def test_cancel_mid_stream_frees_the_decode_workers_kv(cluster: LocalCluster) ->
     address = cluster.orchestrator_addresses[0]
 
     async def main() -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             call = stub.Generate(request("a long one", request_id="cancel-1", max_tokens=2000))
             got = 0
@@ -271,7 +271,7 @@ def test_cost_per_request_and_tenant_and_prometheus_metrics(cluster: LocalCluste
     tenant = (("x-pdorch-tenant", "team-a"),)
 
     async def main() -> tuple[list[orchestrator_pb2.GenerateChunk], orchestrator_pb2.RequestInfo]:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             req = request("what does this cost", max_tokens=40, request_id="cost-1")
             chunks = [c async for c in stub.Generate(req, metadata=tenant, timeout=60)]

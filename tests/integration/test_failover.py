@@ -18,7 +18,7 @@ from orchestrator.api import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from tests.integration.conftest import collect, request, run, wait_for, workers
 from transport.ucx import ucx_available
 
@@ -52,7 +52,7 @@ def _restore(cluster: LocalCluster) -> None:
 
 
 async def _info(address: str, rid: str) -> orchestrator_pb2.RequestInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         return await stub.GetRequest(orchestrator_pb2.GetRequestRequest(request_id=rid))
 
@@ -66,7 +66,7 @@ def test_decode_worker_killed_mid_stream_continues_elsewhere(cluster: LocalClust
         chunks: list[orchestrator_pb2.GenerateChunk] = []
         killed_at = 0.0
         recovery = 0.0
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             req = request(prompt, max_tokens=300, request_id="fo-decode-kill")
             async for chunk in stub.Generate(req, timeout=120):
@@ -203,7 +203,7 @@ def test_orchestrator_killed_client_resumes_on_the_other_replica(cluster: LocalC
 
     async def main() -> tuple[list[orchestrator_pb2.GenerateChunk], float]:
         received: list[orchestrator_pb2.GenerateChunk] = []
-        async with grpc.aio.insecure_channel(first) as channel:
+        async with connect(first) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             with contextlib.suppress(grpc.aio.AioRpcError):
                 async for chunk in stub.Generate(req, timeout=120):
@@ -214,7 +214,7 @@ def test_orchestrator_killed_client_resumes_on_the_other_replica(cluster: LocalC
         have = sum(len(c.token_ids) for c in received)
         req.resume_from_index = have
         recovery = 0.0
-        async with grpc.aio.insecure_channel(second) as channel:
+        async with connect(second) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             async for chunk in stub.Generate(req, timeout=120):
                 if chunk.token_ids and not recovery:
@@ -250,7 +250,7 @@ def test_redis_restart_in_flight_stream_survives_and_admissions_fail_fast(
         chunks: list[orchestrator_pb2.GenerateChunk] = []
         refused = grpc.StatusCode.OK
         refused_in = 0.0
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             async for chunk in stub.Generate(req, timeout=120):
                 chunks.append(chunk)
@@ -361,7 +361,7 @@ def test_kv_nobody_decodes_is_freed_after_its_hold_lease(cluster: LocalCluster) 
     decode, prefill = by_id["decode-1"], by_id["prefill-0"]
 
     async def prefill_only() -> int:
-        async with grpc.aio.insecure_channel(prefill.address) as channel:
+        async with connect(prefill.address) as channel:
             stub = worker_pb2_grpc.PrefillServiceStub(channel)
             resp = await stub.Prefill(
                 worker_pb2.PrefillRequest(
@@ -397,7 +397,7 @@ def test_client_disconnect_then_resume_on_the_other_replica(cluster: LocalCluste
 
     async def main() -> list[orchestrator_pb2.GenerateChunk]:
         received: list[orchestrator_pb2.GenerateChunk] = []
-        async with grpc.aio.insecure_channel(first) as channel:
+        async with connect(first) as channel:
             call = orchestrator_pb2_grpc.OrchestratorStub(channel).Generate(req, timeout=60)
             async for chunk in call:
                 received.append(chunk)
@@ -405,7 +405,7 @@ def test_client_disconnect_then_resume_on_the_other_replica(cluster: LocalCluste
                     call.cancel()  # the client goes away mid-stream
                     break
         req.resume_from_index = sum(len(c.token_ids) for c in received)
-        async with grpc.aio.insecure_channel(second) as channel:
+        async with connect(second) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             received += [c async for c in stub.Generate(req, timeout=60)]
         return received
@@ -429,7 +429,7 @@ def test_request_whose_client_never_returns_is_cancelled_after_the_grace(
     try:
 
         async def main() -> None:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with connect(address) as channel:
                 stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
                 call = stub.Generate(
                     request("nobody waits", max_tokens=2000, request_id="fo-gone"), timeout=60
@@ -473,7 +473,7 @@ def test_sigterm_drains_then_hands_requests_off(cluster: LocalCluster) -> None:
 
     async def main() -> list[orchestrator_pb2.GenerateChunk]:
         received: list[orchestrator_pb2.GenerateChunk] = []
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             with contextlib.suppress(grpc.aio.AioRpcError):
                 async for chunk in stub.Generate(req, timeout=60):
@@ -481,7 +481,7 @@ def test_sigterm_drains_then_hands_requests_off(cluster: LocalCluster) -> None:
                     if sum(len(c.token_ids) for c in received) >= 20:
                         cluster.procs["orchestrator-2"].signal(signal.SIGTERM)
         req.resume_from_index = sum(len(c.token_ids) for c in received)
-        async with grpc.aio.insecure_channel(other) as channel:
+        async with connect(other) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             received += [c async for c in stub.Generate(req, timeout=60)]
         return received

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from orchestrator.store.keys import Keys
 from tests.integration.conftest import collect, request, run
 
@@ -41,7 +41,7 @@ def test_ids_naming_another_requests_keys_run_side_by_side(cluster: LocalCluster
     attackers = [v + s for v in victims for s in SUFFIXES]
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             streams = {}
             for v in victims:  # running (a first chunk relayed) when the others arrive
@@ -77,7 +77,7 @@ def test_redis_error_text_never_reaches_a_client(cluster: LocalCluster) -> None:
         client.close()
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with connect(address) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as got:
                 await stub.GetRequest(orchestrator_pb2.GetRequestRequest(request_id=rid))

@@ -9,13 +9,12 @@ import json
 from collections.abc import Iterator
 from typing import Any, cast
 
-import grpc
 import pytest
 import redis
 
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.cli import main
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from orchestrator.core.hardware import PRICED_KINDS, get_gpu
 from orchestrator.core.prefix import block_keys, decode_keys
 from orchestrator.store.keys import Keys
@@ -40,7 +39,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 async def _info(address: str, rid: str) -> orchestrator_pb2.RequestInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         return await stub.GetRequest(orchestrator_pb2.GetRequestRequest(request_id=rid), timeout=10)
 

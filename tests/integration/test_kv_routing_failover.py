@@ -11,12 +11,11 @@ import signal
 from collections.abc import Iterator
 from typing import Any, cast
 
-import grpc
 import pytest
 import redis
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from orchestrator.core.prefix import block_keys, decode_keys
 from orchestrator.store.keys import Keys
 from orchestrator.workers.sim_engine import SIM_BLOCK
@@ -47,7 +46,7 @@ def _proc(worker_id: str) -> str:
 
 
 async def _info(address: str, rid: str) -> Info:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         return await stub.GetRequest(orchestrator_pb2.GetRequestRequest(request_id=rid), timeout=10)
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.cluster import connect
 
 if importlib.util.find_spec("vllm") is None:
     # `make test`'s first run (`-m "not vllm"`, in .venv) has no vLLM: a test module that
@@ -75,7 +76,7 @@ async def generate(
 ) -> list[list[orchestrator_pb2.GenerateChunk]]:
     """Every request's chunks, ``concurrency`` streams at a time."""
     gate = asyncio.Semaphore(concurrency)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with connect(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
 
         async def one(req: Request) -> list[orchestrator_pb2.GenerateChunk]:

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
-from orchestrator.cluster import LocalCluster
+from orchestrator.cluster import LocalCluster, connect
 from tests.integration.conftest import wait_for, workers
 from tests.vllm.conftest import MAX_TOKENS, SEEDED, greedy, token_ids
 
@@ -77,7 +76,7 @@ async def _kill_decode_mid_stream(
     killed = ""
     orphans: set[int] = set()
     lookup = orchestrator_pb2.GetRequestRequest(request_id=req.request_id)
-    async with grpc.aio.insecure_channel(cluster.orchestrator_addresses[0]) as channel:
+    async with connect(cluster.orchestrator_addresses[0]) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         async for chunk in stub.Generate(req, timeout=300):
             chunks.append(chunk)
