@@ -20,6 +20,7 @@ from typing import Protocol, cast
 
 from orchestrator.cli import (
     bench,
+    certs,
     chaos,
     cost,
     demo,
@@ -77,6 +78,7 @@ COMMANDS: tuple[Command, ...] = (
     chaos,
     migrate,
     bench,
+    certs,
     plan,
 )
 """In the order `pdorch --help` lists them."""

@@ -108,6 +108,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     u.add_argument(
         "--logs", default="", help="folder for the processes' logs (default: a new temp folder)"
     )
+    u.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC, for debugging (default: TLS everywhere, from a throwaway CA "
+        "made in the logs folder; `pdorch generate`/`status` find it)",
+    )
     u.set_defaults(call=lambda args: run(args, env))
 
 
@@ -148,6 +154,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         gateway=gateway,
         gateway_port=args.http_port,
         orchestrator_extra=["--metrics-port", str(metrics["orchestrator-0"])],
+        tls=not args.insecure,
     )
     if args.logs:
         cluster.workdir = Path(args.logs)
@@ -166,6 +173,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             metrics={name: f"http://{HOST}:{p}/metrics" for name, p in metrics.items()},
             model=_served_model(cluster),
             logs=str(cluster.workdir),
+            tls=str(cluster.tls_dir) if cluster.tls else "",
         )
         path = write_state(env, state)
         try:
@@ -270,6 +278,7 @@ def endpoints_text(state: ClusterState, path: Path, gateway: bool) -> str:
         f"  Redis                    {state.redis}",
     ]
     lines += [f"  metrics {name:17s}{url}" for name, url in state.metrics.items()]
+    lines += [f"  TLS (CA, certificates)   {state.tls or '- (--insecure: plaintext)'}"]
     lines += [f"  logs                     {state.logs}", f"  state file               {path}", ""]
     chat = "--chat " if state.model != "tiny" else ""  # an instruct model: its template
     lines += ["Try:", f"  pdorch generate {chat}'What is the capital of France?'"]

@@ -345,6 +345,8 @@ def test_without_a_tokens_file_the_orchestrator_warns_loudly(tmp_path: Path) -> 
             proc.terminate()
             proc.wait(timeout=30)
     assert any("WARNING" in ln and "NO AUTHENTICATION" in ln for ln in lines), lines
+    # and without --tls-dir, that it serves plaintext
+    assert any("WARNING" in ln and "NO TLS: no --tls-dir" in ln for ln in lines), lines
 
 
 def test_an_undecodable_request_without_a_token_is_unauthenticated(cluster: LocalCluster) -> None:

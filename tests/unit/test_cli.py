@@ -59,7 +59,7 @@ def test_the_command_tree_is_the_documented_one() -> None:
     assert top == {
         "up", "status", "down",
         "orchestrator", "worker", "operator", "generate", "demo",
-        "cost", "chaos", "migrate", "bench", "plan",
+        "cost", "chaos", "migrate", "bench", "plan", "certs",
     }  # fmt: skip
     assert ("bench", "control-plane") in ALL_COMMANDS
     assert ("migrate", "canary") in ALL_COMMANDS

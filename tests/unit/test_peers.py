@@ -81,3 +81,13 @@ def test_a_tls_directory(tmp_path: Path) -> None:
         assert (WORKER_SERVER_NAME in dns) == is_worker
         assert (ORCHESTRATOR_SERVER_NAME in dns) == (role == Role.ORCHESTRATOR)
     assert not list(out.glob("ca.key"))  # the CA's key is not kept
+
+
+def test_pdorch_certs_makes_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator.cli import main  # noqa: PLC0415
+
+    assert main(["certs", str(tmp_path / "d"), "--host", "10.1.2.3"]) == 0
+    assert "--tls-dir" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == sorted(
+        ["ca.pem", *(f"{r.identity}.{ext}" for r in Role for ext in ("pem", "key"))]
+    )
