@@ -31,7 +31,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.api.tls import Tls
+from orchestrator.api.tls import Tls, secure_channel
 from orchestrator.core.peers import CA_FILE, ORCHESTRATOR_SERVER_NAME, WORKER_SERVER_NAME, Role
 from orchestrator.ports import free_port
 from orchestrator.rpc.client import channel as client_channel
@@ -222,8 +222,6 @@ class LocalCluster:
         worker = address in self.expected.values()
         tls = self.credentials(Role.ORCHESTRATOR if worker else Role.CLIENT)
         if tls is not None and worker:
-            from orchestrator.api.tls import secure_channel  # noqa: PLC0415
-
             return secure_channel(address, tls, WORKER_SERVER_NAME)
         return client_channel(address, token, tls=tls)
 
