@@ -118,9 +118,14 @@ async def run(args: argparse.Namespace) -> int:
                     )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                tls_hint = (
+                    "; with --tls-dir, its CA and client certificate must be the server's"
+                    if tls is not None
+                    else "; one serving TLS needs --tls-dir"
+                )
                 raise CommandError(
                     f"no orchestrator answers at {args.orchestrator} (is `pdorch up` running? "
-                    f"--orchestrator or $PDORCH_ORCHESTRATOR name another)"
+                    f"--orchestrator or $PDORCH_ORCHESTRATOR name another{tls_hint})"
                 ) from None
             print(f"\npdorch generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
