@@ -30,6 +30,20 @@ RETRYABLE_CODES = frozenset(
 )
 """Status codes of a worker call that another worker (or a later try) may not repeat."""
 
+STREAM_REMOVED = "Stream removed"
+"""How gRPC core words a call whose connection its transport tore down under it. Over TLS a
+corrupted record (a link fault: `TSI_DATA_CORRUPTED`, "Unwrap failed") ends the call with
+status UNKNOWN and these details, where a plaintext link's reset says UNAVAILABLE. A worker
+never answers so (its handlers' failures say "Unexpected <exception>"), so this one
+wording, and no other message, counts as a broken link."""
+
+
+def link_broke(code: grpc.StatusCode, details: str | None) -> bool:
+    """Whether a worker call's status is gRPC core's for a connection torn down under it
+    (`STREAM_REMOVED`): a link fault, retryable as UNAVAILABLE is."""
+    return code == grpc.StatusCode.UNKNOWN and (details or "").startswith(STREAM_REMOVED)
+
+
 _TARGET_FAULTS = (terr.PeerLostError, terr.TransferTimeoutError, terr.BudgetExceededError)
 
 _TRANSPORT_STATUS: tuple[tuple[type[terr.TransportError], grpc.StatusCode], ...] = (

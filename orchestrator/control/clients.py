@@ -16,6 +16,7 @@ from orchestrator.api.protocol import (
     BLAME_KV_TARGET,
     REFUSABLE_FIELDS,
     RETRYABLE_CODES,
+    link_broke,
 )
 from orchestrator.api.tls import Tls, secure_channel
 from orchestrator.core.peers import WORKER_SERVER_NAME
@@ -78,6 +79,6 @@ async def translated(worker: str, what: str, kv_target: str = "") -> AsyncIterat
         raise errors.WorkerError(
             blamed,
             f"{what}: {code.name}: {exc.details()}",
-            retryable=code in RETRYABLE_CODES,
+            retryable=code in RETRYABLE_CODES or link_broke(code, exc.details()),
             phase=what,
         ) from exc

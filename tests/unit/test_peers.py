@@ -91,3 +91,17 @@ def test_pdorch_certs_makes_a_directory(tmp_path: Path, capsys: pytest.CaptureFi
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == sorted(
         ["ca.pem", *(f"{r.identity}.{ext}" for r in Role for ext in ("pem", "key"))]
     )
+
+
+def test_a_stream_torn_down_under_a_call_is_a_link_fault() -> None:
+    """Over TLS a corrupted record ends the call UNKNOWN "Stream removed" (gRPC core's
+    words); a worker's own failure is UNKNOWN "Unexpected ..." and stays final."""
+    import grpc  # noqa: PLC0415
+
+    from orchestrator.api.protocol import link_broke  # noqa: PLC0415
+
+    unknown = grpc.StatusCode.UNKNOWN
+    assert link_broke(unknown, "Stream removed (Unwrap failed (TSI_DATA_CORRUPTED))")
+    assert not link_broke(unknown, "Unexpected <class 'RuntimeError'>: boom")
+    assert not link_broke(unknown, None)
+    assert not link_broke(grpc.StatusCode.INVALID_ARGUMENT, "Stream removed")
