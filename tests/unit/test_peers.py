@@ -105,3 +105,32 @@ def test_a_stream_torn_down_under_a_call_is_a_link_fault() -> None:
     assert not link_broke(unknown, "Unexpected <class 'RuntimeError'>: boom")
     assert not link_broke(unknown, None)
     assert not link_broke(grpc.StatusCode.INVALID_ARGUMENT, "Stream removed")
+
+
+def test_plaintext_is_said_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    import argparse  # noqa: PLC0415
+
+    from orchestrator.cli.common import server_tls_dir  # noqa: PLC0415
+
+    assert server_tls_dir(argparse.Namespace(tls_dir="/x", insecure=False), "w") == "/x"
+    assert caplog.records == []
+    assert server_tls_dir(argparse.Namespace(tls_dir="/x", insecure=True), "w") == ""
+    assert server_tls_dir(argparse.Namespace(tls_dir="", insecure=False), "w") == ""
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [
+        ("WARNING", "NO TLS: --insecure: w serves plaintext, for debugging only (anyone on the "
+         "network can read and forge its traffic; README: Security)"),
+        ("WARNING", "NO TLS: no --tls-dir: w serves plaintext (anyone on the network can read "
+         "and forge its traffic; README: Security)"),
+    ]  # fmt: skip
+
+
+def test_a_tls_directory_missing_a_file_is_a_config_error(tmp_path: Path) -> None:
+    from orchestrator.api.tls import Tls, load_worker  # noqa: PLC0415
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+
+    make_tls_dir(tmp_path, roles=[Role.WORKER])
+    assert load_worker(tmp_path, "decode").identity == "pdorch-worker"  # the both-roles one
+    with pytest.raises(ConfigError, match=r"--tls-dir: .*pdorch-client\.pem: No such file"):
+        Tls.load(tmp_path, Role.CLIENT.identity)
+    assert "BEGIN" not in repr(load_worker(tmp_path, "prefill"))  # no key in a repr
