@@ -30,6 +30,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TLS_MODES = ("disabled", "cert-manager", "secrets")
 TLS_COMPONENTS = ("orchestrator", "prefill", "decode")  # one identity (and key) each
 ISSUER_KINDS = ("Issuer", "ClusterIssuer")
+TOKENS_KEY = "tokens.yaml"  # auth.tokensSecret's default key
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_1123_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")  # Secret, Issuer names
 # A Go duration, as cert-manager's duration and renewBefore take it (e.g. 2160h, 1h30m).
@@ -157,6 +158,15 @@ class Tls:
 
 
 @dataclass(frozen=True)
+class Auth:
+    """Client authentication: the orchestrators' tokens file (SHA-256 digests of bearer
+    tokens → tenants) from a Secret. None: the client API is open (the orchestrators log
+    NO AUTHENTICATION)."""
+
+    tokens_secret: SecretKey | None = None
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     image: str
     redis: Redis
@@ -172,6 +182,7 @@ class ServiceSpec:
     failover: Failover = field(default_factory=Failover)
     slo: Slo = field(default_factory=Slo)
     tls: Tls = field(default_factory=Tls)
+    auth: Auth = field(default_factory=Auth)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -183,6 +194,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     r.only(
         "image", "imagePullPolicy", "model", "logLevel", "terminationGracePeriodSeconds",
         "orchestrator", "prefill", "decode", "redis", "transport", "failover", "slo", "tls",
+        "auth",
     )  # fmt: skip
     model = r.child("model")
     model.only("name", "cache")
@@ -204,6 +216,7 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         failover=_failover(r.child("failover")),
         slo=_slo(r.child("slo")),
         tls=_tls(r.child("tls")),
+        auth=_auth(r.child("auth")),
     )
     _check_engines(spec)
     return spec
@@ -302,6 +315,19 @@ def _slo(r: _Reader) -> Slo:
     ttft = r.integer("ttftMs", 0, minimum=1) if "ttftMs" in r.raw else None
     tpot = r.integer("tpotMs", 0, minimum=1) if "tpotMs" in r.raw else None
     return Slo(ttft_ms=ttft, tpot_ms=tpot)
+
+
+def _auth(r: _Reader) -> Auth:
+    r.only("tokensSecret")
+    secret = r.child("tokensSecret")
+    if not secret.present:
+        return Auth()
+    secret.only("name", "key")
+    return Auth(
+        tokens_secret=SecretKey(
+            secret.object_name("name", required=True), secret.string("key", TOKENS_KEY)
+        )
+    )
 
 
 def _tls(r: _Reader) -> Tls:

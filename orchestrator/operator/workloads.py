@@ -17,6 +17,8 @@ the CLI's own parser). The mapping from the spec:
     <pool>.torchThreads          worker --torch-threads
     <pool>.gpu                   node selector nvidia.com/gpu.product + nvidia.com/gpu limit
     redis                        env PDORCH_REDIS_URL (from the Secret, or the dev Service)
+    auth.tokensSecret            orchestrators: the Secret's key mounted read-only as a
+                                 file, env PDORCH_TOKENS_FILE (never an argument)
     tls                          the component's own key mounted read-only, env
                                  PDORCH_TLS_DIR (see `tls`); TCP probes (below)
 
@@ -43,6 +45,9 @@ WORKER_PORT = 50061
 KV_PORT = 50062
 REDIS_PORT = 6379
 MODEL_CACHE_PATH = "/var/cache/pdorch/models"
+AUTH_DIR = "/etc/pdorch/auth"
+TOKENS_FILE = "tokens.yaml"  # in AUTH_DIR; YAML or JSON, whatever the Secret's key holds
+TOKENS_FILE_ENV = "PDORCH_TOKENS_FILE"  # the orchestrator's --tokens-file
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # The orchestrator's gRPC drain ends this long before the kubelet's SIGKILL, leaving time
@@ -81,6 +86,7 @@ def orchestrator_deployment(identity: Identity, spec: ServiceSpec, config_hash: 
         probe_port=ORCHESTRATOR_PORT,
     )
     pod = _pod_spec(identity, n, spec, "orchestrator", [container])
+    _mount_tokens(spec, pod)
     _mount_tls(identity, spec, "orchestrator", pod)
     return _deployment(
         identity,
@@ -209,6 +215,28 @@ def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
 
 
 # ------------------------------------------------------------------------------- parts
+
+
+def _mount_tokens(spec: ServiceSpec, pod: Obj) -> None:
+    """The tokens file, read-only, from its Secret (no subPath: the orchestrator re-reads
+    the file when the kubelet swaps in a new version of the Secret)."""
+    ref = spec.auth.tokens_secret
+    if ref is None:
+        return
+    secret = {
+        "secretName": ref.name,
+        "items": [{"key": ref.key, "path": TOKENS_FILE}],
+        "defaultMode": tls.FILE_MODE,  # the pods' group reads it, no one else
+    }
+    volume = {"name": "auth", "secret": secret}
+    pod["volumes"] = [*pod.get("volumes", []), volume]
+    (container,) = pod["containers"]
+    mount = {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}
+    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    container["env"] = [
+        *container["env"],
+        {"name": TOKENS_FILE_ENV, "value": f"{AUTH_DIR}/{TOKENS_FILE}"},
+    ]
 
 
 def _mount_tls(identity: Identity, spec: ServiceSpec, component: str, pod: Obj) -> None:

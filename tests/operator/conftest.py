@@ -63,6 +63,7 @@ FULL_SPEC: dict[str, Any] = {
     },
     "failover": {"fallback": "fail", "heartbeatTTLSeconds": 1.5, "kvHoldSeconds": 12},
     "slo": {"ttftMs": 400, "tpotMs": 40},
+    "auth": {"tokensSecret": {"name": "pdorch-tokens", "key": "tokens.json"}},
     "tls": {
         "mode": "cert-manager",
         "issuerRef": {"name": "pdorch-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"},

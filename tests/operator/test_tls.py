@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from orchestrator.cli import build_parser
+from orchestrator.core.auth import parse_tokens
 from orchestrator.operator import naming
 from orchestrator.operator.errors import SpecError
 from orchestrator.operator.render import render
@@ -16,9 +18,11 @@ from orchestrator.operator.spec import CaSource, IssuerRef, Tls, parse_spec
 from tests.operator.conftest import (
     FULL_SPEC,
     IDENTITY,
+    MANIFESTS,
     MINIMAL_SPEC,
     TLS_CERT_MANAGER,
     TLS_SECRETS,
+    load_yaml_documents,
     rendered,
     spec_with,
 )
@@ -285,3 +289,69 @@ def test_no_secret_reaches_a_process_argument(raw: dict[str, Any]) -> None:
             expanded = {m for a in container.get("args", []) for m in re.findall(r"\$\((\w+)\)", a)}
             assert not from_secrets & expanded, container["name"]
             assert "secretRef" not in json.dumps(container.get("envFrom", []))
+
+
+# ------------------------------------------------------------------------ auth tokens
+
+
+def test_orchestrators_read_their_tokens_file_from_the_secret() -> None:
+    """auth.tokensSecret: a file the orchestrators re-read, named by the environment; the
+    workers never see it."""
+    objs = rendered(FULL_SPEC)
+    pod = _pod(objs, "orchestrator")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "auth"]
+    assert volume["secret"] == {
+        "secretName": "pdorch-tokens",
+        "items": [{"key": "tokens.json", "path": "tokens.yaml"}],
+        "defaultMode": 0o440,
+    }
+    (container,) = pod["containers"]
+    mount = {"name": "auth", "mountPath": "/etc/pdorch/auth", "readOnly": True}
+    assert mount in container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PDORCH_TOKENS_FILE"] == "/etc/pdorch/auth/tokens.yaml"
+    assert "--tokens-file" not in container["args"]
+    # The real CLI, given the container's environment, reads that file.
+    literal_env = {k: v for k, v in env.items() if v is not None}
+    argv = [a.replace("$(POD_NAME)", "pod-0") for a in container["args"]]
+    assert build_parser(literal_env).parse_args(argv).tokens_file == env["PDORCH_TOKENS_FILE"]
+    for component in ("prefill", "decode"):
+        assert "pdorch-tokens" not in _secrets_in(_pod(objs, component))
+    default_key = parse_spec(spec_with(MINIMAL_SPEC, "auth", {"tokensSecret": {"name": "t"}}))
+    assert default_key.auth.tokens_secret is not None
+    assert default_key.auth.tokens_secret.key == "tokens.yaml"
+
+
+def test_without_auth_nothing_is_mounted() -> None:
+    pod = _pod(rendered(MINIMAL_SPEC), "orchestrator")
+    assert "volumes" not in pod
+    assert "PDORCH_TOKENS_FILE" not in json.dumps(pod)
+
+
+@pytest.mark.parametrize(
+    ("auth", "field"),
+    [
+        ({"tokens": "x"}, "spec.auth.tokens"),
+        ({"tokensSecret": {}}, "spec.auth.tokensSecret.name"),
+        ({"tokensSecret": {"name": "t", "path": "x"}}, "spec.auth.tokensSecret.path"),
+    ],
+)
+def test_invalid_auth_is_named(auth: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec_with(MINIMAL_SPEC, "auth", auth))
+    assert info.value.field == field
+
+
+def test_the_sample_tokens_secret_is_a_tokens_file_the_orchestrator_reads() -> None:
+    (secret,) = load_yaml_documents(MANIFESTS / "samples" / "tokens-secret.yaml")
+    (sample,) = [
+        doc
+        for doc in load_yaml_documents(MANIFESTS / "samples" / "h100-prefill-l4-decode.yaml")
+        if doc["kind"] == "DisaggregatedService"
+    ]
+    ref = parse_spec(sample["spec"]).auth.tokens_secret
+    assert ref is not None
+    assert ref.name == secret["metadata"]["name"]
+    caller = parse_tokens(secret["stringData"][ref.key]).lookup("change-me")
+    assert caller is not None
+    assert caller.tenant == "team-a"
