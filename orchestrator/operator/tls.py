@@ -11,9 +11,9 @@ holds the orchestrator's key — mapped by the volume's ``items`` from the Secre
 ``kubernetes.io/tls`` plus a CA) to the layout the runtime reads from ``--tls-dir``
 (here passed as `TLS_DIR_ENV`, so that no flag depends on the runtime's version):
 
-    ca.pem             the CA bundle (the Secret's ca.crt, or the key `tls.ca` names)
-    <component>.pem    the component's certificate chain (tls.crt)
-    <component>.key    its private key (tls.key)
+    ca.pem                    the CA bundle (the Secret's ca.crt, or the key `tls.ca` names)
+    pdorch-<component>.pem    the component's certificate chain (tls.crt)
+    pdorch-<component>.key    its private key (tls.key)
 
 No subPath: the kubelet swaps a Secret's files in place when cert-manager renews it.
 """
@@ -32,6 +32,10 @@ TLS_DIR = "/etc/pdorch/tls"
 TLS_DIR_ENV = "PDORCH_TLS_DIR"  # the runtime's --tls-dir
 VOLUME = "tls"
 CA_FILE = "ca.pem"
+# The DNS names pdorch's own clients verify a server against, whatever address they dial
+# (a worker reached by pod IP is still checked to be a worker): the runtime's
+# `orchestrator.core.peers.server_names` — the role's identity, and for workers this one.
+WORKER_SERVER_NAME = "pdorch-worker"
 # Usages of a certificate that both serves (worker, orchestrator) and calls (orchestrator →
 # worker, prefill → decode); the first two are what cert-manager requests by default.
 USAGES = ("digital signature", "key encipherment", "server auth", "client auth")
@@ -43,8 +47,17 @@ PRIVATE_KEY = {"algorithm": "ECDSA", "size": 256, "encoding": "PKCS8", "rotation
 
 
 def common_name(component: str) -> str:
-    """The identity the runtime checks on the other end of a hop."""
+    """The identity the runtime checks on the other end of a hop; also the name of its
+    files in the TLS directory."""
     return f"pdorch-{component}"
+
+
+def server_names(component: str) -> list[str]:
+    """The names the runtime's clients check this component's server certificate for."""
+    names = [common_name(component)]
+    if component != "orchestrator":
+        names.append(WORKER_SERVER_NAME)
+    return names
 
 
 def secret_name(identity: Identity, spec: ServiceSpec, component: str) -> str:
@@ -52,12 +65,16 @@ def secret_name(identity: Identity, spec: ServiceSpec, component: str) -> str:
 
 
 def dns_names(identity: Identity, component: str) -> list[str]:
-    """The component's Service under each name a client may use: clients reach the
-    orchestrators through ``<name>``, the workers' headless Services name their pods."""
+    """The server names pdorch's own clients check (`server_names`), then the component's
+    Service under each name another client may use: clients reach the orchestrators
+    through ``<name>``, the workers' headless Services name their pods."""
     n = naming.names(identity)
     service = {"orchestrator": n.service, "prefill": n.prefill, "decode": n.decode}[component]
     ns = identity.namespace
-    return [service, f"{service}.{ns}", f"{service}.{ns}.svc", f"{service}.{ns}.svc.cluster.local"]
+    return [
+        *server_names(component),
+        *(service, f"{service}.{ns}", f"{service}.{ns}.svc", f"{service}.{ns}.svc.cluster.local"),
+    ]
 
 
 def certificates(identity: Identity, spec: ServiceSpec) -> list[Obj]:
@@ -72,7 +89,7 @@ def certificates(identity: Identity, spec: ServiceSpec) -> list[Obj]:
             # The labels make the Secret findable as this service's (cert-manager, not we,
             # owns it: it outlives the Certificate unless cert-manager runs with
             # --enable-certificate-owner-ref).
-            "secretTemplate": {"labels": naming.labels(identity, component)},
+            "secretTemplate": {"labels": naming.selector(identity, component)},
             "commonName": common_name(component),
             "dnsNames": dns_names(identity, component),
             "usages": list(USAGES),
@@ -100,10 +117,8 @@ def volume(identity: Identity, spec: ServiceSpec, component: str) -> Obj | None:
     if not spec.tls.enabled:
         return None
     ca = spec.tls.ca
-    items = [
-        {"key": "tls.crt", "path": f"{component}.pem"},
-        {"key": "tls.key", "path": f"{component}.key"},
-    ]
+    stem = common_name(component)
+    items = [{"key": "tls.crt", "path": f"{stem}.pem"}, {"key": "tls.key", "path": f"{stem}.key"}]
     if ca is None:
         items.append({"key": "ca.crt", "path": CA_FILE})
     sources: list[Obj] = [

@@ -152,7 +152,18 @@ def test_cert_manager_renders_one_certificate_per_identity() -> None:
         assert spec["commonName"] == f"pdorch-{component}"  # the identity the runtime checks
         assert spec["secretName"] == f"llama-{component}-tls"
         service = services[component]
+        # First what pdorch's own clients check (a worker, dialled by pod IP, must be a
+        # worker: orchestrator.core.peers), then the Service's names.
+        server_names = (
+            ["pdorch-orchestrator"]
+            if component == "orchestrator"
+            else [
+                f"pdorch-{component}",
+                "pdorch-worker",
+            ]
+        )
         assert spec["dnsNames"] == [
+            *server_names,
             service,
             f"{service}.ml",
             f"{service}.ml.svc",
@@ -208,7 +219,8 @@ def test_each_pod_mounts_only_its_own_key_in_the_runtime_layout(
         own_source, *ca_sources = volume["projected"]["sources"]
         assert own_source["secret"]["name"] == own
         items = {i["key"]: i["path"] for i in own_source["secret"]["items"]}
-        expected = {"tls.crt": f"{component}.pem", "tls.key": f"{component}.key"}
+        # The runtime's layout: <identity>.pem/.key, the identity being the common name.
+        expected = {"tls.crt": f"pdorch-{component}.pem", "tls.key": f"pdorch-{component}.key"}
         if tls.get("ca"):
             (ca,) = ca_sources
             assert ca == {
