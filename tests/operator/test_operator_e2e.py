@@ -363,10 +363,27 @@ def test_cert_manager_tls_renders_certificates_and_switching_it_off_prunes_them(
         return [v["name"] for v in pod.get("volumes", [])]
 
     assert "tls" in volumes("decode")
+    # No cert-manager here: nothing issues them, and the status says so.
+    degraded = ("True", "CertificatesNotReady")
+    wait_for(
+        "Degraded: CertificatesNotReady",
+        lambda: condition(status_of(api, "juliet"), "Degraded") == degraded,
+    )
+    for _, name in certs:  # what cert-manager reports once it has issued one
+        issued = {"conditions": [{"type": "Ready", "status": "True", "reason": "Ready"}]}
+        api.patch(CERTIFICATES, name, {"status": issued}, status=True)
+    wait_for(
+        "CertificatesReady",
+        lambda: condition(status_of(api, "juliet"), "CertificatesReady") == ("True", "Issued"),
+    )
     edit_spec(api, "juliet", {"tls": {"mode": "disabled", "issuerRef": None}}, 2)
 
     def switched_off() -> bool:
-        return all(api.get(*ref) is None for ref in certs) and "tls" not in volumes("decode")
+        return (
+            all(api.get(*ref) is None for ref in certs)
+            and "tls" not in volumes("decode")
+            and condition(status_of(api, "juliet"), "CertificatesReady") is None
+        )
 
     wait_for("the Certificates pruned and the keys unmounted", switched_off)
 
