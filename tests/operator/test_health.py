@@ -28,6 +28,7 @@ def _status(
     previous: list[dict[str, Any]] | None = None,
     now: str = T0,
     foreign: tuple[str, ...] = (),
+    certificates: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     return assess(
         orchestrator=orchestrator,
@@ -39,6 +40,7 @@ def _status(
         previous=previous or [],
         now=now,
         foreign=foreign,
+        certificates=certificates,
     )
 
 
@@ -143,37 +145,21 @@ def test_invalid_spec_status() -> None:
 
 
 def test_certificates_not_ready_degrade_and_show_which() -> None:
-    status = assess(
-        orchestrator=UP,
-        prefill=UP,
-        decode=UP,
-        redis=None,
-        fallback="local",
-        generation=7,
-        previous=[],
-        now=T0,
-        certificates={"llama-orchestrator": True, "llama-decode": False},
-    )
+    status = _status(certificates={"llama-orchestrator": True, "llama-decode": False})
     conditions = _conditions(status)
     assert conditions["CertificatesReady"] == ("False", "NotIssued")
     assert conditions["Degraded"] == ("True", "CertificatesNotReady")
     (cert,) = [c for c in status["conditions"] if c["type"] == "CertificatesReady"]
     assert cert["message"] == "not ready: llama-decode"
-    issued = assess(
-        orchestrator=UP,
-        prefill=UP,
-        decode=UP,
-        redis=None,
-        fallback="local",
-        generation=7,
+    issued = _status(
+        certificates={"llama-orchestrator": True, "llama-decode": True},
         previous=status["conditions"],
         now=T1,
-        certificates={"llama-orchestrator": True, "llama-decode": True},
     )
     assert _conditions(issued)["CertificatesReady"] == ("True", "Issued")
     assert _conditions(issued)["Degraded"] == ("False", "AllComponentsReady")
     # TLS switched off: the condition goes rather than lingering.
-    plain = _status(redis=None, previous=issued["conditions"], now=T1)
+    plain = _status(previous=issued["conditions"], now=T1)
     assert "CertificatesReady" not in _conditions(plain)
 
 
