@@ -78,6 +78,7 @@ class ErrorCode(enum.IntEnum):
     CLOSED = 6
     TIMEOUT = 7
     INTERNAL = 8
+    PREFIX_MISSING = 9
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[errors.TransportError]] = {
@@ -89,6 +90,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[errors.TransportError]] = {
     ErrorCode.CLOSED: errors.TransportClosedError,
     ErrorCode.TIMEOUT: errors.TransferTimeoutError,
     ErrorCode.INTERNAL: errors.PeerLostError,
+    ErrorCode.PREFIX_MISSING: errors.PrefixMissingError,
 }
 
 

@@ -6,7 +6,8 @@
     │   ├── MalformedScalesError        fp8 scales that are not finite and positive
     │   ├── NonFiniteError              K/V values holding a NaN or an infinity
     │   └── HeaderRejectedError         a valid header that this receiver will not accept
-    │       └── StaleEpochError         epoch older than one already seen for the request
+    │       ├── StaleEpochError         epoch older than one already seen for the request
+    │       └── PrefixMissingError      KV extending a prefix the receiver does not hold
     ├── BudgetExceededError             receiver has no room for the KV now (retryable)
     ├── PeerLostError                   the peer broke the connection or died (retryable)
     ├── TransferTimeoutError            a deadline passed: stalled peer or network (retryable)
@@ -51,6 +52,11 @@ class HeaderRejectedError(WireFormatError):
 
 class StaleEpochError(HeaderRejectedError):
     """The transfer's epoch is older than one the receiver has seen for that request."""
+
+
+class PrefixMissingError(HeaderRejectedError):
+    """A suffix-only transfer (its header names the prefix it extends) to a receiver that
+    does not hold that prefix: the sender may send the whole KV instead."""
 
 
 class BudgetExceededError(TransportError):

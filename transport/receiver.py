@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -58,6 +59,9 @@ class KvReceiver:
         self._closed = False
         self._reaper: asyncio.Task[None] | None = None
         self.address = ""
+        self.prefix_check: Callable[[int, bytes], bool] | None = None
+        """Whether this receiver's consumer holds the KV prefix a suffix-only transfer
+        names (tokens, hash; `wire` version 3); None: it holds none, so it refuses them."""
 
     @property
     def backend(self) -> str:
@@ -173,6 +177,16 @@ class KvReceiver:
             oldest.link.broken = True
             oldest.link.writer.transport.abort()  # its handler sees EOF and ends
 
+    def _check_prefix(self, header: wire.KvHeader) -> None:
+        """Refuse a suffix-only transfer whose prefix is not held here, before any payload
+        moves and before its epoch is fenced: the sender may then send the whole KV."""
+        n = header.prefix_tokens
+        if n and not (self.prefix_check is not None and self.prefix_check(n, header.prefix_hash)):
+            raise errors.PrefixMissingError(
+                f"request {header.request_id!r}: the KV extends a prefix of {n} tokens "
+                f"(hash {header.prefix_hash[:8].hex()}) this receiver does not hold"
+            )
+
     async def _transfer(
         self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes, *, read: bool
     ) -> None:
@@ -187,6 +201,7 @@ class KvReceiver:
                 min_epoch=self.inbox.min_epoch(header.request_id),
             )
             wire.check_expected(header, exp)
+            self._check_prefix(header)
             self.inbox.reserve(header.request_id, header.epoch, header.payload_bytes)
         except errors.TransportError as exc:
             log.info("refused KV transfer: %s", exc)

@@ -76,11 +76,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     ))  # fmt: skip
     _kv_routing(add_command(
         bsub, "kv-routing", parents, parents.json,
-        help="multi-turn chat on simulated prefix-cache workers: KV-aware routing off vs on",
+        help="multi-turn chat on simulated prefix-cache workers: KV-aware routing off, on, "
+        "and on with suffix-only KV transfers",
         description="Runs one multi-turn chat workload (conversations sharing a system "
-        "prompt, plus one-shot requests) on a fresh simulated cluster per mode, --kv-routing "
-        "off then on, and reports TTFT p50/p99, prefill GPU time, KV bytes and cost per "
-        "request side by side. See README 'Admission and placement'.",
+        "prompt, plus one-shot requests) on a fresh simulated cluster per mode: --kv-routing "
+        "off; on with --kv-suffix off; on with --kv-suffix on. Reports prefill tokens "
+        "computed, KV bytes moved, TTFT p50/p99, prefill GPU time and cost per request side "
+        "by side. See README 'Admission and placement'.",
     ))  # fmt: skip
     _load(add_command(
         bsub, "load", parents, parents.json,

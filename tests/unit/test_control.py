@@ -40,6 +40,7 @@ MAPPED: list[tuple[type[errors.TransportError], ErrorCode]] = [
     (errors.TransportClosedError, ErrorCode.CLOSED),
     (errors.TransferTimeoutError, ErrorCode.TIMEOUT),
     (errors.PeerLostError, ErrorCode.INTERNAL),
+    (errors.PrefixMissingError, ErrorCode.PREFIX_MISSING),
 ]
 
 
