@@ -75,6 +75,7 @@ from transport.base import DataPlane, Peer, TransportSettings
 from transport.completion import CompletionPoller
 from transport.control import RemoteRegion
 from transport.receiver import KvReceiver
+from transport.security import LinkTls
 from transport.sender import KvSender
 from transport.wire import ModelSpec
 
@@ -387,14 +388,17 @@ def _abort(ep: Any) -> None:
 
 
 def ucx_sender(
-    settings: TransportSettings | None = None, config: UcxConfig | None = None
+    settings: TransportSettings | None = None,
+    config: UcxConfig | None = None,
+    tls: LinkTls | None = None,
 ) -> KvSender:
-    return KvSender(UcxDataPlane(config), settings or TransportSettings())
+    return KvSender(UcxDataPlane(config), settings or TransportSettings(), tls)
 
 
 def ucx_receiver(
     settings: TransportSettings | None = None,
     model: ModelSpec | None = None,
     config: UcxConfig | None = None,
+    tls: LinkTls | None = None,
 ) -> KvReceiver:
-    return KvReceiver(UcxDataPlane(config), settings or TransportSettings(), model)
+    return KvReceiver(UcxDataPlane(config), settings or TransportSettings(), model, tls)
