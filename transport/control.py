@@ -114,7 +114,7 @@ _CODE_TO_ERROR: dict[ErrorCode, type[errors.TransportError]] = {
 _REFUSALS: dict[ErrorCode, str] = {
     ErrorCode.WIRE_FORMAT: "malformed or oversized KV header",
     ErrorCode.REJECTED: "KV header refused: it does not match this receiver",
-    ErrorCode.STALE_EPOCH: "stale or already received epoch",
+    ErrorCode.STALE_EPOCH: "stale epoch, or a replay of a received one",
     ErrorCode.BUDGET: "no room for this KV now",
     ErrorCode.CLOSED: "receiver is closing",
     ErrorCode.REJECTED_PEER: "not authorised to send KV here",

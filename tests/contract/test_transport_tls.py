@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 from pathlib import Path
 
 import numpy as np
@@ -325,3 +326,23 @@ def test_a_payload_replayed_into_a_live_token_is_refused(pki: Path) -> None:
             await receiver.close()
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_load_dir_names_the_missing_file(pki: Path, tmp_path: Path) -> None:
+    with pytest.raises(errors.TlsConfigError, match=r"nobody\.pem is missing"):
+        load_dir(pki, "nobody")
+    (tmp_path / "ca.pem").write_text("not a certificate")
+    for name in ("prefill.pem", "prefill.key"):
+        (tmp_path / name).write_bytes((pki / name).read_bytes())
+    with pytest.raises(errors.TlsConfigError, match="cannot load prefill's certificate"):
+        load_dir(tmp_path, "prefill")
+
+
+def test_a_context_that_does_not_verify_the_peer_is_refused(pki: Path) -> None:
+    ctx = client_context(pki / "ca.pem", pki / "prefill.pem", pki / "prefill.key")
+    ctx.verify_mode = ssl.CERT_NONE
+    with pytest.raises(ValueError, match="require the peer's certificate"):
+        LinkTls(client=ctx)
