@@ -18,7 +18,7 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from transport import control, errors
@@ -128,6 +128,12 @@ class DataPlane(abc.ABC):
         ``into`` (exactly as long as they are together)."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
 
+    def discard_unmatched(self, keep: Callable[[int], bool]) -> list[tuple[int, int]]:
+        """Receiver, out of band: drop payload messages no posted receive matched (a spent
+        or unannounced token) but those whose tag ``keep`` wants; return their (tag, length).
+        Blocking: the receiver calls it in a thread. Nothing to do for inline planes."""
+        return []
+
     @abc.abstractmethod
     def fail_channel(self, peer: Peer) -> None:
         """Cancel everything pending on ``peer``'s channel — that connection's transfer,
@@ -166,6 +172,10 @@ class TransferTokens:
         self._spent[token] = None
         while len(self._spent) > self._memory:
             self._spent.popitem(last=False)
+
+    def wants(self, tag: int) -> bool:
+        """Whether a payload tag carries a live token (``token | segment``)."""
+        return (tag & ~0xFFFF) in self._live
 
     def state(self, token: int) -> str:
         """``"live"``, ``"spent"`` or ``"unknown"`` (for logs and tests)."""

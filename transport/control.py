@@ -32,8 +32,10 @@ out, and never issues the token again (`transport.base.TransferTokens`). So a UC
 delivered into KV memory only if its tag carries the token of a transfer the authenticated
 link announced, and only into that transfer's (request id, epoch) reservation: a message with
 an unannounced, spent (replayed) or other transfer's token matches no receive and lands
-nowhere; a wrong-length one fails the transfer. (Before, the *sender* chose the tag in OPEN,
-so any peer that could open a transfer chose which posted receive its bytes would match.)
+nowhere (the receiver takes such messages off UCX's queue and drops them, logging each:
+`transport.ucp.discard_unexpected`); a wrong-length one fails the transfer. (Before, the
+*sender* chose the tag in OPEN, so any peer that could open a transfer chose which posted
+receive its bytes would match.)
 The OPEN's tag field must be 0 — a sender that predates tokens is refused, not misrouted.
 Integrity beyond that rests on the layer checksums the authenticated link carries.
 

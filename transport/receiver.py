@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # sender to stop (the link lingers, discarding, so the sender reads the ERROR, not EPIPE).
 _REFUSAL_WAIT_S = 1.0
 
+_TOKENS = TransferTokens(memory=65536)
+"""The process's transfer tokens (`KvReceiver.tokens`); remembers as many spent tokens as
+`TransportSettings.epoch_memory`'s default remembers epochs (about 100 bytes each)."""
+
 
 class KvReceiver:
     def __init__(
@@ -56,7 +60,9 @@ class KvReceiver:
         self.tls = tls
         """With a server context, links are mutual TLS and only `LinkTls.senders` may send."""
         self.inbox = Inbox(settings.memory_budget_bytes, settings.epoch_memory)
-        self.tokens = TransferTokens(settings.epoch_memory)
+        self.tokens = _TOKENS
+        """Transfer tokens, one registry per process: UCX tags match worker-wide (one
+        worker per process), so every receiver here must know every live token."""
         self._buffers = BufferPool(settings.pooled_buffer_bytes)
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._data_address = b""
@@ -90,6 +96,36 @@ class KvReceiver:
             await asyncio.sleep(interval)
             for rid in self.inbox.reap(time.monotonic(), self.settings.kv_hold_s):
                 log.info("freed the KV of request %s: no decode call within its lease", rid)
+            if not self._plane.inline:
+                await self._discard_unmatched()
+
+    async def _discard_unmatched(self) -> None:
+        """Drop out-of-band payload messages that no transfer announced — an unknown token
+        (injected), a spent one (a replay, or a late segment of a failed transfer) — so they
+        land nowhere and hold no memory; one line each."""
+        try:
+            dropped = await asyncio.to_thread(self._plane.discard_unmatched, self.tokens.wants)
+        except errors.TransportError as exc:
+            log.warning("could not discard unmatched KV payload messages: %s", exc)
+            return
+        for tag, length in dropped:
+            token = tag & ~0xFFFF
+            if self.tokens.state(token) == "spent":
+                log.info(
+                    "refused a %s message of %d bytes under a spent transfer token %#x (a "
+                    "replay, or a late segment of a failed transfer): discarded",
+                    self._plane.name,
+                    length,
+                    token,
+                )
+            else:
+                log.warning(
+                    "refused a %s message of %d bytes under token %#x, which no transfer "
+                    "announced (its sender is unknown to UCX): discarded",
+                    self._plane.name,
+                    length,
+                    token,
+                )
 
     async def take(self, request_id: str, epoch: int, timeout_s: float) -> wire.KvCache:
         return await self.inbox.take(request_id, epoch, timeout_s)

@@ -250,9 +250,22 @@ async def _inject(receiver: KvReceiver, tags: list[int]) -> None:
     await attacker.close()
 
 
+async def _logged(caplog: pytest.LogCaptureFixture, text: str, count: int) -> None:
+    """Wait (the receiver sweeps unmatched messages about once a second) for ``count``
+    log lines containing ``text``."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while sum(text in r.getMessage() for r in caplog.records) < count:
+        assert asyncio.get_running_loop().time() < deadline, f"no {count} x {text!r} logged"
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.ucx
 @pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")
-def test_ucx_payloads_without_the_announced_token_land_nowhere(pki: Path) -> None:
+def test_ucx_payloads_without_the_announced_token_land_nowhere(
+    pki: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "transport")
+
     async def run() -> None:
         receiver = make_receiver("ucx", SETTINGS, tls=load_dir(pki, "decode"))
         address = await receiver.start()
@@ -266,6 +279,8 @@ def test_ucx_payloads_without_the_announced_token_land_nowhere(pki: Path) -> Non
             # live one (another transfer's).
             forged = [control.new_token(), token ^ (1 << 16), token ^ (1 << 40)]
             await _inject(receiver, [control.layer_tag(t, 0) for t in forged])
+            # Refused (taken off UCX's queue and dropped), one line each.
+            await _logged(caplog, "which no transfer announced", len(forged))
             for i, (k, v) in enumerate(cache.layers):
                 await transfer.send_layer(i, k, v)
             await transfer.finish()
@@ -276,6 +291,7 @@ def test_ucx_payloads_without_the_announced_token_land_nowhere(pki: Path) -> Non
 
             # Replay: the spent token again, then the next transfer of the same size.
             await _inject(receiver, [control.layer_tag(token, 0)])
+            await _logged(caplog, f"under a spent transfer token {token:#x}", 1)
             nxt = testing.synthetic_cache("legit", 2, 64 * KIB, n_layers=2, seed=7)
             transfer = await sender.open(address, nxt.header)
             assert transfer.token != token  # one-time: never issued again

@@ -426,3 +426,6 @@ def test_tokens_are_one_time() -> None:
     issued = {tokens.issue() for _ in range(64)}
     assert live[0] not in issued  # never issued again while remembered
     assert all(t & 0xFFFF == 0 and t for t in issued)
+    assert tokens.wants(control.layer_tag(live[1], 7))  # a live token's segment
+    assert not tokens.wants(control.layer_tag(live[0], 0))  # a spent one's
+    assert not tokens.wants(control.layer_tag(control.new_token(), 0))  # never issued
