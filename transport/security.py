@@ -4,10 +4,11 @@ The control link (`transport.link`) is one TCP connection per transfer slot betw
 prefill worker (sender) and a decode worker (receiver). With `LinkTls`, the receiver's
 server context and the sender's client context both require a certificate from the CA
 they trust (mutual TLS), and each side then checks the other's *identity* — the subject
-common name, by the convention ``pdorch-<identity>`` — before a byte of the protocol
-moves: a decode worker takes KV only from prefill identities (``pdorch-prefill``, and
-``pdorch-worker`` for a worker in both roles), and a prefill worker sends KV only to
-decode identities (``pdorch-decode``, ``pdorch-worker``). Host names are not checked:
+common name, ``pdorch-<role>``, optionally followed by ``.<instance>`` for logs
+(``pdorch-decode.decode-3``) — before a byte of the protocol moves: a decode worker takes
+KV only from prefill identities (``pdorch-prefill``, and ``pdorch-worker`` for a worker in
+both roles), and a prefill worker sends KV only to decode identities (``pdorch-decode``,
+``pdorch-worker``). Host names are not checked:
 pods' addresses change, their identities do not; the CA and the identity are what count.
 
 What TLS covers: the control messages (headers, checksums, transfer tokens, one-sided
@@ -16,8 +17,9 @@ link). UCX's data path is not encrypted (UCXX has no TLS): it carries only paylo
 authenticated link announced (`transport.control`: the receiver's one-time token).
 
 Contexts are built by the caller (the CLI, from a directory) and handed in: this package
-never reads the environment. `load_dir` builds both from the layout ``<dir>/ca.pem``,
-``<dir>/<identity>.pem``, ``<dir>/<identity>.key``.
+never reads the environment. `load_dir` builds both from the layout ``pdorch certs`` writes
+and the operator mounts: ``<dir>/ca.pem``, ``<dir>/pdorch-<role>.pem``,
+``<dir>/pdorch-<role>.key``.
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def describe(cert: PeerCert | None) -> str:
 
 
 def allow_names(names: Iterable[str]) -> IdentityCheck:
-    """An `IdentityCheck` accepting certificates whose common name is one of ``names``."""
+    """An `IdentityCheck` accepting certificates whose common name is one of ``names``,
+    alone or followed by ``.<instance>``."""
     allowed = frozenset(names)
 
     def check(cert: PeerCert) -> bool:
-        return common_name(cert) in allowed
+        name = common_name(cert)
+        return name is not None and name.partition(".")[0] in allowed
 
     return check
 
@@ -112,11 +116,13 @@ def client_context(ca: Path, cert: Path, key: Path) -> ssl.SSLContext:
 
 
 def load_dir(folder: Path | str, identity: str) -> LinkTls:
-    """Both contexts for ``identity`` (e.g. ``prefill``, ``decode``, ``worker``) from
-    ``folder``'s ``ca.pem``, ``<identity>.pem`` and ``<identity>.key``, with the default
-    identity checks. Raises `TlsConfigError` naming the file that is missing or bad."""
+    """Both contexts for ``identity`` (``prefill``, ``decode``, ``worker``, or the same with
+    the ``pdorch-`` prefix) from ``folder``'s ``ca.pem``, ``pdorch-<role>.pem`` and
+    ``pdorch-<role>.key``, with the default identity checks. Raises `TlsConfigError` naming
+    the file that is missing or bad."""
     root = Path(folder)
-    ca, cert, key = root / "ca.pem", root / f"{identity}.pem", root / f"{identity}.key"
+    stem = identity if identity.startswith(CN_PREFIX) else CN_PREFIX + identity
+    ca, cert, key = root / "ca.pem", root / f"{stem}.pem", root / f"{stem}.key"
     for path in (ca, cert, key):
         if not path.is_file():
             raise errors.TlsConfigError(f"KV link TLS: {path} is missing")

@@ -131,7 +131,7 @@ def _transport(bt: argparse.ArgumentParser) -> None:
         "--tls-dir",
         default=None,
         help="also time ours with mutual TLS on the KV control link (ours-tls), alternating "
-        "with plain; DIR holds ca.pem, prefill.pem/.key and decode.pem/.key",
+        "with plain; DIR holds ca.pem, pdorch-prefill.pem/.key and pdorch-decode.pem/.key",
     )
     bt.set_defaults(call=_run_transport)
 

@@ -1,8 +1,9 @@
 """Throwaway PKIs for the KV link's TLS tests, made with ``cryptography`` (EC P-256: fast).
 
-Written in `transport.security.load_dir`'s layout: ``<dir>/ca.pem``, ``<dir>/<identity>.pem``,
-``<dir>/<identity>.key``; each identity's subject common name is ``pdorch-<identity>``, and
-its certificate serves both as a TLS server and a TLS client (a worker is both).
+Written in `transport.security.load_dir`'s layout (that of ``pdorch certs`` and the
+operator's mounts): ``<dir>/ca.pem``, ``<dir>/pdorch-<identity>.pem``,
+``<dir>/pdorch-<identity>.key``; each identity's subject common name is
+``pdorch-<identity>``, and its certificate serves both as a TLS server and a TLS client.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def make_pki(folder: Path, identities: tuple[str, ...] = IDENTITIES, ca_name: st
             )
             .sign(ca_key, hashes.SHA256())
         )
-        (folder / f"{identity}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_path = folder / f"{identity}.key"
+        stem = CN_PREFIX + identity
+        (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path = folder / f"{stem}.key"
         key_path.write_bytes(
             key.private_bytes(
                 serialization.Encoding.PEM,

@@ -140,7 +140,9 @@ def test_a_certificate_from_another_ca_is_refused(
     # The attacker trusts our CA (so it gets past its own check of the receiver) and shows
     # a prefill certificate its own CA signed.
     tls = LinkTls(
-        client=client_context(pki / "ca.pem", rogue / "prefill.pem", rogue / "prefill.key")
+        client=client_context(
+            pki / "ca.pem", rogue / "pdorch-prefill.pem", rogue / "pdorch-prefill.key"
+        )
     )
     asyncio.run(_offer(pki, tls))
     (line,) = _refusals(caplog)
@@ -348,17 +350,35 @@ def test_a_payload_replayed_into_a_live_token_is_refused(pki: Path) -> None:
 
 
 def test_load_dir_names_the_missing_file(pki: Path, tmp_path: Path) -> None:
-    with pytest.raises(errors.TlsConfigError, match=r"nobody\.pem is missing"):
+    with pytest.raises(errors.TlsConfigError, match=r"pdorch-nobody\.pem is missing"):
         load_dir(pki, "nobody")
     (tmp_path / "ca.pem").write_text("not a certificate")
-    for name in ("prefill.pem", "prefill.key"):
+    for name in ("pdorch-prefill.pem", "pdorch-prefill.key"):
         (tmp_path / name).write_bytes((pki / name).read_bytes())
     with pytest.raises(errors.TlsConfigError, match="cannot load prefill's certificate"):
         load_dir(tmp_path, "prefill")
 
 
 def test_a_context_that_does_not_verify_the_peer_is_refused(pki: Path) -> None:
-    ctx = client_context(pki / "ca.pem", pki / "prefill.pem", pki / "prefill.key")
+    ctx = client_context(pki / "ca.pem", pki / "pdorch-prefill.pem", pki / "pdorch-prefill.key")
     ctx.verify_mode = ssl.CERT_NONE
     with pytest.raises(ValueError, match="require the peer's certificate"):
         LinkTls(client=ctx)
+
+
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [
+        ("pdorch-prefill", True),
+        ("pdorch-worker", True),
+        ("pdorch-prefill.prefill-3", True),  # an instance, named for logs
+        ("pdorch-prefillx", False),
+        ("pdorch-decode", False),
+        ("pdorch-orchestrator", False),
+        ("prefill", False),
+        (None, False),
+    ],
+)
+def test_who_may_send_kv(name: str | None, allowed: bool) -> None:
+    cert = {"subject": ((("commonName", name),),)} if name else {}
+    assert LinkTls().senders(cert) is allowed
