@@ -12,7 +12,9 @@
     ├── PeerLostError                   the peer broke the connection or died (retryable)
     ├── TransferTimeoutError            a deadline passed: stalled peer or network (retryable)
     ├── TransportClosedError            *we* closed the sender/receiver (permanent)
-    └── BackendUnavailableError         the backend's native library is missing (permanent)
+    ├── BackendUnavailableError         the backend's native library is missing (permanent)
+    ├── PeerRejectedError               TLS or the peer's identity refused the link (permanent)
+    └── TlsConfigError                  this side's certificates cannot be loaded (permanent)
 
 Foreign errors (OSError, asyncio.IncompleteReadError, ucxx.*) are translated into this tree in
 the one module that calls them (`link.py`, `tcp.py`, `ucx.py`), always with ``raise ... from``.
@@ -83,3 +85,13 @@ class TransportClosedError(TransportError):
 
 class BackendUnavailableError(TransportError):
     """The backend's native dependency (e.g. ucxx) is not installed or failed to load."""
+
+
+class PeerRejectedError(TransportError):
+    """The link was refused for who is at the other end: the TLS handshake failed (no
+    certificate, another CA, plain TCP against TLS) or the peer's identity may not send
+    (or receive) KV here. Crosses the wire without details."""
+
+
+class TlsConfigError(TransportError):
+    """This side's TLS files are missing or cannot be loaded (`transport.security`)."""

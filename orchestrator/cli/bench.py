@@ -129,6 +129,12 @@ def _transport(bt: argparse.ArgumentParser) -> None:
         default=None,
         help="NIXL as a reference in the same run (default: when nixl-cu12 is installed)",
     )
+    bt.add_argument(
+        "--tls-dir",
+        default=None,
+        help="also time ours with mutual TLS on the KV control link (ours-tls), alternating "
+        "with plain; DIR holds ca.pem, pdorch-prefill.pem/.key and pdorch-decode.pem/.key",
+    )
     bt.set_defaults(call=_run_transport)
 
 
@@ -138,7 +144,15 @@ def _run_transport(args: argparse.Namespace) -> int:
     try:
         sizes = [bench.parse_size(s) for s in args.size.split(",")]
         for size in sizes:
-            result = bench.run(args.backend, size, args.iters, args.layers, args.rounds, args.nixl)
+            result = bench.run(
+                args.backend,
+                size,
+                args.iters,
+                args.layers,
+                args.rounds,
+                args.nixl,
+                tls_dir=args.tls_dir,
+            )
             print(result.json() if args.json else result.human(), flush=True)
     except bench.BenchError as exc:
         print(f"pdorch bench transport: {exc}", file=sys.stderr)

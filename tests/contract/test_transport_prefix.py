@@ -27,7 +27,7 @@ async def _exchange(backend: str) -> None:
     try:
         whole = synthetic_cache("rid-1", 2, MIB, n_layers=4, seed=1)
         suffix = replace(whole, header=replace(whole.header, prefix_tokens=32, prefix_hash=DIGEST))
-        with pytest.raises(errors.PrefixMissingError, match="prefix of 32 tokens"):
+        with pytest.raises(errors.PrefixMissingError, match="prefix this KV extends is not held"):
             await sender.send(address, suffix)  # no check installed: it holds no prefix
 
         def holds(tokens: int, digest: bytes) -> bool:
