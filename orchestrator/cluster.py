@@ -224,7 +224,7 @@ class LocalCluster:
     def channel(self, address: str, token: str | None = None) -> grpc.aio.Channel:
         """A channel to one of this cluster's processes: a client's to an orchestrator, the
         orchestrator's to a worker (a test acting as the control plane)."""
-        worker = address in self.expected.values()
+        worker = address not in self.orchestrator_addresses
         tls = self.credentials(Role.ORCHESTRATOR if worker else Role.CLIENT)
         if tls is not None and worker:
             return secure_channel(address, tls, WORKER_SERVER_NAME)
@@ -290,6 +290,7 @@ class LocalCluster:
                 "--transport", self.transport,
                 "--worker-id", f"{role}-{index}",
                 "--heartbeat-ttl", str(self.heartbeat_ttl_s),
+                *self._tls_flags(),
             )  # fmt: skip
         args = self._pdorch(
             "worker",
@@ -459,7 +460,23 @@ class LocalCluster:
             _LIVE.remove(self)
 
     def owns(self, address: str) -> bool:
-        return address in self.orchestrator_addresses or address in self.expected.values()
+        """Whether ``address`` is one of this cluster's orchestrators or workers (simulated
+        ones included: found by their heartbeats)."""
+        if address in self.orchestrator_addresses or address in self.expected.values():
+            return True
+        return address in self.worker_addresses()
+
+    def worker_addresses(self) -> set[str]:
+        """The gRPC addresses of the workers with a live heartbeat in Redis."""
+        client = redis.Redis(port=self.redis_port, socket_timeout=2, decode_responses=True)
+        try:
+            ids = sorted(str(i) for i in client.smembers(_KEYS.workers))
+            values = client.mget([_KEYS.worker(i) for i in ids]) if ids else []
+            return {str(json.loads(str(raw)).get("address")) for raw in values if raw is not None}
+        except redis.RedisError:
+            return set()
+        finally:
+            client.close()
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -171,8 +171,8 @@ async def _prefill_and_decode(
     """A Prefill asking a suffix-only transfer of all but ``prefix`` tokens, then the Decode."""
     sampling = common_pb2.SamplingParams()
     async with (
-        grpc.aio.insecure_channel(prefill.address) as pc,
-        grpc.aio.insecure_channel(decode.address) as dc,
+        connect(prefill.address) as pc,
+        connect(decode.address) as dc,
     ):
         resp = await worker_pb2_grpc.PrefillServiceStub(pc).Prefill(
             worker_pb2.PrefillRequest(
