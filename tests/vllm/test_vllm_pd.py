@@ -8,17 +8,25 @@ rest), equal to the log-softmax of transformers' raw logits on the same model.""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 
-from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api import (
+    common_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from orchestrator.cluster import LocalCluster
 from orchestrator.core.prefix import block_keys, decode_keys
 from tests.integration.conftest import wait_for, workers
 from tests.vllm.conftest import (
+    MAX_TOKENS,
     SEEDED,
     generate,
     greedy,
@@ -142,3 +150,40 @@ def test_pd_turn_two_moves_only_the_kv_the_decode_lacks(pd_cluster: LocalCluster
     assert "suffix" not in whole.placement
     assert out2 == whole_out
     print(f"turn 2 ({len(turn2)} tokens): {second.kv_bytes} KV bytes sent, whole {whole.kv_bytes}")
+    # A prefix the decode's cache does not hold (a stale index): refused before any payload,
+    # the whole KV follows at the same epoch, same output.
+    resp, out = asyncio.run(_split(pd_cluster, turn2, "suffix-stale", hashlib.sha256().digest()))
+    assert (resp.kv_prefix_refused, resp.kv_prefix_tokens) == (True, 0)
+    assert resp.kv_bytes == whole.kv_bytes
+    assert out == out2
+
+
+async def _split(
+    cluster: LocalCluster, prompt: list[int], rid: str, digest: bytes
+) -> tuple[worker_pb2.PrefillResponse, list[int]]:
+    """A Prefill naming a one-block decode prefix of ``digest``, then the Decode."""
+    (prefill,) = [w for w in workers(cluster) if w.role == "prefill"]
+    (decode,) = [w for w in workers(cluster) if w.role == "decode"]
+    sampling = common_pb2.SamplingParams()
+    async with (
+        grpc.aio.insecure_channel(prefill.address) as pc,
+        grpc.aio.insecure_channel(decode.address) as dc,
+    ):
+        resp = await worker_pb2_grpc.PrefillServiceStub(pc).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=rid, epoch=1, token_ids=prompt, sampling=sampling,
+                kv_target=decode.kv_address, decode_prefix_tokens=BLOCK, decode_prefix_hash=digest,
+            ),
+            timeout=120,
+        )  # fmt: skip
+        out: list[int] = []  # the stream opens with the prefill's token
+        async for chunk in worker_pb2_grpc.DecodeServiceStub(dc).Decode(
+            worker_pb2.DecodeRequest(
+                request_id=rid, epoch=1, token_ids=prompt, last_token=resp.first_token,
+                generated=1, sampling=sampling, max_tokens=MAX_TOKENS, kv_timeout_s=60,
+                prompt_tokens=len(prompt),
+            ),
+            timeout=120,
+        ):  # fmt: skip
+            out += chunk.token_ids
+    return resp, out
