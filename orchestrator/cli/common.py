@@ -422,11 +422,21 @@ def resolve_redis(args: argparse.Namespace, env: Mapping[str, str]) -> None:
 
 
 def redis_url(text: str) -> str:
-    """``redis://HOST:PORT/DB`` (or rediss://, unix://), checked for form only."""
+    """``redis://HOST:PORT/DB`` (or rediss://, unix://, a cluster's or Sentinel's:
+    `orchestrator.store.connect`), checked for form only."""
     from urllib.parse import urlsplit  # noqa: PLC0415
 
+    from orchestrator.store.connect import SCHEMES, RedisUrlError, parse  # noqa: PLC0415
     from orchestrator.store.url import redacted  # noqa: PLC0415
 
+    if text.partition("://")[0] in set(SCHEMES) - set(REDIS_SCHEMES):
+        try:
+            parse(text)
+        except RedisUrlError as exc:
+            raise argparse.ArgumentTypeError(
+                f"not a Redis URL: {redacted(text)!r} ({exc})"
+            ) from None
+        return text
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
