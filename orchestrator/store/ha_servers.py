@@ -106,6 +106,9 @@ class LocalRedisCluster:
             )  # fmt: skip
             for node in self.nodes:
                 self.wait_ok(node.port)
+            # A replica that has not synced once can't be promoted: the failover test
+            # must not kill a primary before its replica holds its data.
+            _wait(self._replicas_synced, SETUP_TIMEOUT_S, "the replicas to sync")
         except BaseException:
             self.stop()
             raise
@@ -120,6 +123,14 @@ class LocalRedisCluster:
                 return "cluster_state:ok" in info and "cluster_slots_ok:16384" in info
 
         _wait(ok, timeout_s, f"cluster_state:ok on {port}")
+
+    def _replicas_synced(self) -> bool:
+        synced = 0
+        for node in self.nodes:
+            with _client(node.port) as c:
+                info = c.info("replication")
+            synced += info.get("role") == "slave" and info.get("master_link_status") == "up"
+        return synced == len(self.nodes) // (1 + self.replicas) * self.replicas
 
     def roles(self) -> dict[int, str]:
         """Port -> ``master`` or ``slave``, as the first live node sees the cluster."""
