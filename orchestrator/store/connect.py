@@ -20,7 +20,8 @@ at start. The scheme says it once; a plain ``redis://`` pointed at a cluster nod
 its first key of another node with an error that names ``redis+cluster://`` (`MOVED`, see
 `orchestrator.store.redis_store`).
 
-`parse` is pure; `open_client` builds redis-py's asyncio client for what it parsed.
+`parse` is pure; `open_client` builds redis-py's asyncio client for what it parsed,
+`sync_client` a blocking one (for the local cluster's readiness polls).
 """
 
 from __future__ import annotations
@@ -197,3 +198,28 @@ def _sentinel(
                 await sentinel.aclose()
 
     return Connected(client, False, close)
+
+
+def sync_client(url: str, timeout_s: float = 1.0) -> Any:
+    """A blocking redis-py client for ``url`` (one server, a cluster or a Sentinel primary),
+    decoding replies: for tools that poll (the local cluster's readiness checks). Its
+    multi-key calls must stay in one slot (a cluster refuses others)."""
+    import redis  # noqa: PLC0415 - only the store's side imports redis
+
+    target = parse(url)
+    timeouts: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if target.kind == "cluster":
+        from redis.cluster import ClusterNode  # noqa: PLC0415
+
+        nodes = [ClusterNode(h, p) for h, p in target.nodes]  # type: ignore[no-untyped-call]
+        return redis.RedisCluster.from_url(
+            target.url, startup_nodes=nodes, decode_responses=True, **timeouts
+        )
+    if target.kind == "sentinel":
+        from redis.sentinel import Sentinel  # noqa: PLC0415
+
+        options = redis.connection.parse_url(target.url)  # type: ignore[no-untyped-call]
+        auth = {k: options[k] for k in ("username", "password", "db") if k in options}
+        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=timeouts, **timeouts)
+        return sentinel.master_for(target.master, decode_responses=True, **auth)
+    return redis.Redis.from_url(url, decode_responses=True, **timeouts)
