@@ -1000,6 +1000,71 @@ def test_tenant_limit_counts_live_requests_of_that_tenant_only(backend: Backend)
     run(scenario)
 
 
+@pytest.fixture(params=["redis", "cluster"])
+def redis_settings(request: pytest.FixtureRequest, settings: StoreSettings) -> StoreSettings:
+    """`settings` on one server, then on the module's Redis Cluster."""
+    if request.param == "cluster":
+        return replace(settings, url=request.getfixturevalue("redis_cluster").url)
+    return settings
+
+
+# Redis only: a replica that died between a request's end and its uncounting (issue 21: the
+# tenant's count and the live index are separate steps, no longer one script).
+def test_a_place_left_taken_by_a_dead_replica_is_freed_when_the_tenant_is_full(
+    redis_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.store import redis_store  # noqa: PLC0415 (its grace, patched here)
+
+    def of(rid: str) -> RequestRecord:
+        return replace(record(rid, epoch=1), tenant="acme")
+
+    async def scenario() -> None:
+        keys = Keys(redis_settings.prefix)
+        async with opened(redis_settings) as store, raw(redis_settings.url) as client:
+            assert await store.create(of("a"), tenant_limit=2) is None
+            assert await store.create(of("b"), tenant_limit=2) is None
+            # a's end recorded, then its replica died before uncounting it:
+            await client.hset(keys.request("a"), "state", str(State.DONE))
+            # b's counted place, but its record never written (died before creating it):
+            await client.delete(keys.request("b"))
+            assert await store.create(of("c"), tenant_limit=2) is None  # a's place, freed
+            with pytest.raises(errors.OverloadedError):  # b may still be being created
+                await store.create(of("d"), tenant_limit=2)
+            assert await store.get("d") is None
+            monkeypatch.setattr(redis_store, "INDEX_GRACE_S", 0.0)  # b's creation is over
+            assert await store.create(of("d"), tenant_limit=2) is None
+            with pytest.raises(errors.OverloadedError):
+                await store.create(of("e"), tenant_limit=2)
+
+    run(scenario)
+
+
+# Redis only: the live index is written around the record (issue 21).
+def test_stale_live_index_entries_leave_at_the_next_takeover_scan(
+    redis_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orchestrator.store import redis_store  # noqa: PLC0415 (its grace, patched here)
+
+    async def scenario() -> None:
+        keys = Keys(redis_settings.prefix)
+        async with opened(redis_settings) as store, raw(redis_settings.url) as client:
+            for rid in ("ended", "missing", "live"):
+                assert await store.create(record(rid, epoch=1)) is None
+                assert await store.release_lease(rid, "orch-1")
+            await client.hset(keys.request("ended"), "state", str(State.DONE))  # then died
+            await client.delete(keys.request("missing"))  # indexed, never created (yet?)
+            assert await store.active() == ["ended", "live", "missing"]
+            assert await store.take_over("ended", "orch-2") is None
+            assert await store.take_over("missing", "orch-2") is None
+            assert await store.active() == ["live", "missing"]  # may be being created
+            monkeypatch.setattr(redis_store, "INDEX_GRACE_S", 0.0)
+            assert await store.take_over("missing", "orch-2") is None
+            assert await store.take_over("live", "orch-2") == 2
+            assert await store.active() == ["live"]
+
+    run(scenario)
+
+
 # ------------------------------------------------------------------ client-chosen names
 
 SUFFIXES = (":journal", ":owner", ":client")
