@@ -371,13 +371,19 @@ class RedisStore:
         self, key: str, tenant: str, *, counted: bool, grace_s: float, live: bool = True
     ) -> None:
         """Drop a request from the live index (``live``) and, if ``counted``, from its
-        tenant's count: after it ended, or when its record is gone (``grace_s``)."""
+        tenant's count: after it ended, or when its record is gone (``grace_s``). Best
+        effort: the step that ended the request is done, and an entry left behind is dropped
+        by the next scan that meets it (a takeover scan, a full tenant)."""
         grace = int(grace_s * 1000)
-        async with _translated("index"):
-            if live:
-                await self._unindex(keys=[self._active], args=[key, grace])
-            if counted:
-                await self._unindex(keys=[self._keys.tenant_inflight(tenant)], args=[key, grace])
+        try:
+            async with _translated("index"):
+                if live:
+                    await self._unindex(keys=[self._active], args=[key, grace])
+                if counted:
+                    inflight = self._keys.tenant_inflight(tenant)
+                    await self._unindex(keys=[inflight], args=[key, grace])
+        except errors.UnavailableError as exc:
+            log.warning("request %s: index not updated, left to the scans: %s", key, exc)
 
     async def get(self, request_id: str) -> RequestRecord | None:
         async with _translated("get"):
@@ -409,12 +415,7 @@ class RedisStore:
         code = int(res[0])
         if code == 1:
             if res[1] in _TERMINAL:  # ended: out of the indexes (after the record, see create)
-                counted = res[4] == "1"
-
-                async def unindex() -> None:
-                    await self._unindexed(key, res[3], counted=counted, grace_s=0)
-
-                await outlasting(self.settings.outage_s, "index", unindex)
+                await self._unindexed(key, res[3], counted=res[4] == "1", grace_s=0)
             return int(res[2])
         if code == -1:
             raise errors.NotFoundError(f"no request {request_id!r}")
