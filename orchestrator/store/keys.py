@@ -44,7 +44,7 @@ slot, ``T`` = the tenant's, ``L``/``S``/``W`` = the live, tenants and workers in
 `orchestrator.store.redis_store`), in the order it touches them:
 
     call              steps (each one script or command, one slot)
-    create            [limit: _ACQUIRE T] → _ACQUIRE L → _CREATE R
+    create            [limit: _ACQUIRE T] → _ACQUIRE L + _CREATE R (one pipeline)
     transition        _TRANSITION R; on an end → _UNINDEX L [, _UNINDEX T if counted]
     expire            _EXPIRE R; when failed → _UNINDEX L [, T]
     take_over         _TAKEOVER R; ended → _UNINDEX L [, T]; no record → _UNINDEX L (grace)
@@ -58,12 +58,15 @@ slot, ``T`` = the tenant's, ``L``/``S``/``W`` = the live, tenants and workers in
 
 What is atomic, and why the order keeps the invariants:
 
-- **The live index is written around the record, never with it.** A request is indexed
-  (``L``) before its record exists and unindexed after its end is recorded, so a crash
-  between two steps leaves an index entry without a live record — which the reapers drop
+- **The live index is written around the record, never in its script.** A request is
+  indexed (``L``) in the creation's pipeline — on one server before the record, in order;
+  on a cluster at once, the creation failing (not admitted) if either write does, and a
+  retry of the same id indexing it again — and unindexed only after its end is recorded.
+  So what a crash leaves is an index entry without a live record — which the reapers drop
   (`_TAKEOVER` says "ended" or "missing"; a missing record only once its entry is older than
-  ``INDEX_GRACE_S``, as it may be a creation in flight) — and never a live request missing
-  from the index (which nobody would take over). Each entry holds the time it was indexed.
+  ``INDEX_GRACE_S``, as it may be a creation in flight) — never an *admitted* live request
+  missing from the index (which nobody would take over). Each entry holds the time it was
+  indexed.
 - **The tenant limit is a counter in the tenant's own slot.** `_ACQUIRE` counts and adds in
   one script, so two replicas never both take the last place: live requests never exceed
   the limit. The record carries ``counted``; its end uncounts it. A replica that died

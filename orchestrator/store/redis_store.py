@@ -229,9 +229,9 @@ _OUTAGES = (
 
 INDEX_GRACE_S = 60.0
 """How old an index entry whose record is missing must be before a scan drops it. A request
-is indexed before its record is created (a crash in between leaves an entry without a
-record, never a record without an entry), so an entry without a record may be a creation
-in flight: a create call fails within its timeouts, far below this."""
+is indexed with (on one server: just before) the creation of its record, so an entry
+without a record may be a creation in flight: a create call fails within its timeouts, far
+below this."""
 
 
 @contextlib.asynccontextmanager
@@ -302,23 +302,28 @@ class RedisStore:
         rid = record.request_id
         key = self._keys.request(rid)
         counted = False
-        # Slot by slot, in this order (Redis Cluster: no script crosses slots): the tenant's
-        # count (atomic in its own slot), the index of live requests, then the record. A
-        # crash between steps leaves index entries without a record, which scans drop
-        # (`INDEX_GRACE_S`), never a live record missing from an index.
+        # Slot by slot (Redis Cluster: no script crosses slots): the tenant's count (atomic
+        # in its own slot), then the index of live requests with the record. What a failure
+        # in between leaves is an index entry without a record, which scans drop
+        # (`INDEX_GRACE_S`), or a record of a request not admitted (see below).
         if tenant_limit > 0:
             counted = await self._acquire_tenant(record.tenant, key, tenant_limit)
+        create_args = [
+            self.settings.record_ttl_s,
+            record.owner,
+            int(self.settings.lease_ttl_s * 1000),
+            "1" if tenant_limit > 0 else "",
+            *flat,
+        ]
         async with _translated("create"):
-            await self._acquire(keys=[self._active], args=[key, 0, 0])
-            res = await self._create(
-                keys=[key, self._keys.lease(rid)],
-                args=[
-                    self.settings.record_ttl_s,
-                    record.owner,
-                    int(self.settings.lease_ttl_s * 1000),
-                    "1" if tenant_limit > 0 else "",
-                    *flat,
-                ],
+            # One round trip: on one server a pipeline runs in order (index, then record);
+            # on a cluster both nodes get theirs at once, and a failure of either fails the
+            # call: the request is not admitted, and a retry (the same id) indexes it.
+            _, res = await self._scripts(
+                [
+                    (self._acquire, [self._active], [key, 0, 0]),
+                    (self._create, [key, self._keys.lease(rid)], create_args),
+                ]
             )
         if int(res[0]) == 1:
             return None
@@ -375,13 +380,12 @@ class RedisStore:
         effort: the step that ended the request is done, and an entry left behind is dropped
         by the next scan that meets it (a takeover scan, a full tenant)."""
         grace = int(grace_s * 1000)
+        indexes = [self._active] if live else []
+        if counted:
+            indexes.append(self._keys.tenant_inflight(tenant))
         try:
-            async with _translated("index"):
-                if live:
-                    await self._unindex(keys=[self._active], args=[key, grace])
-                if counted:
-                    inflight = self._keys.tenant_inflight(tenant)
-                    await self._unindex(keys=[inflight], args=[key, grace])
+            async with _translated("index"):  # both in one round trip (any order is safe)
+                await self._scripts([(self._unindex, [i], [key, grace]) for i in indexes])
         except errors.UnavailableError as exc:
             log.warning("request %s: index not updated, left to the scans: %s", key, exc)
 
@@ -506,6 +510,7 @@ class RedisStore:
             groups.setdefault(slot, []).append(i)
         calls = [
             (
+                self._refresh_many,
                 [
                     k
                     for i in ix
@@ -516,28 +521,30 @@ class RedisStore:
             for ix in groups.values()
         ]
         async with _translated("lease refresh"):
-            replies = await self._scripts(self._refresh_many, calls)
+            replies = await self._scripts(calls)
         held = [False] * len(driven)
         for ix, reply in zip(groups.values(), replies, strict=True):
             for i, h in zip(ix, reply, strict=True):
                 held[i] = bool(int(h))
         return held
 
-    async def _scripts(self, script: Any, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """``script`` run once per (keys, args), in one pipeline; its source is loaded and
-        the pipeline sent again if a node lost its script cache (NOSCRIPT)."""
-        if len(calls) == 1:
-            return [await script(keys=calls[0][0], args=calls[0][1])]
+    async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Each (script, keys, args) run in one pipeline, in order (on a cluster each node
+        gets its share); the scripts are loaded and the pipeline sent again if a node lost
+        its script cache (NOSCRIPT)."""
+        if len(calls) <= 1:
+            return [await script(keys=k, args=a) for script, k, a in calls]
         for attempt in range(2):
             pipe = self._redis.pipeline(transaction=False)
-            for keys, args in calls:
+            for script, keys, args in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
             try:
                 return list(await pipe.execute())
             except rexc.NoScriptError:
                 if attempt:
                     raise
-                await self._redis.script_load(script.script)
+                for source in {script.script for script, _, _ in calls}:
+                    await self._redis.script_load(source)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _mget(self, keys: list[str]) -> list[Any]:
