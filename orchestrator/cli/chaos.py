@@ -36,7 +36,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     cr.add_argument(
         "--redis",
         type=redis_url,
-        default="",
+        default=None,
         help="run on this Redis (redis+cluster://…, redis+sentinel://…, redis://…) instead of "
         "a redis-server of the cluster's own; scenarios that fault Redis refuse it",
     )
@@ -82,5 +82,5 @@ def _run(args: argparse.Namespace) -> int:
         model_cache=Path(args.model_cache) if args.model_cache else None,
         as_json=args.json,
         steps=progress.step,
-        redis=args.redis,
+        redis=args.redis or "",
     )
