@@ -373,19 +373,31 @@ class RedisStore:
         return dropped
 
     async def _unindexed(
-        self, key: str, tenant: str, *, counted: bool, grace_s: float, live: bool = True
+        self,
+        key: str,
+        tenant: str,
+        *,
+        counted: bool,
+        grace_s: float,
+        live: bool = True,
+        outlast: bool = False,
     ) -> None:
         """Drop a request from the live index (``live``) and, if ``counted``, from its
         tenant's count: after it ended, or when its record is gone (``grace_s``). Best
         effort: the step that ended the request is done, and an entry left behind is dropped
-        by the next scan that meets it (a takeover scan, a full tenant)."""
+        by the next scan that meets it (a takeover scan, a full tenant). With ``outlast``
+        (a request's own end), an outage is waited out as the end itself was."""
         grace = int(grace_s * 1000)
         indexes = [self._active] if live else []
         if counted:
             indexes.append(self._keys.tenant_inflight(tenant))
-        try:
+
+        async def once() -> None:
             async with _translated("index"):  # both in one round trip (any order is safe)
                 await self._scripts([(self._unindex, [i], [key, grace]) for i in indexes])
+
+        try:
+            await outlasting(self.settings.outage_s if outlast else 0, "index", once)
         except errors.UnavailableError as exc:
             log.warning("request %s: index not updated, left to the scans: %s", key, exc)
 
@@ -419,7 +431,7 @@ class RedisStore:
         code = int(res[0])
         if code == 1:
             if res[1] in _TERMINAL:  # ended: out of the indexes (after the record, see create)
-                await self._unindexed(key, res[3], counted=res[4] == "1", grace_s=0)
+                await self._unindexed(key, res[3], counted=res[4] == "1", grace_s=0, outlast=True)
             return int(res[2])
         if code == -1:
             raise errors.NotFoundError(f"no request {request_id!r}")
