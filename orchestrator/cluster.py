@@ -26,15 +26,18 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.exceptions import RedisClusterException
 
 from orchestrator.api.tls import Tls, secure_channel
 from orchestrator.core.peers import CA_FILE, ORCHESTRATOR_SERVER_NAME, WORKER_SERVER_NAME, Role
 from orchestrator.ports import free_port
 from orchestrator.rpc.client import channel as client_channel
+from orchestrator.store.connect import sync_client
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer, RedisServerError
 
@@ -230,9 +233,17 @@ class LocalCluster:
             return secure_channel(address, tls, WORKER_SERVER_NAME)
         return client_channel(address, token, tls=tls)
 
+    external_redis: str = ""
+    """A Redis to use instead of starting one (any ``--redis`` URL: a Redis Cluster's, a
+    Sentinel's); empty: the cluster starts its own redis-server."""
+
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        return self.external_redis or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def _redis(self, timeout_s: float) -> Any:
+        """A blocking client of the cluster's Redis, whatever its shape."""
+        return sync_client(self.redis_url, timeout_s)
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
         old = self.procs.get(name)
@@ -252,7 +263,8 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         try:
-            self.start_redis(self.redis_aof)
+            if not self.external_redis:
+                self.start_redis(self.redis_aof)
             for i in range(self.prefill_workers):
                 self.start_worker("prefill", i)
             for i in range(self.decode_workers):
@@ -328,17 +340,15 @@ class LocalCluster:
 
     def registered_names(self) -> set[str]:
         """Workers whose current process (its published address) has a live heartbeat."""
-        client = redis.Redis(port=self.redis_port, socket_timeout=1, decode_responses=True)
         found = set()
         try:
-            for name, address in self.expected.items():
-                raw = client.get(_KEYS.worker(name))
-                if raw is not None and json.loads(str(raw)).get("address") == address:
-                    found.add(name)
-        except redis.RedisError:
+            with contextlib.closing(self._redis(1.0)) as client:
+                for name, address in self.expected.items():
+                    raw = client.get(_KEYS.worker(name))
+                    if raw is not None and json.loads(str(raw)).get("address") == address:
+                        found.add(name)
+        except (redis.RedisError, RedisClusterException):
             return set()
-        finally:
-            client.close()
         return found
 
     def wait_registered(self, names: list[str], timeout_s: float) -> None:
@@ -346,18 +356,16 @@ class LocalCluster:
         _wait(lambda: set(names) <= self.registered_names(), timeout_s, f"{names}", procs)
 
     def registered(self) -> dict[str, int]:
-        client = redis.Redis(port=self.redis_port, socket_timeout=1, decode_responses=True)
         counts = {"prefill": 0, "decode": 0}
         try:
-            for name, address in self.expected.items():
-                raw = client.get(_KEYS.worker(name))
-                if raw is not None and json.loads(str(raw)).get("address") == address:
-                    role = name.split("-", 1)[0]
-                    counts[role] = counts.get(role, 0) + 1
-        except redis.RedisError:
+            with contextlib.closing(self._redis(1.0)) as client:
+                for name, address in self.expected.items():
+                    raw = client.get(_KEYS.worker(name))
+                    if raw is not None and json.loads(str(raw)).get("address") == address:
+                        role = name.split("-", 1)[0]
+                        counts[role] = counts.get(role, 0) + 1
+        except (redis.RedisError, RedisClusterException):
             return {}
-        finally:
-            client.close()
         return counts
 
     def wait_workers(self, prefill: int, decode: int, timeout_s: float | None = None) -> None:
@@ -390,19 +398,17 @@ class LocalCluster:
 
     def live_workers(self) -> dict[str, int]:
         """Role -> workers with a live heartbeat in Redis, whoever started them."""
-        client = redis.Redis(port=self.redis_port, socket_timeout=2, decode_responses=True)
         counts: dict[str, int] = {}
         try:
-            ids = sorted(str(i) for i in client.smembers(_KEYS.workers))
-            values = client.mget([_KEYS.worker(i) for i in ids]) if ids else []
-            for raw in values:
-                if raw is not None:
-                    role = str(json.loads(str(raw)).get("role", ""))
-                    counts[role] = counts.get(role, 0) + 1
-        except redis.RedisError:
+            with contextlib.closing(self._redis(2.0)) as client:
+                ids = sorted(str(i) for i in client.smembers(_KEYS.workers))
+                values = [client.get(_KEYS.worker(i)) for i in ids]  # one slot each: no MGET
+                for raw in values:
+                    if raw is not None:
+                        role = str(json.loads(str(raw)).get("role", ""))
+                        counts[role] = counts.get(role, 0) + 1
+        except (redis.RedisError, RedisClusterException):
             return {}
-        finally:
-            client.close()
         return counts
 
     def wait_live_workers(self, prefill: int, decode: int, timeout_s: float | None = None) -> None:
@@ -468,15 +474,13 @@ class LocalCluster:
 
     def worker_addresses(self) -> set[str]:
         """The gRPC addresses of the workers with a live heartbeat in Redis."""
-        client = redis.Redis(port=self.redis_port, socket_timeout=2, decode_responses=True)
         try:
-            ids = sorted(str(i) for i in client.smembers(_KEYS.workers))
-            values = client.mget([_KEYS.worker(i) for i in ids]) if ids else []
-            return {str(json.loads(str(raw)).get("address")) for raw in values if raw is not None}
-        except redis.RedisError:
+            with contextlib.closing(self._redis(2.0)) as client:
+                ids = sorted(str(i) for i in client.smembers(_KEYS.workers))
+                values = [client.get(_KEYS.worker(i)) for i in ids]  # one slot each: no MGET
+        except (redis.RedisError, RedisClusterException):
             return set()
-        finally:
-            client.close()
+        return {str(json.loads(str(raw)).get("address")) for raw in values if raw is not None}
 
     def __enter__(self) -> LocalCluster:
         return self.start()

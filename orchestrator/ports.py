@@ -23,7 +23,7 @@ def free_port() -> int:
     in the seconds before the child process bound it (seen in CI: a worker exited with
     "Address already in use"). Ports handed out recently are not handed out again.
     `OSError` when none is found."""
-    low = _ephemeral_floor()
+    low = ephemeral_floor()
     for _ in range(200):
         port = _PORT_FLOOR + secrets.randbelow(low - _PORT_FLOOR) if low > _PORT_FLOOR + 1000 else 0
         if port in _recent_ports:
@@ -39,7 +39,8 @@ def free_port() -> int:
     raise OSError("no free loopback port found")
 
 
-def _ephemeral_floor() -> int:
+def ephemeral_floor() -> int:
+    """The first port of the kernel's ephemeral range."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):

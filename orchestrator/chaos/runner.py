@@ -78,10 +78,13 @@ def _transport(name: str) -> str:
     return "ucx" if ucx_available() else "tcp"
 
 
-def cluster_for(spec: ClusterSpec, model_cache: Path | None = None) -> LocalCluster:
-    """A (not yet started) local cluster for scenarios with this cluster spec. Its workers
-    take their KV fault from a file, re-read at each SIGUSR1, so one cluster serves many
-    scenarios (see `shareable`)."""
+def cluster_for(
+    spec: ClusterSpec, model_cache: Path | None = None, redis: str = ""
+) -> LocalCluster:
+    """A (not yet started) local cluster for scenarios with this cluster spec, on ``redis``
+    (any ``--redis`` URL: a Redis Cluster's, a Sentinel's) or else its own redis-server. Its
+    workers take their KV fault from a file, re-read at each SIGUSR1, so one cluster serves
+    many scenarios (see `shareable`)."""
     cluster = LocalCluster(
         model=spec.model,
         engine=spec.engine,
@@ -92,6 +95,7 @@ def cluster_for(spec: ClusterSpec, model_cache: Path | None = None) -> LocalClus
         model_cache=model_cache,
         redis_aof=spec.redis_aof,
         heartbeat_ttl_s=spec.heartbeat_ttl_s,
+        external_redis=redis,
     )
     if spec.engine == "vllm":
         cluster.ready_timeout_s = VLLM_READY_S
@@ -133,9 +137,11 @@ class ChaosRunner:
         pictures: bool = True,
         cluster: LocalCluster | None = None,
         steps: Steps = contextlib.nullcontext,
+        redis: str = "",
     ) -> None:
         """``cluster``: an already started cluster to run on (it is restored, not stopped,
-        at the end); None starts one for this command. ``steps``: see `Steps`."""
+        at the end); None starts one for this command, on ``redis`` if given (a Redis the
+        runner neither starts nor faults). ``steps``: see `Steps`."""
         self.scenario = scenario
         self.steps = steps
         self.seed = seed
@@ -146,8 +152,10 @@ class ChaosRunner:
         self.transport = _transport(scenario.cluster.transport)
         if cluster is not None and not shareable(scenario, cluster):
             raise ScenarioError(f"scenario {scenario.name} cannot run on the given cluster")
+        if redis and _faults_redis(scenario, seed, runs):
+            raise ScenarioError(f"scenario {scenario.name} faults Redis: not with --redis")
         self.shared = cluster is not None
-        self.cluster = cluster or cluster_for(scenario.cluster, model_cache)
+        self.cluster = cluster or cluster_for(scenario.cluster, model_cache, redis)
         self.links = scenario.links()
         self.kv_injector = "kv" in self.links and self.transport == "ucx"
         if self.kv_injector and scenario.cluster.engine == "vllm":
@@ -216,8 +224,8 @@ class ChaosRunner:
 
         def restore() -> None:
             c = self.cluster
-            redis_proc = c.procs["redis"]
-            if redis_proc.popen.poll() is not None:
+            redis_proc = c.procs.get("redis")  # none on an external Redis
+            if redis_proc is not None and redis_proc.popen.poll() is not None:
                 c.start_redis(c.redis_aof)
             if self.kv_file is not None:
                 self.kv_file.write_text(kv_fault_spec((), None))  # for workers restarted below
@@ -470,6 +478,12 @@ class ChaosRunner:
             result.pictures.append(picture)
 
 
+def _faults_redis(scenario: Scenario, seed: int, runs: int) -> bool:
+    return any(
+        f.target.split(":")[0] == "redis" for i in range(runs) for f in plan(scenario, seed + i)
+    )
+
+
 def run_chaos(
     scenario: Scenario,
     *,
@@ -479,11 +493,13 @@ def run_chaos(
     model_cache: Path | None,
     as_json: bool,
     steps: Steps = contextlib.nullcontext,
+    redis: str = "",
 ) -> int:
-    runner = ChaosRunner(
-        scenario, seed=seed, runs=runs, out_dir=out_dir, model_cache=model_cache, steps=steps
-    )
     try:
+        runner = ChaosRunner(
+            scenario, seed=seed, runs=runs, out_dir=out_dir, model_cache=model_cache,
+            steps=steps, redis=redis,
+        )  # fmt: skip
         result = asyncio.run(runner.run())
     except (ScenarioError, ClusterError, grpc.RpcError) as exc:
         print(f"pdorch chaos: {exc}", file=sys.stderr)

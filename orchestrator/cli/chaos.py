@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.cli.common import Commands, Parents, add_command, positive_int
+from orchestrator.cli.common import Commands, Parents, add_command, positive_int, redis_url
 from orchestrator.cli.progress import Progress
 
 NAME = "chaos"
@@ -33,6 +33,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     )
     cr.add_argument("--seed", type=int, default=0, help="run i uses seed + i for its faults")
     cr.add_argument("--runs", type=positive_int, default=1, help="runs, each on a fresh cluster")
+    cr.add_argument(
+        "--redis",
+        type=redis_url,
+        default=None,
+        help="run on this Redis (redis+cluster://…, redis+sentinel://…, redis://…) instead of "
+        "a redis-server of the cluster's own; scenarios that fault Redis refuse it",
+    )
     cr.add_argument(
         "--out",
         default="",
@@ -75,4 +82,5 @@ def _run(args: argparse.Namespace) -> int:
         model_cache=Path(args.model_cache) if args.model_cache else None,
         as_json=args.json,
         steps=progress.step,
+        redis=args.redis or "",
     )

@@ -485,11 +485,21 @@ def resolve_redis(args: argparse.Namespace, env: Mapping[str, str]) -> None:
 
 
 def redis_url(text: str) -> str:
-    """``redis://HOST:PORT/DB`` (or rediss://, unix://), checked for form only."""
+    """``redis://HOST:PORT/DB`` (or rediss://, unix://, a cluster's or Sentinel's:
+    `orchestrator.store.connect`), checked for form only."""
     from urllib.parse import urlsplit  # noqa: PLC0415
 
+    from orchestrator.store.connect import SCHEMES, RedisUrlError, parse  # noqa: PLC0415
     from orchestrator.store.url import redacted  # noqa: PLC0415
 
+    if text.partition("://")[0] in set(SCHEMES) - set(REDIS_SCHEMES):
+        try:
+            parse(text)
+        except RedisUrlError as exc:
+            raise argparse.ArgumentTypeError(
+                f"not a Redis URL: {redacted(text)!r} ({exc})"
+            ) from None
+        return text
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError on a bad port
@@ -565,9 +575,13 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None:
     """CommandError unless the Redis at ``url`` answers PING within ``timeout_s``."""
     import redis  # noqa: PLC0415
+    from redis.exceptions import RedisClusterException  # noqa: PLC0415
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    from orchestrator.store.connect import sync_client  # noqa: PLC0415
+
+    client = None
     try:
+        client = sync_client(url, timeout_s)  # a cluster's connects here
         client.ping()
     except redis.AuthenticationError as exc:
         from orchestrator.store.url import has_password, redacted  # noqa: PLC0415
@@ -577,12 +591,13 @@ def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None
             f"{flag} {redacted(url)}: Redis refused the credentials (sent {who}; "
             f"--redis-password-file or ${REDIS_URL_ENV} give them): {exc}"
         ) from None
-    except (redis.RedisError, OSError, ValueError) as exc:
+    except (redis.RedisError, RedisClusterException, OSError, ValueError) as exc:
         from orchestrator.store.url import redacted  # noqa: PLC0415
 
         raise CommandError(f"{flag} {redacted(url)}: Redis does not answer ({exc})") from None
     finally:
-        client.close()
+        if client is not None:
+            client.close()
 
 
 def serve_metrics(registry: object, host: str, port: int) -> Any:

@@ -157,7 +157,9 @@ class Store(Protocol):
         ...
 
     async def active(self) -> list[str]:
-        """Ids of requests not yet in a terminal state, sorted."""
+        """Ids of requests not yet in a terminal state, sorted. Every live request is
+        listed; on Redis, a request whose end a replica recorded just before it died may
+        stay listed until a `take_over` (which answers None for it) drops it."""
         ...
 
     # ------------------------------------------------------------------ tenants, clients

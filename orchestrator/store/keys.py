@@ -19,8 +19,9 @@ name: (kind, name) ↔ key is one-to-one. Ordinary ids stay readable (``r-1`` is
     P:req:{<r>}:journal     list   `JournalEntry` JSON, contiguous token indices from 0
     P:req:{<r>}:owner       string the owning orchestrator's lease, with a TTL
     P:req:{<r>}:client      string set with a TTL while a client follows the request elsewhere
-    P:active                set    record keys of requests not yet ended
-    P:tenant:{<t>}:live     set    record keys of the tenant's live requests (only with a limit)
+    P:live                  zset   record keys of requests not yet ended -> ms indexed
+    P:tenant:{<t>}:inflight zset   record keys of the tenant's live requests -> ms counted
+                                   (only with a limit)
     P:tenant:{<t>}:cost     hash   the tenant's running cost totals
     P:tenants               set    tenants with cost totals (the names themselves: members,
                                    never keys)
@@ -36,42 +37,48 @@ an operator's choice, encoded all the same so ``x:window`` is not migration x's 
     P:migrate:{<n>}:samples     stream  one sample per answer
 
 **Redis Cluster.** A hash tag makes Redis hash only what is between the braces, so all keys of
-one request share a slot (likewise a tenant's two keys); the fixed keys (``P:active``,
-``P:tenants``, ``P:workers``) each sit in a slot of their own. What each of the Redis store's
-Lua scripts and transactions touches (``R`` = the request's slot, ``T`` = the tenant's,
-``A``/``S``/``W`` = the active, tenants and workers sets'; `orchestrator.store.redis_store`):
+one request share a slot (likewise a tenant's keys); the fixed keys (``P:live``,
+``P:tenants``, ``P:workers``) each sit in a slot of their own. No Lua script or MULTI touches
+two slots (issue 21); what each of the Redis store's calls touches (``R`` = the request's
+slot, ``T`` = the tenant's, ``L``/``S``/``W`` = the live, tenants and workers indexes';
+`orchestrator.store.redis_store`), in the order it touches them:
 
-    script / call         keys                                   slots       on a cluster
-    _APPEND               record, journal                        R           works
-    _SET                  record                                 R           works
-    _REFRESH, _RELEASE    lease                                  R           works
-    _TRANSITION           record, active, lease                  R + A       CROSSSLOT
-    _TAKEOVER             record, lease, active                  R + A       CROSSSLOT
-    _EXPIRE               record, active, lease                  R + A       CROSSSLOT
-    _CREATE               record, active, lease, tenant live     R + A + T   CROSSSLOT
-    _REFRESH_MANY         lease + record of many requests        R1 + R2 …   CROSSSLOT
-    migrate _ROLLBACK     migration hash, its rollbacks          its own     works
-    heartbeat, deregister MULTI: worker key + workers set        W + own     CROSSSLOT
-    add_tenant_cost       MULTI: tenant cost + tenants set       T + S       CROSSSLOT
-    lease_holders,        MGET / pipeline over many requests     many        per-slot split
-    workers, progress                                                        (client side)
+    call              steps (each one script or command, one slot)
+    create            [limit: _ACQUIRE T] → _ACQUIRE L + _CREATE R (one pipeline)
+    transition        _TRANSITION R; on an end → _UNINDEX L [, _UNINDEX T if counted]
+    expire            _EXPIRE R; when failed → _UNINDEX L [, T]
+    take_over         _TAKEOVER R; ended → _UNINDEX L [, T]; no record → _UNINDEX L (grace)
+    append, set_fields, refresh/release_lease           one script, R
+    refresh_leases    _REFRESH_MANY once per slot of the requests given, one pipeline
+    lease_holders, workers, progress                    MGET / pipeline split per slot
+    add_tenant_cost   SADD S → MULTI on the tenant's cost hash (T)
+    heartbeat, deregister                               SET/DEL worker key, SADD/SREM W
+                                                        (a pipeline, no MULTI)
+    migrate _ROLLBACK migration hash, its rollbacks     its own slot
 
-``tests/contract/test_store_cluster_slots.py`` checks this table against a one-node cluster
-(Redis itself refuses what crosses slots). How issue 21 (Redis Cluster) should remove each
-CROSSSLOT without a new key layout:
+What is atomic, and why the order keeps the invariants:
 
-- ``P:active`` out of the scripts: it is an index for reapers, and they already drop a member
-  whose record is missing or ended (`_TAKEOVER`'s -1/-3 paths). Add before creating, remove
-  after ending (two calls, in that order): a crash between them leaves a stale member the next
-  reaper pass removes, never a live request missing from the index. Then `_TRANSITION`,
-  `_TAKEOVER`, `_EXPIRE` touch slot R only.
-- The tenant limit as a semaphore in slot T: a sorted set of record keys scored by their lease
-  deadline (refreshed with the lease), pruned by score, acquired before `_CREATE` and released
-  when the request ends or `_CREATE` finds the id taken; `_CREATE` then touches R only.
-- `_REFRESH_MANY` grouped by slot (one call per slot, pipelined per node); MGET and the
-  pipelines the same (redis-py's cluster client splits them).
-- The two MULTI blocks become plain pipelines, the per-entity key written first: the sets
-  are indexes whose readers already prune members without a key (`workers`).
+- **The live index is written around the record, never in its script.** A request is
+  indexed (``L``) in the creation's pipeline — on one server before the record, in order;
+  on a cluster at once, the creation failing (not admitted) if either write does, and a
+  retry of the same id indexing it again — and unindexed only after its end is recorded.
+  So what a crash leaves is an index entry without a live record — which the reapers drop
+  (`_TAKEOVER` says "ended" or "missing"; a missing record only once its entry is older than
+  ``INDEX_GRACE_S``, as it may be a creation in flight) — never an *admitted* live request
+  missing from the index (which nobody would take over). Each entry holds the time it was
+  indexed.
+- **The tenant limit is a counter in the tenant's own slot.** `_ACQUIRE` counts and adds in
+  one script, so two replicas never both take the last place: live requests never exceed
+  the limit. The record carries ``counted``; its end uncounts it. A replica that died
+  between an end and the uncount leaves a place taken: the next creation that finds the
+  tenant full checks each counted request's record and frees the ended (or long missing)
+  ones, then counts again — an undercount for a moment, never an overcount.
+- **Worker and tenant indexes** are written in a pipeline; their readers skip an id
+  without a heartbeat (pruning it) or a tenant without totals.
+
+``tests/contract/test_store_cluster_slots.py`` runs every call against a one-node cluster
+(Redis refuses a script or MULTI that crosses slots), and ``tests/contract/test_store.py``
+runs the whole contract on a 3-primary cluster.
 """
 
 from __future__ import annotations
@@ -141,8 +148,8 @@ class Keys:
 
     # -------------------------------------------------------------- one tenant: slot of {<t>}
 
-    def tenant_live(self, tenant: str) -> str:
-        return f"{self.prefix}:tenant:{{{encode(tenant)}}}:live"
+    def tenant_inflight(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{{{encode(tenant)}}}:inflight"
 
     def tenant_cost(self, tenant: str) -> str:
         return f"{self.prefix}:tenant:{{{encode(tenant)}}}:cost"
@@ -170,7 +177,7 @@ class Keys:
 
     @property
     def active(self) -> str:
-        return f"{self.prefix}:active"
+        return f"{self.prefix}:live"
 
     @property
     def tenants(self) -> str:

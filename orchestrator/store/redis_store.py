@@ -23,13 +23,14 @@ import secrets
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis.crc import key_slot
 
 from orchestrator import errors
 from orchestrator.core.cost import TENANT_FLOAT_FIELDS, TENANT_INT_FIELDS
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
-from orchestrator.core.state import Edge, State
+from orchestrator.core.state import TERMINAL, Edge, State
+from orchestrator.store.connect import open_client
 from orchestrator.store.keys import Keys
 from orchestrator.store.lua import PRELUDE
 from orchestrator.store.outage import outlasting
@@ -39,35 +40,46 @@ __all__ = ["RedisStore", "StoreSettings"]
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease, KEYS[4] the tenant's live set.
-# ARGV[1] body hash, ARGV[2] ttl seconds, ARGV[3] owner, ARGV[4] lease ms, ARGV[5] the
-# tenant's limit of live requests (0: none), ARGV[6..] field/value pairs.
-# Returns {1} when created, {0, body_hash, state} when the id exists already, {-1, live}
-# when the tenant is at its limit. The tenant's set is pruned of requests no longer live
-# (not in the active set: ended, expired, failed by a reaper) before counting, so a replica
-# that died without cleaning up leaks nothing.
+_TERMINAL = frozenset(str(s) for s in TERMINAL)
+
+# KEYS[1] record, KEYS[2] owner lease. ARGV[1] ttl seconds, ARGV[2] owner, ARGV[3] lease ms,
+# ARGV[4] "1" when the tenant's limit counted it (`_ACQUIRE`), ARGV[5..] field/value pairs.
+# Returns {1} when created, {0, body_hash, state} when the id exists already.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local got = redis.call('HMGET', KEYS[1], 'body_hash', 'state')
   return {0, got[1], got[2]}
 end
-local limit = tonumber(ARGV[5])
-if limit > 0 then
-  for _, key in ipairs(redis.call('SMEMBERS', KEYS[4])) do
-    if redis.call('SISMEMBER', KEYS[2], key) == 0 then redis.call('SREM', KEYS[4], key) end
-  end
-  local live = redis.call('SCARD', KEYS[4])
-  if live >= limit then return {-1, live} end
-  redis.call('SADD', KEYS[4], KEYS[1])
-  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[2]))
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-local now = now_ms()
-redis.call('HSET', KEYS[1], 'updated_at', now)
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
-redis.call('SADD', KEYS[2], KEYS[1])
-redis.call('SET', KEYS[3], ARGV[3], 'PX', tonumber(ARGV[4]))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], 'updated_at', now_ms(), 'counted', ARGV[4])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+redis.call('SET', KEYS[2], ARGV[2], 'PX', tonumber(ARGV[3]))
 return {1}
+"""
+
+# KEYS[1] an index (`Keys.active`, `Keys.tenant_inflight`: record key -> ms it was added).
+# ARGV[1] record key, ARGV[2] the tenant's limit (0: none), ARGV[3] the index's ttl in
+# seconds (0: none).
+# Adds the record key, stamped now; with a limit, only while fewer than that many are in it
+# (one already in it is not counted twice: a resubmission). Returns {1, added 0|1}, or
+# {-1, count} at the limit.
+_ACQUIRE = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) and tonumber(ARGV[2]) > 0 then return {1, 0} end
+local n = redis.call('ZCARD', KEYS[1])
+if tonumber(ARGV[2]) > 0 and n >= tonumber(ARGV[2]) then return {-1, n} end
+redis.call('ZADD', KEYS[1], now_ms(), ARGV[1])
+if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3])) end
+return {1, 1}
+"""
+
+# KEYS[1] an index. ARGV[1] record key, ARGV[2] grace ms. Removes the key if it was added
+# at least that long ago (0: whenever): a record found missing may be one being created
+# right now (indexed first, `RedisStore.create`), so it is dropped only after the grace.
+# Returns 1 when removed.
+_UNINDEX = """
+local since = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not since or tonumber(since) > tonumber(now_ms()) - tonumber(ARGV[2]) then return 0 end
+return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
 # KEYS[2i-1] lease, KEYS[2i] record of request i. ARGV[1] owner, ARGV[2] lease ms,
@@ -117,21 +129,15 @@ end
 return 0
 """
 
-# KEYS[1] record, KEYS[2] lease, KEYS[3] active set. ARGV[1] new owner, ARGV[2] lease ms.
+# KEYS[1] record, KEYS[2] lease. ARGV[1] new owner, ARGV[2] lease ms.
 # Takes over a live request whose owner's lease expired: the take_over edge (epoch + 1,
-# back to queued). Returns {1, new_epoch}; {0} lease still held; {-1} missing; {-3, state}
-# already ended.
+# back to queued). Returns {1, new_epoch}; {0} lease still held; {-1} missing; {-3, state,
+# tenant counted} already ended (the caller drops it from the indexes).
 _TAKEOVER = """
-local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch')
-if not cur[1] then
-  redis.call('SREM', KEYS[3], KEYS[1])
-  return {-1}
-end
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'tenant', 'counted')
+if not cur[1] then return {-1} end
 local edge = EDGES.take_over
-if not edge.src[cur[1]] then
-  redis.call('SREM', KEYS[3], KEYS[1])
-  return {-3, cur[1]}
-end
+if not edge.src[cur[1]] then return {-3, cur[1], cur[3] or '', cur[4] or ''} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {0} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
 local epoch = tonumber(cur[2]) + edge.bump
@@ -140,11 +146,12 @@ redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', tostring(epoch), 'owner'
 return {1, epoch}
 """
 
-# KEYS[1] record, KEYS[2] active set, KEYS[3] owner lease (both cleared on a terminal state).
+# KEYS[1] record, KEYS[2] owner lease (deleted on a terminal state).
 # ARGV[1] expected epoch, ARGV[2] the edge's name (`EDGES`), ARGV[3] the call's token,
 # ARGV[4..] field/value pairs.
-# Returns {1, state, epoch} on success; {-1} missing; {-2, state, epoch} epoch mismatch;
-# {-3, state, epoch} state not one of the edge's sources.
+# Returns {1, state, epoch, tenant, counted} on success (the caller drops an ended request
+# from the indexes); {-1} missing; {-2, state, epoch} epoch mismatch; {-3, state, epoch}
+# state not one of the edge's sources.
 # The token (field ``op``) makes a retry exactly-once: a call whose write landed but whose
 # reply was lost is tried again (`orchestrator.store.outage`) and answered as done — only
 # while the record is still where that write left it (its token, target state and epoch);
@@ -152,22 +159,19 @@ return {1, epoch}
 _TRANSITION = """
 local edge = EDGES[ARGV[2]]
 if not edge then return redis.error_reply('unknown edge ' .. ARGV[2]) end
-local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'op')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'op', 'tenant', 'counted')
 if not cur[1] then return {-1} end
 local epoch = tostring(tonumber(ARGV[1]) + edge.bump)
 if cur[3] == ARGV[3] and cur[1] == edge.dst and cur[2] == epoch then
-  return {1, cur[1], cur[2]}
+  return {1, cur[1], cur[2], cur[4] or '', cur[5] or ''}
 end
 if cur[2] ~= ARGV[1] then return {-2, cur[1], cur[2]} end
 if not edge.src[cur[1]] then return {-3, cur[1], cur[2]} end
 redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', epoch, 'updated_at', now_ms(),
   'op', ARGV[3])
 if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
-if TERMINAL[edge.dst] then
-  redis.call('SREM', KEYS[2], KEYS[1])
-  redis.call('DEL', KEYS[3])
-end
-return {1, edge.dst, epoch}
+if TERMINAL[edge.dst] then redis.call('DEL', KEYS[2]) end
+return {1, edge.dst, epoch, cur[4] or '', cur[5] or ''}
 """
 
 # KEYS[1] record, KEYS[2] journal. ARGV[1] epoch, ARGV[2] first index, ARGV[3] token count,
@@ -188,18 +192,18 @@ redis.call('HSET', KEYS[1], 'updated_at', now)
 return {1, n}
 """
 
-# KEYS[1] record, KEYS[2] active set, KEYS[3] lease. ARGV[1] state, ARGV[2] epoch,
-# ARGV[3] updated_at, ARGV[4] error. Fails a request that made no progress since the reaper
-# read it (same state, epoch and progress time): a request that moved meanwhile is left be.
-# Returns 1 when failed, 0 otherwise.
+# KEYS[1] record, KEYS[2] lease. ARGV[1] state, ARGV[2] epoch, ARGV[3] updated_at,
+# ARGV[4] error. Fails a request that made no progress since the reaper read it (same
+# state, epoch and progress time): a request that moved meanwhile is left be.
+# Returns {1, tenant, counted} when failed (the caller drops it from the indexes), {0}
+# otherwise.
 _EXPIRE = """
-local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'updated_at')
-if not cur[1] or cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] or cur[3] ~= ARGV[3] then return 0 end
-if not EDGES.expire.src[cur[1]] then return 0 end
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'updated_at', 'tenant', 'counted')
+if not cur[1] or cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] or cur[3] ~= ARGV[3] then return {0} end
+if not EDGES.expire.src[cur[1]] then return {0} end
 redis.call('HSET', KEYS[1], 'state', EDGES.expire.dst, 'finish_reason', 'error', 'error', ARGV[4])
-redis.call('SREM', KEYS[2], KEYS[1])
-redis.call('DEL', KEYS[3])
-return 1
+redis.call('DEL', KEYS[2])
+return {1, cur[4] or '', cur[5] or ''}
 """
 
 # KEYS[1] record. ARGV field/value pairs. Only an existing record is updated (a bare HSET
@@ -211,6 +215,25 @@ return 1
 """
 
 
+_OUTAGES = (
+    rexc.ConnectionError,
+    rexc.TimeoutError,
+    OSError,
+    rexc.ClusterDownError,  # a slot's primary failed and no replica took over yet
+    rexc.TryAgainError,  # a slot being moved
+    rexc.ReadOnlyError,  # a primary demoted under a connection made before the failover
+    rexc.SlotNotCoveredError,
+    rexc.RedisClusterUnreachableError,
+)
+"""Errors that mean "no answer now", retried by writes (`orchestrator.store.outage`)."""
+
+INDEX_GRACE_S = 60.0
+"""How old an index entry whose record is missing must be before a scan drops it. A request
+is indexed with (on one server: just before) the creation of its record, so an entry
+without a record may be a creation in flight: a create call fails within its timeouts, far
+below this."""
+
+
 @contextlib.asynccontextmanager
 async def _translated(what: str) -> AsyncIterator[None]:
     """Redis's errors as `UnavailableError`. The message says only what failed: it reaches
@@ -218,12 +241,18 @@ async def _translated(what: str) -> AsyncIterator[None]:
     (addresses, WRONGTYPE, script names and lines) goes to this module's log alone."""
     try:
         yield
-    except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+    except _OUTAGES as exc:
         # BusyLoadingError (a restarted Redis loading its data) is a ConnectionError: an
-        # outage too, which writes wait out (`orchestrator.store.outage`).
+        # outage too, which writes wait out (`orchestrator.store.outage`); so is a cluster
+        # or a Sentinel primary in the middle of a failover.
         log.info("request store unreachable during %s: %s", what, exc)  # callers warn
         raise errors.StoreUnavailableError(f"request store unreachable ({what})") from exc
-    except rexc.RedisError as exc:
+    except rexc.MovedError as exc:
+        log.warning("request store during %s: a Redis Cluster node (%s)", what, exc)
+        raise errors.UnavailableError(
+            f"request store error ({what}): Redis is a cluster; use a redis+cluster:// URL"
+        ) from exc
+    except (rexc.RedisError, rexc.RedisClusterException) as exc:
         # An error reply is a bug or tampering, not an outage: loud, with Redis's words.
         log.exception("request store error during %s", what)
         raise errors.UnavailableError(f"request store error ({what})") from exc
@@ -232,19 +261,12 @@ async def _translated(what: str) -> AsyncIterator[None]:
 class RedisStore:
     def __init__(self, settings: StoreSettings) -> None:
         self.settings = settings
-        # A blocking pool: redis-py's default pool fails a call at once ("Too many
-        # connections") when 100 are busy, which a few hundred concurrent requests reach.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            settings.url,
-            max_connections=settings.max_connections,
-            timeout=settings.pool_timeout_s,
-            socket_timeout=settings.socket_timeout_s,
-            socket_connect_timeout=settings.connect_timeout_s,
-            decode_responses=True,
-            health_check_interval=5,
-        )
-        # redis-py's asyncio API is only partly typed: Any at this one boundary.
-        self._redis: Any = aioredis.Redis.from_pool(pool)  # owns the pool: closes it
+        connected = open_client(settings)  # one server, a cluster or a Sentinel primary
+        self._redis: Any = connected.client
+        self._cluster = connected.cluster
+        self._close = connected.close
+        self._acquire: Any = self._redis.register_script(PRELUDE + _ACQUIRE)
+        self._unindex: Any = self._redis.register_script(PRELUDE + _UNINDEX)
         self._create: Any = self._redis.register_script(PRELUDE + _CREATE)
         self._transition: Any = self._redis.register_script(PRELUDE + _TRANSITION)
         self._append: Any = self._redis.register_script(PRELUDE + _APPEND)
@@ -262,7 +284,7 @@ class RedisStore:
         once per interval, while `workers` runs for every request (200 parses each)."""
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await self._close()
 
     async def ping(self) -> None:
         async with _translated("ping"):
@@ -278,31 +300,106 @@ class RedisStore:
         fields = record.to_fields()
         flat = [x for kv in fields.items() for x in kv]
         rid = record.request_id
-        tenant_live = self._keys.tenant_live(record.tenant)
+        key = self._keys.request(rid)
+        counted = False
+        # Slot by slot (Redis Cluster: no script crosses slots): the tenant's count (atomic
+        # in its own slot), then the index of live requests with the record. What a failure
+        # in between leaves is an index entry without a record, which scans drop
+        # (`INDEX_GRACE_S`), or a record of a request not admitted (see below).
+        if tenant_limit > 0:
+            counted = await self._acquire_tenant(record.tenant, key, tenant_limit)
+        create_args = [
+            self.settings.record_ttl_s,
+            record.owner,
+            int(self.settings.lease_ttl_s * 1000),
+            "1" if tenant_limit > 0 else "",
+            *flat,
+        ]
         async with _translated("create"):
-            res = await self._create(
-                keys=[self._keys.request(rid), self._active, self._keys.lease(rid), tenant_live],
-                args=[
-                    record.body_hash,
-                    self.settings.record_ttl_s,
-                    record.owner,
-                    int(self.settings.lease_ttl_s * 1000),
-                    tenant_limit,
-                    *flat,
-                ],
+            # One round trip: on one server a pipeline runs in order (index, then record);
+            # on a cluster both nodes get theirs at once, and a failure of either fails the
+            # call: the request is not admitted, and a retry (the same id) indexes it.
+            _, res = await self._scripts(
+                [
+                    (self._acquire, [self._active], [key, 0, 0]),
+                    (self._create, [key, self._keys.lease(rid)], create_args),
+                ]
             )
         if int(res[0]) == 1:
             return None
-        if int(res[0]) == -1:
-            raise errors.OverloadedError(
-                f"tenant {record.tenant!r} has {int(res[1])} requests in flight "
-                f"(limit {tenant_limit})",
-                1.0,
-            )
+        # The id exists: a resubmission. Undo what this call indexed that the existing
+        # record doesn't own (it ended, or it was never counted against the tenant).
+        if res[2] in _TERMINAL:
+            await self._unindexed(key, record.tenant, counted=counted, grace_s=0)
+        elif counted:
+            await self._unindexed(key, record.tenant, counted=True, grace_s=0, live=False)
         existing = await self.get(record.request_id)
         if existing is None:  # expired between the two calls: treat as a fresh conflict
             raise errors.ConflictError(f"request {record.request_id!r} is being replaced")
         return existing
+
+    async def _acquire_tenant(self, tenant: str, key: str, limit: int) -> bool:
+        """Count ``key`` against ``tenant``'s limit, atomically in the tenant's slot;
+        whether it was added (False: it was counted already). At the limit, members whose
+        requests ended (a replica died before it uncounted them) are dropped and the count
+        tried once more; `OverloadedError` if it is still full."""
+        inflight = self._keys.tenant_inflight(tenant)
+        args = [key, limit, self.settings.record_ttl_s]
+        for pruned in (False, True):
+            async with _translated("create"):
+                res = await self._acquire(keys=[inflight], args=args)
+            if int(res[0]) == 1:
+                return bool(int(res[1]))
+            if pruned or not await self._prune(inflight):
+                break
+        raise errors.OverloadedError(
+            f"tenant {tenant!r} has {int(res[1])} requests in flight (limit {limit})", 1.0
+        )
+
+    async def _prune(self, index: str) -> int:
+        """Drop from ``index`` the requests that ended or whose record is gone (after
+        `INDEX_GRACE_S`); how many were dropped."""
+        async with _translated("index scan"):
+            members = await self._redis.zrange(index, 0, -1)
+            pipe = self._redis.pipeline(transaction=False)
+            for key in members:
+                pipe.hget(key, "state")
+            states = await pipe.execute() if members else []
+            dropped = 0
+            for key, state in zip(members, states, strict=True):
+                if state is None or state in _TERMINAL:
+                    grace = 0 if state else int(INDEX_GRACE_S * 1000)
+                    dropped += int(await self._unindex(keys=[index], args=[key, grace]))
+        return dropped
+
+    async def _unindexed(
+        self,
+        key: str,
+        tenant: str,
+        *,
+        counted: bool,
+        grace_s: float,
+        live: bool = True,
+        outlast: bool = False,
+    ) -> None:
+        """Drop a request from the live index (``live``) and, if ``counted``, from its
+        tenant's count: after it ended, or when its record is gone (``grace_s``). Best
+        effort: the step that ended the request is done, and an entry left behind is dropped
+        by the next scan that meets it (a takeover scan, a full tenant). With ``outlast``
+        (a request's own end), an outage is waited out as the end itself was."""
+        grace = int(grace_s * 1000)
+        indexes = [self._active] if live else []
+        if counted:
+            indexes.append(self._keys.tenant_inflight(tenant))
+
+        async def once() -> None:
+            async with _translated("index"):  # both in one round trip (any order is safe)
+                await self._scripts([(self._unindex, [i], [key, grace]) for i in indexes])
+
+        try:
+            await outlasting(self.settings.outage_s if outlast else 0, "index", once)
+        except errors.UnavailableError as exc:
+            log.warning("request %s: index not updated, left to the scans: %s", key, exc)
 
     async def get(self, request_id: str) -> RequestRecord | None:
         async with _translated("get"):
@@ -322,7 +419,8 @@ class RedisStore:
         if fields and {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch are set by the transition itself")
         flat = [str(x) for kv in (fields or {}).items() for x in kv]
-        keys = [self._keys.request(request_id), self._active, self._keys.lease(request_id)]
+        key = self._keys.request(request_id)
+        keys = [key, self._keys.lease(request_id)]
         args = [epoch, edge.wire, secrets.token_hex(8), *flat]  # one token for every retry
 
         async def once() -> Any:
@@ -332,6 +430,8 @@ class RedisStore:
         res = await outlasting(self.settings.outage_s, f"transition {edge.wire}", once)
         code = int(res[0])
         if code == 1:
+            if res[1] in _TERMINAL:  # ended: out of the indexes (after the record, see create)
+                await self._unindexed(key, res[3], counted=res[4] == "1", grace_s=0, outlast=True)
             return int(res[2])
         if code == -1:
             raise errors.NotFoundError(f"no request {request_id!r}")
@@ -413,11 +513,57 @@ class RedisStore:
         keeper); with ``retake``, a lapsed lease nobody took is taken again (see the script)."""
         if not driven:
             return []
-        keys = [k for rid, _ in driven for k in (self._keys.lease(rid), self._keys.request(rid))]
         args = [owner, int(self.settings.lease_ttl_s * 1000), "1" if retake else "0"]
+        # One script per slot on a cluster (scripts can't cross slots), pipelined: redis-py
+        # sends each node its share. One script for all on one server.
+        groups: dict[int, list[int]] = {}
+        for i, (rid, _) in enumerate(driven):
+            slot = key_slot(self._keys.request(rid).encode()) if self._cluster else 0
+            groups.setdefault(slot, []).append(i)
+        calls = [
+            (
+                self._refresh_many,
+                [
+                    k
+                    for i in ix
+                    for k in (self._keys.lease(driven[i][0]), self._keys.request(driven[i][0]))
+                ],
+                args + [driven[i][1] for i in ix],
+            )
+            for ix in groups.values()
+        ]
         async with _translated("lease refresh"):
-            held = await self._refresh_many(keys=keys, args=args + [e for _, e in driven])
-        return [bool(int(h)) for h in held]
+            replies = await self._scripts(calls)
+        held = [False] * len(driven)
+        for ix, reply in zip(groups.values(), replies, strict=True):
+            for i, h in zip(ix, reply, strict=True):
+                held[i] = bool(int(h))
+        return held
+
+    async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Each (script, keys, args) run in one pipeline, in order (on a cluster each node
+        gets its share); the scripts are loaded and the pipeline sent again if a node lost
+        its script cache (NOSCRIPT)."""
+        if len(calls) <= 1:
+            return [await script(keys=k, args=a) for script, k, a in calls]
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                return list(await pipe.execute())
+            except rexc.NoScriptError:
+                if attempt:
+                    raise
+                for source in {script.script for script, _, _ in calls}:
+                    await self._redis.script_load(source)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _mget(self, keys: list[str]) -> list[Any]:
+        """MGET, split per slot on a cluster (one pipeline, each node its share)."""
+        if self._cluster:
+            return list(await self._redis.mget_nonatomic(keys))
+        return list(await self._redis.mget(keys))
 
     async def lease_holders(self, request_ids: list[str]) -> list[str | None]:
         """The owner holding each request's lease, None where it expired (one round trip:
@@ -426,16 +572,22 @@ class RedisStore:
         if not request_ids:
             return []
         async with _translated("lease holders"):
-            return list(await self._redis.mget([self._keys.lease(r) for r in request_ids]))
+            return await self._mget([self._keys.lease(r) for r in request_ids])
 
     async def take_over(self, request_id: str, owner: str) -> int | None:
         """Become the owner of a live request whose lease expired; returns the new epoch."""
+        key = self._keys.request(request_id)
         async with _translated("take over"):
             res = await self._takeover(
-                keys=[self._keys.request(request_id), self._keys.lease(request_id), self._active],
+                keys=[key, self._keys.lease(request_id)],
                 args=[owner, int(self.settings.lease_ttl_s * 1000)],
             )
-        return int(res[1]) if int(res[0]) == 1 else None
+        code = int(res[0])
+        if code == -1:  # no record: an expired one, or one being created (the grace)
+            await self._unindexed(key, "", counted=False, grace_s=INDEX_GRACE_S)
+        elif code == -3:  # ended, and a replica died before it dropped it from the indexes
+            await self._unindexed(key, res[2], counted=res[3] == "1", grace_s=0)
+        return int(res[1]) if code == 1 else None
 
     async def now_ms(self) -> float:
         """Redis's clock (the one progress times are written with), in milliseconds."""
@@ -460,24 +612,30 @@ class RedisStore:
         self, request_id: str, state: State, epoch: int, updated_at: str, error: str
     ) -> bool:
         """Fail a request that made no progress since (state, epoch, updated_at) was read."""
+        key = self._keys.request(request_id)
         async with _translated("expire"):
-            done = await self._expire(
-                keys=[self._keys.request(request_id), self._active, self._keys.lease(request_id)],
+            res = await self._expire(
+                keys=[key, self._keys.lease(request_id)],
                 args=[str(state), str(epoch), updated_at, error],
             )
-        return bool(int(done))
+        if int(res[0]) != 1:
+            return False
+        await self._unindexed(key, res[1], counted=res[2] == "1", grace_s=0)
+        return True
 
     async def add_tenant_cost(self, tenant: str, cost: Mapping[str, Any]) -> None:
         """Add a finished request's cost to its tenant's running totals."""
         key = self._keys.tenant_cost(tenant)
         async with _translated("tenant cost"):
+            # The index first: a crash before the totals leaves a tenant with none, which
+            # `tenant_costs` skips. The totals are one MULTI in the tenant's slot.
+            await self._redis.sadd(self._keys.tenants, tenant)
             pipe = self._redis.pipeline(transaction=True)
             pipe.hincrby(key, "requests", 1)
             for name in TENANT_FLOAT_FIELDS:
                 pipe.hincrbyfloat(key, name, float(cost.get(name, 0.0)))
             for name in TENANT_INT_FIELDS:
                 pipe.hincrby(key, name, int(cost.get(name, 0)))
-            pipe.sadd(self._keys.tenants, tenant)
             await pipe.execute()
 
     async def tenant_costs(self) -> dict[str, dict[str, float]]:
@@ -487,7 +645,8 @@ class RedisStore:
             out = {}
             for tenant in tenants:
                 raw = await self._redis.hgetall(self._keys.tenant_cost(tenant))
-                out[tenant] = {k: float(v) for k, v in raw.items()}
+                if raw:
+                    out[tenant] = {k: float(v) for k, v in raw.items()}
         return out
 
     async def touch_client(self, request_id: str, ttl_s: float) -> None:
@@ -502,21 +661,23 @@ class RedisStore:
     async def active(self) -> list[str]:
         """Ids of requests not yet in a terminal state."""
         async with _translated("active requests"):
-            keys = await self._redis.smembers(self._active)
+            keys = await self._redis.zrange(self._active, 0, -1)
         return sorted(rid for k in keys if (rid := self._keys.request_id(k)) is not None)
 
     # ------------------------------------------------------------------------- workers
 
     async def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        # Not a MULTI (two slots): the index's reader prunes an id without a heartbeat, so
+        # either order of landing is safe; a heartbeat adds the id again every interval.
         async with _translated("heartbeat"):
-            pipe = self._redis.pipeline(transaction=True)
+            pipe = self._redis.pipeline(transaction=False)
             pipe.set(self._keys.worker(info.worker_id), info.to_json(), px=int(ttl_s * 1000))
             pipe.sadd(self._workers, info.worker_id)
             await pipe.execute()
 
     async def deregister(self, worker_id: str) -> None:
         async with _translated("deregister"):
-            pipe = self._redis.pipeline(transaction=True)
+            pipe = self._redis.pipeline(transaction=False)
             pipe.delete(self._keys.worker(worker_id))
             pipe.srem(self._workers, worker_id)
             await pipe.execute()
@@ -531,7 +692,7 @@ class RedisStore:
             ids = sorted(await self._redis.smembers(self._workers))
             if not ids:
                 return []
-            values = await self._redis.mget([self._keys.worker(i) for i in ids])
+            values = await self._mget([self._keys.worker(i) for i in ids])
             dead = [i for i, v in zip(ids, values, strict=True) if v is None]
             if dead:
                 await self._redis.srem(self._workers, *dead)

@@ -29,6 +29,8 @@ class HeldBlocks:
         self.seed = seed
         self._digest: dict[object, bytes] = {}
         """Engine's block hash -> our digest, insertion order = store order (newest last)."""
+        self._engine: dict[bytes, object] = {}
+        """Our digest -> the engine's block hash (`holds`)."""
         self._last_seq: int | None = None
         self.skipped = 0
         """Blocks stored under a parent we never saw (not reported)."""
@@ -62,13 +64,22 @@ class HeldBlocks:
         for h, d in zip(hashes, digests, strict=True):
             self._digest.pop(h, None)
             self._digest[h] = d
+            self._engine[d] = h
 
     def removed(self, hashes: Sequence[object]) -> None:
         for h in hashes:
-            self._digest.pop(h, None)
+            d = self._digest.pop(h, None)
+            if d is not None and self._engine.get(d) == h:
+                del self._engine[d]
 
     def cleared(self) -> None:
         self._digest.clear()
+        self._engine.clear()
+
+    def holds(self, digest: bytes) -> bool:
+        """Whether the block of that chained digest is held (so, as the engine evicts a
+        request's blocks last first, most likely the whole prefix it ends)."""
+        return digest in self._engine
 
     def keys(self, limit: int | None = None) -> list[int]:
         """Our keys of the blocks held, newest last (the newest ``limit`` of them)."""

@@ -9,6 +9,7 @@ Runs in the main venv (torch, no vLLM); each case takes well under a second.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,11 +57,16 @@ class Pair:
     kv_address: str
 
     def push(
-        self, rid: str, epoch: int, blocks: tuple[int, ...], tokens: int, dtype: str = ""
+        self,
+        rid: str,
+        epoch: int,
+        blocks: tuple[int, ...],
+        tokens: int,
+        dtype: str = "",
+        prefix: tuple[int, bytes] = (0, b""),
     ) -> dict[str, object]:
-        spec = SaveSpec(
-            "v-" + rid, PrefillParams(rid, epoch, self.kv_address, dtype), blocks, tokens
-        )
+        params = PrefillParams(rid, epoch, self.kv_address, dtype, prefix[0], prefix[1].hex())
+        spec = SaveSpec("v-" + rid, params, blocks, tokens)
         self.prefill.begin_step(StepPlan(saves=[spec]))
         for name, t in self.src.items():  # the forward: each layer saved as it is computed
             self.prefill.save_layer(name, t)
@@ -68,10 +74,17 @@ class Pair:
         return self.prefill.take_outcomes()["v-" + rid]
 
     def load(
-        self, rid: str, epoch: int, tokens: int, block_ids: list[int], cancel: bool = False
+        self,
+        rid: str,
+        epoch: int,
+        tokens: int,
+        block_ids: list[int],
+        cancel: bool = False,
+        held: tuple[bytes, ...] = (),
     ) -> tuple[set[str], set[str], float]:
-        plan = kv_layout.load_plan(block_ids, 0, tokens, BS)
-        spec = LoadSpec("d-" + rid, DecodeParams(rid, epoch, tokens), plan)
+        """Load into ``block_ids``, the first ``len(held)`` of them a local prefix-cache hit."""
+        plan = kv_layout.load_plan(block_ids, len(held) * BS, tokens, BS)
+        spec = LoadSpec("d-" + rid, DecodeParams(rid, epoch, tokens), plan, held)
         started = time.monotonic()
         self.decode.begin_step(StepPlan(loads=[spec]))
         if cancel:
@@ -265,3 +278,50 @@ def test_a_kv_arriving_after_its_load_gave_up_never_lands_in_its_blocks() -> Non
         _wait_held(pair, lambda held: held == 0, "the late KV is still held")
         assert pair.decode.transfer_results() == (set(), set())  # no load left to finish
         assert torch.equal(_kv(pair.dst, 0, 9), before)
+
+
+PREFIX = hashlib.sha256(b"the decode's first block").digest()
+
+
+def test_a_suffix_only_push_sends_the_blocks_after_the_decodes_prefix(pair: Pair) -> None:
+    """Issue 20 item 3 with vLLM's blocks: the decode side holds the prompt's first block
+    (its cache's events say so); the push leaves it out and the load lands the rest after it."""
+    pair.decode.holds_prefix = PREFIX.__eq__
+    whole = LAYERS * 2 * HEADS * BS * DIM * 4  # per block
+    outcome = pair.push("s", 1, blocks=(3, 7, 2), tokens=10, prefix=(BS, PREFIX))
+    assert outcome["ok"], outcome
+    assert (outcome["prefix_tokens"], outcome["prefix_refused"]) == (BS, False)
+    assert outcome["kv_bytes"] == 2 * whole  # 2 of the prompt's 3 blocks
+    mine = _kv(pair.dst, 0, 5).clone()  # the decode's own cached block
+    _, failed, _ = pair.load("s", 1, 10, [5, 1, 9], held=(PREFIX,))
+    assert not failed
+    assert torch.equal(_kv(pair.dst, 0, 5), mine)
+    for layer in range(LAYERS):
+        assert torch.equal(_kv(pair.dst, layer, 1), _kv(pair.src, layer, 7))
+        assert torch.equal(_kv(pair.dst, layer, 9), _kv(pair.src, layer, 2))
+
+
+def test_a_decode_lacking_the_prefix_refuses_and_gets_the_whole_kv(pair: Pair) -> None:
+    outcome = pair.push("w", 1, blocks=(3, 7, 2), tokens=10, prefix=(BS, PREFIX))
+    assert outcome["ok"], outcome
+    assert (outcome["prefix_tokens"], outcome["prefix_refused"]) == (0, True)
+    assert outcome["kv_bytes"] == 3 * LAYERS * 2 * HEADS * BS * DIM * 4
+    _, failed, _ = pair.load("w", 1, 10, [5, 1, 9])
+    assert not failed
+    assert torch.equal(_kv(pair.dst, 2, 5), _kv(pair.src, 2, 3))
+
+
+def test_a_suffix_extending_another_prefix_is_never_loaded(pair: Pair) -> None:
+    """Accepted at its header, but the blocks vLLM's cache gave the request are other
+    tokens (or fewer, evicted since): the load fails, nothing is written."""
+    pair.decode.holds_prefix = PREFIX.__eq__
+    assert pair.push("x", 1, blocks=(3, 7), tokens=8, prefix=(BS, PREFIX))["ok"]
+    before = _kv(pair.dst, 1, 6).clone()
+    other = hashlib.sha256(b"other").digest()
+    _, failed, _ = pair.load("x", 1, 8, [4, 6], held=(other,))
+    assert failed == {"d-x"}
+    assert torch.equal(_kv(pair.dst, 1, 6), before)
+    assert pair.push("y", 1, blocks=(3, 7), tokens=8, prefix=(BS, PREFIX))["ok"]
+    _, failed, _ = pair.load("y", 1, 8, [4, 6])  # the prefix was evicted: no local hit
+    assert failed == {"d-y"}
+    assert torch.equal(_kv(pair.dst, 1, 6), before)

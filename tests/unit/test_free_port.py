@@ -7,11 +7,11 @@ import socket
 import pytest
 
 from orchestrator import ports
-from orchestrator.ports import _ephemeral_floor, free_port
+from orchestrator.ports import ephemeral_floor, free_port
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
-    floor = _ephemeral_floor()
+    floor = ephemeral_floor()
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)  # never handed out twice
     assert all(20000 <= p < floor for p in ports)  # no bind(0) or connect() can take them

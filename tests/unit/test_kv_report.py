@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.core.prefix import PrefixIndex, block_keys, decode_keys
+from orchestrator.core.prefix import PrefixIndex, block_digests, block_keys, decode_keys
 from orchestrator.workers.kv_report import HeldBlocks
 
 B = 4
@@ -68,3 +68,16 @@ def test_report_feeds_the_index_end_to_end() -> None:
     idx.sync({"d1": (B, held.report(4096))})
     match = idx.match({B: block_keys(turn2, B)})
     assert match["d1"].tokens == 40
+
+
+def test_holds_names_blocks_by_pdorch_digest_until_evicted() -> None:
+    """What the vLLM decode connector checks a suffix-only KV's prefix against."""
+    ids = list(range(12))
+    d = block_digests(ids, B)
+    held = HeldBlocks(B)
+    held.stored(["a", "b", "c"], None, ids)
+    assert all(held.holds(x) for x in d)
+    held.removed(["c"])
+    assert (held.holds(d[1]), held.holds(d[2])) == (True, False)
+    held.cleared()
+    assert not held.holds(d[0])

@@ -22,7 +22,7 @@ PER_NAME: dict[str, Callable[[str], str]] = {
     "journal": KEYS.journal,
     "lease": KEYS.lease,
     "client": KEYS.client,
-    "tenant_live": KEYS.tenant_live,
+    "tenant_inflight": KEYS.tenant_inflight,
     "tenant_cost": KEYS.tenant_cost,
     "worker": KEYS.worker,
     "migration": KEYS.migration,
@@ -52,7 +52,7 @@ def slot(key: str) -> int:
 @example("request", "V:journal", "journal", "V")
 @example("request", "Z:owner", "lease", "Z")
 @example("request", "X:client", "client", "X")
-@example("tenant_cost", "T:live", "tenant_live", "T")
+@example("tenant_cost", "T:inflight", "tenant_inflight", "T")
 @example("request", "a}", "request", "a%7D")
 def test_distinct_kind_and_name_give_distinct_keys(k1: str, n1: str, k2: str, n2: str) -> None:
     a, b = PER_NAME[k1](n1), PER_NAME[k2](n2)
@@ -66,7 +66,7 @@ def test_distinct_kind_and_name_give_distinct_keys(k1: str, n1: str, k2: str, n2
 @example("日本:🙂" * 20)
 def test_every_key_of_a_request_shares_one_slot(name: str) -> None:
     assert len({slot(PER_NAME[k](name)) for k in REQUEST_KINDS}) == 1
-    assert slot(KEYS.tenant_live(name)) == slot(KEYS.tenant_cost(name))
+    assert slot(KEYS.tenant_inflight(name)) == slot(KEYS.tenant_cost(name))
     assert len({slot(PER_NAME[k](name)) for k in PER_NAME if k.startswith("migration")}) == 1
 
 

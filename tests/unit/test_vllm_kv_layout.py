@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.core.prefix import block_digests
 from orchestrator.workers.vllm import kv, kv_channel, kv_layout, kv_params
 from orchestrator.workers.vllm.connector_scheduler import Scheduled, SchedulerSide
 from transport import errors, wire
@@ -95,6 +96,23 @@ def test_params_round_trip_and_reject_garbage() -> None:
         kv.prefill_params("r", 1, "h:1", "int4")
 
 
+def test_prefill_params_carry_the_decodes_prefix() -> None:
+    digest = bytes(range(32))
+    pre = kv_params.parse(kv.prefill_params("r", 1, "h:1", "", 128, digest))
+    assert isinstance(pre, kv_params.PrefillParams)
+    assert (pre.prefix_tokens, pre.prefix_digest) == (128, digest)
+    assert kv_params.parse(kv.prefill_params("r", 1, "h:1", "")) == kv_params.PrefillParams(
+        "r", 1, "h:1", ""
+    )
+    base = {"role": "prefill", "request_id": "r", "epoch": 1, "target": "h:1"}
+    for bad in ({"prefix_tokens": 4, "prefix_hash": "ab"}, {"prefix_tokens": -4},
+                {"prefix_tokens": 4, "prefix_hash": "zz" * 32}):  # fmt: skip
+        with pytest.raises(kv_params.ParamsError, match="prefix"):
+            kv_params.parse({kv_params.KEY: {**base, **bad}})
+    sent = kv_params.PrefillTransfer(ok=True, kv_bytes=7, prefix_tokens=128, prefix_refused=False)
+    assert kv_params.PrefillTransfer.from_dict(sent.to_dict()) == sent
+
+
 def test_prefill_result_fails_closed() -> None:
     ok = kv_params.PrefillTransfer(ok=True, kv_bytes=10, transfer_ms=1.5)
     assert kv.prefill_result({kv_params.KEY: {kv_params.RESULT: ok.to_dict()}}) == ok
@@ -149,6 +167,7 @@ class FakeRequest:
     kv_transfer_params: dict[str, Any] | None
     num_tokens: int
     num_prompt_tokens: int
+    prompt_token_ids: list[int] | None = None
 
 
 def test_prefill_pushes_in_the_step_that_completes_its_prompt() -> None:
@@ -205,6 +224,20 @@ def test_decode_loads_its_tokens_asynchronously_then_cancels_on_abort() -> None:
     assert side.get_num_new_matched_tokens(req, 4) == (0, False)  # already loading
     assert side.request_finished(req) == (False, None)
     assert side.build([], lambda _: []).cancels == ["v2"]
+
+
+def test_decode_load_names_the_blocks_its_local_cache_hit_holds() -> None:
+    """The worker side checks a suffix-only KV against these: pdorch's chained digests of
+    the request's own locally cached blocks."""
+    side = SchedulerSide(block_size=4)
+    prompt = list(range(100, 110))
+    req = FakeRequest("v7", kv.decode_params("r", 1, 9), 10, 10, prompt)
+    side.update_state_after_alloc(req, [20, 21, 22], 1)  # 8 tokens (2 blocks) cached
+    (load,) = side.build([], lambda _: []).loads
+    assert load.held == tuple(block_digests(prompt[:8], 4))
+    cold = FakeRequest("v8", kv.decode_params("r", 1, 9), 10, 10, prompt)
+    side.update_state_after_alloc(cold, [23, 24, 25], 9)
+    assert side.build([], lambda _: []).loads[0].held == ()
 
 
 def test_decode_load_leaves_the_last_token_to_compute() -> None:

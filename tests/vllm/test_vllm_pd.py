@@ -8,14 +8,24 @@ rest), equal to the log-softmax of transformers' raw logits on the same model.""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from orchestrator.cluster import LocalCluster
+from orchestrator.api import (
+    common_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from orchestrator.cluster import LocalCluster, connect
+from orchestrator.core.prefix import block_keys, decode_keys
 from tests.integration.conftest import wait_for, workers
 from tests.vllm.conftest import (
+    MAX_TOKENS,
     SEEDED,
     generate,
     greedy,
@@ -87,3 +97,92 @@ def test_pd_log_probabilities_equal_transformers(pd_cluster: LocalCluster) -> No
     chunks = scored_stream(pd_cluster, prompt, "lp")
     assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-0")
     assert logprob_errors(prompt, chunks) == []
+
+
+BLOCK = 128
+"""vLLM's CPU block size: the unit of the prefix cache, and of what moves."""
+KV_PER_BLOCK = BLOCK * 46080
+"""SmolLM2-135M fp32: 46,080 bytes of KV per token."""
+
+
+async def _record(address: str, rid: str) -> orchestrator_pb2.RequestInfo:
+    async with connect(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        return await stub.GetRequest(orchestrator_pb2.GetRequestRequest(request_id=rid), timeout=10)
+
+
+def _turn(cluster: LocalCluster, address: str, ids: list[int], rid: str) -> tuple[list[int], Any]:
+    """The request's greedy output and its record."""
+    (chunks,) = asyncio.run(generate(address, [greedy(ids, rid)], 1))
+    assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-0")
+    return [t for c in chunks for t in c.token_ids], asyncio.run(_record(address, rid))
+
+
+def test_pd_turn_two_moves_only_the_kv_the_decode_lacks(pd_cluster: LocalCluster) -> None:
+    """Issue 20 item 3 with vLLM: turn 2 of a conversation goes to the decode worker that
+    served turn 1, which holds turn 1's whole blocks in vLLM's prefix cache; the prefill
+    pushes only the blocks after them (the header names that prefix, the decode connector
+    checks its cache holds it), and the output is the whole transfer's (an orchestrator
+    with ``--kv-suffix off``, same prompt, same workers)."""
+    on = pd_cluster.orchestrator_addresses[0]
+    off = pd_cluster.start_orchestrator(1, 0, "--kv-suffix", "off")
+    words = " ".join(f"Rule {i}: answer in {i + 2} words about the {w}." for i, w in
+                     enumerate(["sea", "sky", "town", "road", "forest", "river"] * 4))  # fmt: skip
+    turn1 = prompt_ids(f"{words} Now tell me about the moon.")
+    assert 2 * BLOCK < len(turn1) < 3 * BLOCK
+    out1, _ = _turn(pd_cluster, on, turn1, "suffix-1")
+    held = turn1[: 2 * BLOCK]
+
+    def reported() -> bool:
+        decode = [set(decode_keys(w.kv_prefix)) for w in workers(pd_cluster) if w.role == "decode"]
+        return bool(decode) and set(block_keys(held, BLOCK)) <= decode[0]
+
+    wait_for(reported, 15, "the decode worker's report of turn 1's blocks")
+    turn2 = [*turn1, *out1, *prompt_ids(" And about the sun?")]
+    cached = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK  # computed by turn 1's decode
+    sent = len(turn2) - cached
+    out2, second = _turn(pd_cluster, on, turn2, "suffix-2")
+    assert f"KV suffix only: {sent}/{len(turn2)} tokens sent" in second.placement
+    assert second.kv_bytes == -(-sent // BLOCK) * KV_PER_BLOCK, second.placement
+    whole_out, whole = _turn(pd_cluster, off, turn2, "suffix-2-whole")
+    assert whole.kv_bytes == -(-len(turn2) // BLOCK) * KV_PER_BLOCK
+    assert "suffix" not in whole.placement
+    assert out2 == whole_out
+    print(f"turn 2 ({len(turn2)} tokens): {second.kv_bytes} KV bytes sent, whole {whole.kv_bytes}")
+    # A prefix the decode's cache does not hold (a stale index): refused before any payload,
+    # the whole KV follows at the same epoch, same output.
+    resp, out = asyncio.run(_split(pd_cluster, turn2, "suffix-stale", hashlib.sha256().digest()))
+    assert (resp.kv_prefix_refused, resp.kv_prefix_tokens) == (True, 0)
+    assert resp.kv_bytes == whole.kv_bytes
+    assert out == out2
+
+
+async def _split(
+    cluster: LocalCluster, prompt: list[int], rid: str, digest: bytes
+) -> tuple[worker_pb2.PrefillResponse, list[int]]:
+    """A Prefill naming a one-block decode prefix of ``digest``, then the Decode."""
+    (prefill,) = [w for w in workers(cluster) if w.role == "prefill"]
+    (decode,) = [w for w in workers(cluster) if w.role == "decode"]
+    sampling = common_pb2.SamplingParams()
+    async with (
+        connect(prefill.address) as pc,
+        connect(decode.address) as dc,
+    ):
+        resp = await worker_pb2_grpc.PrefillServiceStub(pc).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=rid, epoch=1, token_ids=prompt, sampling=sampling,
+                kv_target=decode.kv_address, decode_prefix_tokens=BLOCK, decode_prefix_hash=digest,
+            ),
+            timeout=120,
+        )  # fmt: skip
+        out: list[int] = []  # the stream opens with the prefill's token
+        async for chunk in worker_pb2_grpc.DecodeServiceStub(dc).Decode(
+            worker_pb2.DecodeRequest(
+                request_id=rid, epoch=1, token_ids=prompt, last_token=resp.first_token,
+                generated=1, sampling=sampling, max_tokens=MAX_TOKENS, kv_timeout_s=60,
+                prompt_tokens=len(prompt),
+            ),
+            timeout=120,
+        ):  # fmt: skip
+            out += chunk.token_ids
+    return resp, out

@@ -15,6 +15,12 @@ pdorch's transport). This class only adapts vLLM's hooks to those two. Design, i
   and the load copies the blocks into vLLM's; a load that fails or times out ends the
   request with an error (``kv_load_failure_policy="fail"``), its blocks returned to vLLM's pool
   once the worker side reported the load over.
+- **Suffix only.** When the decode worker holds a prefix of the prompt (the Prefill names it:
+  `kv_params.PrefillParams.prefix_tokens/_hash`), the push sends only the blocks after it,
+  in a header naming it. The receiver accepts it only if vLLM's KV cache events (followed
+  here, `kv_events`) say the cache holds the prefix's last block, else refuses before any
+  payload and the push sends the whole KV; the load then checks the blocks vLLM's prefix
+  cache gave the request end with that very digest (else the load fails: re-prefill).
 - The pdorch worker process reaches the receiver over a local Unix socket
   (`kv.DecodeKvControl`, `kv_channel`): KV address, Release, held bytes.
 - Blocks, not tokens, on the wire (`kv_layout`): each side's copy is one gather/scatter by
@@ -54,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from orchestrator.workers.vllm import kv_events
 from orchestrator.workers.vllm.connector_scheduler import (
     LoadSpec,
     SaveSpec,
@@ -122,6 +129,7 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events: kv_events.KvEventFeed | None = None
         # Only for vLLM builds older than the CPU one pdorch targets (the CUDA build 0.26 of
         # the GPU check, tests/gpu): they take loads' outcomes through `get_finished` and
         # failed loads as block ids, and bind no KV cache manager to the scheduler side.
@@ -133,6 +141,11 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             max_tokens = int(vllm_config.model_config.max_model_len)
             self._worker = WorkerSide(self._config, block_size, max_tokens)
+            if self._config.role == "decode" and self._config.events_endpoint:
+                # What this engine's prefix cache holds, for suffix-only KV (`kv_events`).
+                self._events = kv_events.KvEventFeed(self._config.events_endpoint, block_size)
+                self._events.start()
+                self._worker.holds_prefix = self._events.holds
 
     # ------------------------------------------------------------------ worker side
 
@@ -197,6 +210,9 @@ class PdorchConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -4,14 +4,17 @@ Runs in vLLM's engine-core process (`connector.PdorchConnector` forwards to it).
 
 - **Prefill** (params from `kv.prefill_params`): in the step that computes the last prompt
   token, the worker side is told to push the whole prompt's blocks (earlier chunks of a
-  chunked prefill and local prefix-cache hits are in the blocks already). The worker waits for
-  the receiver's verdict before the step ends, so the request never needs its blocks after it
-  finishes (``request_finished`` returns ``delay_free=False``), and the verdict is written
-  into the finished output's ``kv_transfer_params`` (`kv_params.RESULT`).
+  chunked prefill and local prefix-cache hits are in the blocks already), or only those
+  after the decode worker's prefix when the params name one (the worker side decides). The
+  worker waits for the receiver's verdict before the step ends, so the request never needs
+  its blocks after it finishes (``request_finished`` returns ``delay_free=False``), and the
+  verdict is written into the finished output's ``kv_transfer_params`` (`kv_params.RESULT`).
 - **Decode** (params from `kv.decode_params`): ``num_tokens`` tokens (capped so that vLLM
   computes at least the last prompt token) are loaded asynchronously: the request waits in
   ``WAITING_FOR_REMOTE_KVS`` with its blocks allocated until the worker reports the load
-  finished or failed. A failed load ends the request with an error (policy "fail"); vLLM frees
+  finished or failed. The load carries the digests of the blocks the local prefix cache gave
+  the request, so the worker side can check a suffix-only KV extends exactly those.
+  A failed load ends the request with an error (policy "fail"); vLLM frees
   its blocks only once the worker reported it finished, so a late KV never lands in a block
   that was freed. A request that finishes (abort) while loading is *cancelled* on the worker.
 
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from orchestrator.core.prefix import block_digests
 from orchestrator.workers.vllm import kv_layout, kv_params
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,7 @@ class RequestLike(Protocol):
     kv_transfer_params: dict[str, Any] | None
     num_tokens: int
     num_prompt_tokens: int
+    prompt_token_ids: list[int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,10 @@ class LoadSpec:
     req_id: str
     params: kv_params.DecodeParams
     plan: kv_layout.LoadPlan
+    held: tuple[bytes, ...] = ()
+    """The chained digests (`orchestrator.core.prefix`) of the blocks this engine's prefix
+    cache gave the request (``plan.src.start`` of them): a KV that extends a prefix (a
+    suffix only) loads only if it names one of them."""
 
 
 @dataclass(slots=True)
@@ -138,9 +147,12 @@ class SchedulerSide:
         if not isinstance(params, kv_params.DecodeParams) or num_external_tokens <= 0:
             return
         end = self.load_tokens(request, params)
-        plan = kv_layout.load_plan(block_ids, end - num_external_tokens, end, self._block_size)
+        computed = end - num_external_tokens
+        plan = kv_layout.load_plan(block_ids, computed, end, self._block_size)
+        prompt = request.prompt_token_ids or []
+        held = block_digests(prompt[:computed], self._block_size) if computed else []
         self._loading.add(request.request_id)
-        self._new_loads.append(LoadSpec(request.request_id, params, plan))
+        self._new_loads.append(LoadSpec(request.request_id, params, plan, tuple(held)))
 
     def build(self, scheduled: list[Scheduled], blocks_of: BlocksOf) -> StepPlan:
         """This step's work for the worker side (resets the pending loads and cancels)."""

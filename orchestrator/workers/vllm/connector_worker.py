@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,8 @@ class WorkerConfig:
     control_path: str
     memory_budget_bytes: int = 0
     """Decode: the receiver's budget; 0 means the transport's default."""
+    events_endpoint: str = ""
+    """Decode: vLLM's KV cache events publisher (the connector follows it: `holds_prefix`)."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> WorkerConfig:
@@ -95,6 +98,7 @@ class WorkerConfig:
             timeout_s=float(extra["timeout_s"]),
             control_path=str(extra.get("control_path", "")),
             memory_budget_bytes=int(extra.get("memory_budget_bytes") or 0),
+            events_endpoint=str(extra.get("events_endpoint", "")),
         )
 
 
@@ -180,6 +184,9 @@ class WorkerSide:
         self._outcomes: dict[str, dict[str, Any]] = {}
         self._loads: dict[str, _Load] = {}
         self._control: concurrent.futures.Future[None] | None = None
+        self.holds_prefix: Callable[[bytes], bool] | None = None
+        """Decode: whether this engine's prefix cache holds the block of that chained digest
+        (and so the prefix it ends; `kv_events`); None: it holds none."""
 
     @property
     def layout(self) -> kv_layout.BlockLayout:
@@ -206,12 +213,20 @@ class WorkerSide:
         else:
             spec = kv_layout.model_spec(self.config.fingerprint, layout, self._max_tokens)
             self._receiver = make_receiver(self.config.backend, settings, spec)
+            self._receiver.prefix_check = self._prefix_held
             host, _, port = self.config.kv_address.rpartition(":")
             address = self._loop.submit(self._receiver.start(host, int(port))).result(30)
             self._control = self._loop.submit(self._control_link(address))
             log.info(
                 "pdorch KV receiver on %s (%s), layout %s", address, self.config.backend, layout
             )
+
+    def _prefix_held(self, tokens: int, digest: bytes) -> bool:
+        """The receiver's check of a suffix-only header, before any payload: the prefix is
+        whole blocks and the cache holds its last one, as vLLM's events last said. A block
+        evicted since fails the load instead (`_prefix_problem`): the request is re-prefilled."""
+        holds = self.holds_prefix
+        return not tokens % self._block_size and holds is not None and holds(digest)
 
     def shutdown(self) -> None:
         self._loop.stop(self._close())
@@ -306,24 +321,27 @@ class WorkerSide:
         layout = self.layout
         p = spec.params
         wire_dtype = kv_params.DTYPES[p.kv_dtype] if p.kv_dtype else layout.dtype
-        header = wire.KvHeader(
-            request_id=p.request_id,
-            epoch=p.epoch,
-            fingerprint=self._fingerprint,
-            dtype=wire_dtype,
-            token_count=spec.num_tokens,
-            layers=(layout.layer_shape(spec.num_tokens),) * layout.n_layers,
-            scales=kvcodec.scale_layout(wire_dtype),
-        )
+        prefix, refused = self._sendable_prefix(spec), False
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.config.timeout_s):
-                async with await self._sender.open(p.target, header) as transfer:
+                try:
+                    header = self._header(spec, wire_dtype, prefix)
+                    transfer = await self._sender.open(p.target, header)
+                except terr.PrefixMissingError as exc:  # the decode side lacks it: send it all
+                    log.info("suffix-only KV of %s refused (%s); sending all", p.request_id, exc)
+                    prefix, refused = 0, True
+                    header = self._header(spec, wire_dtype, 0)
+                    transfer = await self._sender.open(p.target, header)
+                skip = prefix // layout.block_size  # the decode side's own blocks
+                async with transfer:
                     for _ in range(layout.n_layers):
                         item = await queue.get()
                         if item is None:
                             raise terr.WireFormatError("the engine step ended with layers unsaved")
                         index, k, v = item
+                        if skip:
+                            k, v = np.ascontiguousarray(k[skip:]), np.ascontiguousarray(v[skip:])
                         if wire_dtype is layout.dtype:
                             await transfer.send_layer(index, k, v)
                         else:
@@ -345,6 +363,39 @@ class WorkerSide:
             ok=True,
             kv_bytes=header.payload_bytes,
             transfer_ms=(time.perf_counter() - started) * 1000,
+            prefix_tokens=prefix,
+            prefix_refused=refused,
+        )
+
+    def _sendable_prefix(self, spec: SaveSpec) -> int:
+        """The decode side's prefix this push may leave out: whole blocks, at least one token
+        left to send; else 0 (the whole KV)."""
+        n = spec.params.prefix_tokens
+        if n and (n % self._block_size or n >= spec.num_tokens):
+            log.warning(
+                "%s: a decode prefix of %d tokens (blocks of %d, %d tokens to send); sending all",
+                spec.params.request_id,
+                n,
+                self._block_size,
+                spec.num_tokens,
+            )
+            return 0
+        return n
+
+    def _header(self, spec: SaveSpec, wire_dtype: wire.DType, prefix: int) -> wire.KvHeader:
+        """The header of ``spec``'s KV after its first ``prefix`` tokens (0: all of it)."""
+        layout, p = self.layout, spec.params
+        tokens = spec.num_tokens - prefix
+        return wire.KvHeader(
+            request_id=p.request_id,
+            epoch=p.epoch,
+            fingerprint=self._fingerprint,
+            dtype=wire_dtype,
+            token_count=tokens,
+            layers=(layout.layer_shape(tokens),) * layout.n_layers,
+            scales=kvcodec.scale_layout(wire_dtype),
+            prefix_tokens=prefix,
+            prefix_hash=p.prefix_digest if prefix else b"",
         )
 
     # ------------------------------------------------------------------ decode: load
@@ -376,13 +427,17 @@ class WorkerSide:
         try:
             if load.cancelled:
                 return False
-            if cache.header.token_count != p.num_tokens:
+            if cache.header.total_tokens != p.num_tokens:
                 log.warning(
                     "KV of %s covers %d tokens, the decode expected %d",
                     p.request_id,
-                    cache.header.token_count,
+                    cache.header.total_tokens,
                     p.num_tokens,
                 )
+                return False
+            problem = self._prefix_problem(cache.header, load.spec)
+            if problem:
+                log.warning("KV of %s not loaded: %s", p.request_id, problem)
                 return False
             self._copy_in(cache, load.spec)
         except terr.WireFormatError as exc:
@@ -391,6 +446,23 @@ class WorkerSide:
         finally:
             cache.release()
         return True
+
+    def _prefix_problem(self, header: wire.KvHeader, spec: LoadSpec) -> str:
+        """Why a suffix-only KV cannot complete this request ("" if it can): it must extend
+        blocks this engine's prefix cache gave the request — the same tokens (the digest) and
+        no fewer than the prefix (an eviction since the header was accepted shrinks the hit)."""
+        n = header.prefix_tokens
+        if not n:
+            return ""
+        blocks = n // self._block_size
+        if n % self._block_size or blocks > len(spec.held):
+            return (
+                f"it extends a {n}-token prefix; this engine's cache gave the request "
+                f"{len(spec.held) * self._block_size} tokens"
+            )
+        if spec.held[blocks - 1] != header.prefix_hash:
+            return f"it extends a {n}-token prefix that is not this request's own"
+        return ""
 
     def _copy_in(self, cache: wire.KvCache, spec: LoadSpec) -> None:
         views = self._views
@@ -402,7 +474,8 @@ class WorkerSide:
             return
         started = time.perf_counter()
         dst = torch.tensor(plan.dst, dtype=torch.long)
-        src = slice(plan.src.start, plan.src.stop)
+        skip = cache.header.prefix_tokens // self._block_size  # wire block 0 is this block
+        src = slice(plan.src.start - skip, plan.src.stop - skip)
         for i, (k, v) in enumerate(layers):
             views.k[i][dst] = to_torch(k[src], dtype).to(views.k[i].device)
             views.v[i][dst] = to_torch(v[src], dtype).to(views.v[i].device)

@@ -8,8 +8,9 @@ others. The host turns the worker API's three calls into vLLM requests:
   a token prompt; vLLM's per-step deltas become `TokenChunk`s (`accounting.ChunkStream`).
 * **Prefill**: the same with ``max_tokens=1`` and pdorch's connector parameters
   (`kv.prefill_params`): vLLM's worker process pushes the prompt's KV blocks to the decode
-  worker through pdorch's transport; the call returns when the connector reports the
-  transfer's end, success or failure (`kv.prefill_result`).
+  worker through pdorch's transport (only those after the decode worker's prefix when the
+  request names one, the whole KV if the decode side refuses it); the call returns when the
+  connector reports the transfer's end, success or failure (`kv.prefill_result`).
 * **Decode**: the prompt + the tokens sent so far + the last sampled token, with
   `kv.decode_params`: vLLM loads the pushed KV for all but the last token into its own
   blocks, computes the last one and continues decoding.
@@ -166,6 +167,7 @@ class VllmHost(EngineHost):
         self.info = model_info(s, fingerprint)
         kv_address = ""
         transfer: dict[str, Any] | None = None
+        events = kv_events.endpoint() if s.kv_report_blocks > 0 else ""
         if s.role in ("prefill", "decode"):
             self._connector = True
             if s.role == "decode":  # the connector's receiver reports to us over this socket
@@ -178,8 +180,8 @@ class VllmHost(EngineHost):
                 hold_s=s.kv_hold_s,
                 timeout_s=s.kv_timeout_s,
                 control_path=self._control.control_path if self._control else None,
+                events_endpoint=events if s.role == "decode" else "",
             )
-        events = kv_events.endpoint() if s.kv_report_blocks > 0 else ""
         args = AsyncEngineArgs(
             model=str(s.model_dir),
             dtype=s.dtype,
@@ -410,7 +412,14 @@ class VllmHost(EngineHost):
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown kv_dtype")
         wire_name = next(n for n, d in KV_DTYPES.items() if d is wire_dtype)
-        params = kv.prefill_params(rid, epoch, request.kv_target, wire_name)
+        params = kv.prefill_params(
+            rid,
+            epoch,
+            request.kv_target,
+            wire_name,
+            int(request.decode_prefix_tokens),
+            bytes(request.decode_prefix_hash),
+        )
         first_index = int(request.first_index)
         sampling = self._sampling(
             request.sampling, 1, first_index, params, prompt_scored=first_index == 0
@@ -463,6 +472,8 @@ class VllmHost(EngineHost):
             cached_tokens=cached,
             first_logprob=first_scored[0] if first_scored else None,
             prompt_logprobs=prompt_scored,
+            kv_prefix_tokens=result.prefix_tokens,
+            kv_prefix_refused=result.prefix_refused,
         )
 
     async def decode(

@@ -74,6 +74,7 @@ def connector_config(
     timeout_s: float,
     control_path: str | None = None,
     memory_budget_bytes: int | None = None,
+    events_endpoint: str = "",
 ) -> dict[str, Any]:
     """kwargs for ``vllm.config.KVTransferConfig`` that load pdorch's connector.
 
@@ -84,7 +85,9 @@ def connector_config(
     this lease is freed. ``memory_budget_bytes``: decode — KV held at once, in flight or
     waiting to be loaded (the transport's default when None). A load that fails ends the
     request with an error (``kv_load_failure_policy="fail"``): vLLM never recomputes behind
-    pdorch's back.
+    pdorch's back. ``events_endpoint``: decode — vLLM's KV cache events publisher
+    (`kv_events`), which the receiver follows to know which prefixes it may accept a suffix
+    for; without it every suffix-only transfer is refused (the whole KV follows).
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
@@ -106,17 +109,28 @@ def connector_config(
             "timeout_s": float(timeout_s),
             "control_path": control_path or "",
             "memory_budget_bytes": memory_budget_bytes or 0,
+            "events_endpoint": events_endpoint,
         },
     }
 
 
-def prefill_params(request_id: str, epoch: int, target: str, kv_dtype: str) -> dict[str, Any]:
+def prefill_params(
+    request_id: str,
+    epoch: int,
+    target: str,
+    kv_dtype: str,
+    prefix_tokens: int = 0,
+    prefix_hash: bytes = b"",
+) -> dict[str, Any]:
     """``kv_transfer_params`` of a prefill (max_tokens=1) request whose KV goes to ``target``.
     ``kv_dtype``: the wire dtype ("float32", "float16", "bfloat16", "fp8") or "" for the
-    cache's own."""
+    cache's own. ``prefix_tokens``/``prefix_hash``: the decode worker holds that prefix
+    (`PrefillRequest.decode_prefix_tokens/_hash`): send only the blocks after it, or the
+    whole KV if the decode side refuses (`PrefillTransfer.prefix_refused`)."""
     if kv_dtype not in ("", *DTYPES):
         raise ValueError(f"unknown KV dtype {kv_dtype!r}")
-    return PrefillParams(request_id, epoch, target, kv_dtype).to_dict()
+    digest = prefix_hash.hex() if prefix_tokens else ""
+    return PrefillParams(request_id, epoch, target, kv_dtype, prefix_tokens, digest).to_dict()
 
 
 def prefill_result(kv_transfer_params: dict[str, Any] | None) -> PrefillTransfer:

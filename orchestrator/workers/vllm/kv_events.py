@@ -6,12 +6,14 @@ socket when ``KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")``. `K
 binds nothing: the publisher binds an ``ipc://`` endpoint private to this worker, and a
 daemon thread here subscribes, decodes each batch (msgpack, vLLM's own structs) and feeds
 `orchestrator.workers.kv_report.HeldBlocks`; the heartbeat reads `report` under a lock.
+The decode connector (in vLLM's worker process) follows the same publisher with a feed of
+its own to check the prefix a suffix-only KV extends (`holds`).
 
 Subscribing is best effort by design: a batch lost or a late subscription leaves the
 report short (only slower routing), and a sequence gap clears it.
 
 Imports vLLM, pyzmq and msgspec at module level (all come with vLLM): only
-`orchestrator.workers.vllm.engine` imports it.
+`orchestrator.workers.vllm.engine` and `.connector` import it.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class KvEventFeed:
     def held(self) -> int:
         with self._lock:
             return len(self._held)
+
+    def holds(self, digest: bytes) -> bool:
+        """Whether the cache holds the block of that chained digest (`HeldBlocks.holds`)."""
+        with self._lock:
+            return self._held.holds(digest)
 
     @property
     def closed(self) -> bool:

@@ -39,6 +39,12 @@ class PrefillParams:
     """Decode worker's KV address, "host:port"."""
     kv_dtype: str
     """Wire dtype name (a key of `DTYPES`) or "" for the cache's own dtype."""
+    prefix_tokens: int = 0
+    """The decode worker holds the first this many tokens' KV (whole blocks, named by
+    ``prefix_hash``): send only the blocks after them. 0: send the whole KV."""
+    prefix_hash: str = ""
+    """With ``prefix_tokens``: the prefix's chained block digest (`orchestrator.core.prefix`),
+    hex."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,8 +54,14 @@ class PrefillParams:
                 "epoch": self.epoch,
                 "target": self.target,
                 "kv_dtype": self.kv_dtype,
+                "prefix_tokens": self.prefix_tokens,
+                "prefix_hash": self.prefix_hash,
             }
         }
+
+    @property
+    def prefix_digest(self) -> bytes:
+        return bytes.fromhex(self.prefix_hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +99,26 @@ def parse(params: dict[str, Any] | None) -> PrefillParams | DecodeParams | None:
             raise ParamsError(f"bad KV target {target!r}")
         if dtype not in ("", *DTYPES):
             raise ParamsError(f"unknown KV dtype {dtype!r}")
-        return PrefillParams(rid, epoch, target, dtype)
+        n, digest = p.get("prefix_tokens", 0), p.get("prefix_hash", "")
+        if not isinstance(n, int) or _negative(n) or not isinstance(digest, str):
+            raise ParamsError(f"bad prefix {n!r} {digest!r}")
+        if n and not _digest_hex(digest):
+            size = wire.PREFIX_HASH_BYTES
+            raise ParamsError(f"a {n}-token prefix needs a {size}-byte hex digest")
+        return PrefillParams(rid, epoch, target, dtype, n, digest if n else "")
     if role == "decode":
         n = p.get("num_tokens")
         if not isinstance(n, int) or _negative(n) or n == 0:
             raise ParamsError(f"bad num_tokens {n!r}")
         return DecodeParams(rid, epoch, n)
     raise ParamsError(f"unknown role {role!r}")
+
+
+def _digest_hex(s: str) -> bool:
+    try:
+        return len(bytes.fromhex(s)) == wire.PREFIX_HASH_BYTES
+    except ValueError:
+        return False
 
 
 def _negative(x: int) -> bool:
@@ -115,6 +140,10 @@ class PrefillTransfer:
     tail_ms: float = 0.0
     """How long the engine step waited for the transfer after its last layer was computed:
     the part of the transfer the layer-wise push did not hide behind compute."""
+    prefix_tokens: int = 0
+    """The KV sent extends the decode worker's first this many tokens (a suffix only)."""
+    prefix_refused: bool = False
+    """A suffix was asked, the decode worker lacked its prefix: the whole KV was sent."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -124,6 +153,8 @@ class PrefillTransfer:
             "transfer_ms": self.transfer_ms,
             "retryable": self.retryable,
             "tail_ms": self.tail_ms,
+            "prefix_tokens": self.prefix_tokens,
+            "prefix_refused": self.prefix_refused,
         }
 
     @classmethod
@@ -138,6 +169,8 @@ class PrefillTransfer:
                 transfer_ms=float(d.get("transfer_ms", 0.0)),
                 retryable=bool(d.get("retryable", False)),
                 tail_ms=float(d.get("tail_ms", 0.0)),
+                prefix_tokens=int(d.get("prefix_tokens", 0)),
+                prefix_refused=bool(d.get("prefix_refused", False)),
             )
         except (TypeError, ValueError) as exc:
             return cls(ok=False, error=f"malformed transfer result: {exc}")
