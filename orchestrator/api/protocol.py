@@ -44,7 +44,12 @@ def link_broke(code: grpc.StatusCode, details: str | None) -> bool:
     return code == grpc.StatusCode.UNKNOWN and (details or "").startswith(STREAM_REMOVED)
 
 
-_TARGET_FAULTS = (terr.PeerLostError, terr.TransferTimeoutError, terr.BudgetExceededError)
+_TARGET_FAULTS = (
+    terr.PeerLostError,
+    terr.TransferTimeoutError,
+    terr.BudgetExceededError,
+    terr.PeerRejectedError,  # the KV link's TLS identity check: avoid that decode worker
+)
 
 _TRANSPORT_STATUS: tuple[tuple[type[terr.TransportError], grpc.StatusCode], ...] = (
     (terr.StaleEpochError, grpc.StatusCode.ABORTED),

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from orchestrator.workers.host import EngineHost
     from orchestrator.workers.metrics import WorkerMetrics
     from orchestrator.workers.server import WorkerSettings
+    from transport.security import LinkTls
 
 log = logging.getLogger("pdorch")
 
@@ -295,7 +296,7 @@ async def run(args: argparse.Namespace) -> int:
     metrics = WorkerMetrics()
     engine: Engine | EngineHost
     if args.engine == "vllm":  # hosts vLLM, which moves KV through its own connector
-        engine = _vllm_host(args, metrics)
+        engine = _vllm_host(args, metrics, tls)
     else:
         engine = await asyncio.to_thread(
             load_engine, args.model, Path(args.model_cache) if args.model_cache else None
@@ -306,11 +307,12 @@ async def run(args: argparse.Namespace) -> int:
     settings = worker_settings(
         args, advertise=args.advertise, kv_advertise=args.kv_advertise, gpu_kind=args.gpu_kind
     )
-    sender = None if hosted else make_sender(args.transport, tsettings)
+    kv_tls = _kv_tls(tls)
+    sender = None if hosted else make_sender(args.transport, tsettings, tls=kv_tls)
     if sender is not None and (args.inject_kv_stall > 0 or args.kv_fault or args.kv_fault_file):
         _attach_kv_fault(sender, args)  # chaos/testing only
     receiver = (
-        make_receiver(args.transport, tsettings, engine.info.model_spec())
+        make_receiver(args.transport, tsettings, engine.info.model_spec(), tls=kv_tls)
         if args.role == "decode" and not hosted
         else None
     )
@@ -353,7 +355,18 @@ def _tls(args: argparse.Namespace) -> Tls | None:
     return load_worker(directory, args.role) if directory else None
 
 
-def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics) -> EngineHost:
+def _kv_tls(tls: Tls | None) -> LinkTls | None:
+    """The KV link's mutual TLS, from the same directory and identity as the gRPC API's
+    (`transport.security.load_dir`): a decode worker takes KV only from prefill identities,
+    a prefill worker sends only to decode ones. None (plaintext) when the API is plaintext."""
+    if tls is None:
+        return None
+    from transport.security import load_dir  # noqa: PLC0415
+
+    return load_dir(Path(tls.files.directory), tls.identity)
+
+
+def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics, tls: Tls | None) -> EngineHost:
     """``--engine vllm``: vLLM's async engine, hosted in this process (the vllm extra)."""
     from orchestrator.workers.model_files import ensure_smollm2  # noqa: PLC0415
     from orchestrator.workers.vllm.cpu import reserved_cpus_env  # noqa: PLC0415
@@ -369,6 +382,8 @@ def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics) -> EngineHost:
         kv_cache_bytes=(args.kv_capacity_mib or VLLM_KV_MIB) << 20,
         transport=args.transport,
         kv_hold_s=args.kv_hold,
+        tls_dir=str(tls.files.directory) if tls else "",
+        tls_identity=tls.identity if tls else "",
     )
     return VllmHost(settings, metrics)
 
@@ -402,14 +417,17 @@ async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
 
     count = args.count
     prefill = args.role == "prefill"
-    sender = SharedSender(TcpDataPlane(), tsettings, users=count) if prefill else None
+    kv_tls = _kv_tls(tls)
+    sender = SharedSender(TcpDataPlane(), tsettings, users=count, tls=kv_tls) if prefill else None
     workers = [
         Worker(
             engines[i % len(engines)],
             member_settings(base, i, count),
             publish,
             sender=sender,
-            receiver=(None if prefill else tcp_receiver(tsettings, engine.info.model_spec())),
+            receiver=(
+                None if prefill else tcp_receiver(tsettings, engine.info.model_spec(), kv_tls)
+            ),
             runner=SimRunner(engines[i % len(engines)]),
             tls=tls,
         )

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from orchestrator.workers.server import Worker, WorkerSettings
 from transport.base import DataPlane, TransportSettings
+from transport.security import LinkTls
 from transport.sender import KvSender
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,14 @@ class SharedSender(KvSender):
     """A KV sender several workers use: only the last of its ``users`` to close it closes it
     (each `Worker` closes its sender when it stops)."""
 
-    def __init__(self, data_plane: DataPlane, settings: TransportSettings, users: int) -> None:
-        super().__init__(data_plane, settings)
+    def __init__(
+        self,
+        data_plane: DataPlane,
+        settings: TransportSettings,
+        users: int,
+        tls: LinkTls | None = None,
+    ) -> None:
+        super().__init__(data_plane, settings, tls)
         self._users = users
 
     async def close(self) -> None:

@@ -9,6 +9,8 @@ nothing.
     a client's (or a worker's) certificate calling a     PERMISSION_DENIED
       worker's Prefill / Decode / Generate directly
     plaintext to a TLS port (client API, worker, HTTPS)  handshake failure / connection closed
+    KV offered to a decode worker's KV port in plain,    a transport error (TLS handshake),
+      with another CA's certificate, or as a client      PeerRejectedError (identity)
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from orchestrator.ports import free_port
 from orchestrator.rpc.client import channel
 from orchestrator.store.keys import Keys
 from tests.integration.conftest import request
+from transport import errors as terr
+from transport.backends import make_sender
+from transport.base import TransportSettings
+from transport.security import LinkTls, load_dir
+from transport.testing import synthetic_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -238,3 +245,45 @@ def test_the_gateway_serves_https_and_refuses_plain_http(
             timeout=10,
         )
     assert record(cluster, "stranger-http-1") == {}
+
+
+def kv_address_of(cluster: LocalCluster, name: str) -> str:
+    client = redis.Redis(port=cluster.redis_port, decode_responses=True)
+    try:
+        return str(json.loads(str(client.get(Keys().worker(name))))["kv_address"])
+    finally:
+        client.close()
+
+
+def offer_kv(address: str, tls: LinkTls | None) -> BaseException:
+    """Offer a synthetic KV to a decode worker's KV port as a sender with ``tls``: the error."""
+
+    async def main() -> BaseException:
+        sender = make_sender("tcp", TransportSettings(connect_timeout_s=5.0), tls=tls)
+        await sender.start()
+        try:
+            await sender.send(address, synthetic_cache("evil-kv", 1, 1 << 16))
+        except terr.TransportError as exc:
+            return exc
+        finally:
+            await sender.close()
+        raise AssertionError("the decode worker accepted KV from an unauthenticated peer")
+
+    return asyncio.run(main())
+
+
+def test_kv_from_a_peer_without_a_prefill_identity_is_refused(
+    cluster: LocalCluster, stranger: Path
+) -> None:
+    """The KV rows: a decode worker's KV port (its TCP control link, mutual TLS from the
+    cluster's CA) refuses plaintext, another CA's prefill certificate and the cluster's own
+    client certificate; nothing is held, and the identity refusal names the peer."""
+    address = kv_address_of(cluster, "decode-0")
+    plain = offer_kv(address, None)
+    foreign = offer_kv(address, load_dir(stranger, Role.PREFILL.identity))
+    client = offer_kv(address, load_dir(cluster.tls_dir, Role.CLIENT.identity))
+    for refused in (plain, foreign, client):
+        assert isinstance(refused, terr.TransportError), refused
+    assert isinstance(client, terr.PeerRejectedError), client
+    assert worker_state(cluster, "decode-0") == (0, 0)
+    assert Role.CLIENT.identity in log_of(cluster, "decode-0")

@@ -140,4 +140,5 @@ def test_a_failed_kv_transfer_maps_to_a_retryable_status(
 
 def test_the_kv_receivers_faults_are_blamed_on_it() -> None:
     assert protocol.blames_kv_target(terr.PeerLostError("gone"))
+    assert protocol.blames_kv_target(terr.PeerRejectedError("not a decode identity"))
     assert not protocol.blames_kv_target(terr.ChecksumMismatchError("bits"))

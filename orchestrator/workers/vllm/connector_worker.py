@@ -58,6 +58,7 @@ from transport import kvcodec, wire
 from transport.backends import make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
+from transport.security import LinkTls, load_dir
 from transport.sender import KvSender
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,10 @@ class WorkerConfig:
     """Decode: the receiver's budget; 0 means the transport's default."""
     events_endpoint: str = ""
     """Decode: vLLM's KV cache events publisher (the connector follows it: `holds_prefix`)."""
+    tls_dir: str = ""
+    """The KV link's mutual TLS: this directory's ``ca.pem`` and ``tls_identity``'s files
+    (`transport.security.load_dir`); empty: plaintext."""
+    tls_identity: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> WorkerConfig:
@@ -99,7 +104,15 @@ class WorkerConfig:
             control_path=str(extra.get("control_path", "")),
             memory_budget_bytes=int(extra.get("memory_budget_bytes") or 0),
             events_endpoint=str(extra.get("events_endpoint", "")),
+            tls_dir=str(extra.get("tls_dir", "")),
+            tls_identity=str(extra.get("tls_identity", "")),
         )
+
+    def link_tls(self) -> LinkTls | None:
+        """The KV link's TLS contexts (a bad file is a `TlsConfigError` naming it)."""
+        if not self.tls_dir:
+            return None
+        return load_dir(self.tls_dir, self.tls_identity)
 
 
 class LayerViews:
@@ -208,11 +221,13 @@ class WorkerSide:
             )
         self._loop.start()
         if self.config.role == "prefill":
-            self._sender = make_sender(self.config.backend, settings)
+            self._sender = make_sender(self.config.backend, settings, tls=self.config.link_tls())
             self._loop.submit(self._sender.start()).result(30)
         else:
             spec = kv_layout.model_spec(self.config.fingerprint, layout, self._max_tokens)
-            self._receiver = make_receiver(self.config.backend, settings, spec)
+            self._receiver = make_receiver(
+                self.config.backend, settings, spec, tls=self.config.link_tls()
+            )
             self._receiver.prefix_check = self._prefix_held
             host, _, port = self.config.kv_address.rpartition(":")
             address = self._loop.submit(self._receiver.start(host, int(port))).result(30)

@@ -103,6 +103,10 @@ class VllmSettings:
     """Decode side: free a pushed KV nobody claims after this long."""
     kv_timeout_s: float = 30.0
     """How long either side waits on a transfer before failing it."""
+    tls_dir: str = ""
+    """The worker's TLS directory (``--tls-dir``): the connector's KV link runs mutual TLS
+    as ``tls_identity`` (`transport.security.load_dir`); empty: plaintext."""
+    tls_identity: str = ""
     kv_report_blocks: int = DEFAULT_REPORT_BLOCKS
     """The most prefix-cache blocks one heartbeat reports (the newest stored), from vLLM's
     KV cache events (`kv_events`); 0: report none (no KV-aware routing to this worker)."""
@@ -181,6 +185,8 @@ class VllmHost(EngineHost):
                 timeout_s=s.kv_timeout_s,
                 control_path=self._control.control_path if self._control else None,
                 events_endpoint=events if s.role == "decode" else "",
+                tls_dir=s.tls_dir,
+                tls_identity=s.tls_identity,
             )
         args = AsyncEngineArgs(
             model=str(s.model_dir),

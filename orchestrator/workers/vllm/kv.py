@@ -75,6 +75,8 @@ def connector_config(
     control_path: str | None = None,
     memory_budget_bytes: int | None = None,
     events_endpoint: str = "",
+    tls_dir: str = "",
+    tls_identity: str = "",
 ) -> dict[str, Any]:
     """kwargs for ``vllm.config.KVTransferConfig`` that load pdorch's connector.
 
@@ -88,6 +90,8 @@ def connector_config(
     pdorch's back. ``events_endpoint``: decode — vLLM's KV cache events publisher
     (`kv_events`), which the receiver follows to know which prefixes it may accept a suffix
     for; without it every suffix-only transfer is refused (the whole KV follows).
+    ``tls_dir``/``tls_identity``: the KV link's mutual TLS (paths and a name, never key
+    material: vLLM's worker process loads the files itself); empty: plaintext.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
@@ -110,6 +114,8 @@ def connector_config(
             "control_path": control_path or "",
             "memory_budget_bytes": memory_budget_bytes or 0,
             "events_endpoint": events_endpoint,
+            "tls_dir": tls_dir,
+            "tls_identity": tls_identity,
         },
     }
 
