@@ -180,7 +180,7 @@ def test_two_hundred_concurrent_requests_through_twenty_sim_workers(
 @pytest.mark.slow
 def test_load_generator_against_the_sim_cluster(sim_cluster: LocalCluster) -> None:
     spec = LoadSpec(tuple(sim_cluster.orchestrator_addresses), requests=100, concurrency=50)
-    summary = asyncio.run(run_load(spec)).summary()
+    summary = asyncio.run(run_load(spec, tls=sim_cluster.credentials())).summary()
     assert summary["completed"] == 100
     assert summary["not_contiguous"] == 0
     overhead = summary["overhead_ms"]
