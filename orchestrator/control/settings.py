@@ -29,6 +29,10 @@ class ControlSettings:
     the orchestrator a gRPC read, a journal write and a relay whatever it holds, so this is
     what a token costs here; a token waits at most this long (the first never does). 0:
     every token in its own message."""
+    workers_cache_s: float = 0.25
+    """How long admission reuses a listing of the live workers (0: list them for every
+    request). Heartbeats change once a second; an attempt's own failures and the watch on
+    each call's worker are not cached."""
     follow_poll_s: float = 0.05
     """How often a follower (resubmission, resume) polls the journal of a request."""
     watch_interval_s: float = 0.5
