@@ -6,8 +6,10 @@ relay to the client, whatever the chunk holds: the messages, not the tokens, are
 `coalesced` merges the chunks a host yields (`merge`) so that a stream sends at most one
 message per ``window_s``:
 
-- a chunk is sent at once when the previous one went out at least ``window_s`` ago (the
-  first chunk always: time to first token is never delayed);
+- a chunk is sent at once when the previous one went out at least ``window_s`` ago; the
+  first chunk always, and alone (time to first token is never delayed, and the first chunk
+  of a decode stream — the token the prefill sampled — keeps its own shape: the
+  orchestrator completes its log-probability from the prefill's answer);
 - otherwise it waits until ``window_s`` after the previous send, and everything the host
   yielded meanwhile goes out with it, in one chunk;
 - the chunk that ends the stream (a finish reason) waits like any other, and is merged with
@@ -73,7 +75,8 @@ async def coalesced(
         queue.put_nowait(end)
 
     task = asyncio.create_task(pump(), name="pdorch-stream-coalesce")
-    last = -window_s
+    last: float | None = None
+    """When the previous chunk went out (None: none yet)."""
     try:
         while True:
             item = await queue.get()
@@ -81,12 +84,12 @@ async def coalesced(
                 if item is not None:
                     raise item
                 return
-            if not item.finish_reason:
+            if not item.finish_reason and last is not None:
                 wait = last + window_s - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)  # the window: what comes meanwhile joins
             ended, end = False, None
-            while not item.finish_reason and not queue.empty():
+            while last is not None and not item.finish_reason and not queue.empty():
                 more = queue.get_nowait()
                 if not isinstance(more, worker_pb2.TokenChunk):
                     ended, end = True, more

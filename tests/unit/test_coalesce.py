@@ -127,3 +127,14 @@ def test_the_window_is_bounded() -> None:
     assert window_of(-5) == 0.0
     assert window_of(20) == 0.02
     assert window_of(1e9) == MAX_FLUSH_S
+
+
+def test_the_first_chunk_goes_out_alone_even_with_more_ready() -> None:
+    # A decode stream's first chunk is the prefill's token: the orchestrator completes its
+    # log-probability from the prefill's answer, so it is never merged with later ones.
+    async def main() -> None:
+        got = [c async for c in coalesced(source(6, 0.0), 0.05)]
+        assert [len(c.token_ids) for c in got] == [1, 5]
+        assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    run(main())
