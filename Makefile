@@ -44,9 +44,10 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# --durations: the CI log names the slowest tests (CI must stay well under 40 minutes).
 test: lint venv-vllm
-	$(VENV)/bin/pytest -m "not vllm" $(PYTEST_ARGS)
-	$(VENV_VLLM)/bin/pytest -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "not vllm" --durations=25 $(PYTEST_ARGS)
+	$(VENV_VLLM)/bin/pytest -m vllm --durations=10 $(VLLM_TESTS) $(PYTEST_ARGS)
 
 # The inner loop (well under a minute): lint, the pure unit tests and the store and
 # transport contract suites; `make test` runs everything.

@@ -131,12 +131,17 @@ def spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None
     return Proc(name, popen, log_path, args, group=True)
 
 
+SIM_WORKER = "llama-3-8b@L4"
+"""What ``engine="sim"`` workers simulate (``pdorch worker --sim``)."""
+
+
 @dataclass
 class LocalCluster:
     model: str = "tiny"
     transport: str = "ucx"
     engine: str = "reference"
-    """Workers' ``--engine``: reference, or vllm (run from the vllm extra's environment)."""
+    """Workers' ``--engine``: reference, or vllm (run from the vllm extra's environment); or
+    sim: `start_worker` starts simulated workers with a prefix cache (`SIM_WORKER`)."""
     prefill_workers: int = 1
     decode_workers: int = 2
     orchestrators: int = 1
@@ -225,6 +230,17 @@ class LocalCluster:
         self.procs["redis"] = Proc("redis", server.process, log, server.argv)
 
     def worker_args(self, role: str, index: int) -> list[str]:
+        if self.engine == "sim":  # one simulated worker with a prefix cache, no model
+            return self._pdorch(
+                "worker",
+                "--role", role,
+                "--redis", self.redis_url,
+                "--sim", SIM_WORKER,
+                "--sim-prefix-cache",
+                "--transport", self.transport,
+                "--worker-id", f"{role}-{index}",
+                "--heartbeat-ttl", str(self.heartbeat_ttl_s),
+            )  # fmt: skip
         args = self._pdorch(
             "worker",
             "--role", role,

@@ -6,6 +6,7 @@ from typing import Literal
 
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
+from transport.security import LinkTls
 from transport.sender import KvSender
 from transport.tcp import tcp_receiver, tcp_sender
 from transport.ucx import UcxConfig, ucx_receiver, ucx_sender
@@ -19,14 +20,17 @@ UCX_READ = "ucx-read"
 
 
 def make_sender(
-    backend: str, settings: TransportSettings | None = None, ucx: UcxConfig | None = None
+    backend: str,
+    settings: TransportSettings | None = None,
+    ucx: UcxConfig | None = None,
+    tls: LinkTls | None = None,
 ) -> KvSender:
     if backend == "ucx":
-        return ucx_sender(settings, ucx)
+        return ucx_sender(settings, ucx, tls)
     if backend == UCX_READ:
-        return ucx_sender(settings, UcxConfig(one_sided=True))
+        return ucx_sender(settings, UcxConfig(one_sided=True), tls)
     if backend == "tcp":
-        return tcp_sender(settings)
+        return tcp_sender(settings, tls)
     raise ValueError(f"unknown transport backend {backend!r} (choose from {BACKENDS})")
 
 
@@ -35,9 +39,10 @@ def make_receiver(
     settings: TransportSettings | None = None,
     model: ModelSpec | None = None,
     ucx: UcxConfig | None = None,
+    tls: LinkTls | None = None,
 ) -> KvReceiver:
     if backend in ("ucx", UCX_READ):  # a UCX receiver takes either, as the sender opens it
-        return ucx_receiver(settings, model, ucx)
+        return ucx_receiver(settings, model, ucx, tls)
     if backend == "tcp":
-        return tcp_receiver(settings, model)
+        return tcp_receiver(settings, model, tls)
     raise ValueError(f"unknown transport backend {backend!r} (choose from {BACKENDS})")

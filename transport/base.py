@@ -18,10 +18,10 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from transport import errors
+from transport import control, errors
 from transport.control import RemoteRegion
 from transport.wire import KvCache
 
@@ -128,6 +128,12 @@ class DataPlane(abc.ABC):
         ``into`` (exactly as long as they are together)."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
 
+    def discard_unmatched(self, keep: Callable[[int], bool]) -> list[tuple[int, int]]:
+        """Receiver, out of band: drop payload messages no posted receive matched (a spent
+        or unannounced token) but those whose tag ``keep`` wants; return their (tag, length).
+        Blocking: the receiver calls it in a thread. Nothing to do for inline planes."""
+        return []
+
     @abc.abstractmethod
     def fail_channel(self, peer: Peer) -> None:
         """Cancel everything pending on ``peer``'s channel — that connection's transfer,
@@ -140,6 +146,42 @@ class DataPlane(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+class TransferTokens:
+    """The one-time transfer tokens a receiver issues (`transport.control`, "The transfer
+    token"): never two transfers with one token at once, and a spent token never issued
+    again while it is remembered (the ``memory`` most recently spent, LRU; beyond that a
+    repeat is a 1-in-2^48 draw). Not thread-safe; lives on the receiver's event loop."""
+
+    def __init__(self, memory: int) -> None:
+        self._live: set[int] = set()
+        self._spent: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._memory = memory
+
+    def issue(self) -> int:
+        while True:
+            token = control.new_token()
+            if token not in self._live and token not in self._spent:
+                self._live.add(token)
+                return token
+
+    def spend(self, token: int) -> None:
+        """The transfer ended (done or failed): its token is never valid again."""
+        self._live.discard(token)
+        self._spent[token] = None
+        while len(self._spent) > self._memory:
+            self._spent.popitem(last=False)
+
+    def wants(self, tag: int) -> bool:
+        """Whether a payload tag carries a live token (``token | segment``)."""
+        return (tag & ~0xFFFF) in self._live
+
+    def state(self, token: int) -> str:
+        """``"live"``, ``"spent"`` or ``"unknown"`` (for logs and tests)."""
+        if token in self._live:
+            return "live"
+        return "spent" if token in self._spent else "unknown"
 
 
 @dataclass(slots=True)

@@ -6,7 +6,9 @@ process is the sender. Each iteration is one KV transfer of ``size`` bytes split
 every layer's checksum and filed the KV, so checksumming both ends is inside the figure.
 The references then run for the same size and iteration count, alternating round by round:
 NIXL (`transport.nixl_ref`, when installed: READ and WRITE, one buffer and 32 descriptors)
-and ``ucx_perftest`` (shipped in the ``libucx`` wheel) between two processes.
+and ``ucx_perftest`` (shipped in the ``libucx`` wheel) between two processes. With a TLS
+directory (`transport.security.load_dir`'s layout, ``prefill`` and ``decode`` identities),
+ours also runs with mutual TLS on the control link (``ours-tls``), alternating with plain.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from transport import nixl_ref, wire
+from transport import nixl_ref, security, wire
 from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
-from transport.errors import TransportError
+from transport.errors import TlsConfigError, TransportError
+from transport.security import LinkTls
 from transport.testing import synthetic_cache
 from transport.ucx import UcxConfig
 
@@ -62,7 +65,8 @@ class BenchResult:
     iters: int
     layers: int
     gbps: dict[str, float]
-    """Variant → median GB/s. ``ours``: the default path, one contiguous KV; ``ours-32``:
+    """Variant → median GB/s. ``ours``: the default path, one contiguous KV; ``ours-tls``:
+    the same with mutual TLS on the control link (``--tls-dir``); ``ours-32``:
     32 layers allocated apart (a block list); ``ours-read``: UCX one-sided reads
     (transport v2, opt-in); ``nixl-write``/``nixl-read`` (``-32``: 32 descriptors);
     ``ucx_perftest``: ``-t tag_bw``."""
@@ -94,8 +98,10 @@ class BenchResult:
 # ------------------------------------------------------------------------------- ours
 
 
-async def _receiver_main(backend: str, settings: TransportSettings) -> None:
-    receiver = make_receiver(backend, settings)
+async def _receiver_main(
+    backend: str, settings: TransportSettings, tls: LinkTls | None = None
+) -> None:
+    receiver = make_receiver(backend, settings, tls=tls)
     print(_ADDRESS_PREFIX, await receiver.start(), flush=True)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -124,15 +130,18 @@ class _Ours:
         *,
         apart: bool = False,
         ucx: UcxConfig | None = None,
+        tls_dir: str | None = None,
     ) -> None:
         self.backend, self.size, self.layers = backend, size, layers
+        self.tls_dir = tls_dir
         self.settings = settings or TransportSettings()
         self.cache = synthetic_cache("bench", 1, size, n_layers=layers)
         if apart:  # each layer in its own allocation: a block list, not one region
             self.cache = wire.KvCache(
                 self.cache.header, tuple(_apart(k, v) for k, v in self.cache.layers)
             )
-        self.sender = make_sender(backend, self.settings, ucx)
+        tls = None if tls_dir is None else security.load_dir(tls_dir, "prefill")
+        self.sender = make_sender(backend, self.settings, ucx, tls)
         self.count = 0
 
     async def __aenter__(self) -> _Ours:
@@ -142,6 +151,7 @@ class _Ours:
             "transport.bench",
             self.backend,
             json.dumps(asdict(self.settings)),
+            *([] if self.tls_dir is None else [self.tls_dir, "decode"]),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
@@ -272,10 +282,19 @@ def measure_perftest(size: int, iters: int, timeout_s: float = 120.0) -> float |
 
 
 async def _interleaved(
-    backend: str, size: int, iters: int, layers: int, rounds: int, nixl: bool
+    backend: str,
+    size: int,
+    iters: int,
+    layers: int,
+    rounds: int,
+    nixl: bool,
+    tls_dir: str | None = None,
 ) -> dict[str, list[float]]:
     got: dict[str, list[float]] = {}
-    ours = {"ours": _Ours(backend, size, layers), "ours-32": _Ours(backend, size, 32, apart=True)}
+    ours = {"ours": _Ours(backend, size, layers)}
+    if tls_dir is not None:  # right after plain ours, round by round
+        ours["ours-tls"] = _Ours(backend, size, layers, tls_dir=tls_dir)
+    ours["ours-32"] = _Ours(backend, size, 32, apart=True)
     if backend == "ucx":
         ours["ours-read"] = _Ours(UCX_READ, size, layers)
     nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if nixl else []
@@ -305,15 +324,20 @@ def run(
     layers: int = 32,
     rounds: int = 5,
     nixl: bool | None = None,
+    tls_dir: str | None = None,
 ) -> BenchResult:
     """Alternate ours (its variants) and the references ``rounds`` times; compare medians
-    (noisy host). NIXL joins when importable unless ``nixl`` is False."""
+    (noisy host). NIXL joins when importable unless ``nixl`` is False; with ``tls_dir``,
+    ours over mutual TLS too (``ours-tls``)."""
     if iters < 1 or layers < 1 or rounds < 1:
         raise BenchError("--iters, --layers and --rounds must be at least 1")
     with_nixl = nixl_ref.nixl_available() if nixl is None else nixl
     if with_nixl and not nixl_ref.nixl_available():
         raise BenchError("NIXL is not installed (`make nixl` installs nixl-cu12)")
-    got = asyncio.run(_interleaved(backend, size, iters, layers, rounds, with_nixl))
+    try:
+        got = asyncio.run(_interleaved(backend, size, iters, layers, rounds, with_nixl, tls_dir))
+    except TlsConfigError as exc:
+        raise BenchError(str(exc)) from exc
     return BenchResult(
         backend=backend,
         size_bytes=size,
@@ -348,4 +372,5 @@ def finite_check_cost(
 
 
 if __name__ == "__main__":
-    asyncio.run(_receiver_main(sys.argv[1], TransportSettings(**json.loads(sys.argv[2]))))
+    _tls = security.load_dir(sys.argv[3], sys.argv[4]) if len(sys.argv) > 4 else None
+    asyncio.run(_receiver_main(sys.argv[1], TransportSettings(**json.loads(sys.argv[2])), _tls))

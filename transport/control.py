@@ -1,14 +1,16 @@
 """Control messages between a KV sender and receiver, and their codec. Pure: no I/O here.
 
 Every backend runs the same small protocol over one TCP connection per transfer slot (the
-connection is pooled and reused); only where the layer *payload* travels differs (inline on
-that connection for TCP, over UCX tags for UCX). A message is ``type u8 | length u32 | body``.
+connection is pooled and reused; with `transport.security.LinkTls`, over mutual TLS, the
+peer's identity checked before HELLO); only where the layer *payload* travels differs
+(inline on that connection for TCP, over UCX for UCX). A message is
+``type u8 | length u32 | body``.
 
     sender                                   receiver
       HELLO(id, data address)  ──────────▶
                                ◀──────────   HELLO(id, data address) | ERROR (at its cap)
-      OPEN(tag, segment size, KV header) ▶   check header, reserve memory
-                               ◀──────────   ACCEPT | ERROR(code, message)
+      OPEN(0, segment size, KV header) ──▶   check header, reserve memory, issue a token
+                               ◀──────────   ACCEPT(token) | ERROR(code, message)
       LAYER(frame) [+ payload] ──────────▶   (repeated, one per layer, any order;
       LAYERS(frames)                          out of band, a segment's frames in one message)
                                ◀──────────   DONE | ERROR(code, message)
@@ -21,11 +23,29 @@ the receiver already reads). The receiver reads each segment into its own reserv
 verifies each layer as both its bytes and its frame are in, says LANDED as segments land
 (but the last), and answers DONE | ERROR.
 
-The transfer tag is random per transfer and keys payload messages on the data plane, so a
-late payload of an aborted transfer can never be matched by a later one. Out of band, the
-payload moves in *segments* — runs of consecutive layers of about ``segment size`` bytes,
-computed by both sides from the header (`wire.segments`) — one message each; LAYER frames
-(with each layer's checksum) still come one per layer.
+**The transfer token.** Out-of-band payloads (UCX tag messages) are keyed by a token the
+*receiver* draws at random for each transfer it accepts (48 bits, `new_token`), after it
+checked the header (request id, epoch, sizes) and reserved memory, and announces only in its
+ACCEPT on the control link — authenticated and encrypted under TLS. It posts a receive for
+each segment under ``token | segment`` with exactly that segment's length before ACCEPT goes
+out, and never issues the token again (`transport.base.TransferTokens`). So a UCX message is
+delivered into KV memory only if its tag carries the token of a transfer the authenticated
+link announced, and only into that transfer's (request id, epoch) reservation: a message with
+an unannounced, spent (replayed) or other transfer's token matches no receive and lands
+nowhere (the receiver takes such messages off UCX's queue and drops them, logging each:
+`transport.ucp.discard_unexpected`); a wrong-length one fails the transfer. (Before, the
+*sender* chose the tag in OPEN, so any peer that could open a transfer chose which posted
+receive its bytes would match.)
+The OPEN's tag field must be 0 — a sender that predates tokens is refused, not misrouted.
+Integrity beyond that rests on the layer checksums the authenticated link carries.
+
+**Refusals disclose nothing.** A refused OPEN is answered with its error class and a fixed
+phrase (`refusal`), never the receiver's model fingerprint, KV shape, epochs or budget; the
+details go to the receiver's log with the peer's identity and address.
+
+Out of band, the payload moves in *segments* — runs of consecutive layers of about
+``segment size`` bytes, computed by both sides from the header (`wire.segments`) — one
+message each; LAYER frames (with each layer's checksum) still come one per layer.
 """
 
 from __future__ import annotations
@@ -78,6 +98,8 @@ class ErrorCode(enum.IntEnum):
     CLOSED = 6
     TIMEOUT = 7
     INTERNAL = 8
+    PREFIX_MISSING = 9
+    REJECTED_PEER = 10
 
 
 _CODE_TO_ERROR: dict[ErrorCode, type[errors.TransportError]] = {
@@ -89,7 +111,21 @@ _CODE_TO_ERROR: dict[ErrorCode, type[errors.TransportError]] = {
     ErrorCode.CLOSED: errors.TransportClosedError,
     ErrorCode.TIMEOUT: errors.TransferTimeoutError,
     ErrorCode.INTERNAL: errors.PeerLostError,
+    ErrorCode.PREFIX_MISSING: errors.PrefixMissingError,
+    ErrorCode.REJECTED_PEER: errors.PeerRejectedError,
 }
+
+_REFUSALS: dict[ErrorCode, str] = {
+    ErrorCode.WIRE_FORMAT: "malformed or oversized KV header",
+    ErrorCode.REJECTED: "KV header refused: it does not match this receiver",
+    ErrorCode.STALE_EPOCH: "stale epoch, or a replay of a received one",
+    ErrorCode.BUDGET: "no room for this KV now",
+    ErrorCode.CLOSED: "receiver is closing",
+    ErrorCode.REJECTED_PEER: "not authorised to send KV here",
+    ErrorCode.PREFIX_MISSING: "the prefix this KV extends is not held here",
+}
+"""What a refused OPEN (or connection) is told: the class of the refusal, nothing of the
+receiver's model, shapes, epochs or memory (issue 22: refusals disclosed the KV shape)."""
 
 
 def code_for(exc: BaseException) -> ErrorCode:
@@ -100,9 +136,9 @@ def code_for(exc: BaseException) -> ErrorCode:
     return ErrorCode.INTERNAL
 
 
-def new_transfer_tag() -> int:
-    """A random 48-bit transfer tag in the high bits; layer tags fill the low 16."""
-    return secrets.randbits(48) << 16
+def new_token() -> int:
+    """A random, non-zero 48-bit transfer token in the high bits; segment tags fill the low 16."""
+    return (secrets.randbits(48) or 1) << 16
 
 
 def layer_tag(transfer_tag: int, index: int) -> int:
@@ -219,6 +255,28 @@ def parse_segment(body: bytes) -> tuple[int, list[RemoteRegion]]:
     if pos != len(body):
         raise errors.WireFormatError("SEGMENT has trailing bytes")
     return index, regions
+
+
+def accept(token: int) -> bytes:
+    """ACCEPT with the transfer's token (`new_token`)."""
+    return encode(Kind.ACCEPT, _U64.pack(token))
+
+
+def parse_accept(body: bytes) -> int:
+    if len(body) != _U64.size:
+        raise errors.WireFormatError(
+            "ACCEPT without a transfer token (the receiver predates tokens: upgrade it)"
+        )
+    (token,) = _U64.unpack(body)
+    if not token or token & 0xFFFF:
+        raise errors.WireFormatError(f"ACCEPT with a malformed transfer token {token:#x}")
+    return int(token)
+
+
+def refusal(exc: BaseException) -> bytes:
+    """ERROR for a refused OPEN or connection: the code, and a fixed phrase (`_REFUSALS`)."""
+    code = code_for(exc)
+    return encode(Kind.ERROR, _ERR.pack(code) + _REFUSALS.get(code, "refused").encode())
 
 
 def error(exc: BaseException) -> bytes:

@@ -6,12 +6,15 @@
     │   ├── MalformedScalesError        fp8 scales that are not finite and positive
     │   ├── NonFiniteError              K/V values holding a NaN or an infinity
     │   └── HeaderRejectedError         a valid header that this receiver will not accept
-    │       └── StaleEpochError         epoch older than one already seen for the request
+    │       ├── StaleEpochError         epoch older than one already seen for the request
+    │       └── PrefixMissingError      KV extending a prefix the receiver does not hold
     ├── BudgetExceededError             receiver has no room for the KV now (retryable)
     ├── PeerLostError                   the peer broke the connection or died (retryable)
     ├── TransferTimeoutError            a deadline passed: stalled peer or network (retryable)
     ├── TransportClosedError            *we* closed the sender/receiver (permanent)
-    └── BackendUnavailableError         the backend's native library is missing (permanent)
+    ├── BackendUnavailableError         the backend's native library is missing (permanent)
+    ├── PeerRejectedError               TLS or the peer's identity refused the link (permanent)
+    └── TlsConfigError                  this side's certificates cannot be loaded (permanent)
 
 Foreign errors (OSError, asyncio.IncompleteReadError, ucxx.*) are translated into this tree in
 the one module that calls them (`link.py`, `tcp.py`, `ucx.py`), always with ``raise ... from``.
@@ -53,6 +56,11 @@ class StaleEpochError(HeaderRejectedError):
     """The transfer's epoch is older than one the receiver has seen for that request."""
 
 
+class PrefixMissingError(HeaderRejectedError):
+    """A suffix-only transfer (its header names the prefix it extends) to a receiver that
+    does not hold that prefix: the sender may send the whole KV instead."""
+
+
 class BudgetExceededError(TransportError):
     """The receiver cannot hold this KV within its memory budget right now."""
 
@@ -77,3 +85,13 @@ class TransportClosedError(TransportError):
 
 class BackendUnavailableError(TransportError):
     """The backend's native dependency (e.g. ucxx) is not installed or failed to load."""
+
+
+class PeerRejectedError(TransportError):
+    """The link was refused for who is at the other end: the TLS handshake failed (no
+    certificate, another CA, plain TCP against TLS) or the peer's identity may not send
+    (or receive) KV here. Crosses the wire without details."""
+
+
+class TlsConfigError(TransportError):
+    """This side's TLS files are missing or cannot be loaded (`transport.security`)."""

@@ -6,7 +6,9 @@ read, so a peer that dies (EOF/RST, seen by the kernel within milliseconds of SI
 reports an error is noticed at once, whichever backend carries the payload. A peer that
 stalls (SIGSTOP) is caught by the idle deadline instead.
 
-OSError, IncompleteReadError and TimeoutError are translated into the transport's tree here.
+OSError, IncompleteReadError and TimeoutError are translated into the transport's tree here;
+a TLS error (`ssl.SSLError`, e.g. the peer's alert that our certificate is refused, which
+TLS 1.3 delivers after the client's handshake) becomes `PeerRejectedError`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -44,6 +47,11 @@ class Link:
         self.broken = False
         self.on_close: Callable[[], None] | None = None
         """Called once when the link closes (the data plane frees the channel's state)."""
+        self.who = ""
+        """How logs name the peer: its address, and its TLS identity when it has one."""
+        self.authenticated = False
+        """Whether TLS verified the peer's certificate and identity (refusals to others
+        carry no details, `control.refusal`)."""
 
     # -------------------------------------------------------------------------- reading
 
@@ -87,6 +95,9 @@ class Link:
         except TimeoutError:
             self.broken = True
             raise errors.TransferTimeoutError(f"peer did not read for {timeout_s}s") from None
+        except ssl.SSLError as exc:
+            self.broken = True
+            raise errors.PeerRejectedError(f"TLS: {exc.reason or exc}") from exc
         except OSError as exc:
             self.broken = True
             self._raise_if_refused()
@@ -214,6 +225,8 @@ async def read_message(reader: asyncio.StreamReader) -> control.Message:
         body = await reader.readexactly(length) if length else b""
     except asyncio.IncompleteReadError as exc:
         raise errors.PeerLostError("peer closed the connection") from exc
+    except ssl.SSLError as exc:
+        raise errors.PeerRejectedError(f"TLS: {exc.reason or exc}") from exc
     except OSError as exc:
         raise errors.PeerLostError(f"connection lost: {exc}") from exc
     return control.Message(kind, body)

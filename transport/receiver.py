@@ -8,7 +8,9 @@ then file the `KvCache` in the `Inbox`. Any failure — checksum, protocol, peer
 waiting in `Inbox.take` learns of it at once. Verification checks each layer's checksum and,
 with ``check_finite`` on, that its values hold no NaN or infinity, in the same pass.
 
-Per connection: HELLO within ``connect_timeout_s``; between transfers, at most
+Per connection: with `LinkTls`, the TLS handshake and the sender's identity first (a
+refusal is logged once, with the peer's identity and address, and tells the peer nothing
+more than that); HELLO within ``connect_timeout_s``; between transfers, at most
 ``connection_idle_s`` of silence; at most ``max_connections_per_host`` per remote IP and
 ``max_connections`` in all, a new connection at a cap closing the longest-idle one (a
 connection moving KV is never closed for room; if all are, the newcomer gets an ERROR).
@@ -22,21 +24,27 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 from transport import control, errors, wire
-from transport.base import DataPlane, Inbox, Peer, TransportSettings
+from transport.base import DataPlane, Inbox, Peer, TransferTokens, TransportSettings
 from transport.buffers import BufferPool
 from transport.link import STREAM_LIMIT, Link, wait_first
+from transport.security import LinkTls, describe
 
 log = logging.getLogger(__name__)
 
 # After refusing a transfer mid-payload: how long to wait for the ERROR to go out and the
 # sender to stop (the link lingers, discarding, so the sender reads the ERROR, not EPIPE).
 _REFUSAL_WAIT_S = 1.0
+
+_TOKENS = TransferTokens(memory=65536)
+"""The process's transfer tokens (`KvReceiver.tokens`); remembers as many spent tokens as
+`TransportSettings.epoch_memory`'s default remembers epochs (about 100 bytes each)."""
 
 
 class KvReceiver:
@@ -45,11 +53,17 @@ class KvReceiver:
         data_plane: DataPlane,
         settings: TransportSettings,
         model: wire.ModelSpec | None = None,
+        tls: LinkTls | None = None,
     ) -> None:
         self._plane = data_plane
         self.settings = settings
         self.model = model
+        self.tls = tls
+        """With a server context, links are mutual TLS and only `LinkTls.senders` may send."""
         self.inbox = Inbox(settings.memory_budget_bytes, settings.epoch_memory)
+        self.tokens = _TOKENS
+        """Transfer tokens, one registry per process: UCX tags match worker-wide (one
+        worker per process), so every receiver here must know every live token."""
         self._buffers = BufferPool(settings.pooled_buffer_bytes)
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._data_address = b""
@@ -58,10 +72,18 @@ class KvReceiver:
         self._closed = False
         self._reaper: asyncio.Task[None] | None = None
         self.address = ""
+        self.prefix_check: Callable[[int, bytes], bool] | None = None
+        """Whether this receiver's consumer holds the KV prefix a suffix-only transfer
+        names (tokens, hash; `wire` version 3); None: it holds none, so it refuses them."""
 
     @property
     def backend(self) -> str:
         return self._plane.name
+
+    @property
+    def data_address(self) -> bytes:
+        """This receiver's data-plane address (UCX: its worker address), as sent in HELLO."""
+        return self._data_address
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen; returns the "host:port" senders connect to."""
@@ -78,6 +100,36 @@ class KvReceiver:
             await asyncio.sleep(interval)
             for rid in self.inbox.reap(time.monotonic(), self.settings.kv_hold_s):
                 log.info("freed the KV of request %s: no decode call within its lease", rid)
+            if not self._plane.inline:
+                await self._discard_unmatched()
+
+    async def _discard_unmatched(self) -> None:
+        """Drop out-of-band payload messages that no transfer announced — an unknown token
+        (injected), a spent one (a replay, or a late segment of a failed transfer) — so they
+        land nowhere and hold no memory; one line each."""
+        try:
+            dropped = await asyncio.to_thread(self._plane.discard_unmatched, self.tokens.wants)
+        except errors.TransportError as exc:
+            log.warning("could not discard unmatched KV payload messages: %s", exc)
+            return
+        for tag, length in dropped:
+            token = tag & ~0xFFFF
+            if self.tokens.state(token) == "spent":
+                log.info(
+                    "refused a %s message of %d bytes under a spent transfer token %#x (a "
+                    "replay, or a late segment of a failed transfer): discarded",
+                    self._plane.name,
+                    length,
+                    token,
+                )
+            else:
+                log.warning(
+                    "refused a %s message of %d bytes under token %#x, which no transfer "
+                    "announced (its sender is unknown to UCX): discarded",
+                    self._plane.name,
+                    length,
+                    token,
+                )
 
     async def take(self, request_id: str, epoch: int, timeout_s: float) -> wire.KvCache:
         return await self.inbox.take(request_id, epoch, timeout_s)
@@ -125,7 +177,10 @@ class KvReceiver:
             return
         conn = _Conn(link, host)
         self._conns[link] = conn
+        link.who = f"{host}:{peername[1]}" if peername else host
         try:
+            if not await self._admit(link):
+                return
             msg = await link.next_message(s.connect_timeout_s)
             if msg.kind is not control.Kind.HELLO:
                 raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
@@ -153,6 +208,38 @@ class KvReceiver:
             self._conns.pop(link, None)
             await link.close()
 
+    async def _admit(self, link: Link) -> bool:
+        """Mutual TLS, then the sender's identity (nothing to do without TLS). A refusal is
+        logged once (identity and address) and answered with nothing more than its class
+        (`control.refusal`)."""
+        tls, s = self.tls, self.settings
+        server = tls.server if tls is not None else None
+        if tls is None or server is None:
+            return True
+        try:
+            await link.writer.start_tls(server, ssl_handshake_timeout=s.connect_timeout_s)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+            log.warning(
+                "refused a KV connection from %s (no verified certificate): TLS handshake "
+                "failed: %s",
+                link.who,
+                reason,
+            )
+            link.broken = True
+            return False
+        cert = link.writer.get_extra_info("peercert")
+        identity = describe(cert)
+        link.who = f"{identity} at {link.who}"
+        if not cert or not tls.senders(cert):
+            log.warning("refused a KV connection from %s: this identity may not send KV", link.who)
+            with contextlib.suppress(errors.TransportError):
+                refused = errors.PeerRejectedError("identity not allowed")
+                await link.send(control.refusal(refused), s.connect_timeout_s)
+            return False
+        link.authenticated = True
+        return True
+
     def _make_room(self, host: str) -> None:
         """Admit a connection from ``host`` within the per-host and total caps: at a cap,
         close the longest-idle connection not moving KV (of that host, then of any host);
@@ -173,6 +260,16 @@ class KvReceiver:
             oldest.link.broken = True
             oldest.link.writer.transport.abort()  # its handler sees EOF and ends
 
+    def _check_prefix(self, header: wire.KvHeader) -> None:
+        """Refuse a suffix-only transfer whose prefix is not held here, before any payload
+        moves and before its epoch is fenced: the sender may then send the whole KV."""
+        n = header.prefix_tokens
+        if n and not (self.prefix_check is not None and self.prefix_check(n, header.prefix_hash)):
+            raise errors.PrefixMissingError(
+                f"request {header.request_id!r}: the KV extends a prefix of {n} tokens "
+                f"(hash {header.prefix_hash[:8].hex()}) this receiver does not hold"
+            )
+
     async def _transfer(
         self, link: Link, tag: int, segment_bytes: int, header_bytes: bytes, *, read: bool
     ) -> None:
@@ -180,6 +277,11 @@ class KvReceiver:
         try:
             if read and not self._plane.can_read:
                 raise errors.HeaderRejectedError(f"{self._plane.name} has no one-sided path")
+            if tag:
+                raise errors.HeaderRejectedError(
+                    "OPEN names its own payload tag: this receiver issues transfer tokens "
+                    "(the sender predates them: upgrade it)"
+                )
             header = wire.decode_header(header_bytes, s.max_kv_bytes)
             exp = wire.Expectation(
                 max_kv_bytes=s.max_kv_bytes,
@@ -187,26 +289,33 @@ class KvReceiver:
                 min_epoch=self.inbox.min_epoch(header.request_id),
             )
             wire.check_expected(header, exp)
+            self._check_prefix(header)
             self.inbox.reserve(header.request_id, header.epoch, header.payload_bytes)
         except errors.TransportError as exc:
-            log.info("refused KV transfer: %s", exc)
-            await link.send(control.error(exc), s.idle_timeout_s)
+            log.info("refused a KV transfer from %s: %s", link.who, exc)
+            # Details (the model's fingerprint and shapes, epochs, budget) only to a peer
+            # TLS authenticated; anyone else learns the class of the refusal.
+            refusal = control.error(exc) if link.authenticated else control.refusal(exc)
+            await link.send(refusal, s.idle_timeout_s)
             return
         rid, epoch = header.request_id, header.epoch
         started = time.monotonic()
+        token = self.tokens.issue()
         try:
             payload = self._buffers.acquire(header.payload_bytes)
-            receive = _Receive(self._plane, link, header, tag, payload, s, segment_bytes, read)
+            receive = _Receive(self._plane, link, header, token, payload, s, segment_bytes, read)
             if not self._plane.inline and not read:
                 receive.post_receives()
-            await link.send(control.encode(control.Kind.ACCEPT), s.idle_timeout_s)
+            await link.send(control.accept(token), s.idle_timeout_s)
             await receive.run()
             self.inbox.complete(
                 rid, epoch, wire.assemble(header, payload, partial(self._buffers.release, payload))
             )
         except errors.TransportError as exc:
             self.inbox.fail(rid, epoch, exc)
-            log.info("KV transfer of request %s epoch %s failed: %s", rid, epoch, exc)
+            log.info(
+                "KV transfer of request %s epoch %s from %s failed: %s", rid, epoch, link.who, exc
+            )
             if not isinstance(exc, errors.PeerLostError | errors.TransferTimeoutError):
                 with contextlib.suppress(errors.TransportError):
                     await link.send(control.error(exc), _REFUSAL_WAIT_S)
@@ -217,6 +326,8 @@ class KvReceiver:
             self.inbox.fail(rid, epoch, errors.TransportClosedError("receiver stopped"))
             link.broken = True
             raise
+        finally:
+            self.tokens.spend(token)  # done or failed: its posted receives are gone
         log.debug(
             "received KV of request %s epoch %s: %d bytes in %.1f ms",
             rid,
@@ -257,6 +368,7 @@ class _Receive:
     link: Link
     header: wire.KvHeader
     tag: int
+    """The transfer's token (`control.new_token`): out of band, segment n's tag."""
     payload: np.ndarray
     settings: TransportSettings
     segment_bytes: int

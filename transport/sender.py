@@ -7,7 +7,9 @@ starts moving as soon as its last layer is given, while each layer's checksum is
 a thread (xxh3 releases the GIL) and its frame follows; `finish()` returns once the receiver
 has verified every layer. Connections and data-plane endpoints to a receiver are pooled and
 reused; a pooled connection whose peer went away is noticed before reuse and replaced, so
-the first transfer after a receiver restarts connects afresh.
+the first transfer after a receiver restarts connects afresh. With `LinkTls`, links are
+mutual TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
+out-of-band payload of each transfer carries the token the receiver issued in its ACCEPT.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import ssl
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -28,6 +31,7 @@ import numpy as np
 from transport import control, errors, wire
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.link import STREAM_LIMIT, Link
+from transport.security import LinkTls, describe
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +61,13 @@ class _Pool:
 
 
 class KvSender:
-    def __init__(self, data_plane: DataPlane, settings: TransportSettings) -> None:
+    def __init__(
+        self, data_plane: DataPlane, settings: TransportSettings, tls: LinkTls | None = None
+    ) -> None:
         self._plane = data_plane
         self.settings = settings
+        self.tls = tls
+        """With a client context, links are mutual TLS, to `LinkTls.receivers` only."""
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._address = b""
         self._pools: dict[str, _Pool] = {}
@@ -102,11 +110,10 @@ class KvSender:
         try:
             for attempt in (1, 2):
                 link, reused = await self._acquire(pool, address)
-                tag = control.new_transfer_tag()
                 try:
                     await link.send(
                         control.open_(
-                            tag,
+                            0,  # the receiver issues the transfer's token
                             self.settings.segment_bytes,
                             encoded,
                             read=self._plane.one_sided,
@@ -128,7 +135,12 @@ class KvSender:
                 if msg.kind is not control.Kind.ACCEPT:
                     await link.close()
                     raise errors.WireFormatError(f"expected ACCEPT, got {msg.kind.name}")
-                return OutgoingTransfer(self, pool, link, header, tag)
+                try:
+                    token = control.parse_accept(msg.body)
+                except errors.WireFormatError:
+                    await link.close()
+                    raise
+                return OutgoingTransfer(self, pool, link, header, token)
             raise AssertionError("unreachable")  # pragma: no cover
         except BaseException:
             pool.slots.release()
@@ -156,16 +168,36 @@ class KvSender:
     async def _connect(self, address: str) -> Link:
         host, port = split_address(address)
         timeout = self.settings.connect_timeout_s
+        context = self.tls.client if self.tls is not None else None
+        tls: dict[str, Any] = {}
+        if context is not None:  # the handshake is inside the connect timeout
+            tls = {"ssl": context, "server_hostname": host, "ssl_handshake_timeout": timeout}
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=STREAM_LIMIT), timeout
+                asyncio.open_connection(host, port, limit=STREAM_LIMIT, **tls), timeout
             )
         except TimeoutError:
             raise errors.TransferTimeoutError(f"connect to {address} timed out") from None
+        except ssl.SSLError as exc:
+            raise errors.PeerRejectedError(
+                f"TLS handshake with {address} failed: {exc.reason or exc}"
+            ) from exc
         except OSError as exc:
             raise errors.PeerLostError(f"cannot connect to {address}: {exc}") from exc
         link = Link(reader, writer, Peer(b"", b""))
+        link.who = address
         try:
+            if self.tls is not None and context is not None:
+                cert = writer.get_extra_info("peercert")
+                link.who = f"{describe(cert)} at {address}"
+                if not cert or not self.tls.receivers(cert):
+                    log.warning(
+                        "refused to send KV to %s: this identity may not receive KV", link.who
+                    )
+                    raise errors.PeerRejectedError(
+                        f"{link.who} is not an identity allowed to receive KV"
+                    )
+                link.authenticated = True
             await link.send(control.hello(self._instance, self._address), timeout)
             msg = await link.next_message(timeout)
             if msg.kind is control.Kind.ERROR:  # e.g. the receiver is at its connection cap
@@ -256,6 +288,11 @@ class OutgoingTransfer:
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
+
+    @property
+    def token(self) -> int:
+        """The transfer token the receiver issued (out of band, the payload's tag)."""
+        return self._tag
 
     def _wait_s(self) -> float:
         remaining = self._deadline - time.monotonic()

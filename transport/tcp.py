@@ -1,6 +1,7 @@
 """TCP backend: payloads travel inline on the control connection (asyncio streams).
 
-For hosts without UCX. Nothing to set up beyond the control connection, so the data plane
+For hosts without UCX. With `LinkTls` the KV bytes are encrypted too (they share the
+link). Nothing to set up beyond the control connection, so the data plane
 is empty: `link.Link` writes and reads the payload bytes itself.
 """
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.receiver import KvReceiver
+from transport.security import LinkTls
 from transport.sender import KvSender
 from transport.wire import ModelSpec
 
@@ -37,11 +39,13 @@ class TcpDataPlane(DataPlane):
         """No resources beyond the links."""
 
 
-def tcp_sender(settings: TransportSettings | None = None) -> KvSender:
-    return KvSender(TcpDataPlane(), settings or TransportSettings())
+def tcp_sender(settings: TransportSettings | None = None, tls: LinkTls | None = None) -> KvSender:
+    return KvSender(TcpDataPlane(), settings or TransportSettings(), tls)
 
 
 def tcp_receiver(
-    settings: TransportSettings | None = None, model: ModelSpec | None = None
+    settings: TransportSettings | None = None,
+    model: ModelSpec | None = None,
+    tls: LinkTls | None = None,
 ) -> KvReceiver:
-    return KvReceiver(TcpDataPlane(), settings or TransportSettings(), model)
+    return KvReceiver(TcpDataPlane(), settings or TransportSettings(), model, tls)

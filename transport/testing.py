@@ -27,10 +27,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from transport import control, errors, kvcodec, wire
+from transport import control, errors, kvcodec, security, wire
 from transport.backends import make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
+from transport.security import LinkTls
 from transport.sender import KvSender
 
 FINGERPRINT = "conformance-model"
@@ -229,6 +230,27 @@ class FaultInjector:
         return mv[: len(k)], mv[len(k) :]
 
 
+# ------------------------------------------------------------------------ TLS
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Certificates for a TLS run of a check: ``folder`` in `security.load_dir`'s layout
+    (``ca.pem``, ``<identity>.pem``, ``<identity>.key``); this process speaks as ``local``,
+    the peer process as ``peer``."""
+
+    folder: str
+    local: str = "prefill"
+    peer: str = "decode"
+
+    def load(self, identity: str) -> LinkTls:
+        return security.load_dir(self.folder, identity)
+
+
+def _local_tls(tls: TlsFiles | None) -> LinkTls | None:
+    return None if tls is None else tls.load(tls.local)
+
+
 # ------------------------------------------------------------------------ peer process
 
 
@@ -240,13 +262,17 @@ class PeerProcess:
         self.pid = proc.pid
 
     @classmethod
-    async def start(cls, backend: str, settings: TransportSettings) -> PeerProcess:
+    async def start(
+        cls, backend: str, settings: TransportSettings, tls: TlsFiles | None = None
+    ) -> PeerProcess:
+        tls_args = [] if tls is None else [tls.folder, tls.peer]
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "transport.testing",
             backend,
             json.dumps(asdict(settings)),
+            *tls_args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
@@ -283,15 +309,17 @@ class PeerProcess:
 
 
 @contextlib.asynccontextmanager
-async def peer(backend: str, settings: TransportSettings) -> AsyncIterator[PeerProcess]:
-    p = await PeerProcess.start(backend, settings)
+async def peer(
+    backend: str, settings: TransportSettings, tls: TlsFiles | None = None
+) -> AsyncIterator[PeerProcess]:
+    p = await PeerProcess.start(backend, settings, tls)
     try:
         yield p
     finally:
         await p.stop()
 
 
-async def _peer_main(backend: str, settings: TransportSettings) -> None:
+async def _peer_main(backend: str, settings: TransportSettings, tls: LinkTls | None = None) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -307,7 +335,7 @@ async def _peer_main(backend: str, settings: TransportSettings) -> None:
         op = cmd.pop("op")
         try:
             if op == "listen":
-                receiver = make_receiver(backend, settings)
+                receiver = make_receiver(backend, settings, tls=tls)
                 out(address=await receiver.start(port=cmd.get("port", 0)))
             elif op == "take":
                 assert receiver is not None
@@ -322,7 +350,7 @@ async def _peer_main(backend: str, settings: TransportSettings) -> None:
                 assert receiver is not None
                 out(bytes_in_use=receiver.inbox.bytes_in_use)
             elif op == "send":
-                sender = sender or make_sender(backend, settings)
+                sender = sender or make_sender(backend, settings, tls=tls)
                 cache = synthetic_cache(cmd["rid"], cmd["epoch"], cmd["size"], cmd["layers"])
                 try:
                     async with await sender.open(cmd["address"], cache.header) as transfer:
@@ -346,12 +374,14 @@ async def _peer_main(backend: str, settings: TransportSettings) -> None:
 SIZES = (1 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)
 
 
-async def check_sizes(backend: str, sizes: tuple[int, ...] = SIZES) -> None:
+async def check_sizes(
+    backend: str, sizes: tuple[int, ...] = SIZES, tls: TlsFiles | None = None
+) -> None:
     """Local sender → peer receiver: every size arrives intact."""
     settings = TransportSettings()
-    async with peer(backend, settings) as p:
+    async with peer(backend, settings, tls) as p:
         address = (await p.call(op="listen"))["address"]
-        sender = make_sender(backend, settings)
+        sender = make_sender(backend, settings, tls=_local_tls(tls))
         try:
             for n, size in enumerate(sizes):
                 cache = synthetic_cache(f"size-{n}", 1, size, n_layers=8, seed=n)
@@ -569,12 +599,12 @@ async def check_scaled(backend: str, sizes: tuple[int, ...] = (1 * KIB, 16 * MIB
         assert (await p.call(op="stats"))["bytes_in_use"] == 0
 
 
-async def check_replay(backend: str) -> None:
+async def check_replay(backend: str, tls: TlsFiles | None = None) -> None:
     """A transfer replayed after its KV was taken is refused, and cannot be taken again."""
     settings = TransportSettings()
-    async with peer(backend, settings) as p:
+    async with peer(backend, settings, tls) as p:
         address = (await p.call(op="listen"))["address"]
-        sender = make_sender(backend, settings)
+        sender = make_sender(backend, settings, tls=_local_tls(tls))
         cache = synthetic_cache("rp", 4, 256 * KIB)
         try:
             await sender.send(address, cache)
@@ -775,4 +805,5 @@ CHECKS = (
 
 
 if __name__ == "__main__":
-    asyncio.run(_peer_main(sys.argv[1], TransportSettings(**json.loads(sys.argv[2]))))
+    _tls = security.load_dir(sys.argv[3], sys.argv[4]) if len(sys.argv) > 4 else None
+    asyncio.run(_peer_main(sys.argv[1], TransportSettings(**json.loads(sys.argv[2])), _tls))

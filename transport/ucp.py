@@ -1,4 +1,5 @@
-"""The few libucp calls UCXX's Python API lacks: memory registration, remote keys, get.
+"""The few libucp calls UCXX's Python API lacks: memory registration, remote keys, get, and
+taking tag messages no receive matched (UCX's unexpected queue) to discard them.
 
 UCXX 0.52 exposes tag, stream and active-message operations but no one-sided (RMA) ones
 (checked with ``dir()`` on ``ucxx._lib.libucxx``). Its context is created with
@@ -18,6 +19,7 @@ import ctypes
 import importlib.util
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +61,10 @@ class _RequestParam(ctypes.Structure):
     )
 
 
+class _TagRecvInfo(ctypes.Structure):
+    _fields_ = (("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t))
+
+
 _lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 _NO_PARAMS = _RequestParam()  # op_attr_mask 0: contiguous bytes, no callback
@@ -94,6 +100,14 @@ def _load() -> ctypes.CDLL:
             [vp, vp, ctypes.c_size_t, ctypes.c_uint64, vp, ctypes.POINTER(_RequestParam)],
         ),
         "ucp_request_check_status": (st, [vp]),
+        "ucp_tag_probe_nb": (
+            vp,
+            [vp, ctypes.c_uint64, ctypes.c_uint64, st, ctypes.POINTER(_TagRecvInfo)],
+        ),
+        "ucp_tag_msg_recv_nbx": (
+            vp,
+            [vp, vp, ctypes.c_size_t, vp, ctypes.POINTER(_RequestParam)],
+        ),
         "ucp_worker_progress": (ctypes.c_uint, [vp]),
         "ucp_request_free": (None, [vp]),
         "ucs_status_string": (ctypes.c_char_p, [st]),
@@ -222,3 +236,54 @@ class Gets:
     @property
     def pending(self) -> int:
         return len(self._requests)
+
+
+_SCRATCH = ctypes.create_string_buffer(4096)
+"""Where discarded messages are received: a longer one is truncated (UCX then completes it
+with an error at once, and its sender's send completes), so discarding costs no memory."""
+_FULL_MASK = (1 << 64) - 1
+
+
+def discard_unexpected(
+    worker: int, keep: Callable[[int], bool], limit: int = 256
+) -> list[Unmatched]:
+    """Take tag messages no posted receive matched from the worker's unexpected queue and
+    drop them, oldest first, up to ``limit``; stop at the first whose tag ``keep`` wants (a
+    live transfer's segment that arrived before its receive was posted: that receive will
+    match it). Returns what was dropped. Blocking: call it in a thread."""
+    lib = _ucp()
+    dropped: list[Unmatched] = []
+    while lib.ucp_worker_progress(worker):
+        pass
+    while len(dropped) < limit:
+        info = _TagRecvInfo()
+        if not lib.ucp_tag_probe_nb(worker, 0, 0, 0, ctypes.byref(info)):
+            break
+        if keep(info.sender_tag):
+            break
+        # Take exactly that message (its tag in full: nothing else can want it).
+        message = lib.ucp_tag_probe_nb(worker, info.sender_tag, _FULL_MASK, 1, ctypes.byref(info))
+        if not message:
+            break
+        ptr = lib.ucp_tag_msg_recv_nbx(
+            worker, _SCRATCH, len(_SCRATCH), message, ctypes.byref(_NO_PARAMS)
+        )
+        value = int(ptr or 0)
+        if 0 < value < (1 << 64) + _ERR_LAST:  # in progress: complete it (it fits the scratch)
+            deadline = time.monotonic() + _ABANDON_GRACE_S
+            while lib.ucp_request_check_status(value) == _INPROGRESS:
+                lib.ucp_worker_progress(worker)
+                if time.monotonic() > deadline:
+                    raise errors.PeerLostError("an unmatched UCX message did not complete")
+                time.sleep(_POLL_S)
+            lib.ucp_request_free(value)
+        dropped.append(Unmatched(int(info.sender_tag), int(info.length)))
+    return dropped
+
+
+@dataclass(frozen=True, slots=True)
+class Unmatched:
+    """A tag message no receive wanted, dropped: its tag and length."""
+
+    tag: int
+    length: int

@@ -53,6 +53,12 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
   transfer that way, ~12 ms without). UCXX's notifier is no way out: it ties UCXX to the
   first event loop and its non-daemon thread keeps the interpreter from exiting.
 
+* **Not encrypted, so keyed by one-time tokens.** UCXX has no TLS. Tag messages are matched
+  only under the token the receiver issued on the (TLS) control link for that transfer
+  (`transport.control`), and messages nobody's receive matched are taken off UCX's
+  unexpected queue and dropped (`discard_unmatched`). One-sided reads need none: only the
+  receiver writes into its memory, reading regions the authenticated link announced.
+
 ``ucxx`` is imported lazily here and nowhere else.
 """
 
@@ -64,7 +70,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +81,7 @@ from transport.base import DataPlane, Peer, TransportSettings
 from transport.completion import CompletionPoller
 from transport.control import RemoteRegion
 from transport.receiver import KvReceiver
+from transport.security import LinkTls
 from transport.sender import KvSender
 from transport.wire import ModelSpec
 
@@ -240,6 +247,11 @@ class UcxDataPlane(DataPlane):
         # channel's lock while it calls into UCX on the endpoint.
         await asyncio.to_thread(reads.run, handle, list(regions), into)
 
+    def discard_unmatched(self, keep: Callable[[int], bool]) -> list[tuple[int, int]]:
+        if self._ucxx is None:
+            return []
+        return [(m.tag, m.length) for m in ucp.discard_unexpected(_worker_handle(), keep)]
+
     def fail_channel(self, peer: Peer) -> None:
         """Abort the channel's endpoint. One-sided reads in progress are let finish their
         current UCX call first (the lock: a CMA read copies inside the call, a segment at
@@ -387,14 +399,17 @@ def _abort(ep: Any) -> None:
 
 
 def ucx_sender(
-    settings: TransportSettings | None = None, config: UcxConfig | None = None
+    settings: TransportSettings | None = None,
+    config: UcxConfig | None = None,
+    tls: LinkTls | None = None,
 ) -> KvSender:
-    return KvSender(UcxDataPlane(config), settings or TransportSettings())
+    return KvSender(UcxDataPlane(config), settings or TransportSettings(), tls)
 
 
 def ucx_receiver(
     settings: TransportSettings | None = None,
     model: ModelSpec | None = None,
     config: UcxConfig | None = None,
+    tls: LinkTls | None = None,
 ) -> KvReceiver:
-    return KvReceiver(UcxDataPlane(config), settings or TransportSettings(), model)
+    return KvReceiver(UcxDataPlane(config), settings or TransportSettings(), model, tls)

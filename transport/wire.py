@@ -24,7 +24,9 @@ All integers are little-endian. Header (``HEADER_PREFIX`` is read first, on its 
     request_id   rid_len bytes
     fingerprint  fp_len bytes
     per layer:   k_ndim u8, v_ndim u8, k dims u32 * k_ndim, v dims u32 * v_ndim
-    scales       u8   version 2 only: ScaleLayout, never NONE (absent in version 1)
+    scales       u8   versions 2 and 3: ScaleLayout (never NONE in version 2; absent in 1)
+    prefix_len   u32  version 3 only: tokens of the prefix this KV extends (> 0)
+    prefix_hash  32s  version 3 only: that prefix's chained block digest
     header_sum   u64  checksum of every header byte before it
 
 Layer frame (fixed ``LAYER_FRAME_SIZE`` bytes), then ``nbytes`` of payload: K then V, C order
@@ -43,7 +45,13 @@ the same for V; a value is its e4m3 code's value times its head's scale. Scales 
 the layer's payload, so they stream with their layer and its checksum covers them. The
 encoder writes the oldest version that can express a header (1 unless scaled), so a
 receiver that reads only version 1 still takes every unscaled transfer and refuses a scaled
-one by its version. Scales must be finite and positive: `assemble` (every receiver's last
+one by its version. Version 3 adds a **prefix** (suffix-only transfer): the payload holds the
+KV of tokens ``[prefix_len, prefix_len + token_count)`` only, and the receiver must already
+hold the first ``prefix_len`` tokens' KV, named by ``prefix_hash`` (the sha256 chained digest
+of the prefix's last block, `orchestrator.core.prefix`; opaque here). A receiver that
+cannot check or does not hold it refuses the transfer (`PrefixMissingError`) before any
+payload moves, so the sender can send the whole KV instead; an older receiver refuses it
+by its version. Scales must be finite and positive: `assemble` (every receiver's last
 step) refuses others with `MalformedScalesError`. K and V values themselves may be checked
 for NaN and infinities in the checksum's pass (`verify_layer` with ``finite``;
 `NonFiniteError`). An unscaled FLOAT8_E4M3 transfer (v1) is
@@ -76,15 +84,18 @@ from transport.errors import (
 
 MAGIC = b"PDKV"
 LAYER_MAGIC = b"PDLY"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest version this module reads and writes (see "Versions" above)."""
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
+PREFIX_HASH_BYTES = 32
+"""A version 3 header's prefix hash: a sha256 digest."""
 
 _PREFIX = struct.Struct("<4sHHI")
 _BODY = struct.Struct("<QIBBHHHQ")
 _LAYER = struct.Struct("<4sHHQQ")
 _SUM = struct.Struct("<Q")
 _DIM = struct.Struct("<I")
+_PREFIX_EXT = struct.Struct(f"<I{PREFIX_HASH_BYTES}s")
 
 HEADER_PREFIX = _PREFIX.size
 LAYER_FRAME_SIZE = _LAYER.size
@@ -177,6 +188,10 @@ class KvHeader:
     layers: tuple[LayerShape, ...]
     checksum_algo: ChecksumAlgo = ChecksumAlgo.XXH3_64
     scales: ScaleLayout = ScaleLayout.NONE
+    prefix_tokens: int = 0
+    """Tokens before this KV's that the receiver must already hold (0: the KV is whole)."""
+    prefix_hash: bytes = b""
+    """With ``prefix_tokens``: the digest naming that prefix (`PREFIX_HASH_BYTES` long)."""
     _offsets: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
     """Cache: each layer's offset, then the payload's end (a transfer asks hundreds of times)."""
 
@@ -198,7 +213,14 @@ class KvHeader:
     @property
     def version(self) -> int:
         """The format version this header is written in: the oldest that expresses it."""
+        if self.prefix_tokens:
+            return 3
         return 1 if self.scales is ScaleLayout.NONE else 2
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens whose KV the receiver has once it adopts this: the prefix's and the payload's."""
+        return self.prefix_tokens + self.token_count
 
     def scale_counts(self, index: int) -> tuple[int, int]:
         """How many scales K and V of layer ``index`` carry (0, 0 when unscaled)."""
@@ -282,6 +304,7 @@ class KvCache:
 def encode_header(h: KvHeader) -> bytes:
     if h.scales is not ScaleLayout.NONE and h.dtype not in SCALED_DTYPES:
         raise WireFormatError(f"{h.dtype.name} KV cannot carry scales")
+    _check_prefix(h.prefix_tokens, h.prefix_hash)
     rid, fp = h.request_id.encode(), h.fingerprint.encode()
     parts = [
         _BODY.pack(
@@ -302,6 +325,8 @@ def encode_header(h: KvHeader) -> bytes:
         parts.extend(_DIM.pack(d) for d in (*layer.k, *layer.v))
     if h.version >= 2:
         parts.append(bytes((h.scales,)))
+    if h.version >= 3:
+        parts.append(_PREFIX_EXT.pack(h.prefix_tokens, h.prefix_hash))
     body = b"".join(parts)
     total = _PREFIX.size + len(body) + _SUM.size
     head = _PREFIX.pack(MAGIC, h.version, 0, total) + body
@@ -420,17 +445,23 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
         raise WireFormatError(f"payload of {payload} bytes exceeds the limit of {max_kv_bytes}")
     end = total - _SUM.size
     version = _PREFIX.unpack_from(buf)[1]
+    prefix_tokens, prefix_hash = 0, b""
+    if version >= 3:  # the prefix sits last, right before the header checksum
+        end -= _PREFIX_EXT.size
+        prefix_tokens, prefix_hash = _decode_prefix(buf, end)
     scales = ScaleLayout.NONE
-    if version >= 2:  # the scales byte sits last, right before the header checksum
+    if version >= 2:  # the scales byte, right before the prefix (v3) or the checksum
         end -= 1
-        scales = _decode_scales(buf, end, dtype)
+        scales = _decode_scales(buf, end, dtype, version)
     pos = _PREFIX.size + _BODY.size
     rid, fp = _decode_ids(buf, pos, rid_len, fp_len, end)
     pos += rid_len + fp_len
     layers, pos = _decode_layers(buf, pos, end, n_layers, dtype)
     if pos != end:
         raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
-    header = KvHeader(rid, epoch, fp, dtype, tokens, tuple(layers), algo_e, scales)
+    header = KvHeader(
+        rid, epoch, fp, dtype, tokens, tuple(layers), algo_e, scales, prefix_tokens, prefix_hash
+    )
     if header.payload_bytes != payload:
         raise WireFormatError(
             f"declared payload {payload} bytes but layer shapes add up to {header.payload_bytes}"
@@ -438,16 +469,29 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
     return header
 
 
-def _decode_scales(buf: bytes | memoryview, end: int, dtype: DType) -> ScaleLayout:
-    """The scales byte of a version 2 header, at ``end``."""
+def _decode_prefix(buf: bytes | memoryview, at: int) -> tuple[int, bytes]:
+    """The prefix (tokens, hash) of a version 3 header, at ``at``."""
+    if at < _PREFIX.size + _BODY.size + 1:
+        raise WireFormatError("version 3 header too short for its prefix field")
+    tokens, digest = _PREFIX_EXT.unpack_from(buf, at)
+    if tokens == 0:
+        raise WireFormatError("a version 3 header must name a prefix (else it is 1 or 2)")
+    _check_prefix(tokens, digest)
+    return int(tokens), bytes(digest)
+
+
+def _decode_scales(buf: bytes | memoryview, end: int, dtype: DType, version: int) -> ScaleLayout:
+    """The scales byte of a version 2 or 3 header, at ``end``."""
     if end < _PREFIX.size + _BODY.size:
-        raise WireFormatError("version 2 header too short for its scales field")
+        raise WireFormatError(f"version {version} header too short for its scales field")
     try:
         scales = ScaleLayout(buf[end])
     except ValueError:
         raise WireFormatError(f"unknown scale layout {buf[end]}") from None
     if scales is ScaleLayout.NONE:
-        raise WireFormatError("a version 2 header must declare scales (else it is version 1)")
+        if version == 2:
+            raise WireFormatError("a version 2 header must declare scales (else it is version 1)")
+        return scales
     if dtype not in SCALED_DTYPES:
         raise WireFormatError(f"{dtype.name} KV cannot carry scales")
     return scales
@@ -493,6 +537,18 @@ def _decode_layers(
     return layers, pos
 
 
+def _check_prefix(tokens: int, digest: bytes) -> None:
+    """A prefix is named by a digest of `PREFIX_HASH_BYTES`, and none by nothing."""
+    if not 0 <= tokens < 1 << 32:
+        raise WireFormatError(f"prefix of {tokens} tokens does not fit 32 bits")
+    if tokens and len(digest) != PREFIX_HASH_BYTES:
+        raise WireFormatError(f"a prefix hash is {PREFIX_HASH_BYTES} bytes, got {len(digest)}")
+    if tokens and not any(digest):
+        raise WireFormatError("a prefix hash of zeros names no prefix")
+    if not tokens and digest:
+        raise WireFormatError("a prefix hash without prefix tokens")
+
+
 def check_expected(h: KvHeader, exp: Expectation) -> None:
     """Refuse a decoded header that this receiver must not accept. Raises before any alloc."""
     if h.payload_bytes > exp.max_kv_bytes:
@@ -518,6 +574,10 @@ def check_expected(h: KvHeader, exp: Expectation) -> None:
         raise HeaderRejectedError(f"{len(h.layers)} layers declared, the model has {m.n_layers}")
     if not 0 < h.token_count <= m.max_tokens:
         raise HeaderRejectedError(f"token count {h.token_count} outside [1, {m.max_tokens}]")
+    if h.total_tokens > m.max_tokens:
+        raise HeaderRejectedError(
+            f"prefix of {h.prefix_tokens} + {h.token_count} tokens exceeds {m.max_tokens}"
+        )
     want = m.layer_shape(h.token_count)
     for i, layer in enumerate(h.layers):
         if layer != want:

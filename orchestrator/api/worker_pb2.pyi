@@ -63,6 +63,8 @@ class PrefillRequest(_message.Message):
     FIRST_INDEX_FIELD_NUMBER: _builtins.int
     KV_TARGET_FIELD_NUMBER: _builtins.int
     KV_DTYPE_FIELD_NUMBER: _builtins.int
+    DECODE_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_PREFIX_HASH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     epoch: _builtins.int
     first_index: _builtins.int
@@ -74,6 +76,14 @@ class PrefillRequest(_message.Message):
     pair (orchestrator/core/kvdtype.py). The prefill worker converts its KV to it before
     sending; the decode worker converts it back on receive. UNSPECIFIED: as computed.
     """
+    decode_prefix_tokens: _builtins.int
+    """Suffix-only transfer: the decode worker is believed to hold the KV of the first
+    decode_prefix_tokens tokens (whole blocks), named by decode_prefix_hash (the chained
+    sha256 digest of their last block, orchestrator/core/prefix.py). The prefill sends only
+    the KV after them; if the receiver refuses (it does not hold that prefix), the whole KV.
+    0: send the whole KV.
+    """
+    decode_prefix_hash: _builtins.bytes
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens to prefill: the prompt, followed after a failover by the first_index output
@@ -92,10 +102,12 @@ class PrefillRequest(_message.Message):
         first_index: _builtins.int = ...,
         kv_target: _builtins.str = ...,
         kv_dtype: Global___KvDtype.ValueType = ...,
+        decode_prefix_tokens: _builtins.int = ...,
+        decode_prefix_hash: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_index", b"first_index", "kv_dtype", b"kv_dtype", "kv_target", b"kv_target", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_prefix_hash", b"decode_prefix_hash", "decode_prefix_tokens", b"decode_prefix_tokens", "epoch", b"epoch", "first_index", b"first_index", "kv_dtype", b"kv_dtype", "kv_target", b"kv_target", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -113,6 +125,8 @@ class PrefillResponse(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_PREFIX_REFUSED_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """Output token first_index."""
     kv_bytes: _builtins.int
@@ -126,6 +140,12 @@ class PrefillResponse(_message.Message):
     cached_tokens: _builtins.int
     """Input tokens found in this worker's prefix cache, not computed (0: none, or the engine
     cannot tell). prefill_ms is the time of the others.
+    """
+    kv_prefix_tokens: _builtins.int
+    """The prefix the sent KV extends (kv_bytes cover only the tokens after it); 0: whole."""
+    kv_prefix_refused: _builtins.bool
+    """The decode worker refused the suffix-only transfer asked for (it does not hold the
+    prefix): the whole KV was sent instead.
     """
     @_builtins.property
     def first_logprob(self) -> _common_pb2.TokenLogprob:
@@ -146,10 +166,12 @@ class PrefillResponse(_message.Message):
         first_logprob: _common_pb2.TokenLogprob | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         cached_tokens: _builtins.int = ...,
+        kv_prefix_tokens: _builtins.int = ...,
+        kv_prefix_refused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "first_logprob", b"first_logprob", "first_token", b"first_token", "kv_bytes", b"kv_bytes", "kv_dtype", b"kv_dtype", "prefill_ms", b"prefill_ms", "prompt_logprobs", b"prompt_logprobs", "transfer_ms", b"transfer_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "first_logprob", b"first_logprob", "first_token", b"first_token", "kv_bytes", b"kv_bytes", "kv_dtype", b"kv_dtype", "kv_prefix_refused", b"kv_prefix_refused", "kv_prefix_tokens", b"kv_prefix_tokens", "prefill_ms", b"prefill_ms", "prompt_logprobs", b"prompt_logprobs", "transfer_ms", b"transfer_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,4 +1,5 @@
-"""`pdorch bench kv-routing`: a multi-turn chat workload with KV-aware routing off and on.
+"""`pdorch bench kv-routing`: a multi-turn chat workload with KV-aware routing off, on, and
+on with suffix-only KV transfers.
 
 The workload (`chat_workload`, pure): ``conversations`` chats of ``turns`` turns, all
 opening with one shared system prompt; turn *n+1*'s prompt is turn *n*'s prompt, its reply
@@ -6,8 +7,10 @@ and a new user message — so a worker that served turn *n* holds all but the ne
 ``one_shot`` unrelated single requests. Prompts are token ids (no tokenizer involved).
 
 Each mode runs on a fresh cluster of its own (Redis, simulated workers with a prefix cache —
-``pdorch worker --sim ... --sim-prefix-cache``, one orchestrator with ``--kv-routing off`` or
-``on``), so no mode inherits the other's warm caches. Simulated workers are what this
+``pdorch worker --sim ... --sim-prefix-cache``, one orchestrator per `MODES`: ``--kv-routing
+off``; ``on`` with ``--kv-suffix off`` (the whole KV moves); ``on`` with ``--kv-suffix on``
+(a decode worker holding a prefix of the prompt is sent only the KV after it)), so no mode
+inherits another's warm caches. Simulated workers are what this
 2-core machine can run several of: their prefill time comes from the performance model
 (`orchestrator.core.perfmodel`) for the tokens they do not find cached, so the figures show
 what routing does to *placement and prefill work*, not vLLM's kernels. Per mode:
@@ -15,10 +18,13 @@ what routing does to *placement and prefill work*, not vLLM's kernels. Per mode:
 * **prefill tokens computed** per request — machine-independent: each prefill worker's
   cache is replayed here (`SimPrefixCache`, the workers' own) over the prompts it was given,
   in the order they finished; the figure routing exists to lower;
+* **KV bytes moved** per request (the records' ``kv_bytes``: what crossed the transport,
+  at the simulated scale — 1/256 of Llama-3-8B's real size), machine-independent too: the
+  figure suffix-only transfer exists to lower;
 * client TTFT p50/p99, prefill milliseconds per request (the records' cost: wall time on
-  the worker, its queue included), KV bytes moved and cost per request — wall-clock
-  figures, at the mercy of whatever else this machine runs;
-* how many placements named a reused prefix.
+  the worker, its queue included) and cost per request — wall-clock figures, at the mercy
+  of whatever else this machine runs;
+* how many placements named a reused prefix, and how many transfers sent a suffix only.
 """
 
 from __future__ import annotations
@@ -165,10 +171,21 @@ def summarize(samples: Sequence[Sample]) -> dict[str, float]:
         "kv_bytes_per_request": sum(s.kv_bytes for s in samples) / n,
         "usd_per_1k_requests": sum(s.usd for s in samples) / n * 1000,
         "routed_to_a_cached_prefix": sum("reuses" in s.placement for s in samples) / n,
+        "kv_suffix_only": sum("KV suffix only" in s.placement for s in samples) / n,
     }
 
 
-def run_mode(b: ChatBench, routing: str, log_level: str = "WARNING") -> dict[str, float]:
+MODES: dict[str, tuple[str, ...]] = {
+    "off": ("--kv-routing", "off"),
+    "on": ("--kv-routing", "on", "--kv-suffix", "off"),
+    "suffix": ("--kv-routing", "on", "--kv-suffix", "on"),
+}
+"""Mode -> the orchestrator's flags: least loaded; routing with whole KV transfers; routing
+with suffix-only transfers."""
+LABELS = {"off": "routing off", "on": "routing on", "suffix": "+ suffix KV"}
+
+
+def run_mode(b: ChatBench, mode: str, log_level: str = "WARNING") -> dict[str, float]:
     cluster = LocalCluster(
         transport="tcp", prefill_workers=0, decode_workers=0, orchestrators=0,
         log_level=log_level,
@@ -179,17 +196,17 @@ def run_mode(b: ChatBench, routing: str, log_level: str = "WARNING") -> dict[str
         )
         cluster.start_sim_workers("decode", b.decode_workers, b.decode_sim, 0, "--sim-prefix-cache")
         cluster.wait_live_workers(b.prefill_workers, b.decode_workers, timeout_s=60)
-        address = cluster.start_orchestrator(0, 0, "--kv-routing", routing)
-        return summarize(asyncio.run(drive(address, b, f"kvr-{routing}")))
+        address = cluster.start_orchestrator(0, 0, *MODES[mode])
+        return summarize(asyncio.run(drive(address, b, f"kvr-{mode}")))
 
 
 def run_bench(
     b: ChatBench, log_level: str = "WARNING", progress: Callable[[str], None] = print
 ) -> dict[str, dict[str, float]]:
     out = {}
-    for routing in ("off", "on"):
-        progress(f"routing {routing}: {b.conversations} chats x {b.turns} turns + {b.one_shot}")
-        out[routing] = run_mode(b, routing, log_level)
+    for mode in MODES:
+        progress(f"{LABELS[mode]}: {b.conversations} chats x {b.turns} turns + {b.one_shot}")
+        out[mode] = run_mode(b, mode, log_level)
     return out
 
 
@@ -203,9 +220,10 @@ def format_result(result: dict[str, dict[str, float]]) -> str:
         ("KV bytes / request (simulated)", "kv_bytes_per_request", "{:,.0f}"),
         ("USD / 1k requests", "usd_per_1k_requests", "{:.4f}"),
         ("placed on a cached prefix", "routed_to_a_cached_prefix", "{:.0%}"),
+        ("KV sent as a suffix only", "kv_suffix_only", "{:.0%}"),
     ]
     modes = list(result)
-    lines = [f"{'':34s}" + "".join(f"{'routing ' + m:>14s}" for m in modes)]
+    lines = [f"{'':34s}" + "".join(f"{LABELS.get(m, 'routing ' + m):>14s}" for m in modes)]
     for label, key, fmt in rows:
         lines.append(f"{label:34s}" + "".join(f"{fmt.format(result[m][key]):>14s}" for m in modes))
     return "\n".join(lines)

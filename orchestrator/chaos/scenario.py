@@ -23,6 +23,12 @@ Process fault kinds: ``kill`` (SIGKILL; ``heal_after`` restarts it), ``stop`` (S
 ``delay`` (params.delay_ms), ``bandwidth`` (params.bytes_per_s), ``drop``, ``corrupt``
 (params.probability).
 
+``engine: sim`` runs every worker simulated with a prefix cache (``pdorch worker --sim
+llama-3-8b@L4 --sim-prefix-cache``, one process each; model ``tiny``, unused): with a
+workload whose prompts share an opening (``shared_prefix_words``), KV-aware routing and
+suffix-only KV transfer are then at work under the faults. Process faults only (no
+injector, no proxies in front of simulated workers).
+
 ``engine: vllm`` runs every worker on vLLM (``--engine vllm``; model ``smollm2``; the
 command runs from the vllm extra's environment). KV-link faults then need ``transport: tcp``
 (a proxy on the link): over UCX the KV leaves from inside vLLM's processes, where the
@@ -87,6 +93,7 @@ MODEL_CONTEXT: dict[tuple[str, str], int] = {
     ("tiny", "reference"): 8192,
     ("smollm2", "reference"): 8192,
     ("smollm2", "vllm"): 2048,
+    ("tiny", "sim"): 8192,
 }
 """(model, engine) → the context a request's prompt and output share: the models'
 ``max_position_embeddings`` (`orchestrator.workers.model_files`), vLLM's ``max_model_len``
@@ -123,7 +130,8 @@ class ClusterSpec:
     """``ucx``, ``tcp`` or ``auto`` (UCX where ucxx imports)."""
     model: str = "tiny"
     engine: str = "reference"
-    """The workers' engine (``pdorch worker --engine``): reference, or vllm."""
+    """The workers' engine (``pdorch worker --engine``): reference, or vllm; or sim
+    (simulated workers with a prefix cache)."""
     redis_aof: bool = True
     heartbeat_ttl_s: float = 3.0
     prefill_flags: tuple[str, ...] = ()
@@ -138,6 +146,9 @@ class Workload:
     concurrency: int = 8
     prompt_words: tuple[int, int] = (4, 24)
     output_tokens: tuple[int, int] = (200, 400)
+    shared_prefix_words: int = 0
+    """Words every prompt opens with (one fixed text, like a system prompt): what prefix
+    caches, KV-aware routing and suffix-only transfer act on."""
     sampled_share: float = 0.25
     """Share of requests sampled at temperature 0.8 with a fixed seed (the rest greedy): the
     sampling draw for token i depends only on (seed, i), so failover must not change them."""
@@ -371,6 +382,11 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
             f"{path}: the trigger state sending needs engine reference (its gate is the "
             "workers' KV fault injector, which vLLM's processes don't have)"
         )
+    if cluster.engine == "sim" and (gated or scenario.links()):
+        raise ScenarioError(
+            f"{path}: engine sim takes process faults only (no KV fault injector or proxies "
+            "in front of simulated workers)"
+        )
     if cluster.engine == "vllm" and cluster.transport == "ucx" and "kv" in scenario.links():
         raise ScenarioError(
             f"{path}: KV-link faults with engine vllm need transport tcp (over UCX the KV "
@@ -392,7 +408,9 @@ def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
         orchestrators=_int(d.get("orchestrators", 2), f"{where}.orchestrators", lo=1, hi=8),
         transport=_choice(d.get("transport", "auto"), f"{where}.transport", ("auto", "ucx", "tcp")),
         model=_choice(d.get("model", "tiny"), f"{where}.model", ("tiny", "smollm2")),
-        engine=_choice(d.get("engine", "reference"), f"{where}.engine", ("reference", "vllm")),
+        engine=_choice(
+            d.get("engine", "reference"), f"{where}.engine", ("reference", "vllm", "sim")
+        ),
         redis_aof=bool(d.get("redis_aof", True)),
         heartbeat_ttl_s=_number(d.get("heartbeat_ttl_s", 3.0), f"{where}.heartbeat_ttl_s", lo=0.3),
         prefill_flags=_flags(d.get("prefill_flags", []), f"{where}.prefill_flags"),
@@ -403,6 +421,8 @@ def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
         raise ScenarioError(f"{where}: needs at least one worker")
     if spec.engine == "vllm" and spec.model != "smollm2":
         raise ScenarioError(f"{where}: engine vllm serves model smollm2 only")
+    if spec.engine == "sim" and spec.model != "tiny":
+        raise ScenarioError(f"{where}: engine sim simulates its own model: leave model at tiny")
     return spec
 
 
@@ -422,7 +442,8 @@ def _check_output(workload: Workload, cluster: ClusterSpec, where: str) -> None:
     if hi > cap:
         raise ScenarioError(f"{where}: {hi} is above the orchestrator's max_tokens of {cap}")
     context = MODEL_CONTEXT[(cluster.model, cluster.engine)]
-    prompt = workload.prompt_words[1] * PROMPT_TOKENS_PER_WORD + PROMPT_OVERHEAD_TOKENS
+    words = workload.prompt_words[1] + workload.shared_prefix_words
+    prompt = words * PROMPT_TOKENS_PER_WORD + PROMPT_OVERHEAD_TOKENS
     if hi + prompt > context:
         raise ScenarioError(
             f"{where}: {hi} output tokens and a prompt of up to {prompt} tokens exceed the "
@@ -432,7 +453,7 @@ def _check_output(workload: Workload, cluster: ClusterSpec, where: str) -> None:
 
 def _workload(d: Mapping[str, Any], where: str) -> Workload:
     _known(d, where, {"requests", "concurrency", "prompt_words", "output_tokens",
-                      "sampled_share", "request_timeout_s"})  # fmt: skip
+                      "sampled_share", "request_timeout_s", "shared_prefix_words"})  # fmt: skip
     return Workload(
         requests=_int(d.get("requests", 8), f"{where}.requests", lo=1, hi=100_000),
         concurrency=_int(d.get("concurrency", 8), f"{where}.concurrency", lo=1, hi=4096),
@@ -440,6 +461,9 @@ def _workload(d: Mapping[str, Any], where: str) -> Workload:
         output_tokens=_range(d.get("output_tokens", [200, 400]), f"{where}.output_tokens", lo=1),
         sampled_share=_number(d.get("sampled_share", 0.25), f"{where}.sampled_share", 0.0, 1.0),
         request_timeout_s=_number(d.get("request_timeout_s", 120), f"{where}.request_timeout_s", 1),
+        shared_prefix_words=_int(
+            d.get("shared_prefix_words", 0), f"{where}.shared_prefix_words", lo=0, hi=4096
+        ),
     )
 
 

@@ -52,10 +52,12 @@ class RequestPlan:
 def make_requests(workload: Workload, seed: int) -> list[RequestPlan]:
     """The workload's requests, drawn from ``seed`` (the same seed gives the same prompts)."""
     rng = random.Random(seed)  # noqa: S311 - reproducible workloads, not secrets
+    # Every prompt's opening, the same for every seed (a system prompt): no draws from rng.
+    shared = [_WORDS[(7 * i) % len(_WORDS)] for i in range(workload.shared_prefix_words)]
     plans = []
     for key in range(workload.requests):
         words = rng.randint(*workload.prompt_words)
-        prompt = " ".join(rng.choice(_WORDS) for _ in range(words))
+        prompt = " ".join([*shared, *(rng.choice(_WORDS) for _ in range(words))])
         sampled = rng.random() < workload.sampled_share
         plans.append(
             RequestPlan(

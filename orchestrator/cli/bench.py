@@ -76,11 +76,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     ))  # fmt: skip
     _kv_routing(add_command(
         bsub, "kv-routing", parents, parents.json,
-        help="multi-turn chat on simulated prefix-cache workers: KV-aware routing off vs on",
+        help="multi-turn chat on simulated prefix-cache workers: KV-aware routing off, on, "
+        "and on with suffix-only KV transfers",
         description="Runs one multi-turn chat workload (conversations sharing a system "
-        "prompt, plus one-shot requests) on a fresh simulated cluster per mode, --kv-routing "
-        "off then on, and reports TTFT p50/p99, prefill GPU time, KV bytes and cost per "
-        "request side by side. See README 'Admission and placement'.",
+        "prompt, plus one-shot requests) on a fresh simulated cluster per mode: --kv-routing "
+        "off; on with --kv-suffix off; on with --kv-suffix on. Reports prefill tokens "
+        "computed, KV bytes moved, TTFT p50/p99, prefill GPU time and cost per request side "
+        "by side. See README 'Admission and placement'.",
     ))  # fmt: skip
     _load(add_command(
         bsub, "load", parents, parents.json,
@@ -127,6 +129,12 @@ def _transport(bt: argparse.ArgumentParser) -> None:
         default=None,
         help="NIXL as a reference in the same run (default: when nixl-cu12 is installed)",
     )
+    bt.add_argument(
+        "--tls-dir",
+        default=None,
+        help="also time ours with mutual TLS on the KV control link (ours-tls), alternating "
+        "with plain; DIR holds ca.pem, pdorch-prefill.pem/.key and pdorch-decode.pem/.key",
+    )
     bt.set_defaults(call=_run_transport)
 
 
@@ -136,7 +144,15 @@ def _run_transport(args: argparse.Namespace) -> int:
     try:
         sizes = [bench.parse_size(s) for s in args.size.split(",")]
         for size in sizes:
-            result = bench.run(args.backend, size, args.iters, args.layers, args.rounds, args.nixl)
+            result = bench.run(
+                args.backend,
+                size,
+                args.iters,
+                args.layers,
+                args.rounds,
+                args.nixl,
+                tls_dir=args.tls_dir,
+            )
             print(result.json() if args.json else result.human(), flush=True)
     except bench.BenchError as exc:
         print(f"pdorch bench transport: {exc}", file=sys.stderr)

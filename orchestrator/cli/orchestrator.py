@@ -174,6 +174,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         default="on" if default(RoutingPolicy, "enabled") else "off",
         help=field_doc(RoutingPolicy, "enabled"),
     )
+    o.add_argument(
+        "--kv-suffix",
+        choices=("on", "off"),
+        default="on" if default(RoutingPolicy, "suffix_only") else "off",
+        help=field_doc(RoutingPolicy, "suffix_only"),
+    )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
     o.add_argument(
         "--http-port",
@@ -287,7 +293,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),
         admission=admission,
-        routing=RoutingPolicy(enabled=args.kv_routing == "on"),
+        routing=RoutingPolicy(enabled=args.kv_routing == "on", suffix_only=args.kv_suffix == "on"),
     )
 
 

@@ -24,7 +24,9 @@ from orchestrator.control.relay import as_json
 from orchestrator.control.run import Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.kvdtype import negotiate_for
+from orchestrator.core.prefix import suffix_plan
 from orchestrator.core.records import WorkerInfo
+from orchestrator.core.routing import suffix_note
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.scheduler import Mode, Placement
 from orchestrator.core.state import Edge
@@ -99,6 +101,11 @@ class Dispatch:
             kv_target=decode.kv_address,
             kv_dtype=convert.kv_dtype_to_pb(kv.dtype),
         )
+        held, block_size = booking.decode_prefix
+        plan = suffix_plan(tokens, held, block_size) if self.settings.routing.suffix_only else None
+        if plan is not None:
+            request.decode_prefix_tokens = plan.tokens
+            request.decode_prefix_hash = plan.digest
         try:
             resp = await self.legs.prefill(prefill, decode, request, run.check)
         finally:
@@ -124,16 +131,17 @@ class Dispatch:
             self.metrics.transfer_bytes.inc(int(resp.kv_bytes))
             self.metrics.transfer_seconds.inc(resp.transfer_ms / 1000)
         run.usage.streaming("decode", decode.gpu_kind)
-        await self.store.transition(
-            run.rid,
-            Edge.KV_SENT,
-            epoch=run.epoch,
-            fields={
-                "kv_bytes": resp.kv_bytes,
-                "kv_dtype": kv.label,
-                "timings": as_json(run.timings),
-            },
-        )
+        fields: dict[str, object] = {
+            "kv_bytes": resp.kv_bytes,
+            "kv_dtype": kv.label,
+            "timings": as_json(run.timings),
+        }
+        if plan is not None:  # the record says what moved, and why
+            note = suffix_note(
+                plan.tokens, int(resp.kv_prefix_tokens), resp.kv_prefix_refused, len(tokens)
+            )
+            fields["placement"] = f"{booking.placement.reason}; {note}"
+        await self.store.transition(run.rid, Edge.KV_SENT, epoch=run.epoch, fields=fields)
         stream = self.legs.decode(
             decode,
             worker_pb2.DecodeRequest(

@@ -45,6 +45,9 @@ class Booking:
     """(prefill worker, tokens) while the attempt waits in that worker's queue."""
     used: list[str] = field(default_factory=list)
     """The breaker keys of the chosen workers."""
+    decode_prefix: tuple[int, int] = (0, 0)
+    """(leading tokens, block size) of the request's KV the decode worker holds, as the
+    prefix index says: what a suffix-only transfer may leave out."""
 
 
 class Ledger:
@@ -126,6 +129,9 @@ class Ledger:
             requests, queued = self._queue.get(wid, (0, 0))
             self._queue[wid] = (requests + 1, queued + compute)
             booking.queued = (wid, compute)
+        if hint is not None and placement.prefill is not None:
+            did = placement.decode.worker_id
+            booking.decode_prefix = (hint.cached.get(did, 0), self.prefixes.block_size(did))
         booking.used = [breaker_key(w) for w in chosen.values()]
         for key in booking.used:
             self.breakers.placed(key, now)

@@ -143,6 +143,30 @@ def iter_block_keys(
         yield key_of(prev)
 
 
+@dataclass(frozen=True, slots=True)
+class SuffixPlan:
+    """A suffix-only KV transfer: the receiver holds the KV of the first ``tokens`` tokens
+    (whole blocks), the prefix named by ``digest``; only the tokens after it are sent."""
+
+    tokens: int
+    digest: bytes
+
+
+def suffix_plan(
+    token_ids: Sequence[int], held_tokens: int, block_size: int, seed: str = DEFAULT_SEED
+) -> SuffixPlan | None:
+    """What need not be sent to a worker holding the first ``held_tokens`` of
+    ``token_ids`` in blocks of ``block_size``: whole blocks, leaving at least one token to
+    send (a transfer carries at least one); None when nothing can be left out."""
+    if block_size <= 0 or held_tokens <= 0:
+        return None
+    blocks = min(held_tokens, len(token_ids) - 1) // block_size
+    if blocks <= 0:
+        return None
+    n = blocks * block_size
+    return SuffixPlan(n, block_digests(token_ids[:n], block_size, seed=seed)[-1])
+
+
 # --------------------------------------------------------------- heartbeat payload
 
 

@@ -32,6 +32,10 @@ class RoutingPolicy:
     enabled: bool = True
     """Route by the prefixes workers report holding. Changes nothing while no worker
     reports a cache (the reference and simulated engines never do; vLLM workers do)."""
+    suffix_only: bool = True
+    """Move only the KV a decode worker lacks: when it holds a prefix of the request, the
+    prefill sends the suffix's KV and the header names the prefix it extends (a worker that
+    no longer holds it refuses; the prefill then sends the whole KV)."""
     decode_slack: int = 4
     """A decode worker holding the longest prefix wins if its batch is at most this many
     sequences above the least loaded fitting worker's (turn N+1 follows turn N unless that
@@ -93,6 +97,17 @@ def pick_decode(
     reused = hint.reused(best[3].worker_id)
     note = f"decode holds {reused}/{hint.prompt_tokens} prompt tokens" if reused else ""
     return best[3], note
+
+
+def suffix_note(asked: int, extended: int, refused: bool, tokens: int) -> str:
+    """The request record's word on a suffix-only transfer of ``tokens`` tokens' KV that
+    asked to leave out the first ``asked`` (the decode worker's prefix, as indexed):
+    ``extended`` were left out; ``refused``: the decode worker did not hold them."""
+    if refused:
+        return f"decode lacked the indexed {asked}-token prefix: whole KV sent"
+    if extended:
+        return f"KV suffix only: {tokens - extended}/{tokens} tokens sent"
+    return "whole KV sent (the prefill worker cannot send a suffix)"
 
 
 def hint_for(

@@ -6,6 +6,7 @@ Pure modules (no kopf, no I/O; import-linter keeps them so):
     naming      deterministic names and labels of every child object
     render      render(identity, spec) → the child objects, in apply order
     workloads   the Deployments / StatefulSet pod templates render uses
+    tls         cert-manager Certificates per component identity; each pod's own key mount
     drift       is a live object still what we rendered? what may a patch touch?
     health      children's readiness → status: conditions, ready counts, mode
 

@@ -8,11 +8,13 @@ when a pool has no live workers, per ``--fallback``):
                          whole on the other pool's workers
     unavailable          no pool has a ready pod, or one has none and the policy is fail
 
-Conditions (metav1.Condition shape): Ready, PrefillPoolReady, DecodePoolReady, Degraded.
-A pool is ready with at least one ready pod (fewer than desired shows in the message and
-the counts). Degraded is True with the first reason that applies, in this order:
-ForeignObjects (a child's name is taken by an object we don't control),
-OrchestratorUnavailable, RedisUnavailable, NoWorkers, PrefillPoolUnavailable,
+Conditions (metav1.Condition shape): Ready, PrefillPoolReady, DecodePoolReady, Degraded,
+and with ``tls.mode: cert-manager`` CertificatesReady (each Certificate's own Ready
+condition, as cert-manager sets it). A pool is ready with at least one ready pod (fewer
+than desired shows in the message and the counts). Degraded is True with the first reason
+that applies, in this order: ForeignObjects (a child's name is taken by an object we don't
+control), CertificatesNotReady (pods cannot start without their Secret; a failed renewal
+will expire), OrchestratorUnavailable, RedisUnavailable, NoWorkers, PrefillPoolUnavailable,
 DecodePoolUnavailable. A condition's lastTransitionTime changes only when its status does.
 """
 
@@ -43,6 +45,12 @@ class Workload:
         return {"replicas": self.desired, "readyReplicas": self.ready if self.exists else 0}
 
 
+def certificate_ready(live: Mapping[str, Any] | None) -> bool:
+    """Whether cert-manager reports a Certificate issued and current (its Ready condition)."""
+    conditions = (live or {}).get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def workload_from(live: Mapping[str, Any] | None, desired: int) -> Workload:
     if live is None:
         return Workload(desired=desired, exists=False)
@@ -61,12 +69,18 @@ def assess(
     previous: Sequence[Mapping[str, Any]],
     now: str,
     foreign: Sequence[str] = (),
+    certificates: Mapping[str, bool] | None = None,
 ) -> dict[str, Any]:
     """The status to write. ``redis`` is None when Redis is external (a Secret's URL):
     the operator cannot see it, the orchestrators' readiness covers it. ``foreign``: the
-    children that could not be applied because someone else's object has their name."""
+    children that could not be applied because someone else's object has their name.
+    ``certificates``: each Certificate's name → ready; None without cert-manager."""
+    if certificates is None:  # TLS off (or not from cert-manager): no stale condition
+        previous = [c for c in previous if c.get("type") != "CertificatesReady"]
     mode = _mode(prefill, decode, fallback)
+    unissued = sorted(name for name, ok in (certificates or {}).items() if not ok)
     degraded = "ForeignObjects" if foreign else None
+    degraded = degraded or ("CertificatesNotReady" if unissued else None)
     degraded = degraded or _degraded_reason(orchestrator, prefill, decode, redis)
     ready = orchestrator.up and mode != UNAVAILABLE and (redis is None or redis.up)
     conditions = [
@@ -85,6 +99,15 @@ def assess(
             _degraded_message(degraded, mode, foreign),
         ),
     ]
+    if certificates is not None:
+        conditions.append(
+            _condition(
+                "CertificatesReady",
+                not unissued,
+                "NotIssued" if unissued else "Issued",
+                f"not ready: {', '.join(unissued)}" if unissued else "every Certificate is ready",
+            )
+        )
     status: dict[str, Any] = {
         "mode": mode,
         "orchestrator": orchestrator.counts(),

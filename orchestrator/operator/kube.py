@@ -36,6 +36,7 @@ PLURALS: Mapping[str, str] = {
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
+    "Certificate": "certificates",  # cert-manager.io
 }
 
 _MERGE_PATCH = "application/merge-patch+json"

@@ -101,6 +101,18 @@ def names(identity: Identity) -> Names:
     )
 
 
+def certificate(identity: Identity, component: str) -> str:
+    """A component's cert-manager Certificate. Not ``…-tls``: cert-manager copies this name
+    into label values (at most 63 characters), which the longest suffix already reaches."""
+    return f"{identity.name}-{component}"
+
+
+def tls_secret(identity: Identity, component: str) -> str:
+    """The Secret holding a component's key and certificate (cert-manager writes it; in
+    ``tls.mode: secrets`` the user does, unless ``tls.secrets`` names another)."""
+    return f"{identity.name}-{component}-tls"
+
+
 def selector(identity: Identity, component: str) -> dict[str, str]:
     """The labels a component's pods are selected by (never changes for a resource)."""
     return {

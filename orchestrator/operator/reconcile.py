@@ -19,7 +19,7 @@ from orchestrator.operator.errors import ForeignObjectError, ObjectConflictError
 from orchestrator.operator.kube import KubeClient
 from orchestrator.operator.naming import Identity, Ref
 from orchestrator.operator.render import child_refs, render
-from orchestrator.operator.spec import ServiceSpec, parse_spec
+from orchestrator.operator.spec import TLS_COMPONENTS, ServiceSpec, parse_spec
 
 CREATED, PATCHED, UNCHANGED, TERMINATING = "created", "patched", "unchanged", "terminating"
 FOREIGN = "foreign"  # a child's name is taken by an object this resource does not control
@@ -127,6 +127,13 @@ async def observe(
         return health.workload_from(await client.get(Ref("apps/v1", kind, ns, name)), desired)
 
     redis = await workload("StatefulSet", n.redis, 1) if spec.redis.dev is not None else None
+    certificates = None
+    if spec.tls.mode == "cert-manager":
+        certificates = {}
+        for component in TLS_COMPONENTS:
+            name = naming.certificate(identity, component)
+            live = await client.get(Ref("cert-manager.io/v1", "Certificate", ns, name))
+            certificates[name] = health.certificate_ready(live)
     return health.assess(
         orchestrator=await workload("Deployment", n.orchestrator, spec.orchestrator.replicas),
         prefill=await workload("Deployment", n.prefill, spec.prefill.replicas),
@@ -134,6 +141,7 @@ async def observe(
         redis=redis,
         fallback=spec.failover.fallback,
         foreign=foreign,
+        certificates=certificates,
         generation=identity.generation,
         previous=previous_conditions,
         now=now,

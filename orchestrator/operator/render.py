@@ -9,6 +9,8 @@ Objects:
 
     ServiceAccount      <name>                  pods run as it; no API token mounted
     ConfigMap           <name>-config           environment of every pdorch process
+    Certificate         <name>-orchestrator|prefill|decode   (tls.mode cert-manager) one
+                                                identity each, into <name>-<component>-tls
     Service             <name>-redis            (dev Redis) headless, for the StatefulSet
     StatefulSet         <name>-redis            (dev Redis) one replica, AOF on, a PVC
     Service             <name>                  the orchestrators: clients connect here
@@ -27,9 +29,9 @@ import hashlib
 import json
 from typing import Any
 
-from orchestrator.operator import naming, workloads
+from orchestrator.operator import naming, tls, workloads
 from orchestrator.operator.naming import Identity, Ref
-from orchestrator.operator.spec import ServiceSpec
+from orchestrator.operator.spec import TLS_COMPONENTS, ServiceSpec
 
 Obj = dict[str, Any]
 
@@ -45,6 +47,7 @@ def render(identity: Identity, spec: ServiceSpec) -> tuple[Obj, ...]:
         _object("v1", "ServiceAccount", naming.object_meta(identity, n.service_account))
         | {"automountServiceAccountToken": False},
         config,
+        *tls.certificates(identity, spec),  # before the pods that mount their Secrets
     ]
     if spec.redis.dev is not None:
         objects.append(
@@ -74,6 +77,10 @@ def child_refs(identity: Identity) -> tuple[Ref, ...]:
     refs = [
         Ref("v1", "ServiceAccount", ns, n.service_account),
         Ref("v1", "ConfigMap", ns, n.config),
+        *(
+            Ref("cert-manager.io/v1", "Certificate", ns, naming.certificate(identity, c))
+            for c in TLS_COMPONENTS
+        ),
         Ref("v1", "Service", ns, n.redis),
         Ref("apps/v1", "StatefulSet", ns, n.redis),
         Ref("v1", "Service", ns, n.service),

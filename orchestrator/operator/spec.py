@@ -13,6 +13,7 @@ orchestrators' ``--ttft-slo-ms``; ``slo.tpotMs`` is recorded for the planner onl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,14 @@ TRANSPORTS = ("ucx", "tcp")  # `pdorch worker --transport` choices
 FALLBACKS = ("local", "fail")  # `pdorch orchestrator --fallback` choices
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+TLS_MODES = ("disabled", "cert-manager", "secrets")
+TLS_COMPONENTS = ("orchestrator", "prefill", "decode")  # one identity (and key) each
+ISSUER_KINDS = ("Issuer", "ClusterIssuer")
+TOKENS_KEY = "tokens.yaml"  # auth.tokensSecret's default key
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_1123_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")  # Secret, Issuer names
+# A Go duration, as cert-manager's duration and renewBefore take it (e.g. 2160h, 1h30m).
+_GO_DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$")
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,57 @@ class Slo:
 
 
 @dataclass(frozen=True)
+class IssuerRef:
+    """The cert-manager issuer that signs the components' certificates."""
+
+    name: str
+    kind: str = "Issuer"
+    group: str = "cert-manager.io"
+
+
+@dataclass(frozen=True)
+class CaSource:
+    """Where the CA bundle comes from, when not from each component's Secret's ``ca.crt``:
+    exactly one of a Secret and a ConfigMap (a CA certificate is no secret)."""
+
+    key: str = "ca.crt"
+    secret: str | None = None
+    config_map: str | None = None
+
+
+@dataclass(frozen=True)
+class Tls:
+    """mTLS between components and TLS on the client API.
+
+    ``disabled``: nothing is mounted (what was rendered before TLS existed).
+    ``cert-manager``: the operator renders one Certificate per component identity, signed
+    by `issuer`, into the Secret ``<name>-<component>-tls``.
+    ``secrets``: the user provides those Secrets (`secrets` overrides their names).
+    Each Secret holds ``tls.crt``, ``tls.key`` and (unless `ca` says otherwise) ``ca.crt``.
+    """
+
+    mode: str = "disabled"
+    issuer: IssuerRef | None = None  # cert-manager only
+    duration: str | None = None  # cert-manager only; None: the issuer's default (90 days)
+    renew_before: str | None = None  # cert-manager only; None: at 2/3 of the duration
+    secrets: Mapping[str, str] = field(default_factory=dict)  # component → Secret (secrets)
+    ca: CaSource | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "disabled"
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Client authentication: the orchestrators' tokens file (SHA-256 digests of bearer
+    tokens → tenants) from a Secret. None: the client API is open (the orchestrators log
+    NO AUTHENTICATION)."""
+
+    tokens_secret: SecretKey | None = None
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     image: str
     redis: Redis
@@ -121,6 +181,8 @@ class ServiceSpec:
     transport: Transport = field(default_factory=Transport)
     failover: Failover = field(default_factory=Failover)
     slo: Slo = field(default_factory=Slo)
+    tls: Tls = field(default_factory=Tls)
+    auth: Auth = field(default_factory=Auth)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -131,7 +193,8 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     r = _Reader(raw, "spec")
     r.only(
         "image", "imagePullPolicy", "model", "logLevel", "terminationGracePeriodSeconds",
-        "orchestrator", "prefill", "decode", "redis", "transport", "failover", "slo",
+        "orchestrator", "prefill", "decode", "redis", "transport", "failover", "slo", "tls",
+        "auth",
     )  # fmt: skip
     model = r.child("model")
     model.only("name", "cache")
@@ -152,6 +215,8 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
         transport=_transport(r.child("transport")),
         failover=_failover(r.child("failover")),
         slo=_slo(r.child("slo")),
+        tls=_tls(r.child("tls")),
+        auth=_auth(r.child("auth")),
     )
     _check_engines(spec)
     return spec
@@ -252,6 +317,69 @@ def _slo(r: _Reader) -> Slo:
     return Slo(ttft_ms=ttft, tpot_ms=tpot)
 
 
+def _auth(r: _Reader) -> Auth:
+    r.only("tokensSecret")
+    secret = r.child("tokensSecret")
+    if not secret.present:
+        return Auth()
+    secret.only("name", "key")
+    return Auth(
+        tokens_secret=SecretKey(
+            secret.object_name("name", required=True), secret.string("key", TOKENS_KEY)
+        )
+    )
+
+
+def _tls(r: _Reader) -> Tls:
+    r.only("mode", "issuerRef", "duration", "renewBefore", "secrets", "ca")
+    mode = r.choice("mode", TLS_MODES, "disabled")
+    only_for = {
+        "issuerRef": "cert-manager",
+        "duration": "cert-manager",
+        "renewBefore": "cert-manager",
+        "secrets": "secrets",
+    }
+    for key, wanted in only_for.items():
+        if key in r.raw and mode != wanted:
+            raise SpecError(f"{r.path}.{key}", f"only applies to mode: {wanted}")
+    if "ca" in r.raw and mode == "disabled":
+        raise SpecError(f"{r.path}.ca", "only applies to mode: cert-manager or secrets")
+    issuer = None
+    if mode == "cert-manager":
+        ref = r.child("issuerRef")
+        if not ref.present:
+            raise SpecError(ref.path, "required with mode: cert-manager")
+        ref.only("name", "kind", "group")
+        issuer = IssuerRef(
+            name=ref.object_name("name", required=True),
+            kind=ref.choice("kind", ISSUER_KINDS, "Issuer"),
+            group=ref.string("group", "cert-manager.io"),
+        )
+    secrets = r.child("secrets")
+    secrets.only(*TLS_COMPONENTS)
+    return Tls(
+        mode=mode,
+        issuer=issuer,
+        duration=r.duration("duration"),
+        renew_before=r.duration("renewBefore"),
+        secrets={
+            c: secrets.object_name(c, required=True) for c in TLS_COMPONENTS if c in secrets.raw
+        },
+        ca=_ca(r.child("ca")) if "ca" in r.raw else None,
+    )
+
+
+def _ca(r: _Reader) -> CaSource:
+    r.only("secret", "configMap", "key")
+    if ("secret" in r.raw) == ("configMap" in r.raw):
+        raise SpecError(r.path, "set exactly one of secret and configMap")
+    return CaSource(
+        key=r.string("key", "ca.crt"),
+        secret=r.object_name("secret") or None,
+        config_map=r.object_name("configMap") or None,
+    )
+
+
 class _Reader:
     """Typed, path-aware access to one object of the spec."""
 
@@ -306,6 +434,19 @@ class _Reader:
         if value < minimum:
             raise SpecError(self._at(key), f"must be at least {minimum}")
         return float(value)
+
+    def object_name(self, key: str, *, required: bool = False) -> str:
+        """The name of an object the pods refer to (a DNS-1123 subdomain)."""
+        value = self.string(key, required=required)
+        if value and (len(value) > 253 or not _DNS_1123_SUBDOMAIN.match(value)):
+            raise SpecError(self._at(key), "must be a Kubernetes object name (DNS-1123 subdomain)")
+        return value
+
+    def duration(self, key: str) -> str | None:
+        value = self.string(key) or None
+        if value is not None and not _GO_DURATION.match(value):
+            raise SpecError(self._at(key), "must be a duration such as 2160h or 1h30m")
+        return value
 
     def quantity(self, key: str, default: str) -> str:
         value = self.raw.get(key, default)

@@ -17,17 +17,24 @@ the CLI's own parser). The mapping from the spec:
     <pool>.torchThreads          worker --torch-threads
     <pool>.gpu                   node selector nvidia.com/gpu.product + nvidia.com/gpu limit
     redis                        env PDORCH_REDIS_URL (from the Secret, or the dev Service)
+    auth.tokensSecret            orchestrators: the Secret's key mounted read-only as a
+                                 file, env PDORCH_TOKENS_FILE (never an argument)
+    tls                          the component's own key mounted read-only, env
+                                 PDORCH_TLS_DIR (see `tls`); TCP probes (below)
 
 Workers advertise ``--host $(POD_IP)`` (they publish host:port into Redis, so it must be
 routable); the orchestrator binds every interface so that `kubectl port-forward` reaches it.
-Probes are native gRPC probes (grpc.health.v1) on each process's gRPC port.
+Probes are native gRPC probes (grpc.health.v1) on each process's gRPC port — without TLS:
+the kubelet's gRPC probe cannot speak TLS (nor present a client certificate), so with TLS
+they are TCP probes of that port (open once the process serves: a worker loads its model
+first).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.operator import naming
+from orchestrator.operator import naming, tls
 from orchestrator.operator.naming import Identity, Names
 from orchestrator.operator.spec import Pool, Resources, ServiceSpec
 
@@ -38,6 +45,9 @@ WORKER_PORT = 50061
 KV_PORT = 50062
 REDIS_PORT = 6379
 MODEL_CACHE_PATH = "/var/cache/pdorch/models"
+AUTH_DIR = "/etc/pdorch/auth"
+TOKENS_FILE = "tokens.yaml"  # in AUTH_DIR; YAML or JSON, whatever the Secret's key holds
+TOKENS_FILE_ENV = "PDORCH_TOKENS_FILE"  # the orchestrator's --tokens-file
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # The orchestrator's gRPC drain ends this long before the kubelet's SIGKILL, leaving time
@@ -76,6 +86,8 @@ def orchestrator_deployment(identity: Identity, spec: ServiceSpec, config_hash: 
         probe_port=ORCHESTRATOR_PORT,
     )
     pod = _pod_spec(identity, n, spec, "orchestrator", [container])
+    _mount_tokens(spec, pod)
+    _mount_tls(identity, spec, "orchestrator", pod)
     return _deployment(
         identity,
         n.orchestrator,
@@ -129,6 +141,7 @@ def worker_deployment(identity: Identity, spec: ServiceSpec, role: str, config_h
         if spec.model_cache_claim
         else {"name": "model-cache", "emptyDir": {}}
     ]
+    _mount_tls(identity, spec, role, pod)
     _schedule_on_gpus(pod, pool)
     return _deployment(
         identity,
@@ -204,6 +217,39 @@ def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
 # ------------------------------------------------------------------------------- parts
 
 
+def _mount_tokens(spec: ServiceSpec, pod: Obj) -> None:
+    """The tokens file, read-only, from its Secret (no subPath: the orchestrator re-reads
+    the file when the kubelet swaps in a new version of the Secret)."""
+    ref = spec.auth.tokens_secret
+    if ref is None:
+        return
+    secret = {
+        "secretName": ref.name,
+        "items": [{"key": ref.key, "path": TOKENS_FILE}],
+        "defaultMode": tls.FILE_MODE,  # the pods' group reads it, no one else
+    }
+    volume = {"name": "auth", "secret": secret}
+    pod["volumes"] = [*pod.get("volumes", []), volume]
+    (container,) = pod["containers"]
+    mount = {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}
+    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    container["env"] = [
+        *container["env"],
+        {"name": TOKENS_FILE_ENV, "value": f"{AUTH_DIR}/{TOKENS_FILE}"},
+    ]
+
+
+def _mount_tls(identity: Identity, spec: ServiceSpec, component: str, pod: Obj) -> None:
+    """The component's own TLS Secret, read-only, and where the process finds it."""
+    volume = tls.volume(identity, spec, component)
+    if volume is None:
+        return
+    pod["volumes"] = [*pod.get("volumes", []), volume]
+    (container,) = pod["containers"]
+    container["volumeMounts"] = [*container.get("volumeMounts", []), tls.mount()]
+    container["env"] = [*container["env"], tls.env()]
+
+
 def _global_args() -> list[str]:
     return ["--log-format", "json"]  # the log level comes from PDORCH_LOG_LEVEL (ConfigMap)
 
@@ -229,6 +275,10 @@ def _container(
     gpus: int = 0,
     startup_budget_s: int = 0,
 ) -> Obj:
+    # kubelet's gRPC probes cannot do TLS: see the module's docstring.
+    probe: Obj = (
+        {"tcpSocket": {"port": probe_port}} if spec.tls.enabled else {"grpc": {"port": probe_port}}
+    )
     env: list[Obj] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -251,22 +301,13 @@ def _container(
         "envFrom": [{"configMapRef": {"name": config_name}}],
         "ports": ports,
         "resources": _resources(resources, gpus),
-        "readinessProbe": {
-            "grpc": {"port": probe_port},
-            "periodSeconds": PROBE_PERIOD_S,
-            "failureThreshold": 2,
-        },
-        "livenessProbe": {
-            "grpc": {"port": probe_port},
-            "periodSeconds": 10,
-            "timeoutSeconds": 2,
-            "failureThreshold": 3,
-        },
+        "readinessProbe": {**probe, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": 2},
+        "livenessProbe": {**probe, "periodSeconds": 10, "timeoutSeconds": 2, "failureThreshold": 3},
         "securityContext": _container_security(),
     }
     if startup_budget_s:
         container["startupProbe"] = {
-            "grpc": {"port": probe_port},
+            **probe,
             "periodSeconds": PROBE_PERIOD_S,
             "failureThreshold": startup_budget_s // PROBE_PERIOD_S,
         }

@@ -132,3 +132,14 @@ class Engine(abc.ABC):
         KV-aware routing; (0, "") without a prefix cache — the reference engine recomputes
         every prompt (its KV is per request)."""
         return 0, ""
+
+    def holds_prefix(self, tokens: int, digest: bytes) -> bool:
+        """Whether the prefix cache holds the KV of a ``tokens``-token prefix whose last
+        block's chained digest is ``digest`` (`orchestrator.core.prefix`): what a
+        suffix-only transfer's receiver checks before taking it. False without a cache."""
+        return False
+
+    def prefix_kv(self, token_ids: Sequence[int], digest: bytes) -> KvLayers:
+        """The cached KV of ``token_ids`` (a prefix whose last block's digest is ``digest``),
+        to which a suffix-only transfer's KV is appended; ValueError if it is not held."""
+        raise ValueError("this engine has no prefix cache")

@@ -14,9 +14,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
+import numpy as np
 
 from orchestrator.api import common_pb2, convert, worker_pb2
 from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, blames_kv_target, transport_status
@@ -58,6 +60,8 @@ class ReferenceHost(EngineHost):
         self._runner = runner if runner is not None else EngineRunner(engine)
         """Where engine calls run: the engine thread; a simulated engine's own runner."""
         self._batcher = DecodeBatcher(self._runner, max_batch)
+        if receiver is not None:  # suffix-only transfers: the engine's prefix cache decides
+            receiver.prefix_check = engine.holds_prefix
         self._decoding: dict[int, DecodeState] = {}
         """The sequences being decoded now (by ``id``): what `kv_used` sums, so the gauge
         is the KV they hold at this moment, grown token by token, and 0 once they end."""
@@ -270,6 +274,7 @@ class ReferenceHost(EngineHost):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no KV target or sender")
         assert self._sender is not None
         ids = list(request.token_ids)
+        rid = request.request_id
         sampling = convert.sampling_from_pb(request.sampling)
         started = time.perf_counter()
         result = await self._runner.call(
@@ -286,18 +291,22 @@ class ReferenceHost(EngineHost):
                 grpc.StatusCode.FAILED_PRECONDITION, "this engine's KV cannot be converted"
             )
         sent = time.perf_counter()
+        prefix = int(request.decode_prefix_tokens)
+        if not 0 <= prefix < len(ids):
+            log.warning(
+                "%s: a decode prefix of %d of %d tokens; sending all", rid, prefix, len(ids)
+            )
+            prefix = 0
+        refused = False
         try:
-            layers = await _to_wire(result.kv, info.kv_dtype, wire_dtype)
+            try:
+                header = await self._push(request, result.kv, wire_dtype, prefix)
+            except terr.PrefixMissingError as exc:  # the decode worker lacks it: send it all
+                log.info("suffix-only KV of %s refused (%s); sending the whole KV", rid, exc)
+                refused = True
+                header = await self._push(request, result.kv, wire_dtype, 0)
         except kvcodec.KvCodecError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV conversion: {exc}")
-        header = kvcodec.wire_header(
-            request.request_id, int(request.epoch), info.fingerprint, layers, wire_dtype
-        )
-        try:
-            async with await self._sender.open(request.kv_target, header) as transfer:
-                for i, layer in enumerate(layers):
-                    await transfer.send_layer(i, layer.k, layer.v, layer.scales)
-                await transfer.finish()
         except terr.TransportError as exc:
             log.warning(
                 "KV transfer of %s to %s failed: %s", request.request_id, request.kv_target, exc
@@ -321,7 +330,37 @@ class ReferenceHost(EngineHost):
             first_logprob=self._named(scored) if scored is not None else None,
             prompt_logprobs=[self._named(lp) for lp in result.prompt_logprobs],
             cached_tokens=result.cached_tokens,
+            kv_prefix_tokens=header.prefix_tokens,
+            kv_prefix_refused=refused,
         )
+
+    async def _push(
+        self,
+        request: worker_pb2.PrefillRequest,
+        kv: list[tuple[Any, Any]],
+        wire_dtype: wire.DType,
+        prefix: int,
+    ) -> wire.KvHeader:
+        """Send the KV of the tokens after the first ``prefix`` (0: all of it; else the
+        header names the prefix, ``request.decode_prefix_hash``) to the request's target."""
+        assert self._sender is not None
+        if prefix:  # the suffix's KV: tokens are the second axis of (heads, tokens, dim)
+            kv = [(np.ascontiguousarray(k[:, prefix:]), np.ascontiguousarray(v[:, prefix:]))
+                  for k, v in kv]  # fmt: skip
+        info = self.engine.info
+        layers = await _to_wire(kv, info.kv_dtype, wire_dtype)
+        header = kvcodec.wire_header(
+            request.request_id, int(request.epoch), info.fingerprint, layers, wire_dtype
+        )
+        if prefix:
+            header = replace(
+                header, prefix_tokens=prefix, prefix_hash=bytes(request.decode_prefix_hash)
+            )
+        async with await self._sender.open(request.kv_target, header) as transfer:
+            for i, layer in enumerate(layers):
+                await transfer.send_layer(i, layer.k, layer.v, layer.scales)
+            await transfer.finish()
+        return header
 
     async def decode(
         self, request: worker_pb2.DecodeRequest, context: Context
@@ -335,12 +374,13 @@ class ReferenceHost(EngineHost):
         except terr.TransportError as exc:
             await context.abort(transport_status(exc), f"no usable KV for {rid}: {exc}")
         ids = list(request.token_ids)
-        if kv.header.token_count != len(ids):
+        if kv.header.total_tokens != len(ids):
             kv.release()
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"KV covers {kv.header.token_count} tokens, request has {len(ids)}",
+                f"KV covers {kv.header.total_tokens} tokens, request has {len(ids)}",
             )
+        prefix, prefix_hash = kv.header.prefix_tokens, kv.header.prefix_hash
         started = time.perf_counter()
         adopt: wire.KvCache | list[tuple[Any, Any]] = kv
         compute = self.engine.info.kv_dtype
@@ -351,6 +391,11 @@ class ReferenceHost(EngineHost):
                 await context.abort(grpc.StatusCode.DATA_LOSS, f"KV of {rid}: {exc}")
             finally:
                 kv.release()
+        if prefix:  # a suffix: the prefix's KV comes from this worker's own cache
+            try:
+                adopt = await self._runner.call(self._extend, adopt, ids[:prefix], prefix_hash)
+            except ValueError as exc:  # evicted since the transfer was accepted: re-prefill
+                await context.abort(grpc.StatusCode.ABORTED, f"KV of {rid}: {exc}")
         state = await self.start_state(
             adopt,
             ids,
@@ -363,6 +408,21 @@ class ReferenceHost(EngineHost):
             rid, state, int(request.max_tokens), int(request.prompt_tokens), context, adopted_s
         ):
             yield chunk
+
+    def _extend(
+        self, kv: wire.KvCache | list[tuple[Any, Any]], prefix: list[int], digest: bytes
+    ) -> list[tuple[Any, Any]]:
+        """The cached KV of ``prefix`` followed by ``kv``, a suffix's (released here)."""
+        try:
+            head = self.engine.prefix_kv(prefix, digest)
+            tail = kv.layers if isinstance(kv, wire.KvCache) else kv
+            return [
+                (np.concatenate((hk, k), axis=1), np.concatenate((hv, v), axis=1))
+                for (hk, hv), (k, v) in zip(head, tail, strict=True)
+            ]
+        finally:
+            if isinstance(kv, wire.KvCache):
+                kv.release()
 
     async def release(self, request: worker_pb2.ReleaseRequest) -> bool:
         if self._receiver is None:

@@ -35,6 +35,9 @@ simulated vLLM prefix cache — an LRU of pdorch's block keys (`orchestrator.cor
 blocks of ``SIM_BLOCK`` tokens) as large as the worker's KV room, filled by every prefill
 and every adopted KV. A prefill is then charged only for the tokens after the longest cached
 run (at least the last one), and the heartbeat reports the keys, as a vLLM worker does.
+A decode worker takes a suffix-only KV transfer for a prefix it caches (`holds_prefix`) and
+rebuilds the prefix's KV from its tokens (`prefix_kv`: the simulated KV is a function of
+them) — a real engine would point at its cached blocks instead.
 
 **Time.** A prefill of *n* tokens holds the GPU for ``prefill_seconds(model, gpu, n)``; one
 decode step of a batch for ``decode_step_seconds(model, gpu, batch, mean context)``; adopting
@@ -62,7 +65,13 @@ from orchestrator.core.perfmodel import (
     kv_bytes_per_token,
     prefill_seconds,
 )
-from orchestrator.core.prefix import DEFAULT_REPORT_BLOCKS, block_keys, encode_keys
+from orchestrator.core.prefix import (
+    DEFAULT_REPORT_BLOCKS,
+    block_digests,
+    block_keys,
+    encode_keys,
+    key_of,
+)
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.errors import ConfigError
 from orchestrator.workers.batcher import EngineRunner
@@ -222,11 +231,12 @@ class SimDecodeState(DecodeState):
 
 
 class SimPrefixCache:
-    """An LRU of block keys, ``capacity`` blocks large."""
+    """An LRU of block keys, ``capacity`` blocks large; each key remembers its parent's
+    (the block before it), so a prefix named by its last block is checked back to block 0."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, int | None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -238,12 +248,24 @@ class SimPrefixCache:
         hit = 0
         while hit < len(keys) and keys[hit] in self._lru:
             hit += 1
-        for k in keys:
-            self._lru[k] = None
+        for i, k in enumerate(keys):
+            self._lru[k] = keys[i - 1] if i else None
             self._lru.move_to_end(k)
         while len(self._lru) > self.capacity:
             self._lru.popitem(last=False)
         return hit * SIM_BLOCK
+
+    def holds(self, tokens: int, digest: bytes) -> bool:
+        """Whether every block of the ``tokens``-token prefix whose last block's digest is
+        ``digest`` is cached (whole blocks only)."""
+        if tokens <= 0 or tokens % SIM_BLOCK:
+            return False
+        key: int | None = key_of(digest)
+        for _ in range(tokens // SIM_BLOCK):
+            if key is None or key not in self._lru:
+                return False
+            key = self._lru[key]
+        return key is None  # reached block 0: the prefix is exactly that long
 
     def report(self, limit: int) -> str:
         keys = list(self._lru)
@@ -306,11 +328,7 @@ class SimEngine(Engine):
             self.reused = min(self.cache.use(token_ids), n - 1)
             self.reused_total += self.reused
         info = self.info
-        # One block, layer after layer (K then V), like the reference engine: the transport
-        # can send consecutive layers as one message.
-        whole = np.zeros((info.n_layers, 2, info.kv_heads, n, info.head_dim), dtype=np.uint16)
-        whole[:, 0, :, :, :2] = _id_bits(token_ids)
-        kv = [(whole[i, 0], whole[i, 1]) for i in range(info.n_layers)]
+        kv = self._kv_of(token_ids)
         if on_layer is not None:
             for i, (k, v) in enumerate(kv):
                 on_layer(i, k, v)
@@ -327,6 +345,30 @@ class SimEngine(Engine):
                 prompt.append(sim_logprob(h, t, sampling.prompt_logprobs, info.vocab_size))
                 h = _roll(h, t)
         return PrefillResult(first, kv, first_logprob, tuple(prompt), self.reused)
+
+    def _kv_of(self, token_ids: Sequence[int]) -> KvLayers:
+        """The simulated KV of ``token_ids``: one block, layer after layer (K then V), like
+        the reference engine's (the transport can send consecutive layers as one message)."""
+        info = self.info
+        n = len(token_ids)
+        whole = np.zeros((info.n_layers, 2, info.kv_heads, n, info.head_dim), dtype=np.uint16)
+        whole[:, 0, :, :, :2] = _id_bits(token_ids)
+        return [(whole[i, 0], whole[i, 1]) for i in range(info.n_layers)]
+
+    def holds_prefix(self, tokens: int, digest: bytes) -> bool:
+        return self.cache is not None and self.cache.holds(tokens, digest)
+
+    def prefix_kv(self, token_ids: Sequence[int], digest: bytes) -> KvLayers:
+        n = len(token_ids)
+        if self.cache is None:
+            raise ValueError("this worker has no prefix cache")
+        digests = block_digests(token_ids, SIM_BLOCK)
+        if n % SIM_BLOCK or not digests or digests[-1] != digest:
+            raise ValueError(f"the KV's prefix hash does not name these {n} tokens")
+        if not self.cache.holds(n, digest):
+            raise ValueError(f"the {n}-token prefix is no longer cached here")
+        self._check_ids(token_ids)
+        return self._kv_of(token_ids)  # the simulated KV is a function of the tokens
 
     def start_decode(
         self,

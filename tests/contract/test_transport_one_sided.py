@@ -31,7 +31,7 @@ async def _refused(regions: list[control.RemoteRegion], index: int = 0) -> str:
     try:
         reader, writer = await testing._say_hello(address)
         cache = testing.synthetic_cache("r", 1, 64 * testing.KIB, n_layers=2)
-        writer.write(control.open_(1 << 16, 1 << 20, wire.encode_header(cache.header), read=True))
+        writer.write(control.open_(0, 1 << 20, wire.encode_header(cache.header), read=True))
         assert (await _message(reader)).kind is control.Kind.ACCEPT
         writer.write(control.segment(index, regions))
         msg = await _message(reader)
@@ -64,7 +64,7 @@ def test_a_one_sided_open_to_a_receiver_without_that_path_is_refused() -> None:
         try:
             reader, writer = await testing._say_hello(address)
             header = wire.encode_header(testing.synthetic_cache("t", 1, 1024).header)
-            writer.write(control.open_(1 << 16, 1 << 20, header, read=True))
+            writer.write(control.open_(0, 1 << 20, header, read=True))
             msg = await _message(reader)
             assert msg.kind is control.Kind.ERROR
             assert isinstance(control.parse_error(msg.body), errors.HeaderRejectedError)

@@ -13,11 +13,18 @@ import grpc
 import pytest
 import redis
 
-from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api import (
+    common_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from orchestrator.cli import main
 from orchestrator.cluster import LocalCluster
 from orchestrator.core.hardware import PRICED_KINDS, get_gpu
-from orchestrator.core.prefix import block_keys, decode_keys
+from orchestrator.core.prefix import block_digests, block_keys, decode_keys
+from orchestrator.core.records import WorkerInfo
 from orchestrator.store.keys import Keys
 from orchestrator.workers.sim_engine import SIM_BLOCK
 from tests.integration.conftest import collect, request, run, wait_for, workers
@@ -56,6 +63,14 @@ Info = orchestrator_pb2.RequestInfo
 
 
 def _turns(cluster: LocalCluster, address: str, tag: str, start: int = 100) -> tuple[Info, Info]:
+    first, second, _, _ = _conversation(cluster, address, tag, start)
+    return first, second
+
+
+def _conversation(
+    cluster: LocalCluster, address: str, tag: str, start: int = 100
+) -> tuple[Info, Info, list[int], list[int]]:
+    """Two turns; (turn 1's record, turn 2's, turn 2's prompt, turn 2's output)."""
     system = list(range(start, start + 10 * SIM_BLOCK))  # a 160-token system prompt
     turn1 = [*system, *range(5000, 5020)]
     ids, _, _ = cast(
@@ -67,8 +82,16 @@ def _turns(cluster: LocalCluster, address: str, tag: str, start: int = 100) -> t
     wait_for(lambda: _reported(cluster, first.prefill_worker, turn1), 10, "turn 1's blocks")
     wait_for(lambda: _reported(cluster, first.decode_worker, turn1), 10, "turn 1's blocks")
     turn2 = [*turn1, *ids, *range(7000, 7030)]
-    run(collect(address, request(turn2, max_tokens=8, request_id=f"{tag}-2")))
-    return first, cast("Info", run(_info(address, f"{tag}-2")))
+    out = _ids(address, turn2, f"{tag}-2")
+    return first, cast("Info", run(_info(address, f"{tag}-2"))), turn2, out
+
+
+def _ids(address: str, prompt: list[int], rid: str) -> list[int]:
+    got = cast(
+        "tuple[list[int], str, object]",
+        run(collect(address, request(prompt, max_tokens=8, request_id=rid))),
+    )
+    return got[0]
 
 
 def test_turn_two_goes_where_turn_one_is_cached(cluster: LocalCluster) -> None:
@@ -118,3 +141,87 @@ def test_routing_off_ignores_the_reports(cluster: LocalCluster) -> None:
     _, second = _turns(cluster, cluster.orchestrator_addresses[1], "route-off")
     assert "cached" not in second.placement
     assert "holds" not in second.placement
+
+
+def _kv_per_token(cluster: LocalCluster) -> int:
+    return next(w.kv_bytes_per_token for w in workers(cluster) if w.role == "decode")
+
+
+def test_turn_two_moves_only_the_suffix(cluster: LocalCluster) -> None:
+    """Issue 20 item 3: the decode worker that adopted turn 1 holds its 11 whole blocks; turn
+    2's prefill sends only the KV after them (the header names the prefix), and the output
+    is the one a whole transfer gives."""
+    on, off = cluster.orchestrator_addresses
+    first, second, turn2, out = _conversation(cluster, on, "suffix", start=4000)
+    assert second.decode_worker == first.decode_worker
+    per_token = _kv_per_token(cluster)
+    held = 11 * SIM_BLOCK  # turn 1's 180 tokens: 11 whole blocks
+    assert len(turn2) == 218
+    assert second.kv_bytes == (218 - held) * per_token, second.placement
+    assert "KV suffix only: 42/218 tokens sent" in second.placement
+    # Routing off: the whole KV moves, the tokens are the same.
+    assert _ids(off, turn2, "suffix-2-whole") == out
+    whole = cast("Info", run(_info(off, "suffix-2-whole")))
+    assert whole.kv_bytes == 218 * per_token
+    assert "suffix" not in whole.placement
+
+
+async def _prefill_and_decode(
+    prefill: WorkerInfo, decode: WorkerInfo, rid: str, prompt: list[int], prefix: int
+) -> tuple[worker_pb2.PrefillResponse, list[int]]:
+    """A Prefill asking a suffix-only transfer of all but ``prefix`` tokens, then the Decode."""
+    sampling = common_pb2.SamplingParams()
+    async with (
+        grpc.aio.insecure_channel(prefill.address) as pc,
+        grpc.aio.insecure_channel(decode.address) as dc,
+    ):
+        resp = await worker_pb2_grpc.PrefillServiceStub(pc).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=rid, epoch=1, token_ids=prompt, sampling=sampling,
+                kv_target=decode.kv_address, decode_prefix_tokens=prefix,
+                decode_prefix_hash=block_digests(prompt, SIM_BLOCK)[prefix // SIM_BLOCK - 1],
+            ),
+            timeout=10,
+        )  # fmt: skip
+        out: list[int] = []  # the stream opens with the prefill's token
+        async for chunk in worker_pb2_grpc.DecodeServiceStub(dc).Decode(
+            worker_pb2.DecodeRequest(
+                request_id=rid, epoch=1, token_ids=prompt, last_token=resp.first_token,
+                generated=1, sampling=sampling, max_tokens=8, kv_timeout_s=10,
+                prompt_tokens=len(prompt),
+            ),
+            timeout=10,
+        ):  # fmt: skip
+            out += chunk.token_ids
+    return resp, out
+
+
+def test_a_decode_worker_lacking_the_prefix_refuses_and_gets_the_whole_kv(
+    cluster: LocalCluster,
+) -> None:
+    """The receiver checks the prefix the header names: a decode worker that does not hold
+    it refuses before any payload moves, and the prefill sends the whole KV (same epoch);
+    the output is the same. Once it holds the prefix, the suffix alone is taken."""
+    ws = workers(cluster)
+    prefill = next(w for w in ws if w.role == "prefill")
+    decode = next(w for w in ws if w.role == "decode")
+    per_token = _kv_per_token(cluster)
+    prompt = list(range(9000, 9000 + 3 * SIM_BLOCK + 5))  # new: no worker holds it
+    resp, out = cast(
+        "tuple[worker_pb2.PrefillResponse, list[int]]",
+        run(_prefill_and_decode(prefill, decode, "refused-1", prompt, 3 * SIM_BLOCK)),
+    )
+    assert resp.kv_prefix_refused
+    assert resp.kv_prefix_tokens == 0
+    assert resp.kv_bytes == len(prompt) * per_token
+    expected = _ids(cluster.orchestrator_addresses[1], prompt, "refused-1-whole")
+    assert out == expected
+    # The decode worker adopted it: its cache now holds the 3 blocks.
+    resp, out = cast(
+        "tuple[worker_pb2.PrefillResponse, list[int]]",
+        run(_prefill_and_decode(prefill, decode, "refused-2", prompt, 3 * SIM_BLOCK)),
+    )
+    assert not resp.kv_prefix_refused
+    assert resp.kv_prefix_tokens == 3 * SIM_BLOCK
+    assert resp.kv_bytes == 5 * per_token
+    assert out == expected

@@ -2,7 +2,9 @@
 workers holding a conversation's prefix (simulated, ``--sim-prefix-cache``, one process
 each) are SIGKILLed between turns. The next turn completes on the survivors with
 contiguous tokens: at once (the index still lists the dead: failover), or once their
-heartbeats lapse (the index forgot them: placed on survivors, re-prefilled in full)."""
+heartbeats lapse (the index forgot them: placed on survivors, re-prefilled in full). With
+suffix-only transfer (on by default), turn 2 moves only the KV after turn 1's blocks, and
+turn 3 on the survivors the whole KV."""
 
 from __future__ import annotations
 
@@ -87,6 +89,10 @@ def _cost(cluster: LocalCluster, rid: str) -> dict[str, Any]:
     return cast("dict[str, Any]", json.loads(_field(cluster, rid, "cost") or "{}"))
 
 
+def _kv_per_token(cluster: LocalCluster) -> int:
+    return next(w.kv_bytes_per_token for w in workers(cluster) if w.role == "decode")
+
+
 def _kill_holders(cluster: LocalCluster) -> tuple[list[int], set[str]]:
     """Two turns of a chat (the second reusing the first's cache), then SIGKILL to the
     workers holding it; the third turn's prompt and the dead workers' ids."""
@@ -104,6 +110,9 @@ def _kill_holders(cluster: LocalCluster) -> tuple[list[int], set[str]]:
     )
     assert "prefill reuses" in second.placement, second.placement
     assert _cost(cluster, "chat-2")["prefill_reused_tokens"] > 0
+    # ... and its decode worker was sent only the KV after turn 1's 11 whole blocks.
+    assert "KV suffix only" in second.placement, second.placement
+    assert second.kv_bytes == (len(turn2) - 11 * SIM_BLOCK) * _kv_per_token(cluster)
     dead = {second.prefill_worker, second.decode_worker}
     for holder in dead:
         cluster.procs[_proc(holder)].signal(signal.SIGKILL)
@@ -114,11 +123,15 @@ def test_a_stale_index_fails_over_to_the_survivors(cluster: LocalCluster) -> Non
     """Turn 3 sent at once, while the index still lists the dead holders: the attempts on
     them fail over, and the request completes on the survivors, tokens contiguous."""
     turn3, dead = _kill_holders(cluster)
+    per_token = _kv_per_token(cluster)  # before the dead drop out
     _, third = _turn(cluster, turn3, "chat-3")
     assert third.state == "done", third.error
     assert third.prefill_worker not in dead
     assert third.decode_worker not in dead
     assert int(_field(cluster, "chat-3", "failovers") or 0) >= 1  # it did try a dead one
+    # The survivor holds none of it: the whole KV moved (no suffix claimed of the dead).
+    assert "suffix" not in third.placement, third.placement
+    assert third.kv_bytes == len(turn3) * per_token
 
 
 def test_the_index_forgets_dead_holders(cluster: LocalCluster) -> None:
@@ -131,6 +144,8 @@ def test_the_index_forgets_dead_holders(cluster: LocalCluster) -> None:
     assert {third.prefill_worker, third.decode_worker}.isdisjoint(dead)
     assert "reuses" not in third.placement, third.placement
     assert "holds" not in third.placement, third.placement
+    assert "suffix" not in third.placement, third.placement
+    assert third.kv_bytes == len(turn3) * _kv_per_token(cluster)
     assert int(_field(cluster, "chat-3", "failovers") or 0) == 0
     assert _cost(cluster, "chat-3")["prefill_reused_tokens"] == 0
     assert _cost(cluster, "chat-3")["reuse_saved_usd"] == 0.0

@@ -63,7 +63,23 @@ FULL_SPEC: dict[str, Any] = {
     },
     "failover": {"fallback": "fail", "heartbeatTTLSeconds": 1.5, "kvHoldSeconds": 12},
     "slo": {"ttftMs": 400, "tpotMs": 40},
+    "auth": {"tokensSecret": {"name": "pdorch-tokens", "key": "tokens.json"}},
+    "tls": {
+        "mode": "cert-manager",
+        "issuerRef": {"name": "pdorch-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"},
+        "duration": "720h",
+        "renewBefore": "240h",
+        "ca": {"configMap": "pdorch-ca-bundle", "key": "bundle.pem"},
+    },
 }
+
+# tls is one of three modes: the fields FULL_SPEC's cert-manager mode leaves out.
+TLS_SECRETS: dict[str, Any] = {
+    "mode": "secrets",
+    "secrets": {"orchestrator": "orch-keys", "prefill": "prefill-keys", "decode": "decode-keys"},
+    "ca": {"secret": "pdorch-ca", "key": "ca.crt"},
+}
+TLS_CERT_MANAGER: dict[str, Any] = {"mode": "cert-manager", "issuerRef": {"name": "pdorch-ca"}}
 
 
 def spec_with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:

@@ -44,6 +44,7 @@ RESOURCES = {
     "apps/v1/statefulsets": ("StatefulSet", True),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True),
+    "cert-manager.io/v1/certificates": ("Certificate", True),  # as if cert-manager were in
 }
 _VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 _KMOCK_HISTORY = 16  # more than the requests in flight at once

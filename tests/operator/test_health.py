@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from orchestrator.operator.health import Workload, assess, invalid_spec, workload_from
+from orchestrator.operator.health import (
+    Workload,
+    assess,
+    certificate_ready,
+    invalid_spec,
+    workload_from,
+)
 
 UP, DOWN = Workload(desired=2, ready=2), Workload(desired=2, ready=0)
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -22,6 +28,7 @@ def _status(
     previous: list[dict[str, Any]] | None = None,
     now: str = T0,
     foreign: tuple[str, ...] = (),
+    certificates: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     return assess(
         orchestrator=orchestrator,
@@ -33,6 +40,7 @@ def _status(
         previous=previous or [],
         now=now,
         foreign=foreign,
+        certificates=certificates,
     )
 
 
@@ -134,3 +142,40 @@ def test_invalid_spec_status() -> None:
     assert conditions["Degraded"]["reason"] == "InvalidSpec"
     assert "spec.redis" in conditions["Degraded"]["message"]
     assert status["observedGeneration"] == 3
+
+
+def test_certificates_not_ready_degrade_and_show_which() -> None:
+    status = _status(certificates={"llama-orchestrator": True, "llama-decode": False})
+    conditions = _conditions(status)
+    assert conditions["CertificatesReady"] == ("False", "NotIssued")
+    assert conditions["Degraded"] == ("True", "CertificatesNotReady")
+    (cert,) = [c for c in status["conditions"] if c["type"] == "CertificatesReady"]
+    assert cert["message"] == "not ready: llama-decode"
+    issued = _status(
+        certificates={"llama-orchestrator": True, "llama-decode": True},
+        previous=status["conditions"],
+        now=T1,
+    )
+    assert _conditions(issued)["CertificatesReady"] == ("True", "Issued")
+    assert _conditions(issued)["Degraded"] == ("False", "AllComponentsReady")
+    # TLS switched off: the condition goes rather than lingering.
+    plain = _status(previous=issued["conditions"], now=T1)
+    assert "CertificatesReady" not in _conditions(plain)
+
+
+def test_certificate_ready_reads_cert_managers_ready_condition() -> None:
+    assert not certificate_ready(None)
+    assert not certificate_ready({"status": {}})
+    assert not certificate_ready(
+        {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "Pending"}]}}
+    )
+    assert certificate_ready(
+        {
+            "status": {
+                "conditions": [
+                    {"type": "Issuing", "status": "True"},
+                    {"type": "Ready", "status": "True"},
+                ]
+            }
+        }
+    )

@@ -33,6 +33,7 @@ SERVICES = "v1/services"
 CONFIGMAPS = "v1/configmaps"
 NETPOLS = "networking.k8s.io/v1/networkpolicies"
 PDBS = "policy/v1/poddisruptionbudgets"
+CERTIFICATES = "cert-manager.io/v1/certificates"
 
 Apply = Callable[[str, dict[str, Any]], None]
 
@@ -341,6 +342,50 @@ def test_switching_to_an_external_redis_prunes_the_dev_one(api: Api, apply: Appl
 
     wait_for("the dev Redis pruned and the Secret used", switched)
     assert all_exist(api, children("foxtrot", dev_redis=False))
+
+
+def test_cert_manager_tls_renders_certificates_and_switching_it_off_prunes_them(
+    api: Api, apply: Apply
+) -> None:
+    tls = {"mode": "cert-manager", "issuerRef": {"name": "pdorch-ca"}}
+    apply("juliet", {**SPEC, "tls": tls})
+    certs = [(CERTIFICATES, f"juliet-{c}") for c in ("orchestrator", "prefill", "decode")]
+    found = wait_for(
+        "every child and Certificate", lambda: all_exist(api, children("juliet") + certs)
+    )
+    for cert in found[-3:]:
+        assert cert["metadata"]["ownerReferences"][0]["uid"] == "uid-juliet"
+        assert cert["spec"]["commonName"].startswith("pdorch-")
+
+    def volumes(component: str) -> list[str]:
+        deployment = api.get(DEPLOYMENTS, f"juliet-{component}") or {}
+        pod = deployment.get("spec", {}).get("template", {}).get("spec", {})
+        return [v["name"] for v in pod.get("volumes", [])]
+
+    assert "tls" in volumes("decode")
+    # No cert-manager here: nothing issues them, and the status says so.
+    degraded = ("True", "CertificatesNotReady")
+    wait_for(
+        "Degraded: CertificatesNotReady",
+        lambda: condition(status_of(api, "juliet"), "Degraded") == degraded,
+    )
+    for _, name in certs:  # what cert-manager reports once it has issued one
+        issued = {"conditions": [{"type": "Ready", "status": "True", "reason": "Ready"}]}
+        api.patch(CERTIFICATES, name, {"status": issued}, status=True)
+    wait_for(
+        "CertificatesReady",
+        lambda: condition(status_of(api, "juliet"), "CertificatesReady") == ("True", "Issued"),
+    )
+    edit_spec(api, "juliet", {"tls": {"mode": "disabled", "issuerRef": None}}, 2)
+
+    def switched_off() -> bool:
+        return (
+            all(api.get(*ref) is None for ref in certs)
+            and "tls" not in volumes("decode")
+            and condition(status_of(api, "juliet"), "CertificatesReady") is None
+        )
+
+    wait_for("the Certificates pruned and the keys unmounted", switched_off)
 
 
 def test_invalid_spec_is_reported_and_nothing_is_applied(api: Api, apply: Apply) -> None:

@@ -6,7 +6,14 @@ from typing import Any
 
 from orchestrator.operator.render import render
 from orchestrator.operator.spec import parse_spec
-from tests.operator.conftest import IDENTITY, MANIFESTS, MINIMAL_SPEC, load_yaml_documents
+from tests.operator.conftest import (
+    IDENTITY,
+    MANIFESTS,
+    MINIMAL_SPEC,
+    TLS_CERT_MANAGER,
+    load_yaml_documents,
+    spec_with,
+)
 
 CHILD_VERBS = {"get", "create", "patch", "delete"}
 
@@ -71,8 +78,18 @@ def test_exactly_the_permissions_the_operator_uses() -> None:
         "StatefulSet": "statefulsets",
         "PodDisruptionBudget": "poddisruptionbudgets",
         "NetworkPolicy": "networkpolicies",
+        "Certificate": "certificates",
     }
-    for obj in render(IDENTITY, parse_spec(MINIMAL_SPEC)):
-        group = obj["apiVersion"].rpartition("/")[0]
-        needed[group, plurals[obj["kind"]]] = CHILD_VERBS
+    specs = [MINIMAL_SPEC, spec_with(MINIMAL_SPEC, "tls", TLS_CERT_MANAGER)]
+    for raw in specs:
+        for obj in render(IDENTITY, parse_spec(raw)):
+            group = obj["apiVersion"].rpartition("/")[0]
+            needed[group, plurals[obj["kind"]]] = CHILD_VERBS
+    assert ("cert-manager.io", "certificates") in needed
     assert _grants() == needed
+
+
+def test_the_operator_cannot_read_secrets() -> None:
+    """Pods get Secrets (the Redis URL, TLS keys) from the kubelet; the operator never
+    holds one."""
+    assert not [key for key in _grants() if key[1] == "secrets"]

@@ -12,7 +12,14 @@ from orchestrator.operator import naming
 from orchestrator.operator.naming import Ref
 from orchestrator.operator.render import child_refs, render
 from orchestrator.operator.spec import parse_spec
-from tests.operator.conftest import FULL_SPEC, IDENTITY, MINIMAL_SPEC, rendered, spec_with
+from tests.operator.conftest import (
+    FULL_SPEC,
+    IDENTITY,
+    MINIMAL_SPEC,
+    TLS_CERT_MANAGER,
+    rendered,
+    spec_with,
+)
 
 COMMON = {
     ("ServiceAccount", "llama"),
@@ -34,6 +41,11 @@ DEV_REDIS = {
     ("StatefulSet", "llama-redis"),
     ("NetworkPolicy", "llama-redis"),
 }
+CERTIFICATES = {
+    ("Certificate", "llama-orchestrator"),
+    ("Certificate", "llama-prefill"),
+    ("Certificate", "llama-decode"),
+}
 
 
 def _container(objs: dict[tuple[str, str], Any], name: str) -> dict[str, Any]:
@@ -42,6 +54,13 @@ def _container(objs: dict[tuple[str, str], Any], name: str) -> dict[str, Any]:
     ]
     (container,) = containers
     return container
+
+
+def _probe_port(probe: dict[str, Any]) -> int:
+    """The port a probe checks (gRPC without TLS, TCP with it)."""
+    (action,) = [probe[k] for k in ("grpc", "tcpSocket", "httpGet", "exec") if k in probe]
+    port: int = action["port"]
+    return port
 
 
 def _cli_args(container: dict[str, Any]) -> Any:
@@ -56,8 +75,8 @@ def test_children_with_a_dev_redis() -> None:
     assert set(rendered(MINIMAL_SPEC)) == COMMON | DEV_REDIS
 
 
-def test_children_with_an_external_redis() -> None:
-    assert set(rendered(FULL_SPEC)) == COMMON
+def test_children_with_an_external_redis_and_cert_manager() -> None:
+    assert set(rendered(FULL_SPEC)) == COMMON | CERTIFICATES
 
 
 @pytest.mark.parametrize("raw", [MINIMAL_SPEC, FULL_SPEC], ids=["minimal", "full"])
@@ -68,7 +87,11 @@ def test_render_is_deterministic_and_pure(raw: dict[str, Any]) -> None:
     assert parse_spec(raw) == spec  # the input is untouched
 
 
-@pytest.mark.parametrize("raw", [MINIMAL_SPEC, FULL_SPEC], ids=["minimal", "full"])
+@pytest.mark.parametrize(
+    "raw",
+    [MINIMAL_SPEC, FULL_SPEC, spec_with(MINIMAL_SPEC, "tls", TLS_CERT_MANAGER)],
+    ids=["minimal", "full", "dev-redis-cert-manager"],
+)
 def test_every_child_is_owned_labelled_and_known_to_teardown(raw: dict[str, Any]) -> None:
     objs = render(IDENTITY, parse_spec(raw))
     for obj in objs:
@@ -87,7 +110,7 @@ def test_every_child_is_owned_labelled_and_known_to_teardown(raw: dict[str, Any]
         assert meta["labels"][naming.LABEL_INSTANCE] == "llama"
         assert meta["labels"][naming.LABEL_MANAGED_BY] == "pdorch-operator"
     assert {Ref.of(o) for o in objs} <= set(child_refs(IDENTITY))
-    assert len(set(child_refs(IDENTITY))) == len(COMMON | DEV_REDIS)
+    assert len(set(child_refs(IDENTITY))) == len(COMMON | DEV_REDIS | CERTIFICATES)
 
 
 def test_orchestrator_runs_real_flags_from_the_spec() -> None:
@@ -99,8 +122,8 @@ def test_orchestrator_runs_real_flags_from_the_spec() -> None:
     assert args.drain_grace == 40  # terminationGracePeriodSeconds 45 − the 5 s margin
     assert args.ttft_slo_ms == 400  # slo.ttftMs: early rejection
     assert args.replica_id == "pod-0"
-    assert container["readinessProbe"]["grpc"] == {"port": args.port}
-    assert container["livenessProbe"]["grpc"] == {"port": args.port}
+    assert _probe_port(container["readinessProbe"]) == args.port
+    assert _probe_port(container["livenessProbe"]) == args.port
     assert container["ports"][0]["containerPort"] == args.port
     pod = objs["Deployment", "llama-orchestrator"]["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 45
@@ -124,7 +147,7 @@ def test_workers_run_real_flags_from_the_spec(role: str) -> None:
     if role == "decode":
         assert (args.kv_capacity_mib, args.kv_hold) == (16384, 12.0)
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert container[probe]["grpc"] == {"port": args.port}
+        assert _probe_port(container[probe]) == args.port
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": args.port, "kv": args.kv_port}
     assert container["volumeMounts"][0]["mountPath"] == "/var/cache/pdorch/models"

@@ -20,12 +20,15 @@ from orchestrator.cli import build_parser
 from orchestrator.operator.naming import Identity
 from orchestrator.operator.render import render
 from orchestrator.operator.spec import parse_spec
+from tests.operator.certmanager import validate_certificate
 from tests.operator.conftest import (
     FULL_SPEC,
     IDENTITY,
     KUBERNETES_VERSION,
     MANIFESTS,
     MINIMAL_SPEC,
+    TLS_CERT_MANAGER,
+    TLS_SECRETS,
     load_yaml_documents,
     sample_specs,
     spec_with,
@@ -47,12 +50,20 @@ def validate_builtin(obj: dict[str, Any]) -> None:
     kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
 
+def validate_rendered(obj: dict[str, Any]) -> None:
+    """A child the operator renders: a built-in kind, or cert-manager's Certificate."""
+    if obj["apiVersion"] == "cert-manager.io/v1":
+        validate_certificate(obj)
+    else:
+        validate_builtin(obj)
+
+
 def validate_custom(obj: dict[str, Any]) -> None:
     jsonschema.Draft7Validator(_crd_schema()).validate(obj)
     meta = obj["metadata"]
     identity = Identity(meta["name"], meta.get("namespace", "default"), "uid")
     for child in render(identity, parse_spec(obj["spec"])):
-        validate_builtin(child)
+        validate_rendered(child)
 
 
 def validate_any(obj: dict[str, Any]) -> None:
@@ -93,13 +104,24 @@ def test_manifest_validates(path: Path) -> None:
         FULL_SPEC,
         spec_with(MINIMAL_SPEC, "transport", {"kind": "tcp"}),
         spec_with(FULL_SPEC, "redis", {"dev": {"storage": 10737418240}}),
+        spec_with(FULL_SPEC, "tls", TLS_SECRETS),
+        spec_with(MINIMAL_SPEC, "tls", TLS_CERT_MANAGER),
     ],
-    ids=["minimal", "full", "tcp", "dev-redis-integer-storage"],
+    ids=["minimal", "full", "tcp", "dev-redis-integer-storage", "tls-secrets", "cert-manager"],
 )
 def test_rendered_objects_validate(raw: dict[str, Any]) -> None:
     objects = render(IDENTITY, parse_spec(raw))
     for obj in objects:
-        validate_builtin(obj)
+        validate_rendered(obj)
+
+
+def test_an_invalid_certificate_is_caught() -> None:
+    """The hand-written Certificate schema bites: a misspelled field, a usage cert-manager
+    does not know."""
+    (cert, *_) = [o for o in render(IDENTITY, parse_spec(FULL_SPEC)) if o["kind"] == "Certificate"]
+    for path, value in [("spec.dnsName", ["x"]), ("spec.usages", ["mtls"])]:
+        with pytest.raises(jsonschema.ValidationError):
+            validate_certificate(spec_with(cert, path, value))
 
 
 def test_an_invalid_object_is_caught() -> None:
@@ -124,6 +146,10 @@ def test_samples_validate_against_the_crd_and_parse(sample: dict[str, Any]) -> N
         ("spec.transport.kind", "rdma"),
         ("spec.failover.fallback", "retry"),
         ("spec.image", ...),
+        ("spec.tls.mode", "mtls"),
+        ("spec.tls.issuerRef.kind", "Vault"),
+        ("spec.tls.issuerRef", {"kind": "Issuer"}),
+        ("spec.tls.duration", "90d"),
     ],
 )
 def test_crd_schema_rejects_what_the_parser_rejects(path: str, value: Any) -> None:
@@ -161,10 +187,14 @@ def _has(obj: Any, path: str) -> bool:
 
 
 def test_crd_and_parser_know_the_same_fields() -> None:
-    """FULL_SPEC (and its dev-Redis variant: redis is one of two) sets every field: the CRD
-    lists no field they lack, and (closed) accepts them; parse_spec, which rejects unknown
-    fields, accepts them."""
-    variants = [FULL_SPEC, spec_with(FULL_SPEC, "redis", FULL_DEV_REDIS)]
+    """FULL_SPEC (and its variants: redis is one of two, tls one of three modes) sets every
+    field: the CRD lists no field they lack, and (closed) accepts them; parse_spec, which
+    rejects unknown fields, accepts them."""
+    variants = [
+        FULL_SPEC,
+        spec_with(FULL_SPEC, "redis", FULL_DEV_REDIS),
+        spec_with(FULL_SPEC, "tls", TLS_SECRETS),
+    ]
     spec_schema = _crd_schema()["properties"]["spec"]
     for path in _property_paths(spec_schema, "spec"):
         assert any(_has({"spec": v}, path) for v in variants), f"no test spec sets {path}"

@@ -22,10 +22,12 @@ import grpc
 from orchestrator.api import common_pb2, worker_pb2
 from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
 from orchestrator.control.clients import WorkerClients
+from orchestrator.core.prefix import encode_keys
 from orchestrator.core.records import WorkerInfo
 
 VOCAB = 1000
 KV_BYTES_PER_TOKEN = 16
+PREFIX_BLOCK = 16
 
 
 def token(index: int) -> int:
@@ -70,6 +72,11 @@ class FakeWorker:
     """Streams the orchestrator cancelled."""
     samplings: list[common_pb2.SamplingParams] = field(default_factory=list)
     """The sampling parameters of every prefill and aggregated call, in order."""
+    prefix_keys: tuple[int, ...] = ()
+    """Block keys (of `PREFIX_BLOCK` tokens) its heartbeat says its prefix cache holds."""
+    decode_lacks_prefix: bool = False
+    """Prefill: a suffix-only transfer asked for is refused by the receiver (whole KV sent)."""
+    prefill_requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
 
     @property
     def info(self) -> WorkerInfo:
@@ -85,6 +92,8 @@ class FakeWorker:
             vocab_size=VOCAB,
             kv_bytes_per_token=KV_BYTES_PER_TOKEN,
             kv_capacity_bytes=KV_BYTES_PER_TOKEN * 1_000_000,
+            kv_block_size=PREFIX_BLOCK if self.prefix_keys else 0,
+            kv_prefix=encode_keys(self.prefix_keys),
         )
 
     def decoded(self, rid: str, epoch: int) -> int:
@@ -149,6 +158,7 @@ class _Stubs:
             w = self.w
             w.calls.append((f"prefill:{req.request_id}", req.epoch))
             w.samplings.append(req.sampling)
+            w.prefill_requests.append(req)
             if w.prefill_error is not None:
                 raise rpc_error(w.prefill_error, "prefill failed", blame=w.blame_kv_target)
             resp = worker_pb2.PrefillResponse(
@@ -157,6 +167,11 @@ class _Stubs:
                 prefill_ms=2.0,
                 transfer_ms=1.0,
             )
+            if req.decode_prefix_tokens and w.decode_lacks_prefix:
+                resp.kv_prefix_refused = True
+            elif req.decode_prefix_tokens:  # the KV after the prefix only
+                resp.kv_prefix_tokens = req.decode_prefix_tokens
+                resp.kv_bytes -= req.decode_prefix_tokens * KV_BYTES_PER_TOKEN
             if req.sampling.HasField("logprobs"):
                 resp.first_logprob.CopyFrom(logprob(req.first_index))
             if req.sampling.HasField("prompt_logprobs"):

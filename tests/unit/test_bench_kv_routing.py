@@ -55,6 +55,17 @@ def test_summary_and_table() -> None:
     assert s["kv_bytes_per_request"] == 200
     assert s["routed_to_a_cached_prefix"] == 0.5
     assert s["prefill_tokens_computed_per_request"] == (20 + 4) / 2  # 16 cached the 2nd time
-    table = format_result({"off": s, "on": s})
+    assert s["kv_suffix_only"] == 0.0
+    table = format_result(
+        {
+            "off": s,
+            "on": s,
+            "suffix": summarize(
+                [replace(samples[0], placement="x; KV suffix only: 4/20 tokens sent")]
+            ),
+        }
+    )
     assert "routing off" in table
+    assert "+ suffix KV" in table
     assert "50%" in table
+    assert "100%" in table.splitlines()[-1]  # KV sent as a suffix only

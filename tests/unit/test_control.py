@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport import control, errors
+from transport.base import TransferTokens
 from transport.control import (
     HEAD_SIZE,
     INSTANCE_ID_BYTES,
@@ -40,6 +41,8 @@ MAPPED: list[tuple[type[errors.TransportError], ErrorCode]] = [
     (errors.TransportClosedError, ErrorCode.CLOSED),
     (errors.TransferTimeoutError, ErrorCode.TIMEOUT),
     (errors.PeerLostError, ErrorCode.INTERNAL),
+    (errors.PrefixMissingError, ErrorCode.PREFIX_MISSING),
+    (errors.PeerRejectedError, ErrorCode.REJECTED_PEER),
 ]
 
 
@@ -186,7 +189,7 @@ def test_random_hello_and_open_bodies_only_raise_wire_format_errors(body: bytes)
 @FUZZ
 @given(index=st.integers(0, MAX_LAYERS - 1))
 def test_layer_tags_stay_inside_their_transfer(index: int) -> None:
-    tag = control.new_transfer_tag()
+    tag = control.new_token()
     assert tag & 0xFFFF == 0
     assert 0 <= tag < 1 << 64
     seg_tag = control.layer_tag(tag, index)
@@ -194,14 +197,14 @@ def test_layer_tags_stay_inside_their_transfer(index: int) -> None:
 
 
 def test_layer_tags_are_distinct_for_every_segment() -> None:
-    tag = control.new_transfer_tag()
+    tag = control.new_token()
     tags = [control.layer_tag(tag, i) for i in range(MAX_LAYERS)]
     assert len(set(tags)) == len(tags)
 
 
 def test_transfer_tags_are_random() -> None:
     # 48 random bits: a repeat among 64 draws would be a 1-in-2^36 event.
-    assert len({control.new_transfer_tag() for _ in range(64)}) == 64
+    assert len({control.new_token() for _ in range(64)}) == 64
 
 
 # ------------------------------------------------------------------ errors
@@ -306,14 +309,14 @@ def test_error_text_is_truncated_to_1000_characters() -> None:
 def test_control_messages_built_by_helpers_all_decode() -> None:
     messages = [
         control.hello(b"i" * INSTANCE_ID_BYTES, b"addr"),
-        control.open_(control.new_transfer_tag(), 1 << 20, b"header"),
-        control.encode(Kind.ACCEPT),
+        control.open_(control.new_token(), 1 << 20, b"header"),
+        control.accept(control.new_token()),
         control.encode(Kind.LAYER, b"\0" * LAYER_FRAME_SIZE),
         control.encode(Kind.DONE),
         control.error(errors.BudgetExceededError("full")),
         control.encode(Kind.ABORT, b"cancelled"),
         control.encode(Kind.LAYERS, b"\0" * (3 * LAYER_FRAME_SIZE)),
-        control.open_(control.new_transfer_tag(), 1 << 20, b"header", read=True),
+        control.open_(control.new_token(), 1 << 20, b"header", read=True),
         control.segment(0, [control.RemoteRegion(1, 2, b"rkey")]),
         control.encode(Kind.LANDED),
     ]
@@ -372,3 +375,58 @@ def test_open_read_round_trip() -> None:
     kind, _ = control.decode_head(msg[:HEAD_SIZE])
     assert kind is Kind.OPEN_READ
     assert control.parse_open(msg[HEAD_SIZE:]) == (7 << 16, 1 << 20, b"hdr")
+
+
+# ------------------------------------------------------------------ tokens and refusals
+
+
+def test_accept_carries_the_receivers_token() -> None:
+    token = control.new_token()
+    kind, body = split(control.accept(token))
+    assert kind is Kind.ACCEPT
+    assert control.parse_accept(body) == token
+
+
+@pytest.mark.parametrize("body", [b"", b"\0" * 8, (1).to_bytes(8, "little"), b"\1" * 9])
+def test_an_accept_without_a_well_formed_token_is_refused(body: bytes) -> None:
+    with pytest.raises(errors.WireFormatError):
+        control.parse_accept(body)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        errors.HeaderRejectedError("model fingerprint 'a' does not match 'secret-model'"),
+        errors.HeaderRejectedError(
+            "layer 0 shapes K(8, 5, 64) do not match the model's (4, 5, 128)"
+        ),
+        errors.StaleEpochError("request 'r': epoch 2 < 9"),
+        errors.BudgetExceededError("100 bytes requested, 7 of 4294967296 free"),
+        errors.WireFormatError("payload of 9 bytes exceeds 1073741824"),
+        errors.PeerRejectedError("identity not allowed"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_refusal_names_its_class_and_nothing_of_the_receiver(exc: Exception) -> None:
+    kind, body = split(control.refusal(exc))
+    assert kind is Kind.ERROR
+    back = control.parse_error(body)
+    assert type(back) is type(exc)
+    text = str(back)
+    for secret in ("secret-model", "128", "9", "4294967296", "1073741824", "(4,"):
+        assert secret not in text, text
+
+
+def test_tokens_are_one_time() -> None:
+    tokens = TransferTokens(memory=4)
+    live = [tokens.issue() for _ in range(3)]
+    assert len(set(live)) == 3
+    assert all(tokens.state(t) == "live" for t in live)
+    tokens.spend(live[0])
+    assert tokens.state(live[0]) == "spent"
+    issued = {tokens.issue() for _ in range(64)}
+    assert live[0] not in issued  # never issued again while remembered
+    assert all(t & 0xFFFF == 0 and t for t in issued)
+    assert tokens.wants(control.layer_tag(live[1], 7))  # a live token's segment
+    assert not tokens.wants(control.layer_tag(live[0], 0))  # a spent one's
+    assert not tokens.wants(control.layer_tag(control.new_token(), 0))  # never issued

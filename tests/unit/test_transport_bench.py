@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,8 @@ def test_asking_for_nixl_where_it_is_missing_is_a_clear_error() -> None:
 def test_bad_counts_are_refused_before_anything_starts() -> None:
     with pytest.raises(bench.BenchError, match="at least 1"):
         bench.run("tcp", 1 << 20, 0, nixl=False)
+
+
+def test_a_tls_directory_without_certificates_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(bench.BenchError, match=r"ca\.pem is missing"):
+        bench.run("tcp", 1 << 20, 1, nixl=False, tls_dir=str(tmp_path))
