@@ -190,6 +190,7 @@ class DecodeRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     KV_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    FLUSH_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     epoch: _builtins.int
     last_token: _builtins.int
@@ -204,6 +205,11 @@ class DecodeRequest(_message.Message):
     """How long to wait for the KV to arrive before failing the call."""
     prompt_tokens: _builtins.int
     """How many of token_ids are the prompt."""
+    flush_ms: _builtins.float
+    """Coalescing window: send at most one TokenChunk per flush_ms, merging the tokens produced
+    meanwhile (the first chunk and one after a quiet window go out at once). 0: every chunk
+    as produced. The worker caps it (orchestrator/workers/coalesce.py).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens whose KV was sent: the prompt, followed after a failover by the output tokens
@@ -225,10 +231,11 @@ class DecodeRequest(_message.Message):
         max_tokens: _builtins.int = ...,
         kv_timeout_s: _builtins.float = ...,
         prompt_tokens: _builtins.int = ...,
+        flush_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generated", b"generated", "kv_timeout_s", b"kv_timeout_s", "last_token", b"last_token", "max_tokens", b"max_tokens", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "flush_ms", b"flush_ms", "generated", b"generated", "kv_timeout_s", b"kv_timeout_s", "last_token", b"last_token", "max_tokens", b"max_tokens", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -343,6 +350,7 @@ class AggregatedRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     FIRST_INDEX_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    FLUSH_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     epoch: _builtins.int
     max_tokens: _builtins.int
@@ -353,6 +361,8 @@ class AggregatedRequest(_message.Message):
     """
     prompt_tokens: _builtins.int
     """How many of token_ids are the prompt."""
+    flush_ms: _builtins.float
+    """Coalescing window, as DecodeRequest.flush_ms."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt, followed (after a failover) by the output tokens already generated."""
@@ -369,10 +379,11 @@ class AggregatedRequest(_message.Message):
         max_tokens: _builtins.int = ...,
         first_index: _builtins.int = ...,
         prompt_tokens: _builtins.int = ...,
+        flush_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_index", b"first_index", "max_tokens", b"max_tokens", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_index", b"first_index", "flush_ms", b"flush_ms", "max_tokens", b"max_tokens", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

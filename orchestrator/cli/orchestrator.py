@@ -160,6 +160,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help=field_doc(ControlSettings, "detach_grace_s"),
     )
     o.add_argument(
+        "--stream-flush-ms",
+        type=non_negative_float,
+        default=default(ControlSettings, "stream_flush_ms"),
+        help=field_doc(ControlSettings, "stream_flush_ms"),
+    )
+    o.add_argument(
         "--store-outage",
         type=non_negative_float,
         default=default(StoreSettings, "outage_s"),
@@ -316,6 +322,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
     return ControlSettings(
         fallback=args.fallback,
         detach_grace_s=args.detach_grace,
+        stream_flush_ms=args.stream_flush_ms,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),

@@ -154,6 +154,7 @@ class Dispatch:
                 max_tokens=run.spec.max_tokens,
                 kv_timeout_s=self.settings.kv_timeout_s,
                 prompt_tokens=len(run.spec.prompt),
+                flush_ms=self.settings.stream_flush_ms,
             ),
             run.check,
         )
@@ -191,6 +192,7 @@ class Dispatch:
                 max_tokens=run.spec.max_tokens,
                 first_index=len(run.output),
                 prompt_tokens=len(run.spec.prompt),
+                flush_ms=self.settings.stream_flush_ms,
             ),
             run.check,
         )

@@ -62,6 +62,8 @@ class Intake:
         self.ledger = ledger
         self.metrics = metrics
         self.owner = owner
+        self._listed: tuple[float, list[WorkerInfo]] | None = None
+        """(when, workers) of the last listing (`_workers`)."""
 
     def rejected(self, exc: errors.PdorchError) -> None:
         if self.metrics is not None:
@@ -77,7 +79,7 @@ class Intake:
         try:
             self.settings.limits.check(inp)
             _check_deadline(inp)
-            workers = await self.store.workers()
+            workers = await self._workers()
             if not workers:
                 raise errors.UnavailableError("no workers registered")
             fingerprints = {w.fingerprint for w in workers}
@@ -118,6 +120,17 @@ class Intake:
                 f"request id {spec.request_id!r} was already used for a different request"
             )
         return record, existing
+
+    async def _workers(self) -> list[WorkerInfo]:
+        """The live workers, as listed at most ``workers_cache_s`` ago (two store round trips
+        per request saved under load; a worker's heartbeat changes once a second anyway)."""
+        ttl = self.settings.workers_cache_s
+        now = time.monotonic()
+        if self._listed is not None and now - self._listed[0] < ttl:
+            return self._listed[1]
+        workers = await self.store.workers()
+        self._listed = (now, workers)
+        return workers
 
     async def _tokens(self, inp: GenerateInput, workers: Sequence[WorkerInfo]) -> tuple[int, ...]:
         model = workers[0]

@@ -5,6 +5,17 @@ The journal is what makes a request survive its replica: a follower (a resubmiss
 client resuming on another replica) and a replica taking the request over read it. Two ways
 it and its writer disagree are repaired here (`unjournalled_after`): the store lost its last
 writes (Redis restarted inside its fsync window), or a write landed whose reply was lost.
+
+**Group commit.** One writer task per replica (``pdorch-journal-writer``, started on demand,
+ending when idle) writes for every request: a run that has chunks to journal queues itself
+and waits; the writer takes everything queued, writes it in one `Store.append_many` round
+trip (one script call per chunk, each on its own request's keys), tells each run how its
+writes went, and starts again with whatever queued meanwhile. So while one round trip is
+in flight the next batch gathers: under load one write carries the chunks of every stream,
+and an idle replica pays no wait. Every write of a run goes through the writer, in order,
+so a run's buffer (`JournalBuffer`) has one writer. A refusal (stale epoch, request ended,
+a gap that cannot be resynced) is that run's alone; an unreachable store fails the batch's
+runs, whose chunks stay unjournalled (never counted as written) until a later write.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import logging
 import time
 
 from orchestrator import errors
-from orchestrator.control.run import Run
+from orchestrator.control.run import JournalBuffer, Run
 from orchestrator.core.records import JournalEntry, unjournalled_after
 from orchestrator.store.base import Store
 
@@ -22,6 +33,11 @@ log = logging.getLogger(__name__)
 
 SETTLE_FIRST_DELAY_S = 0.05
 SETTLE_MAX_DELAY_S = 1.0
+MAX_RESYNCS = 8
+"""Gap resyncs in a row (without a write landing) before a run's write fails: the journal's
+end keeps moving under it, which only another writer can cause."""
+
+_Waiting = tuple[Run, "asyncio.Future[None]"]
 
 
 class JournalWriter:
@@ -29,6 +45,10 @@ class JournalWriter:
         self.store = store
         self.outage_s = outage_s
         """How long `settle` waits for an unreachable store."""
+        self._queued: dict[int, _Waiting] = {}
+        """Runs waiting for the next batch, by ``id(run)``: one future each."""
+        self._resyncs: dict[int, int] = {}
+        self._task: asyncio.Task[None] | None = None
 
     async def journal(self, run: Run, entry: JournalEntry) -> None:
         """Journal a chunk before the client sees it — or, while Redis is unreachable, keep it
@@ -43,25 +63,18 @@ class JournalWriter:
                 log.warning("request %s: journal unreachable, buffering: %s", run.rid, exc)
 
     async def flush(self, run: Run) -> None:
-        buf = run.journal
-        while buf.unjournalled:
-            entry = buf.entries[-buf.unjournalled]
-            try:
-                await self.store.append(run.rid, run.epoch, entry)
-            except errors.JournalGapError as gap:
-                # Redis came back without its last writes (AOF fsync window), or a write
-                # landed whose reply we never saw (cancelled mid-call): resync from the
-                # journal's end, writing again only what it lacks.
-                pending = unjournalled_after(buf.entries, gap.journal_end)
-                if pending is None:
-                    raise
-                if gap.journal_end < entry.index:
-                    log.warning(
-                        "request %s: re-journalling %d chunks lost by the store", run.rid, pending
-                    )
-                buf.unjournalled = pending
-                continue
-            buf.unjournalled -= 1
+        """Write the run's unjournalled chunks (with the next batch); raises what refused
+        them: `UnavailableError`, `StaleEpochError`, `RequestEndedError`, `JournalGapError`."""
+        if not run.journal.unjournalled:
+            return
+        waiting = self._queued.get(id(run))
+        if waiting is None:
+            waiting = self._queued[id(run)] = (run, asyncio.get_running_loop().create_future())
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._write_loop(), name="pdorch-journal-writer")
+        # Shielded: a run cancelled while waiting must not cancel the batch's future (the
+        # writer still writes its chunks; the run's next write resyncs if need be).
+        await asyncio.shield(waiting[1])
 
     async def settle(self, run: Run) -> None:
         """Before a final transition: wait (bounded) for the store and flush the journal."""
@@ -77,3 +90,85 @@ class JournalWriter:
                 delay = min(delay * 2, SETTLE_MAX_DELAY_S)
             else:
                 return
+
+    async def close(self) -> None:
+        """Stop the writer (shutdown); runs still waiting are told the store is gone."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        self._fail(list(self._queued.values()), errors.UnavailableError("orchestrator stopping"))
+        self._queued.clear()
+
+    # ---------------------------------------------------------------------- the writer
+
+    async def _write_loop(self) -> None:
+        while self._queued:
+            batch = list(self._queued.values())
+            self._queued = {}
+            try:
+                await self._write(batch)
+            except Exception as exc:  # noqa: BLE001 - an outage, or a bug: each run raises it
+                self._fail(batch, exc)
+            except asyncio.CancelledError:  # shutdown: no run waits forever
+                self._fail(batch, errors.UnavailableError("orchestrator stopping"))
+                raise
+
+    async def _write(self, batch: list[_Waiting]) -> None:
+        items: list[tuple[str, int, JournalEntry]] = []
+        spans: list[tuple[Run, asyncio.Future[None], int]] = []
+        for run, done in batch:
+            buf = run.journal
+            pending = buf.entries[len(buf.entries) - buf.unjournalled :]
+            items += [(run.rid, run.epoch, e) for e in pending]
+            spans.append((run, done, len(pending)))
+        results = await self.store.append_many(items) if items else []
+        at = 0
+        for run, done, n in spans:
+            again, refusal = self._settled(run, results[at : at + n])
+            at += n
+            if again:
+                self._queued.setdefault(id(run), (run, done))
+                continue
+            self._resyncs.pop(id(run), None)
+            if refusal is not None:
+                self._fail([(run, done)], refusal)
+            elif not done.done():
+                done.set_result(None)
+
+    def _settled(
+        self, run: Run, results: list[int | errors.PdorchError]
+    ) -> tuple[bool, errors.PdorchError | None]:
+        """Apply one run's results to its buffer: (True, None) when a gap was resynced and
+        it must write again; else (False, the refusal or None when all went in)."""
+        buf: JournalBuffer = run.journal
+        first = len(buf.entries) - buf.unjournalled
+        for k, result in enumerate(results):
+            if not isinstance(result, errors.PdorchError):
+                buf.unjournalled -= 1
+                self._resyncs.pop(id(run), None)
+                continue
+            if not isinstance(result, errors.JournalGapError):
+                return False, result
+            # Redis came back without its last writes (AOF fsync window), or a write
+            # landed whose reply we never saw (cancelled mid-call): resync from the
+            # journal's end, writing again only what it lacks.
+            pending = unjournalled_after(buf.entries, result.journal_end)
+            tries = self._resyncs.get(id(run), 0) + 1
+            if pending is None or tries > MAX_RESYNCS:
+                return False, result
+            self._resyncs[id(run)] = tries
+            if result.journal_end < buf.entries[first + k].index:
+                log.warning(
+                    "request %s: re-journalling %d chunks lost by the store", run.rid, pending
+                )
+            buf.unjournalled = pending
+            return pending > 0, None
+        return False, None
+
+    @staticmethod
+    def _fail(batch: list[_Waiting], exc: BaseException) -> None:
+        for _, done in batch:
+            if not done.done():
+                done.set_exception(exc)
+                done.exception()  # retrieved: a run that stopped waiting leaves no warning

@@ -129,38 +129,71 @@ class WorkerLegs:
             if not task.done():
                 call.cancel()
 
+    def _problem(
+        self, check: Checkpoint, worker: WorkerInfo, silent: float
+    ) -> BaseException | None:
+        """What the run's flags (`Checkpoint`) or the stream's silence say is wrong."""
+        try:
+            check()
+        except (errors.PdorchError, asyncio.CancelledError) as exc:  # raised by the flags
+            return exc
+        if silent >= self.settings.token_timeout_s:
+            return errors.WorkerError(
+                worker.worker_id, f"no token for {silent:.0f}s", retryable=True, phase="silence"
+            )
+        return None
+
     async def _watched(
         self, stream: Any, worker: WorkerInfo, check: Checkpoint
     ) -> AsyncIterator[Any]:
         """Iterate a worker's token stream; a worker whose heartbeat expired, or a stream
-        silent for ``token_timeout_s``, raises a retryable WorkerError."""
+        silent for ``token_timeout_s``, raises a retryable WorkerError.
+
+        The reads are plain awaits (no task per chunk: this is the per-message path); a
+        watchdog task beside them wakes every ``watch_interval_s``, runs the checks and, on
+        trouble, interrupts the read it finds waiting (cancelling the reading task, which
+        the read answers as `asyncio.timeout` does: only that cancellation is turned into
+        the watchdog's error; any other is re-raised)."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.current_task()
+        assert reader is not None
         it = aiter(stream)
-        silent = 0.0
+        since = loop.time()
+        """When the current read began: silence is time spent waiting for the worker."""
+        reading = False
+        trouble: list[BaseException] = []
         step = self.settings.watch_interval_s
-        while True:
-            nxt = asyncio.ensure_future(anext(it))
-            try:
-                while True:
-                    done, _ = await asyncio.wait({nxt}, timeout=step)
-                    if done:
-                        break
-                    check()
-                    silent += step
-                    if silent >= self.settings.token_timeout_s:
-                        raise errors.WorkerError(
-                            worker.worker_id,
-                            f"no token for {silent:.0f}s",
-                            retryable=True,
-                            phase="silence",
-                        )
-                    if not await self._alive(worker):
-                        raise heartbeat_lost(worker)
-            finally:
-                if not nxt.done():
-                    nxt.cancel()
-            try:
-                chunk = nxt.result()
-            except StopAsyncIteration:
-                return
-            silent = 0.0
-            yield chunk
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(step)
+                if not reading:
+                    continue  # the reader is busy elsewhere (journalling): not the worker's
+                problem = self._problem(check, worker, loop.time() - since)
+                silent = loop.time() - since >= step
+                if problem is None and silent and not await self._alive(worker):
+                    problem = heartbeat_lost(worker)
+                if problem is not None and reading:
+                    trouble.append(problem)
+                    reader.cancel()
+                    return
+
+        watchdog = asyncio.create_task(watch(), name="pdorch-stream-watch")
+        try:
+            while True:
+                if trouble:
+                    raise trouble[0]
+                reading, since = True, loop.time()
+                try:
+                    chunk = await anext(it)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if trouble and reader.uncancel() == 0:
+                        raise trouble[0] from None
+                    raise
+                finally:
+                    reading = False
+                yield chunk
+        finally:
+            watchdog.cancel()

@@ -104,4 +104,5 @@ class Orchestrator:
         self.local.stopping = True
         await self.ownership.stop()
         await self.local.stop()
-        await self.leases.stop()  # last: hand-offs above keep their leases till done
+        await self.leases.stop()  # hand-offs above keep their leases till done
+        await self.relay.writer.close()  # last: the runs above settle their journals

@@ -23,6 +23,16 @@ class ControlSettings:
     kv_timeout_s: float = 30.0
     token_timeout_s: float = 60.0
     """Longest silence from a decode stream before the request fails."""
+    stream_flush_ms: float = 100.0
+    """The coalescing window asked of workers' token streams (``flush_ms``): at most one
+    chunk per stream per window, carrying the tokens produced meanwhile. Every message costs
+    the orchestrator a gRPC read, a journal write and a relay whatever it holds, so this is
+    what a token costs here; a token waits at most this long (the first never does). 0:
+    every token in its own message."""
+    workers_cache_s: float = 0.25
+    """How long admission reuses a listing of the live workers (0: list them for every
+    request). Heartbeats change once a second; an attempt's own failures and the watch on
+    each call's worker are not cached."""
     follow_poll_s: float = 0.05
     """How often a follower (resubmission, resume) polls the journal of a request."""
     watch_interval_s: float = 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from orchestrator.core.logprobs import TokenLogprob
@@ -99,7 +99,9 @@ class RequestRecord:
     store's scripts, read by the deadline reaper."""
 
     def to_fields(self) -> dict[str, str]:
-        d = asdict(self)
+        # Shallow (every field is a plain value, list or dict): `asdict` deep-copies the
+        # prompt's ids one by one, on every request's creation.
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         d["state"] = str(self.state)
         for name in ("timings", "prompt_ids", "sampling", "stop", "cost"):
             d[name] = json.dumps(d[name], sort_keys=True)

@@ -35,9 +35,10 @@ The rules every implementation keeps:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from orchestrator import errors
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import Edge, State
 from orchestrator.store.settings import StoreSettings
@@ -102,6 +103,18 @@ class Store(Protocol):
         the journal's end (``entry.index == output_tokens``), at the current epoch, of a live
         request. Checks, in order: `NotFoundError`, `StaleEpochError`, `RequestEndedError`
         (terminal), `JournalGapError` (``journal_end`` says where to continue)."""
+        ...
+
+    async def append_many(
+        self, items: Sequence[tuple[str, int, JournalEntry]]
+    ) -> list[int | errors.PdorchError]:
+        """`append` for many (request id, epoch, entry) — of one request or many — in one
+        round trip: applied in order, each checked exactly as `append` checks it and
+        independently of the others (one request's refusal leaves the others' writes).
+        One result per item: the new output token count, or the refusal `append` would
+        raise, returned. `UnavailableError` is raised when the store could not be reached;
+        any of the items may then have landed or not (a writer resyncs on the
+        `JournalGapError` its next write gets)."""
         ...
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:

@@ -31,7 +31,7 @@ import contextlib
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -269,29 +269,42 @@ class MemoryStore:
 
     async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
         async with self._call("journal append") as d:
-            rec = d.live(d.records, request_id)
-            if rec is None:
-                raise errors.NotFoundError(f"no request {request_id!r}")
-            cur = rec.value
-            if cur["epoch"] != str(epoch):
-                raise errors.StaleEpochError(
-                    f"request {request_id!r}: journal epoch {epoch} is stale"
-                )
-            if State(cur["state"]) in TERMINAL:
-                raise errors.RequestEndedError(f"request {request_id!r} is {cur['state']}")
-            end = cur.get("output_tokens", "0")
-            if end != str(entry.index):
-                raise errors.JournalGapError(
-                    f"request {request_id!r}: chunk at {entry.index} but journal ends at {end}",
-                    int(end),
-                )
-            journal = d.live(d.journals, request_id) or _Expiring[list[str]]([])
-            journal.value.append(entry.to_json())
-            journal.expires_at = d.clock() + self._settings.record_ttl_s
-            d.journals[request_id] = journal
-            count = int(end) + len(entry.token_ids)
-            cur.update(output_tokens=str(count), updated_at=str(d.now_ms()))
-            return count
+            return self._append(d, request_id, epoch, entry)
+
+    async def append_many(
+        self, items: Sequence[tuple[str, int, JournalEntry]]
+    ) -> list[int | errors.PdorchError]:
+        out: list[int | errors.PdorchError] = []
+        async with self._call("journal append") as d:  # one round trip, like a pipeline
+            for rid, epoch, entry in items:
+                try:
+                    out.append(self._append(d, rid, epoch, entry))
+                except errors.PdorchError as exc:  # a refusal, answered in its place
+                    out.append(exc)
+        return out
+
+    def _append(self, d: _Data, request_id: str, epoch: int, entry: JournalEntry) -> int:
+        rec = d.live(d.records, request_id)
+        if rec is None:
+            raise errors.NotFoundError(f"no request {request_id!r}")
+        cur = rec.value
+        if cur["epoch"] != str(epoch):
+            raise errors.StaleEpochError(f"request {request_id!r}: journal epoch {epoch} is stale")
+        if State(cur["state"]) in TERMINAL:
+            raise errors.RequestEndedError(f"request {request_id!r} is {cur['state']}")
+        end = cur.get("output_tokens", "0")
+        if end != str(entry.index):
+            raise errors.JournalGapError(
+                f"request {request_id!r}: chunk at {entry.index} but journal ends at {end}",
+                int(end),
+            )
+        journal = d.live(d.journals, request_id) or _Expiring[list[str]]([])
+        journal.value.append(entry.to_json())
+        journal.expires_at = d.clock() + self._settings.record_ttl_s
+        d.journals[request_id] = journal
+        count = int(end) + len(entry.token_ids)
+        cur.update(output_tokens=str(count), updated_at=str(d.now_ms()))
+        return count
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
         async with self._call("journal read") as d:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import redis.exceptions as rexc
@@ -258,6 +258,25 @@ async def _translated(what: str) -> AsyncIterator[None]:
         raise errors.UnavailableError(f"request store error ({what})") from exc
 
 
+def _appended(
+    request_id: str, epoch: int, entry: JournalEntry, res: Any
+) -> int | errors.PdorchError:
+    """An `_APPEND` reply: the new output token count, or the refusal it means."""
+    code = int(res[0])
+    if code == 1:
+        return int(res[1])
+    if code == -1:
+        return errors.NotFoundError(f"no request {request_id!r}")
+    if code == -2:
+        return errors.StaleEpochError(f"request {request_id!r}: journal epoch {epoch} is stale")
+    if code == -3:
+        return errors.RequestEndedError(f"request {request_id!r} is {res[1]}")
+    return errors.JournalGapError(
+        f"request {request_id!r}: chunk at {entry.index} but journal ends at {res[1]}",
+        int(res[1]),
+    )
+
+
 class RedisStore:
     def __init__(self, settings: StoreSettings) -> None:
         self.settings = settings
@@ -462,28 +481,57 @@ class RedisStore:
         """Journal a relayed chunk; returns the new output token count."""
         async with _translated("journal append"):
             res = await self._append(
-                keys=[self._keys.request(request_id), self._keys.journal(request_id)],
-                args=[
-                    epoch,
-                    entry.index,
-                    len(entry.token_ids),
-                    entry.to_json(),
-                    self.settings.record_ttl_s,
-                ],
+                keys=self._append_keys(request_id), args=self._append_args(epoch, entry)
             )
-        code = int(res[0])
-        if code == 1:
-            return int(res[1])
-        if code == -1:
-            raise errors.NotFoundError(f"no request {request_id!r}")
-        if code == -2:
-            raise errors.StaleEpochError(f"request {request_id!r}: journal epoch {epoch} is stale")
-        if code == -3:
-            raise errors.RequestEndedError(f"request {request_id!r} is {res[1]}")
-        raise errors.JournalGapError(
-            f"request {request_id!r}: chunk at {entry.index} but journal ends at {res[1]}",
-            int(res[1]),
-        )
+        got = _appended(request_id, epoch, entry, res)
+        if isinstance(got, errors.PdorchError):
+            raise got
+        return got
+
+    async def append_many(
+        self, items: Sequence[tuple[str, int, JournalEntry]]
+    ) -> list[int | errors.PdorchError]:
+        """`append` for many chunks in one pipeline (no MULTI: each script call is atomic on
+        its own, and touches one request's keys only). A script cache lost meanwhile
+        (NOSCRIPT) is refilled and the calls it refused are sent again."""
+        if not items:
+            return []
+        script = self._append
+        replies: list[Any] = [None] * len(items)
+        todo = list(range(len(items)))
+        async with _translated("journal append"):
+            for _ in range(2):  # the second round only after a NOSCRIPT
+                pipe = self._redis.pipeline(transaction=False)
+                for i in todo:
+                    rid, epoch, entry = items[i]
+                    keys = self._append_keys(rid)
+                    pipe.evalsha(script.sha, len(keys), *keys, *self._append_args(epoch, entry))
+                got = await pipe.execute(raise_on_error=False)
+                for i, reply in zip(todo, got, strict=True):
+                    replies[i] = reply
+                todo = [i for i in todo if isinstance(replies[i], rexc.NoScriptError)]
+                if not todo:
+                    break
+                await self._redis.script_load(script.script)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply  # an error reply: translated above
+        return [
+            _appended(rid, epoch, entry, reply)
+            for (rid, epoch, entry), reply in zip(items, replies, strict=True)
+        ]
+
+    def _append_keys(self, request_id: str) -> list[str]:
+        return [self._keys.request(request_id), self._keys.journal(request_id)]
+
+    def _append_args(self, epoch: int, entry: JournalEntry) -> list[Any]:
+        return [
+            epoch,
+            entry.index,
+            len(entry.token_ids),
+            entry.to_json(),
+            self.settings.record_ttl_s,
+        ]
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
         async with _translated("journal read"):

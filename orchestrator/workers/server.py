@@ -4,7 +4,8 @@ Every worker serves all three services (any worker can run a request aggregated,
 reference and the fallback); its *role* decides which pool it heartbeats into. What runs the
 model is an `EngineHost` (`host`): the reference engine on one thread with pdorch's KV
 sender/receiver (`reference_host`), or vLLM's async engine (`vllm.engine`). The servicers
-here validate a call, delegate it to the host and count what it produced; the worker owns
+here validate a call, delegate it to the host, coalesce its token stream to the window the
+request asks (`coalesce`) and count what it produced; the worker owns
 the gRPC server, heartbeats and drain. An undecodable request (a string field that is not
 UTF-8) is answered INVALID_ARGUMENT with one log line (`api.undecodable`), as the
 orchestrator's own server does. With TLS credentials the gRPC port is mutual TLS and only
@@ -37,6 +38,7 @@ from orchestrator.api.undecodable import RefuseUndecodable
 from orchestrator.core.peers import Surface
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.batcher import EngineRunner
+from orchestrator.workers.coalesce import coalesced, window_of
 from orchestrator.workers.engine import Engine
 from orchestrator.workers.host import EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
@@ -227,7 +229,8 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        async for chunk in self.w.host.decode(request, context):
+        chunks = coalesced(self.w.host.decode(request, context), window_of(request.flush_ms))
+        async for chunk in chunks:
             yield self.w._count(chunk)
 
     async def Release(
@@ -245,7 +248,8 @@ class _General(worker_pb2_grpc.WorkerServiceServicer):
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
         if (problem := _check_tokens(self.w, list(request.token_ids), "token_ids")) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        async for chunk in self.w.host.generate(request, context):
+        chunks = coalesced(self.w.host.generate(request, context), window_of(request.flush_ms))
+        async for chunk in chunks:
             yield self.w._count(chunk)
 
     async def Tokenize(

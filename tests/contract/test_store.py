@@ -527,6 +527,55 @@ def test_journal_of_unknown_request_is_not_found(backend: Backend) -> None:
     run(scenario)
 
 
+def test_append_many_checks_each_chunk_as_append_does(backend: Backend) -> None:
+    # One round trip for chunks of several requests (the journal writer's group commit):
+    # in order, each checked on its own, a refusal answered in its place, never raised.
+    async def scenario() -> None:
+        async with backend.open() as store:
+            for rid in ("r1", "r2", "r3"):
+                await store.create(record(rid))
+            await store.transition("r3", Edge.PREFILL, epoch=0)
+            await store.transition("r3", Edge.REQUEUE, epoch=0)  # r3 now at epoch 1
+            got = await store.append_many(
+                [
+                    ("r1", 0, JournalEntry(0, (1, 2), "ab")),
+                    ("r2", 0, JournalEntry(0, (7,), "x")),
+                    ("r1", 0, JournalEntry(2, (3,), "c")),  # after the first: chained
+                    ("r3", 0, JournalEntry(0, (5,), "s")),  # stale epoch
+                    ("r2", 0, JournalEntry(5, (8,), "y")),  # a gap
+                    ("nobody", 0, JournalEntry(0, (1,), "a")),
+                ]
+            )
+            assert got[:3] == [2, 1, 3]
+            assert isinstance(got[3], errors.StaleEpochError)
+            assert isinstance(got[4], errors.JournalGapError)
+            assert got[4].journal_end == 1
+            assert isinstance(got[5], errors.NotFoundError)
+            assert await store.journal("r1") == [
+                JournalEntry(0, (1, 2), "ab"),
+                JournalEntry(2, (3,), "c"),
+            ]
+            assert await store.journal("r2") == [JournalEntry(0, (7,), "x")]
+            assert await store.journal("r3") == []
+            assert await store.append_many([]) == []
+
+    run(scenario)
+
+
+# Redis only: NOSCRIPT exists only in Redis.
+def test_append_many_survives_a_script_cache_flush(settings: StoreSettings) -> None:
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            await store.create(record("r1"))
+            assert await client.script_flush() is True
+            got = await store.append_many(
+                [("r1", 0, JournalEntry(0, (1,), "a")), ("r1", 0, JournalEntry(1, (2,), "b"))]
+            )
+            assert got == [1, 2]
+
+    run(scenario)
+
+
 # Redis only: reads the key's TTL (memory: test_memory_store.py, journals expire).
 def test_journal_expires_with_the_record(settings: StoreSettings) -> None:
     async def scenario() -> None:

@@ -76,6 +76,11 @@ ONE_SLOT: dict[str, Call] = {
     "get": lambda s: s.get(RID),
     "set_fields": lambda s: s.set_fields(RID, {"decode_worker": "w"}),
     "append": lambda s: s.append(RID, 1, JournalEntry(0, (1,), "a")),
+    # A pipeline (no MULTI) of one script call per chunk: each call on its own request's
+    # slot, so the journal writer's batches of many requests run on a cluster.
+    "append_many of two requests": lambda s: s.append_many(
+        [(RID, 1, JournalEntry(0, (1,), "a")), ("other", 1, JournalEntry(0, (1,), "a"))]
+    ),
     "journal": lambda s: s.journal(RID),
     "refresh_lease": lambda s: s.refresh_lease(RID, "orch-1"),
     "refresh_leases of one request": lambda s: s.refresh_leases([(RID, 1)], "orch-1"),

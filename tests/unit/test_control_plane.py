@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -412,6 +412,11 @@ class _BuggyStore(MemoryStore):
     """A store whose journal append fails with a foreign exception (a bug, not an outage)."""
 
     async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
+        raise RuntimeError("WRONGTYPE at 10.0.0.3:6379")
+
+    async def append_many(
+        self, items: Sequence[tuple[str, int, JournalEntry]]
+    ) -> list[int | errors.PdorchError]:
         raise RuntimeError("WRONGTYPE at 10.0.0.3:6379")
 
 

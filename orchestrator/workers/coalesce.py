@@ -1,0 +1,105 @@
+"""Coalescing a token stream: at most one chunk per flush window, so one message carries
+many tokens.
+
+Every token a worker streams costs the orchestrator a gRPC read, a journal write and a
+relay to the client, whatever the chunk holds: the messages, not the tokens, are what cost.
+`coalesced` merges the chunks a host yields (`merge`) so that a stream sends at most one
+message per ``window_s``:
+
+- a chunk is sent at once when the previous one went out at least ``window_s`` ago; the
+  first chunk always, and alone (time to first token is never delayed, and the first chunk
+  of a decode stream — the token the prefill sampled — keeps its own shape: the
+  orchestrator completes its log-probability from the prefill's answer);
+- otherwise it waits until ``window_s`` after the previous send, and everything the host
+  yielded meanwhile goes out with it, in one chunk;
+- the chunk that ends the stream (a finish reason) waits like any other, and is merged with
+  what is pending.
+
+So a token waits at most ``window_s`` and the stream's indices stay contiguous: a merged
+chunk starts at the first merged chunk's index and carries every token after it in order.
+The window is the caller's (the orchestrator asks for it per request, ``flush_ms`` in
+`DecodeRequest`/`AggregatedRequest`), capped by `MAX_FLUSH_S`; 0 sends every chunk as it
+comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from orchestrator.aio import cancel_and_wait
+from orchestrator.api import worker_pb2
+
+MAX_FLUSH_S = 1.0
+"""The longest a worker holds a token back, whatever a request asks: a stream that sends
+less than once a second looks hung to a client (and to the orchestrator's silence watch)."""
+
+_End = BaseException | None
+"""The pump's last item: the host's error, or None when its stream ended."""
+
+
+def merge(into: worker_pb2.TokenChunk, later: worker_pb2.TokenChunk) -> None:
+    """Append ``later`` (the next chunk of the same stream) to ``into``."""
+    into.token_ids.extend(later.token_ids)
+    into.text += later.text
+    into.compute_ms += later.compute_ms
+    into.logprobs.extend(later.logprobs)
+    into.prompt_logprobs.extend(later.prompt_logprobs)
+    if later.finish_reason:
+        into.finish_reason = later.finish_reason
+
+
+def window_of(flush_ms: float) -> float:
+    """The window, in seconds, a request's ``flush_ms`` asks for (bounded)."""
+    return min(max(flush_ms, 0.0) / 1000, MAX_FLUSH_S)
+
+
+async def coalesced(
+    chunks: AsyncIterator[worker_pb2.TokenChunk], window_s: float
+) -> AsyncIterator[worker_pb2.TokenChunk]:
+    """``chunks``, at most one per ``window_s`` (see the module's docstring)."""
+    if window_s <= 0:
+        async for chunk in chunks:
+            yield chunk
+        return
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[worker_pb2.TokenChunk | _End] = asyncio.Queue()
+
+    async def pump() -> None:
+        end: _End = None
+        try:
+            async for chunk in chunks:
+                queue.put_nowait(chunk)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            end = exc
+        queue.put_nowait(end)
+
+    task = asyncio.create_task(pump(), name="pdorch-stream-coalesce")
+    last: float | None = None
+    """When the previous chunk went out (None: none yet)."""
+    try:
+        while True:
+            item = await queue.get()
+            if not isinstance(item, worker_pb2.TokenChunk):
+                if item is not None:
+                    raise item
+                return
+            if not item.finish_reason and last is not None:
+                wait = last + window_s - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)  # the window: what comes meanwhile joins
+            ended, end = False, None
+            while last is not None and not item.finish_reason and not queue.empty():
+                more = queue.get_nowait()
+                if not isinstance(more, worker_pb2.TokenChunk):
+                    ended, end = True, more
+                    break
+                merge(item, more)
+            yield item
+            last = loop.time()
+            if end is not None:
+                raise end
+            if ended or item.finish_reason:
+                return
+    finally:
+        await cancel_and_wait(task)

@@ -1,0 +1,140 @@
+"""A worker's token stream coalesced to one chunk per flush window (`workers.coalesce`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import pytest
+
+from orchestrator.api import common_pb2, worker_pb2
+from orchestrator.workers.coalesce import MAX_FLUSH_S, coalesced, window_of
+
+LIMIT_S = 5.0
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, LIMIT_S))
+
+
+def chunk(index: int, finish: int = 0) -> worker_pb2.TokenChunk:
+    if finish:
+        return worker_pb2.TokenChunk(index=index, text="!", finish_reason=finish)
+    return worker_pb2.TokenChunk(
+        index=index, token_ids=[index], text=f"<{index}>", compute_ms=1.0,
+        logprobs=[common_pb2.TokenLogprob(token_id=index, logprob=-1.0)],
+    )  # fmt: skip
+
+
+async def source(n: int, gap_s: float, finish: bool = True) -> AsyncIterator[worker_pb2.TokenChunk]:
+    """``n`` one-token chunks ``gap_s`` apart, then a finish chunk."""
+    for i in range(n):
+        if i:
+            await asyncio.sleep(gap_s)
+        yield chunk(i)
+    if finish:
+        yield chunk(n, common_pb2.FINISH_REASON_LENGTH)
+
+
+def flat(chunks: list[worker_pb2.TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_chunks_within_a_window_go_out_merged_and_contiguous() -> None:
+    async def main() -> None:
+        got = [c async for c in coalesced(source(20, 0.005), 0.05)]
+        assert flat(got) == list(range(20))  # every token once, in order
+        at = 0
+        for c in got:  # each chunk starts where the previous ended
+            assert c.index == at
+            at += len(c.token_ids)
+        assert len(got[0].token_ids) == 1  # the first token is never held back
+        assert len(got) < 8  # ~100 ms of tokens in 50 ms windows, not 20 messages
+        assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert "".join(c.text for c in got) == "".join(f"<{i}>" for i in range(20)) + "!"
+        assert sum(c.compute_ms for c in got) == 20.0
+        assert [lp.token_id for c in got for lp in c.logprobs] == list(range(20))
+
+    run(main())
+
+
+def test_no_window_passes_every_chunk_through() -> None:
+    async def main() -> None:
+        got = [c async for c in coalesced(source(5, 0.0), 0.0)]
+        assert len(got) == 6
+        assert flat(got) == list(range(5))
+
+    run(main())
+
+
+def test_a_slow_stream_is_not_delayed() -> None:
+    # Tokens further apart than the window each go out as they come.
+    async def main() -> None:
+        got = [c async for c in coalesced(source(4, 0.03), 0.01)]
+        assert [len(c.token_ids) for c in got[:4]] == [1, 1, 1, 1]
+
+    run(main())
+
+
+def test_the_hosts_error_ends_the_stream_after_what_came_before() -> None:
+    async def failing() -> AsyncIterator[worker_pb2.TokenChunk]:
+        yield chunk(0)
+        yield chunk(1)
+        raise RuntimeError("engine died")
+
+    async def main() -> None:
+        got: list[worker_pb2.TokenChunk] = []
+
+        async def consume() -> None:
+            async for c in coalesced(failing(), 0.05):
+                got.append(c)
+
+        with pytest.raises(RuntimeError, match="engine died"):
+            await consume()
+        assert flat(got) == [0, 1]  # delivered before the error
+
+    run(main())
+
+
+def test_closing_early_stops_the_host_stream() -> None:
+    closed = asyncio.Event
+
+    async def main() -> None:
+        ended = closed()
+
+        async def endless() -> AsyncIterator[worker_pb2.TokenChunk]:
+            i = 0
+            try:
+                while True:
+                    yield chunk(i)
+                    i += 1
+                    await asyncio.sleep(0.001)
+            finally:
+                ended.set()
+
+        stream = coalesced(endless(), 0.01)
+        async for c in stream:
+            if c.index > 5:
+                break
+        await stream.aclose()  # what grpc does to a cancelled call's handler
+        await asyncio.wait_for(ended.wait(), 1.0)
+
+    run(main())
+
+
+def test_the_window_is_bounded() -> None:
+    assert window_of(-5) == 0.0
+    assert window_of(20) == 0.02
+    assert window_of(1e9) == MAX_FLUSH_S
+
+
+def test_the_first_chunk_goes_out_alone_even_with_more_ready() -> None:
+    # A decode stream's first chunk is the prefill's token: the orchestrator completes its
+    # log-probability from the prefill's answer, so it is never merged with later ones.
+    async def main() -> None:
+        got = [c async for c in coalesced(source(6, 0.0), 0.05)]
+        assert [len(c.token_ids) for c in got] == [1, 5]
+        assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    run(main())

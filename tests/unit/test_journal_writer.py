@@ -1,0 +1,169 @@
+"""The journal writer's group commit (`control.journal`): many streams' chunks, one write.
+
+Against `MemoryStore` (one `append_many` is one round trip there too) with `Run`s driven
+directly: no workers. Checks that batching keeps what the per-chunk writer guaranteed —
+contiguous journals, a refusal confined to its own request, nothing counted as journalled
+that a failed write did not store — and that it does batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import pytest
+
+from orchestrator import errors
+from orchestrator.control.journal import JournalWriter
+from orchestrator.control.run import Run
+from orchestrator.core.records import JournalEntry
+from orchestrator.core.spec import RequestSpec
+from orchestrator.core.state import Edge
+from orchestrator.store.memory import MemoryStore
+from orchestrator.store.settings import StoreSettings
+
+LIMIT_S = 5.0
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, LIMIT_S))
+
+
+class CountingStore(MemoryStore):
+    """Counts the round trips of journal writes (and their sizes)."""
+
+    def __init__(self, settings: StoreSettings) -> None:
+        super().__init__(settings)
+        self.batches: list[int] = []
+
+    async def append_many(
+        self, items: Sequence[tuple[str, int, JournalEntry]]
+    ) -> list[int | errors.PdorchError]:
+        self.batches.append(len(items))
+        return await super().append_many(items)
+
+
+async def started(store: MemoryStore, *rids: str) -> list[Run]:
+    runs = []
+    for rid in rids:
+        spec = RequestSpec(rid, (1, 2, 3), 64)
+        await store.create(spec.record("a"))
+        await store.transition(rid, Edge.AGGREGATE, epoch=1)
+        runs.append(Run(spec, 1, time.monotonic()))
+    return runs
+
+
+def entry(index: int) -> JournalEntry:
+    return JournalEntry(index, (100 + index,), f"<{index}>")
+
+
+async def journalled(store: MemoryStore, rid: str) -> list[int]:
+    return [e.index for e in await store.journal(rid)]
+
+
+def test_concurrent_streams_share_one_write() -> None:
+    async def main() -> None:
+        store = CountingStore(StoreSettings(url="memory://"))
+        runs = await started(store, *(f"r{i}" for i in range(20)))
+        writer = JournalWriter(store, 1.0)
+        for index in range(3):
+            await asyncio.gather(*(writer.journal(r, entry(index)) for r in runs))
+        assert len(store.batches) <= 6  # not 60 round trips
+        assert sum(store.batches) == 60
+        for r in runs:
+            assert await journalled(store, r.rid) == [0, 1, 2]
+            assert r.journal.unjournalled == 0
+
+    run(main())
+
+
+def test_a_stale_run_in_a_batch_fails_alone() -> None:
+    # Another replica took r1 over (epoch + 1) while its chunk waited in the batch: r1's
+    # write is refused, r0's and r2's land, and no index is skipped or doubled in either.
+    async def main() -> None:
+        store = MemoryStore(StoreSettings(url="memory://"))
+        r0, r1, r2 = await started(store, "r0", "r1", "r2")
+        writer = JournalWriter(store, 1.0)
+        await asyncio.gather(*(writer.journal(r, entry(0)) for r in (r0, r1, r2)))
+        await store.transition("r1", Edge.TAKE_OVER, epoch=1)
+        got = await asyncio.gather(
+            *(writer.journal(r, entry(1)) for r in (r0, r1, r2)), return_exceptions=True
+        )
+        assert isinstance(got[1], errors.StaleEpochError)
+        assert got[0] is None
+        assert got[2] is None
+        assert await journalled(store, "r0") == [0, 1]
+        assert await journalled(store, "r2") == [0, 1]
+        assert await journalled(store, "r1") == [0]  # the new owner continues from here
+        assert r1.journal.unjournalled == 1  # never counted as written
+
+    run(main())
+
+
+def test_a_failed_batch_acks_nothing_and_is_written_when_the_store_is_back() -> None:
+    async def main() -> None:
+        store = MemoryStore(StoreSettings(url="memory://", outage_s=2.0))
+        r0, r1 = await started(store, "r0", "r1")
+        writer = JournalWriter(store, 2.0)
+        await asyncio.gather(writer.journal(r0, entry(0)), writer.journal(r1, entry(0)))
+        store.fail_next(1)  # the next batch's round trip fails before it takes effect
+        # The relay goes on (the client gets the chunks); the journal does not have them.
+        await asyncio.gather(writer.journal(r0, entry(1)), writer.journal(r1, entry(1)))
+        assert (r0.journal.unjournalled, r1.journal.unjournalled) == (1, 1)
+        assert await journalled(store, "r0") == [0]
+        await writer.journal(r0, entry(2))  # the store is back: r0's backlog goes in order
+        await writer.settle(r1)
+        assert await journalled(store, "r0") == [0, 1, 2]
+        assert await journalled(store, "r1") == [0, 1]
+        assert (r0.journal.unjournalled, r1.journal.unjournalled) == (0, 0)
+
+    run(main())
+
+
+def test_a_batch_whose_reply_was_lost_is_not_written_twice() -> None:
+    # The batch landed but its reply was lost: the chunks count as unjournalled, and the
+    # next write resyncs from the journal's end instead of duplicating them.
+    async def main() -> None:
+        store = MemoryStore(StoreSettings(url="memory://"))
+        r0, r1 = await started(store, "r0", "r1")
+        writer = JournalWriter(store, 1.0)
+        store.lose_replies(1)
+        await asyncio.gather(writer.journal(r0, entry(0)), writer.journal(r1, entry(0)))
+        assert (r0.journal.unjournalled, r1.journal.unjournalled) == (1, 1)
+        await asyncio.gather(writer.journal(r0, entry(1)), writer.settle(r1))
+        assert await journalled(store, "r0") == [0, 1]
+        assert await journalled(store, "r1") == [0]
+        assert (r0.journal.unjournalled, r1.journal.unjournalled) == (0, 0)
+
+    run(main())
+
+
+def test_an_ended_request_is_told_so() -> None:
+    async def main() -> None:
+        store = MemoryStore(StoreSettings(url="memory://"))
+        (r0,) = await started(store, "r0")
+        writer = JournalWriter(store, 1.0)
+        await store.transition("r0", Edge.CANCEL, epoch=1)
+        with pytest.raises(errors.RequestEndedError):
+            await writer.journal(r0, entry(0))
+
+    run(main())
+
+
+def test_close_fails_waiting_runs_instead_of_leaving_them() -> None:
+    async def main() -> None:
+        store = MemoryStore(StoreSettings(url="memory://"))
+        (r0,) = await started(store, "r0")
+        writer = JournalWriter(store, 1.0)
+        store.available = False
+        r0.journal.entries.append(entry(0))
+        r0.journal.unjournalled = 1
+        waiting = asyncio.ensure_future(writer.flush(r0))
+        await asyncio.sleep(0)
+        await writer.close()
+        with pytest.raises(errors.UnavailableError):
+            await waiting
+
+    run(main())
