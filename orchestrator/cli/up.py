@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -207,6 +208,7 @@ def _start(
     try:
         with progress.step(f"Redis (logs in {cluster.workdir})"):
             cluster.start_redis()
+        _check_interrupted()
         workers = cluster.prefill_workers + cluster.decode_workers
         what = (
             f"{cluster.prefill_workers} prefill + {cluster.decode_workers} decode workers "
@@ -225,8 +227,10 @@ def _start(
                     metrics[f"{role}-{i}"] = free_port()
                     cluster.start_worker(role, i, "--metrics-port", str(metrics[f"{role}-{i}"]))
             cluster.wait_workers(cluster.prefill_workers, cluster.decode_workers)
+        _check_interrupted()
         with progress.step("orchestrator"):
             cluster.start_orchestrator(0, grpc_port)
+        _check_interrupted()
     except BaseException:
         cluster.stop()
         raise
@@ -241,14 +245,28 @@ def start_failure(message: str, logs: Path) -> str:
     return f"{head}{why} (every process's log: {logs})"
 
 
+_interrupted = threading.Event()
+"""Set by SIGTERM during start-up. The handler also raises, but an exception raised while a
+finalizer runs (a Redis client's ``ConnectionPool.__del__`` in a readiness poll) is printed
+and dropped by Python ("Exception ignored in …"), so `_check_interrupted` looks again
+between steps: a SIGTERM is never lost, at worst acted on one step later."""
+
+
 def _interrupt_on_sigterm() -> None:
     """SIGTERM (`pdorch down`) during start-up acts as Ctrl-C: the start is abandoned and
     the processes stopped. (`serve_until_signalled` handles both signals once it is up.)"""
+    _interrupted.clear()
 
     def interrupted(signum: int, frame: object) -> None:
+        _interrupted.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)
+
+
+def _check_interrupted() -> None:
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 def _gateway_installed() -> bool:

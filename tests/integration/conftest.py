@@ -14,6 +14,7 @@ import redis
 
 from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.cluster import LocalCluster, connect
+from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer
@@ -55,6 +56,13 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def outlive_the_workers_listing() -> None:
+    """Wait out admission's cached listing of live workers (`ControlSettings.
+    workers_cache_s`), so the next request is placed on what the heartbeats say now (a
+    prefix just reported, a worker just gone) — the cache's only effect, by design."""
+    time.sleep(2 * ControlSettings().workers_cache_s)
 
 
 def request(

@@ -26,7 +26,14 @@ from orchestrator.core.prefix import block_digests, block_keys, decode_keys
 from orchestrator.core.records import WorkerInfo
 from orchestrator.store.keys import Keys
 from orchestrator.workers.sim_engine import SIM_BLOCK
-from tests.integration.conftest import collect, request, run, wait_for, workers
+from tests.integration.conftest import (
+    collect,
+    outlive_the_workers_listing,
+    request,
+    run,
+    wait_for,
+    workers,
+)
 
 pytestmark = pytest.mark.slow  # starts real processes (Redis, workers, orchestrators)
 
@@ -80,6 +87,7 @@ def _conversation(
     # Turn 2 waits for the heartbeats that carry turn 1's blocks (a beat a second).
     wait_for(lambda: _reported(cluster, first.prefill_worker, turn1), 10, "turn 1's blocks")
     wait_for(lambda: _reported(cluster, first.decode_worker, turn1), 10, "turn 1's blocks")
+    outlive_the_workers_listing()
     turn2 = [*turn1, *ids, *range(7000, 7030)]
     out = _ids(address, turn2, f"{tag}-2")
     return first, cast("Info", run(_info(address, f"{tag}-2"))), turn2, out

@@ -21,7 +21,14 @@ from orchestrator.cluster import LocalCluster, connect
 from orchestrator.core.prefix import block_keys, decode_keys
 from orchestrator.store.keys import Keys
 from orchestrator.workers.sim_engine import SIM_BLOCK
-from tests.integration.conftest import collect, request, run, wait_for, workers
+from tests.integration.conftest import (
+    collect,
+    outlive_the_workers_listing,
+    request,
+    run,
+    wait_for,
+    workers,
+)
 
 pytestmark = pytest.mark.failover  # starts real processes (Redis, workers, orchestrators)
 
@@ -100,6 +107,7 @@ def _kill_holders(cluster: LocalCluster) -> tuple[list[int], set[str]]:
     ids1, first = _turn(cluster, turn1, "chat-1")
     for holder in (first.prefill_worker, first.decode_worker):
         wait_for(lambda h=holder: _reported(cluster, h, turn1), 10, f"{holder}'s blocks")
+    outlive_the_workers_listing()
     turn2 = [*turn1, *ids1, *range(7000, 7030)]
     ids2, second = _turn(cluster, turn2, "chat-2")
     # Routing on: turn 2 went where turn 1 is cached, and reused it.
@@ -138,6 +146,7 @@ def test_the_index_forgets_dead_holders(cluster: LocalCluster) -> None:
     placed on the survivors with no claim of reuse, no failover, and re-prefilled in full."""
     turn3, dead = _kill_holders(cluster)
     wait_for(lambda: not dead & {w.worker_id for w in workers(cluster)}, 15, "heartbeats gone")
+    outlive_the_workers_listing()
     _, third = _turn(cluster, turn3, "chat-3")
     assert third.state == "done", third.error
     assert {third.prefill_worker, third.decode_worker}.isdisjoint(dead)
