@@ -196,6 +196,8 @@ class LocalCluster:
     """Orchestrator index -> its gateway's base URL (``http://127.0.0.1:PORT``)."""
     tls: bool = True
     """Run with TLS (a throwaway CA in ``<workdir>/tls``); False: plaintext (``--insecure``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every process the cluster starts (a benchmark's switches)."""
 
     @property
     def tls_dir(self) -> Path:
@@ -252,6 +254,7 @@ class LocalCluster:
         log_path = self.workdir / f"{name}.log"
         env = dict(os.environ)
         env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        env.update(self.env)
         proc = spawn(name, args, log_path, env)
         self.procs[name] = proc
         if self not in _LIVE:

@@ -25,6 +25,7 @@ from orchestrator.cli.common import (
     client_token,
     default,
     field_doc,
+    non_negative_int,
     positive_int,
 )
 from orchestrator.cli.orchestrator import ServerSettings
@@ -279,12 +280,15 @@ def _control_plane(bc: argparse.ArgumentParser) -> None:
         metavar="FLAG",
         help="pass FLAG to every orchestrator, e.g. --orchestrator-arg=--max-inflight=300",
     )
-    bc.add_argument(
-        "--tls",
-        choices=("on", "off"),
-        default="on" if default(ControlPlaneBench, "tls") else "off",
-        help=field_doc(ControlPlaneBench, "tls"),
-    )
+    for switch in ("tls", "pin", "hiredis"):
+        bc.add_argument(
+            f"--{switch}",
+            choices=("on", "off"),
+            default="on" if default(ControlPlaneBench, switch) else "off",
+            help=field_doc(ControlPlaneBench, switch),
+        )
+    flag("--redis-shards", "redis_shards", type=non_negative_int)
+    flag("--gpu-batch", "gpu_batch", type=positive_int)
     bc.set_defaults(call=_run_control_plane)
 
 
@@ -324,6 +328,10 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
         profile_dir=Path(args.profile_dir) if args.profile_dir else None,
         orchestrator_args=tuple(args.orchestrator_arg),
         tls=args.tls == "on",
+        redis_shards=args.redis_shards,
+        pin=args.pin == "on",
+        hiredis=args.hiredis == "on",
+        gpu_batch=args.gpu_batch,
     )
 
 

@@ -39,6 +39,11 @@ def _wait(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.05)  # polling a condition with a deadline
 
 
+SLOTS = 16384
+MIN_CREATE_PRIMARIES = 3
+"""``redis-cli --cluster create`` refuses fewer primaries; smaller clusters are joined by
+hand (`LocalRedisCluster._join_by_hand`), without replicas."""
+
 CLUSTER_BUS_OFFSET = 10000
 """A cluster node also listens on its port + 10000 (the cluster bus)."""
 
@@ -75,6 +80,8 @@ class LocalRedisCluster:
         """A primary unreachable this long is failed over to its replica (a loaded CI
         machine must not fail one over by mistake: the default is long)."""
         self.replicas = replicas
+        if primaries < MIN_CREATE_PRIMARIES and replicas:
+            raise RedisServerError(f"replicas need at least {MIN_CREATE_PRIMARIES} primaries")
         self.nodes = [self._node(cluster_port()) for _ in range(primaries * (1 + replicas))]
 
     def _node(self, port: int) -> RedisServer:
@@ -96,14 +103,17 @@ class LocalRedisCluster:
         try:
             for node in self.nodes:
                 node.start()
-            cli = shutil.which("redis-cli") or str(
-                Path(redis_server_binary()).with_name("redis-cli")
-            )
-            subprocess.run(
-                [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                check=True, capture_output=True, timeout=SETUP_TIMEOUT_S,
-            )  # fmt: skip
+            if len(self.nodes) < MIN_CREATE_PRIMARIES:
+                self._join_by_hand()
+            else:
+                cli = shutil.which("redis-cli") or str(
+                    Path(redis_server_binary()).with_name("redis-cli")
+                )
+                subprocess.run(
+                    [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                     "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                    check=True, capture_output=True, timeout=SETUP_TIMEOUT_S,
+                )  # fmt: skip
             for node in self.nodes:
                 self.wait_ok(node.port)
             # A replica that has not synced once can't be promoted: the failover test
@@ -113,6 +123,18 @@ class LocalRedisCluster:
             self.stop()
             raise
         return self
+
+    def _join_by_hand(self) -> None:
+        """What ``--cluster create`` does, for the 1 or 2 primaries it refuses: each node
+        serves its share of the slots, and they meet."""
+        first = self.nodes[0]
+        for i, node in enumerate(self.nodes):
+            lo = i * SLOTS // len(self.nodes)
+            hi = (i + 1) * SLOTS // len(self.nodes) - 1
+            with _client(node.port) as c:
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+                if node is not first:
+                    c.execute_command("CLUSTER", "MEET", "127.0.0.1", first.port)
 
     def wait_ok(self, port: int, timeout_s: float = SETUP_TIMEOUT_S) -> None:
         """Wait until the node on ``port`` sees the cluster whole (every slot served)."""

@@ -61,3 +61,16 @@ def test_a_password_folds_into_and_is_masked_in_a_cluster_url() -> None:
     assert parse(url).url == "redis://orch:s3cret@a:1/0"
     assert redacted(url) == "redis+cluster://orch:***@a:1,b:2"
     assert "s3cret" not in str(parse(url).nodes)
+
+
+def test_the_store_parses_replies_with_hiredis() -> None:
+    """hiredis is a dependency (``redis[hiredis]``) and redis-py picks it: a store
+    connection's reply parser is the C one (the connection is built, not opened)."""
+    from redis._parsers.hiredis import _AsyncHiredisParser  # noqa: PLC0415
+
+    from orchestrator.store.connect import open_client  # noqa: PLC0415
+    from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
+
+    connected = open_client(StoreSettings(url="redis://127.0.0.1:1/0"))
+    connection = connected.client.connection_pool.make_connection()
+    assert isinstance(connection._parser, _AsyncHiredisParser)
