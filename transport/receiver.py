@@ -236,6 +236,9 @@ class KvReceiver:
             with contextlib.suppress(errors.TransportError):
                 refused = errors.PeerRejectedError("identity not allowed")
                 await link.send(control.refusal(refused), s.connect_timeout_s)
+                # Closing at once can reset the connection before the peer reads the
+                # refusal (it would see "connection lost", not why): let it read, bounded.
+                await link.linger(_REFUSAL_WAIT_S)
             return False
         link.authenticated = True
         return True

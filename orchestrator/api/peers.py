@@ -15,25 +15,19 @@ any identity the CA signed (probes).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from orchestrator import errors
+from orchestrator.api.guard import CallGuard
 from orchestrator.core.peers import Surface, check_peer
 
 log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 COMMON_NAME_KEY = "x509_common_name"
-
-if TYPE_CHECKING:  # the stubs make it generic; at runtime it is not subscriptable
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    _Interceptor = grpc.aio.ServerInterceptor
 
 
 def peer_identity(context: Context) -> str | None:
@@ -45,13 +39,13 @@ def peer_identity(context: Context) -> str | None:
     return None
 
 
-class RequirePeer(_Interceptor):
+class RequirePeer(CallGuard):
     """Calls from identities ``surface`` does not allow answer ``PERMISSION_DENIED``."""
 
     def __init__(self, surface: Surface) -> None:
         self.surface = surface
 
-    async def _check(self, method: str, context: Context) -> None:
+    async def check(self, method: str, context: Context) -> None:
         identity = peer_identity(context)
         try:
             check_peer(self.surface, identity)
@@ -65,41 +59,3 @@ class RequirePeer(_Interceptor):
             )
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # abort raises; this keeps the type checker (and a fake context) honest
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler: Any = await continuation(handler_call_details)
-        method = str(handler_call_details.method)
-        if handler is None or method.startswith(OPEN_PREFIXES):
-            return handler
-        if handler.request_streaming:  # pdorch serves none; refuse rather than skip
-            return grpc.unary_unary_rpc_method_handler(self._refuse_streaming)
-        parse = handler.request_deserializer
-        serialize = handler.response_serializer
-        if handler.unary_unary is not None:
-            unary: Any = handler.unary_unary
-
-            async def unary_unary(request: Any, context: Context) -> Any:
-                await self._check(method, context)
-                return await unary(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=parse, response_serializer=serialize
-            )
-        stream: Any = handler.unary_stream
-
-        async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
-            await self._check(method, context)
-            async for response in stream(request, context):
-                yield response
-
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=parse, response_serializer=serialize
-        )
-
-    @staticmethod
-    async def _refuse_streaming(request: Any, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "client-streaming calls are not served")

@@ -16,13 +16,13 @@ Without a tokens file no interceptor is installed and `caller` is None: the API 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from orchestrator import errors
+from orchestrator.api.guard import CallGuard
 from orchestrator.core.auth import Caller
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]
 
 AUTHORIZATION_KEY = "authorization"
-OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
-"""Methods served without a credential: readiness probes."""
 
 _CALLER: ContextVar[Caller | None] = ContextVar("pdorch_caller", default=None)
 
@@ -47,12 +45,6 @@ class Authenticator(Protocol):
         ...
 
 
-if TYPE_CHECKING:  # the stubs make it generic; at runtime it is not subscriptable
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    _Interceptor = grpc.aio.ServerInterceptor
-
-
 def _authorization(context: Context) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == AUTHORIZATION_KEY:
@@ -60,13 +52,13 @@ def _authorization(context: Context) -> str | None:
     return None
 
 
-class Authenticate(_Interceptor):
+class Authenticate(CallGuard):
     """Calls without a valid bearer token answer ``UNAUTHENTICATED``."""
 
     def __init__(self, tokens: Authenticator) -> None:
         self.tokens = tokens
 
-    async def _check(self, method: str, context: Context) -> Caller:
+    async def check(self, method: str, context: Context) -> Caller:
         try:
             found = self.tokens.authenticate(_authorization(context))
         except errors.UnauthenticatedError as exc:
@@ -75,41 +67,3 @@ class Authenticate(_Interceptor):
             raise  # abort raises; this keeps the type checker (and a fake context) honest
         _CALLER.set(found)
         return found
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler: Any = await continuation(handler_call_details)
-        method = str(handler_call_details.method)
-        if handler is None or method.startswith(OPEN_PREFIXES):
-            return handler
-        if handler.request_streaming:  # the client API has none; refuse rather than skip
-            return grpc.unary_unary_rpc_method_handler(self._refuse_streaming)
-        parse = handler.request_deserializer
-        serialize = handler.response_serializer
-        if handler.unary_unary is not None:
-            unary: Any = handler.unary_unary
-
-            async def unary_unary(request: Any, context: Context) -> Any:
-                await self._check(method, context)
-                return await unary(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=parse, response_serializer=serialize
-            )
-        stream: Any = handler.unary_stream
-
-        async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
-            await self._check(method, context)
-            async for response in stream(request, context):
-                yield response
-
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=parse, response_serializer=serialize
-        )
-
-    @staticmethod
-    async def _refuse_streaming(request: Any, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "client-streaming calls are not served")
