@@ -390,6 +390,7 @@ def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics, tls: Tls | None
 
 async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
     """``--count`` simulated workers in this process (`orchestrator.workers.fleet`)."""
+    from orchestrator.store.connect import parse as parse_redis_url  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
     from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
     from orchestrator.workers.server import Worker  # noqa: PLC0415
@@ -402,8 +403,12 @@ async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
     # One engine for all when stateless; a prefix cache is per worker.
     engines = [SimEngine(spec, prefix_cache=cached) for _ in range(args.count if cached else 1)]
     engine = engines[0]
-    # Heartbeats only: a few connections, not one per worker beating at the same moment.
-    store = RedisStore(StoreSettings(url=args.redis, max_connections=8))
+    # Heartbeats only: a few connections, not one per worker beating at the same moment —
+    # on one server, whose pool waits for a free connection. A Redis Cluster node's pool
+    # fails a call that finds them all busy (`orchestrator.store.connect`), and all the
+    # workers' first heartbeats go out together: one connection each, so none fails.
+    connections = args.count if parse_redis_url(args.redis).kind == "cluster" else 8
+    store = RedisStore(StoreSettings(url=args.redis, max_connections=max(8, connections)))
     tsettings = TransportSettings(kv_hold_s=args.kv_hold, check_finite=args.kv_finite_check)
     base = worker_settings(
         args,
