@@ -34,7 +34,7 @@ from orchestrator.core.peers import WORKER_SERVER_NAME, Role
 from orchestrator.ports import free_port
 from orchestrator.rpc.client import channel
 from orchestrator.store.keys import Keys
-from tests.integration.conftest import request
+from tests.integration.conftest import request, wait_for
 from transport import errors as terr
 from transport.backends import make_sender
 from transport.base import TransportSettings
@@ -82,6 +82,12 @@ def worker_state(cluster: LocalCluster, name: str) -> tuple[int, int]:
     finally:
         client.close()
     return int(info["active"]), int(info["kv_used_bytes"])
+
+
+def settled_idle(cluster: LocalCluster, name: str) -> None:
+    """The worker's heartbeat reaches (0 active, 0 KV held): a refused call left nothing. A
+    heartbeat is up to a second old, so the first test's own request may still show."""
+    wait_for(lambda: worker_state(cluster, name) == (0, 0), 10, f"{name} idle")
 
 
 def log_of(cluster: LocalCluster, name: str) -> str:
@@ -182,7 +188,7 @@ def test_a_client_certificate_from_another_ca_is_refused(
     decode = cluster.expected["decode-0"]
     codes = call_worker(decode, lambda: secure_channel(decode, forged_orch, WORKER_SERVER_NAME))
     assert set(codes.values()) == {grpc.StatusCode.UNAVAILABLE}, codes
-    assert worker_state(cluster, "decode-0") == (0, 0)
+    settled_idle(cluster, "decode-0")
 
 
 def test_a_worker_certificate_cannot_call_the_client_api(cluster: LocalCluster) -> None:
@@ -206,7 +212,7 @@ def test_only_an_orchestrator_may_call_a_worker(cluster: LocalCluster, role: Rol
         assert set(codes.values()) == {grpc.StatusCode.PERMISSION_DENIED}, (name, codes)
         line = f"(certificate '{role.identity}'): certificate '{role.identity}' may not call"
         assert line in log_of(cluster, name)
-        assert worker_state(cluster, name) == (0, 0)  # nothing ran, no KV held
+        settled_idle(cluster, name)  # nothing ran, no KV held
 
 
 def test_plaintext_to_a_tls_port_is_refused(cluster: LocalCluster) -> None:
@@ -216,7 +222,7 @@ def test_plaintext_to_a_tls_port_is_refused(cluster: LocalCluster) -> None:
     decode = cluster.expected["decode-0"]
     codes = call_worker(decode, lambda: grpc.aio.insecure_channel(decode))
     assert set(codes.values()) == {grpc.StatusCode.UNAVAILABLE}, codes
-    assert worker_state(cluster, "decode-0") == (0, 0)
+    settled_idle(cluster, "decode-0")
 
 
 def test_the_gateway_serves_https_and_refuses_plain_http(
@@ -285,5 +291,5 @@ def test_kv_from_a_peer_without_a_prefill_identity_is_refused(
     for refused in (plain, foreign, client):
         assert isinstance(refused, terr.TransportError), refused
     assert isinstance(client, terr.PeerRejectedError), client
-    assert worker_state(cluster, "decode-0") == (0, 0)
+    settled_idle(cluster, "decode-0")
     assert Role.CLIENT.identity in log_of(cluster, "decode-0")
