@@ -1,6 +1,8 @@
 """A whole local fleet on a 3-primary Redis Cluster (issue 21): the chaos scenario
 decode-kill (2 orchestrators, 2 prefill + 2 decode workers, the busiest decode worker
-SIGKILLed mid-stream) run with ``--redis redis+cluster://…``, checked by the chaos checker."""
+SIGKILLed mid-stream) run with ``--redis redis+cluster://…``, checked by the chaos checker.
+It is also the suite's run of `pdorch chaos run` itself: its JSON report, the history file and
+the timeline picture it draws."""
 
 from __future__ import annotations
 
@@ -28,6 +30,15 @@ def test_a_chaos_scenario_runs_on_a_redis_cluster(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr[-3000:]
         report = json.loads(out.stdout.strip().splitlines()[-1])
         print("chaos decode-kill on a Redis Cluster:", json.dumps(report))
+        assert set(report) >= {"runs", "requests", "lost", "duplicates", "gaps", "mismatched",
+                               "recovery_p50_s", "recovery_p99_s", "errors"}  # fmt: skip
+        assert (report["runs"], report["requests"], report["faults"]) == (1, 8, 1), report
+        png = Path(report["timeline"][0])
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        history = json.loads(next((tmp_path / "out").glob("run-000-*.json")).read_text())
+        assert [(f["kind"], f["target"]) for f in history["faults"]] == [
+            ("kill", "decode:busiest")
+        ], history["faults"]
         assert (report["lost"], report["duplicates"], report["gaps"]) == (0, 0, 0), report
         assert (report["mismatched"], report["failed"]) == (0, 0), report
         assert report["recoveries"] > 0  # the kill hit streams

@@ -24,7 +24,7 @@ name: routing-decode-kill
 description: routing + suffix-only KV on simulated prefix caches; decode and prefill killed
 cluster: {prefill: 2, decode: 2, orchestrators: 2, transport: tcp, engine: sim}
 workload: {requests: 12, concurrency: 6, prompt_words: [4, 24], shared_prefix_words: 48,
-           output_tokens: [100, 200]}
+           output_tokens: [40, 80]}
 faults:
   - {between: [0.8, 1.6], kind: kill, target: "decode:busiest", heal_after: 2.0}
   - {at: 2.0, kind: kill, target: "prefill:random", heal_after: 1.0}
