@@ -31,16 +31,30 @@ quarantined for as long as the prefill process lives.
 
 The configuration, and why (figures measured on the 2-core CI kind of machine; see README):
 
-* Endpoints are created from **worker addresses** exchanged in HELLO, with UCX endpoint error
-  handling **off**. With error handling on, UCX only selects ``tcp`` lanes between processes
-  (0.5–1 GB/s at 64 MiB); off, it may use shared memory / CMA (~7 GB/s, on par with
-  ``ucx_perftest -t tag_bw``). UCXX's listener path (``create_listener``/``create_endpoint``)
-  cannot run without error handling, hence worker addresses.
-* Peer-death detection therefore does not come from UCX. It comes from the control link: a
-  killed peer's TCP connection is reset by its kernel within milliseconds, and a stalled peer
-  trips the transfer's idle deadline (one-sided, the receiver's LANDED messages keep the
-  sender's). Either way the transport cancels the posted UCX requests by aborting the
-  link's endpoint (`fail_channel`) before the receive buffer is released.
+* Endpoints are created from **worker addresses** exchanged in HELLO. Tag (v1) endpoints have
+  UCX endpoint error handling **off**: with it on, UCX only selects ``tcp`` lanes between
+  processes (0.5–1 GB/s at 64 MiB); off, it may use shared memory / CMA (~7 GB/s, on par
+  with ``ucx_perftest -t tag_bw``). UCXX's listener path (``create_listener``/
+  ``create_endpoint``) cannot run without error handling, hence worker addresses.
+* One-sided reads' endpoints have it **on**: a read from a peer that died fails with
+  ``EIO`` at once (without it, libucx aborts the *reading process* when its CMA read finds
+  the peer gone). With peer error handling and rendezvous both on, libucx 1.21 takes as
+  bandwidth (get) lanes only transports whose memory domain can invalidate remote access;
+  CMA's does not say so unless ``UCX_CMA_MEMORY_INVALIDATE=y``, and the shared-memory
+  transports have no peer-failure support, so the reads would become "software emulation"
+  over ``tcp/lo`` (``UCX_PROTO_INFO=y``; a 4 MiB read did not finish in 20 s). Every data
+  plane therefore starts UCX with ``CMA_MEMORY_INVALIDATE=y``: only the reader's context
+  needs it, and it changes nothing for endpoints without error handling (the tag lanes
+  are the same). That invalidation serves UCX's rendezvous, which these endpoints never
+  run, and our pull design never relies on it (the notes above). NIXL gets the same lanes
+  by turning rendezvous off (``RNDV_THRESH=inf``), which would make v1's tag messages
+  eager copies; a context started that way gets error-handling reads too. Where neither
+  holds (UCXX started by someone else), reads keep error handling off.
+* Otherwise peer-death detection comes from the control link: a killed peer's TCP
+  connection is reset by its kernel within milliseconds, and a stalled peer trips the
+  transfer's idle deadline (one-sided, the receiver's LANDED messages keep the sender's).
+  Either way the transport cancels the posted UCX requests by aborting the link's endpoint
+  (`fail_channel`) before the receive buffer is released.
 * Endpoints are kept per control link (`Peer.channel`), created on its first payload and
   closed with it: a restarted peer's new links get fresh endpoints, the count is bounded by
   the connection caps, and cancelling one transfer's operations (aborting its link's
@@ -107,10 +121,9 @@ class UcxConfig:
     0.4–0.7× at 64–256 MiB; it stays off until a quiet machine says otherwise. A receiver
     takes either, as each sender opens it."""
     error_handling: bool = False
-    """UCX endpoint peer-error handling. Off: with it on, libucx 1.21 gives our endpoints
-    no CMA/shared-memory lanes — tags go over ``tcp/lo`` and one-sided reads become
-    "software emulation" over ``tcp/lo`` (``UCX_PROTO_INFO=y``), which stalled a 4 MiB
-    transfer past its 5 s deadline here. Peer failure is detected by the control link."""
+    """UCX endpoint peer-error handling on *tag* (v1) endpoints. Off: with it on, libucx
+    1.21 gives them only ``tcp/lo`` lanes (0.5–1 GB/s). Peer failure is detected by the
+    control link. Read endpoints always have it (module notes)."""
 
 
 def _import_ucxx() -> Any:
@@ -157,10 +170,9 @@ class UcxDataPlane(DataPlane):
             ucxx = _import_ucxx()
             try:
                 if not _initialised(ucxx):
-                    ucxx.init(
-                        options=dict(self._config.options),
-                        progress_mode=self._config.progress_mode,
-                    )
+                    options = {"CMA_MEMORY_INVALIDATE": "y", **self._config.options}
+                    ucxx.init(options=options, progress_mode=self._config.progress_mode)
+                    _CONTEXT.checked_reads = _reads_keep_cma(options)
                 address = ucxx.get_worker_address().tobytes()
             except Exception as exc:
                 raise errors.BackendUnavailableError(f"UCX failed to start: {exc}") from exc
@@ -169,11 +181,12 @@ class UcxDataPlane(DataPlane):
             return bytes(address)
         return bytes(self._ucxx.get_worker_address().tobytes())
 
-    async def _endpoint(self, peer: Peer) -> Any:
+    async def _endpoint(self, peer: Peer, error_handling: bool) -> Any:
         """The channel's endpoint, created on first use. One per control link, not per peer:
         aborting it (`fail_channel`) cancels that link's transfer's sends and receives only
         (UCX tags match worker-wide, so a receive posted through any endpoint still gets
-        its message)."""
+        its message). A link carries one sender's transfers, all tags or all reads, so its
+        endpoint's error handling is decided once."""
         ep = self._eps.get(peer.channel)
         if ep is not None:
             return ep
@@ -184,7 +197,7 @@ class UcxDataPlane(DataPlane):
                 try:
                     address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
                     ep = await self._ucxx.create_endpoint_from_worker_address(
-                        address, endpoint_error_handling=self._config.error_handling
+                        address, endpoint_error_handling=error_handling
                     )
                 except Exception as exc:
                     raise errors.PeerLostError(f"cannot reach peer over UCX: {exc}") from exc
@@ -193,7 +206,7 @@ class UcxDataPlane(DataPlane):
         return ep
 
     async def send(self, peer: Peer, tag: int, buffers: Sequence[memoryview]) -> None:
-        ep = await self._endpoint(peer)
+        ep = await self._endpoint(peer, self._config.error_handling)
         try:
             raw = _requests(ep)
             buffer = self._array(_one_buffer(buffers))  # referenced until the send completes
@@ -202,7 +215,7 @@ class UcxDataPlane(DataPlane):
             raise errors.PeerLostError(f"UCX send failed: {exc}") from exc
 
     async def recv(self, peer: Peer, tag: int, into: memoryview) -> None:
-        ep = await self._endpoint(peer)
+        ep = await self._endpoint(peer, self._config.error_handling)
         try:
             raw = _requests(ep)
             buffer = self._array(into)  # referenced until the receive completes
@@ -231,7 +244,7 @@ class UcxDataPlane(DataPlane):
             ucp.deregister(context, region)
 
     async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
-        ep = await self._endpoint(peer)
+        ep = await self._endpoint(peer, _CONTEXT.checked_reads)
         reads = self._reading.setdefault(peer.channel, _Reads())
         try:
             handle = int(_requests(ep).handle)
@@ -336,6 +349,31 @@ def _context_handle() -> int:
     from ucxx import core  # noqa: PLC0415 - lazy like every ucxx import
 
     return int(core._get_ctx().context.handle)
+
+
+@dataclass(slots=True)
+class _Context:
+    """What this module knows of the process-wide UCXX context it started."""
+
+    checked_reads: bool = False
+    """Reads' endpoints get UCX peer error handling: CMA stays eligible for them in this
+    context (otherwise they would be emulated over ``tcp/lo``)."""
+
+
+_CONTEXT = _Context()
+
+
+def _reads_keep_cma(options: dict[str, str]) -> bool:
+    """Whether error-handling endpoints keep CMA for reads in a context started with these
+    ``ucxx.init`` options (else the environment's): CMA claims remote-access invalidation,
+    or rendezvous is off (``import ucxx`` defaults ``UCX_RNDV_THRESH`` to 8192)."""
+
+    def value(key: str) -> str:
+        return options.get(key, os.environ.get(f"UCX_{key}", "")).strip().lower()
+
+    return (
+        value("CMA_MEMORY_INVALIDATE") in ("y", "yes", "on", "1") or value("RNDV_THRESH") == "inf"
+    )
 
 
 _COMPLETIONS = CompletionPoller()

@@ -1,0 +1,160 @@
+"""One-sided UCX reads have UCX's peer error handling: a read from a peer that was
+SIGKILLed fails with an error from UCX itself, with no control link involved.
+
+Two processes of their own (this module, run with ``target`` or ``reader``): a target that
+registers a buffer and says where it is, and a reader that reads it through a `UcxDataPlane`
+configured for one-sided reads. Without peer error handling on the reader's endpoint,
+libucx aborts the reader when its CMA read finds the target gone; with error handling on but
+CMA not eligible (``CMA_MEMORY_INVALIDATE=n`` and rendezvous on: reads emulated over
+``tcp/lo``), the first read does not finish in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from transport import errors
+from transport.base import Peer
+from transport.control import RemoteRegion
+from transport.ucx import UcxConfig, UcxDataPlane, ucx_available
+
+pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
+
+_SIZE = 4 << 20  # over the inline-read size: read in a thread, as large segments are
+_ROOT = Path(__file__).resolve().parents[2]
+_WAIT_S = 20.0
+
+
+def _pattern() -> np.ndarray:
+    return (np.arange(_SIZE) % 251).astype(np.uint8)
+
+
+async def _target() -> None:
+    plane = UcxDataPlane(UcxConfig(one_sided=True))
+    address = await plane.start()
+    buf = _pattern()
+    regions, _handle = plane.expose([memoryview(buf)])
+    hello = {
+        "address": address.hex(),
+        "regions": [[r.address, r.length, r.rkey.hex()] for r in regions],
+    }
+    print(json.dumps(hello), flush=True)
+    await asyncio.to_thread(sys.stdin.read)  # until the test kills this process
+
+
+async def _reader(hello: dict[str, object]) -> None:
+    plane = UcxDataPlane(UcxConfig(one_sided=True))
+    await plane.start()
+    peer = Peer(b"target", bytes.fromhex(str(hello["address"])))
+    raw = hello["regions"]
+    assert isinstance(raw, list)
+    regions = [RemoteRegion(int(a), int(n), bytes.fromhex(k)) for a, n, k in raw]
+    into = np.zeros(_SIZE, dtype=np.uint8)
+    await asyncio.wait_for(plane.read(peer, regions, memoryview(into)), 10)
+    assert np.array_equal(into, _pattern())
+    print("read", flush=True)
+    await asyncio.to_thread(sys.stdin.readline)  # the test killed the target
+    killed = time.monotonic()
+    try:
+        for _ in range(200):
+            await asyncio.wait_for(plane.read(peer, regions, memoryview(into)), 5)
+            await asyncio.sleep(0.01)
+    except errors.PeerLostError as exc:
+        print(json.dumps({"lost_after_s": time.monotonic() - killed, "error": str(exc)}))
+    else:
+        print(json.dumps({"lost_after_s": None}))
+    finally:
+        await plane.close()
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(_ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.contract.test_ucx_read_peer_failure", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=_ROOT,
+        env=env,
+    )
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    """The process's stdout lines, read by a thread ("" once it closed): a hung process
+    makes the test fail on a deadline instead of hanging it."""
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = proc.stdout
+    assert stdout is not None
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _line(proc: subprocess.Popen[str], lines: queue.Queue[str], prefix: str) -> str:
+    """The next stdout line starting with ``prefix`` (UCX may print its own lines)."""
+    deadline = time.monotonic() + _WAIT_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if not line:
+            raise AssertionError(f"process exited ({proc.wait()}) before {prefix!r}")
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"no {prefix!r} within {_WAIT_S} s")
+
+
+def test_a_read_from_a_killed_peer_fails_with_the_ucx_error() -> None:
+    target = _spawn("target")
+    reader = None
+    try:
+        hello = _line(target, _lines(target), "{")
+        reader = _spawn("reader", hello)
+        assert reader.stdin is not None
+        out = _lines(reader)
+        _line(reader, out, "read")  # a 4 MiB read completed: not emulated over tcp/lo
+        os.kill(target.pid, signal.SIGKILL)
+        target.wait(_WAIT_S)
+        reader.stdin.write("killed\n")
+        reader.stdin.flush()
+        result = json.loads(_line(reader, out, "{"))
+        assert reader.wait(_WAIT_S) == 0  # not aborted by libucx
+        assert result["lost_after_s"] is not None, "reads from a dead peer kept succeeding"
+        assert result["lost_after_s"] < 2.0, result
+        assert "ucp_get_nbx failed" in result["error"], result
+        print(f"UCX reported the killed peer after {result['lost_after_s'] * 1e3:.1f} ms")
+    finally:
+        for proc in (target, reader):
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "target":
+        asyncio.run(_target())
+    else:
+        asyncio.run(_reader(json.loads(sys.argv[2])))
