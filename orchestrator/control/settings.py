@@ -30,9 +30,11 @@ class ControlSettings:
     what a token costs here; a token waits at most this long (the first never does). 0:
     every token in its own message."""
     workers_cache_s: float = 0.25
-    """How long admission reuses a listing of the live workers (0: list them for every
-    request). Heartbeats change once a second; an attempt's own failures and the watch on
-    each call's worker are not cached."""
+    """How long a listing of the live workers is reused (0: list them for every request),
+    by admission and by the watch on each call's worker — which takes "alive" from a
+    listing this young and asks the store only about a worker missing from it
+    (`orchestrator.control.directory`). Heartbeats change once a second; an attempt's own
+    failures are not cached."""
     follow_poll_s: float = 0.05
     """How often a follower (resubmission, resume) polls the journal of a request."""
     watch_interval_s: float = 0.5
