@@ -166,6 +166,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help=field_doc(ControlSettings, "stream_flush_ms"),
     )
     o.add_argument(
+        "--journal-gather-ms",
+        type=non_negative_float,
+        default=default(ControlSettings, "journal_gather_ms"),
+        help=field_doc(ControlSettings, "journal_gather_ms"),
+    )
+    o.add_argument(
         "--store-outage",
         type=non_negative_float,
         default=default(StoreSettings, "outage_s"),
@@ -323,6 +329,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         fallback=args.fallback,
         detach_grace_s=args.detach_grace,
         stream_flush_ms=args.stream_flush_ms,
+        journal_gather_ms=args.journal_gather_ms,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),

@@ -62,7 +62,8 @@ class Orchestrator:
         self.ledger = Ledger(settings)
         self.directory = WorkerDirectory(store, settings.workers_cache_s)
         self.legs = WorkerLegs(clients, settings, self.directory.alive)
-        self.relay = Relay(store, settings, JournalWriter(store, store.settings.outage_s), metrics)
+        writer = JournalWriter(store, store.settings.outage_s, settings.journal_gather_ms / 1000)
+        self.relay = Relay(store, settings, writer, metrics)
         self.leases = LeaseKeeper(store, self.local, owner)
         dispatch = Dispatch(store, self.legs, self.ledger, settings, metrics)
         self.failover = Failover(
