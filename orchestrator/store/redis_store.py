@@ -720,10 +720,15 @@ class RedisStore:
         """Add a finished request's cost to its tenant's running totals."""
         key = self._keys.tenant_cost(tenant)
         async with _translated("tenant cost"):
-            # The index first: a crash before the totals leaves a tenant with none, which
-            # `tenant_costs` skips. The totals are one MULTI in the tenant's slot.
-            await self._redis.sadd(self._keys.tenants, tenant)
+            # The index and the totals together (a tenant with totals is always indexed):
+            # on one server one MULTI; on a cluster (two slots) the index first — a crash
+            # before the totals leaves a tenant with none, which `tenant_costs` skips — and
+            # the totals one MULTI in the tenant's slot.
             pipe = self._redis.pipeline(transaction=True)
+            if self._cluster:
+                await self._redis.sadd(self._keys.tenants, tenant)
+            else:
+                pipe.sadd(self._keys.tenants, tenant)
             pipe.hincrby(key, "requests", 1)
             for name in TENANT_FLOAT_FIELDS:
                 pipe.hincrbyfloat(key, name, float(cost.get(name, 0.0)))

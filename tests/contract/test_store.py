@@ -613,6 +613,34 @@ def test_append_many_is_one_script_call_on_one_server(
     run(scenario)
 
 
+# Redis only: counts the store's round trips.
+def test_a_tenant_cost_is_one_round_trip_on_one_server(settings: StoreSettings) -> None:
+    # A request's end pays for its tenant's totals: index and totals in one MULTI, not a
+    # SADD and then a MULTI.
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            client = store._redis  # the round trips are the point
+            direct, piped = [], []
+            execute, pipeline = client.execute_command, client.pipeline
+
+            async def counted_execute(*args: Any, **kwargs: Any) -> Any:
+                direct.append(args[0])
+                return await execute(*args, **kwargs)
+
+            def counted_pipeline(*args: Any, **kwargs: Any) -> Any:
+                piped.append(kwargs.get("transaction", args[0] if args else True))
+                return pipeline(*args, **kwargs)
+
+            client.execute_command, client.pipeline = counted_execute, counted_pipeline
+            await store.add_tenant_cost("t1", {"usd": 2.5, "transfer_bytes": 10})
+            client.execute_command, client.pipeline = execute, pipeline
+            assert (direct, piped) == ([], [True])
+            costs = await store.tenant_costs()
+            assert (costs["t1"]["requests"], costs["t1"]["usd"]) == (1, 2.5)
+
+    run(scenario)
+
+
 # Redis only: reads the key's TTL (memory: test_memory_store.py, journals expire).
 def test_journal_expires_with_the_record(settings: StoreSettings) -> None:
     async def scenario() -> None:
