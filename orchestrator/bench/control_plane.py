@@ -306,6 +306,13 @@ def _result(
         **summary,
         "tokens": usage.tokens,
         "orchestrator_cpu_ms_per_request": cpu_ms["orchestrators"],
+        "tokens_per_message": round(usage.tokens / max(1, int(str(summary["messages"]))), 2),
+        "orchestrator_cpu_us_per_message": round(
+            sum(cpu[n] for n, t in tiers.items() if t == "orchestrators")
+            * 1e6
+            / max(1, int(str(summary["messages"]))),
+            1,
+        ),
         "cpu_ms_per_request": cpu_ms,
         "cpu_per_process": usage.per_process(),
         "pinning": None if cores is None else cores.to_dict(),
@@ -400,6 +407,8 @@ def format_result(r: dict[str, object]) -> str:
         f"worker TTFT ms: {r['worker_ttft_ms']}",
         f"orchestrator CPU ms/request: {r['orchestrator_cpu_ms_per_request']} "
         f"(all: {r['cpu_ms_per_request']})",
+        f"client stream messages: {r['messages']} ({r['tokens_per_message']} tokens each); "
+        f"orchestrator CPU µs/message: {r['orchestrator_cpu_us_per_message']}",
         f"redis: {r['redis_shards'] or 'one plain server'} shard(s); hiredis: {r['hiredis']}; "
         f"pinning: {r['pinning']}",
         f"CPU per process over {r['tokens']} relayed tokens:",

@@ -100,6 +100,9 @@ class Sample:
     completed: bool = False
     contiguous: bool = True
     tokens: int = 0
+    messages: int = 0
+    """Stream messages received (chunks, the final one included): the orchestrator's
+    relay cost is per message, so tokens per message says what a figure per token means."""
     client_ttft_ms: float | None = None
     worker_ttft_ms: float | None = None
     server_ttft_ms: float | None = None
@@ -149,6 +152,7 @@ class LoadResult:
             "not_completed_by_code": codes,
             "not_contiguous": sum(1 for x in completed if not x.contiguous),
             "aggregated": sum(1 for x in completed if x.worker_ttft_ms is None),
+            "messages": sum(x.messages for x in s),
             "duration_s": round(window, 3),
             "admitted_per_s": round(len(admitted) / window, 1) if window else 0.0,
             "completed_per_s": round(len(completed) / window, 1) if window else 0.0,
@@ -211,6 +215,7 @@ async def _one(stub: OrchestratorAsyncStub, n: int, spec: LoadSpec) -> Sample:
         sample.code = code.name
         refused = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
         sample.admitted = not (chunks == 0 and code in refused)
+    sample.messages = chunks
     sample.total_ms = (time.perf_counter() - started) * 1000
     sample.end = time.time()
     return sample

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from orchestrator.cli import gc_tuning
 from orchestrator.cli.common import (
     CommandError,
     Commands,
@@ -166,6 +167,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help=field_doc(ControlSettings, "stream_flush_ms"),
     )
     o.add_argument(
+        "--journal-gather-ms",
+        type=non_negative_float,
+        default=default(ControlSettings, "journal_gather_ms"),
+        help=field_doc(ControlSettings, "journal_gather_ms"),
+    )
+    o.add_argument(
         "--store-outage",
         type=non_negative_float,
         default=default(StoreSettings, "outage_s"),
@@ -185,6 +192,14 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help=field_doc(RoutingPolicy, "suffix_only"),
     )
     o.add_argument("--profile", default="", help="write a cProfile of this process to PATH")
+    o.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=gc_tuning.DEFAULT_THRESHOLD,
+        help="once started, freeze the objects start-up built out of the garbage collector's "
+        "sight and collect the young generation every N allocations (0: CPython's default "
+        "collector; see orchestrator/cli/gc_tuning.py)",
+    )
     o.add_argument(
         "--http-port",
         type=port,
@@ -323,6 +338,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         fallback=args.fallback,
         detach_grace_s=args.detach_grace,
         stream_flush_ms=args.stream_flush_ms,
+        journal_gather_ms=args.journal_gather_ms,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),
@@ -364,6 +380,7 @@ async def run(args: argparse.Namespace) -> int:
     http = _gateway(args, control, tokens, tls) if args.http_port is not None else None
     await server.start()
     await control.start()
+    gc_tuning.tune(args.gc_threshold)  # start-up is over: what it built lives on
     try:
         if http is not None:
             await http.start()  # before SERVING: a ready orchestrator serves both

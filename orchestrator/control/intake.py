@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from orchestrator import errors
 from orchestrator.api import worker_pb2
+from orchestrator.control.directory import WorkerDirectory
 from orchestrator.control.ledger import Ledger
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.metrics import ControlMetrics
@@ -55,6 +56,7 @@ class Intake:
         ledger: Ledger,
         metrics: ControlMetrics | None,
         owner: str,
+        directory: WorkerDirectory,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -62,8 +64,9 @@ class Intake:
         self.ledger = ledger
         self.metrics = metrics
         self.owner = owner
-        self._listed: tuple[float, list[WorkerInfo]] | None = None
-        """(when, workers) of the last listing (`_workers`)."""
+        self.directory = directory
+        """The live workers, listed at most ``workers_cache_s`` ago (two store round trips
+        per request saved under load; a worker's heartbeat changes once a second anyway)."""
 
     def rejected(self, exc: errors.PdorchError) -> None:
         if self.metrics is not None:
@@ -79,7 +82,7 @@ class Intake:
         try:
             self.settings.limits.check(inp)
             _check_deadline(inp)
-            workers = await self._workers()
+            workers = await self.directory.listing()
             if not workers:
                 raise errors.UnavailableError("no workers registered")
             fingerprints = {w.fingerprint for w in workers}
@@ -120,17 +123,6 @@ class Intake:
                 f"request id {spec.request_id!r} was already used for a different request"
             )
         return record, existing
-
-    async def _workers(self) -> list[WorkerInfo]:
-        """The live workers, as listed at most ``workers_cache_s`` ago (two store round trips
-        per request saved under load; a worker's heartbeat changes once a second anyway)."""
-        ttl = self.settings.workers_cache_s
-        now = time.monotonic()
-        if self._listed is not None and now - self._listed[0] < ttl:
-            return self._listed[1]
-        workers = await self.store.workers()
-        self._listed = (now, workers)
-        return workers
 
     async def _tokens(self, inp: GenerateInput, workers: Sequence[WorkerInfo]) -> tuple[int, ...]:
         model = workers[0]

@@ -12,7 +12,12 @@ and waits; the writer takes everything queued, writes it in one `Store.append_ma
 trip (one script call per chunk, each on its own request's keys), tells each run how its
 writes went, and starts again with whatever queued meanwhile. So while one round trip is
 in flight the next batch gathers: under load one write carries the chunks of every stream,
-and an idle replica pays no wait. Every write of a run goes through the writer, in order,
+and an idle replica pays no wait. Under load a round trip is short next to the time between
+a stream's chunks, so batches stay small and the write — a store call whatever it carries —
+costs per chunk again: so a write that follows the previous one within ``gather_s`` waits
+until ``gather_s`` after it, gathering meanwhile. That bounds the writes to one per
+``gather_s`` and delays a chunk at most that long, and only when the replica is busy (an
+idle replica's first write goes at once). Every write of a run goes through the writer, in order,
 so a run's buffer (`JournalBuffer`) has one writer. A refusal (stale epoch, request ended,
 a gap that cannot be resynced) is that run's alone; an unreachable store fails the batch's
 runs, whose chunks stay unjournalled (never counted as written) until a later write.
@@ -41,10 +46,14 @@ _Waiting = tuple[Run, "asyncio.Future[None]"]
 
 
 class JournalWriter:
-    def __init__(self, store: Store, outage_s: float) -> None:
+    def __init__(self, store: Store, outage_s: float, gather_s: float = 0.0) -> None:
         self.store = store
         self.outage_s = outage_s
         """How long `settle` waits for an unreachable store."""
+        self.gather_s = gather_s
+        """Least time between the starts of two writes (0: write whenever one is due)."""
+        self._last_write = -float("inf")
+        """When the last write started (the loop's clock)."""
         self._queued: dict[int, _Waiting] = {}
         """Runs waiting for the next batch, by ``id(run)``: one future each."""
         self._resyncs: dict[int, int] = {}
@@ -103,7 +112,12 @@ class JournalWriter:
     # ---------------------------------------------------------------------- the writer
 
     async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._queued:
+            wait = self._last_write + self.gather_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)  # busy: let the batch gather (module docstring)
+            self._last_write = loop.time()
             batch = list(self._queued.values())
             self._queued = {}
             try:

@@ -9,6 +9,7 @@
     relay      tokens to the client, journalled first; the request's end     (relay.py, journal.py)
     legs       the calls to workers, watched by heartbeat                    (legs.py)
     ledger     load, queues, rates, breakers; placement and admission        (ledger.py)
+    directory  the live workers, one listing shared by admission and watches (directory.py)
     ownership  takeover and deadline reapers, resume from the journal        (ownership.py)
     leases     leases on the requests driven here                            (leases.py)
 
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Collection
 
-from orchestrator import errors
 from orchestrator.control.clients import WorkerClients
+from orchestrator.control.directory import WorkerDirectory
 from orchestrator.control.dispatch import Dispatch
 from orchestrator.control.failover import Failover
 from orchestrator.control.intake import Intake
@@ -35,7 +36,7 @@ from orchestrator.control.relay import Relay
 from orchestrator.control.run import OutChunk
 from orchestrator.control.sessions import Sessions
 from orchestrator.control.settings import ControlSettings
-from orchestrator.core.records import RequestRecord, WorkerInfo
+from orchestrator.core.records import RequestRecord
 from orchestrator.core.spec import GenerateInput
 from orchestrator.core.state import State
 from orchestrator.store.base import Store
@@ -59,8 +60,10 @@ class Orchestrator:
         self.metrics = metrics
         self.local = Local()
         self.ledger = Ledger(settings)
-        self.legs = WorkerLegs(clients, settings, self._alive)
-        self.relay = Relay(store, settings, JournalWriter(store, store.settings.outage_s), metrics)
+        self.directory = WorkerDirectory(store, settings.workers_cache_s)
+        self.legs = WorkerLegs(clients, settings, self.directory.alive)
+        writer = JournalWriter(store, store.settings.outage_s, settings.journal_gather_ms / 1000)
+        self.relay = Relay(store, settings, writer, metrics)
         self.leases = LeaseKeeper(store, self.local, owner)
         dispatch = Dispatch(store, self.legs, self.ledger, settings, metrics)
         self.failover = Failover(
@@ -69,14 +72,8 @@ class Orchestrator:
         self.ownership = Ownership(
             store, settings, self.local, self.failover, self.relay, self.legs, owner
         )
-        intake = Intake(store, settings, self.legs, self.ledger, metrics, owner)
+        intake = Intake(store, settings, self.legs, self.ledger, metrics, owner, self.directory)
         self.sessions = Sessions(store, settings, intake, self.failover, self.local, metrics)
-
-    async def _alive(self, worker: WorkerInfo) -> bool:
-        try:
-            return await self.store.worker_alive(worker.worker_id)
-        except errors.UnavailableError:
-            return True  # the store is down, not the worker: keep going
 
     def generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
         return self.sessions.generate(inp)

@@ -29,10 +29,18 @@ class ControlSettings:
     the orchestrator a gRPC read, a journal write and a relay whatever it holds, so this is
     what a token costs here; a token waits at most this long (the first never does). 0:
     every token in its own message."""
+    journal_gather_ms: float = 10.0
+    """Under load, the least time between two journal writes (each one round trip for the
+    chunks of every stream on this replica, `orchestrator.control.journal`): a chunk may
+    wait this long for the next write — only while the previous one started less than this
+    ago. Fewer, larger writes: the store call costs the same whatever it carries. 0: write
+    as soon as the previous write returned."""
     workers_cache_s: float = 0.25
-    """How long admission reuses a listing of the live workers (0: list them for every
-    request). Heartbeats change once a second; an attempt's own failures and the watch on
-    each call's worker are not cached."""
+    """How long a listing of the live workers is reused (0: list them for every request),
+    by admission and by the watch on each call's worker — which takes "alive" from a
+    listing this young and asks the store only about a worker missing from it
+    (`orchestrator.control.directory`). Heartbeats change once a second; an attempt's own
+    failures are not cached."""
     follow_poll_s: float = 0.05
     """How often a follower (resubmission, resume) polls the journal of a request."""
     watch_interval_s: float = 0.5

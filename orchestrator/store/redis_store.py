@@ -174,22 +174,36 @@ if TERMINAL[edge.dst] then redis.call('DEL', KEYS[2]) end
 return {1, edge.dst, epoch, cur[4] or '', cur[5] or ''}
 """
 
-# KEYS[1] record, KEYS[2] journal. ARGV[1] epoch, ARGV[2] first index, ARGV[3] token count,
-# ARGV[4] entry JSON, ARGV[5] ttl. Appends only at the current end (no gap, no duplicate)
-# and only for the current epoch of a live request.
-# Returns {1, new_count}; {-1} missing; {-2, epoch} stale; {-3, state} ended; {-4, count} gap.
+# KEYS: record, journal — one pair per chunk (a request's pair repeats for each of its
+# chunks). ARGV[1] ttl; then four per chunk: epoch, first index, token count, entry JSON.
+# Each chunk, in order, is appended only at its request's current end (no gap, no
+# duplicate) and only for the current epoch of a live request — so a request's later chunk
+# in the same call chains after its earlier one.
+# Returns two values per chunk: 1, new_count; -1, 0 missing; -2, epoch stale; -3, state
+# ended; -4, count gap.
 _APPEND = """
-local cur = redis.call('HMGET', KEYS[1], 'epoch', 'output_tokens', 'state')
-if not cur[1] then return {-1} end
-if cur[1] ~= ARGV[1] then return {-2, cur[1]} end
-if TERMINAL[cur[3]] then return {-3, cur[3]} end
-if cur[2] ~= ARGV[2] then return {-4, cur[2]} end
-redis.call('RPUSH', KEYS[2], ARGV[4])
-redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
-local n = redis.call('HINCRBY', KEYS[1], 'output_tokens', tonumber(ARGV[3]))
-local now = now_ms()
-redis.call('HSET', KEYS[1], 'updated_at', now)
-return {1, n}
+local ttl = tonumber(ARGV[1])
+local out = {}
+local now = nil
+for i = 0, #KEYS / 2 - 1 do
+  local rec, jour, a = KEYS[2 * i + 1], KEYS[2 * i + 2], 2 + 4 * i
+  local cur = redis.call('HMGET', rec, 'epoch', 'output_tokens', 'state')
+  local code, val = 1, 0
+  if not cur[1] then code = -1
+  elseif cur[1] ~= ARGV[a] then code, val = -2, cur[1]
+  elseif TERMINAL[cur[3]] then code, val = -3, cur[3]
+  elseif cur[2] ~= ARGV[a + 1] then code, val = -4, cur[2]
+  else
+    redis.call('RPUSH', jour, ARGV[a + 3])
+    redis.call('EXPIRE', jour, ttl)
+    val = redis.call('HINCRBY', rec, 'output_tokens', tonumber(ARGV[a + 2]))
+    now = now or now_ms()
+    redis.call('HSET', rec, 'updated_at', now)
+  end
+  out[#out + 1] = code
+  out[#out + 1] = val
+end
+return out
 """
 
 # KEYS[1] record, KEYS[2] lease. ARGV[1] state, ARGV[2] epoch, ARGV[3] updated_at,
@@ -226,6 +240,11 @@ _OUTAGES = (
     rexc.RedisClusterUnreachableError,
 )
 """Errors that mean "no answer now", retried by writes (`orchestrator.store.outage`)."""
+
+APPEND_CALL_MAX = 256
+"""Chunks per journal script call on one server: a batch's call holds Redis for its
+length (each chunk is a few commands inside the script), so a very large batch is split
+into calls of this size, pipelined, to keep other clients' latency bounded."""
 
 INDEX_GRACE_S = 60.0
 """How old an index entry whose record is missing must be before a scan drops it. A request
@@ -479,11 +498,7 @@ class RedisStore:
 
     async def append(self, request_id: str, epoch: int, entry: JournalEntry) -> int:
         """Journal a relayed chunk; returns the new output token count."""
-        async with _translated("journal append"):
-            res = await self._append(
-                keys=self._append_keys(request_id), args=self._append_args(epoch, entry)
-            )
-        got = _appended(request_id, epoch, entry, res)
+        got = (await self.append_many([(request_id, epoch, entry)]))[0]
         if isinstance(got, errors.PdorchError):
             raise got
         return got
@@ -491,47 +506,77 @@ class RedisStore:
     async def append_many(
         self, items: Sequence[tuple[str, int, JournalEntry]]
     ) -> list[int | errors.PdorchError]:
-        """`append` for many chunks in one pipeline (no MULTI: each script call is atomic on
-        its own, and touches one request's keys only). A script cache lost meanwhile
+        """`append` for many chunks in one round trip, each checked on its own and in order.
+
+        On one server (or a Sentinel primary) it is ONE script call for the whole batch
+        (up to `APPEND_CALL_MAX` chunks a call; more are pipelined): the journal writer's
+        group commit then costs a command, not a command per chunk, to pack and parse. On a
+        cluster no script may cross slots, so each request's chunks are one call of their
+        own, all pipelined (each node gets its share). A script cache lost meanwhile
         (NOSCRIPT) is refilled and the calls it refused are sent again."""
         if not items:
             return []
-        script = self._append
-        replies: list[Any] = [None] * len(items)
-        todo = list(range(len(items)))
+        groups = self._append_groups(items)
+        calls = []
+        for group in groups:
+            keys: list[str] = []
+            args: list[Any] = [self.settings.record_ttl_s]
+            for i in group:
+                rid, epoch, entry = items[i]
+                keys += self._append_keys(rid)
+                args += (epoch, entry.index, len(entry.token_ids), entry.to_json())
+            calls.append((keys, args))
         async with _translated("journal append"):
-            for _ in range(2):  # the second round only after a NOSCRIPT
-                pipe = self._redis.pipeline(transaction=False)
-                for i in todo:
-                    rid, epoch, entry = items[i]
-                    keys = self._append_keys(rid)
-                    pipe.evalsha(script.sha, len(keys), *keys, *self._append_args(epoch, entry))
-                got = await pipe.execute(raise_on_error=False)
-                for i, reply in zip(todo, got, strict=True):
-                    replies[i] = reply
-                todo = [i for i in todo if isinstance(replies[i], rexc.NoScriptError)]
-                if not todo:
-                    break
-                await self._redis.script_load(script.script)
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply  # an error reply: translated above
-        return [
-            _appended(rid, epoch, entry, reply)
-            for (rid, epoch, entry), reply in zip(items, replies, strict=True)
-        ]
+            replies = await self._append_calls(calls)
+        out: list[int | errors.PdorchError] = [0] * len(items)
+        for group, reply in zip(groups, replies, strict=True):
+            for k, i in enumerate(group):
+                rid, epoch, entry = items[i]
+                out[i] = _appended(rid, epoch, entry, reply[2 * k : 2 * k + 2])
+        return out
+
+    def _append_groups(self, items: Sequence[tuple[str, int, JournalEntry]]) -> list[list[int]]:
+        """Indexes of ``items`` per script call: in order, at most `APPEND_CALL_MAX` a call;
+        on a cluster, one request's chunks a call (its keys share a slot)."""
+        if not self._cluster:
+            n = len(items)
+            return [
+                list(range(i, min(i + APPEND_CALL_MAX, n))) for i in range(0, n, APPEND_CALL_MAX)
+            ]
+        by_request: dict[str, list[int]] = {}
+        for i, (rid, _, _) in enumerate(items):
+            by_request.setdefault(rid, []).append(i)
+        return list(by_request.values())
+
+    async def _append_calls(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """The `_APPEND` calls' replies: one call alone (redis-py reloads a lost script), or
+        pipelined — where, after a NOSCRIPT, only the calls it refused are sent again (the
+        others were applied: sent twice, they would be refused as gaps)."""
+        if len(calls) == 1:
+            keys, args = calls[0]
+            return [await self._append(keys=keys, args=args)]
+        script = self._append
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for _ in range(2):  # the second round only after a NOSCRIPT
+            pipe = self._redis.pipeline(transaction=False)
+            for i in todo:
+                keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            got = await pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, got, strict=True):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], rexc.NoScriptError)]
+            if not todo:
+                break
+            await self._redis.script_load(script.script)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply  # an error reply: the caller translates it
+        return replies
 
     def _append_keys(self, request_id: str) -> list[str]:
         return [self._keys.request(request_id), self._keys.journal(request_id)]
-
-    def _append_args(self, epoch: int, entry: JournalEntry) -> list[Any]:
-        return [
-            epoch,
-            entry.index,
-            len(entry.token_ids),
-            entry.to_json(),
-            self.settings.record_ttl_s,
-        ]
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
         async with _translated("journal read"):
@@ -675,10 +720,15 @@ class RedisStore:
         """Add a finished request's cost to its tenant's running totals."""
         key = self._keys.tenant_cost(tenant)
         async with _translated("tenant cost"):
-            # The index first: a crash before the totals leaves a tenant with none, which
-            # `tenant_costs` skips. The totals are one MULTI in the tenant's slot.
-            await self._redis.sadd(self._keys.tenants, tenant)
+            # The index and the totals together (a tenant with totals is always indexed):
+            # on one server one MULTI; on a cluster (two slots) the index first — a crash
+            # before the totals leaves a tenant with none, which `tenant_costs` skips — and
+            # the totals one MULTI in the tenant's slot.
             pipe = self._redis.pipeline(transaction=True)
+            if self._cluster:
+                await self._redis.sadd(self._keys.tenants, tenant)
+            else:
+                pipe.sadd(self._keys.tenants, tenant)
             pipe.hincrby(key, "requests", 1)
             for name in TENANT_FLOAT_FIELDS:
                 pipe.hincrbyfloat(key, name, float(cost.get(name, 0.0)))

@@ -576,6 +576,71 @@ def test_append_many_survives_a_script_cache_flush(settings: StoreSettings) -> N
     run(scenario)
 
 
+# Redis only: counts the server's commands.
+def test_append_many_is_one_script_call_on_one_server(
+    settings: StoreSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The group commit's point: a batch of chunks of several requests costs one command to
+    # pack, send and parse, not one per chunk; a batch over the cap is split into calls
+    # (pipelined), and each call still chains a request's chunks in order.
+    async def evalsha_calls(client: Any) -> int:
+        stats = await client.info("commandstats")
+        return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            for rid in ("r1", "r2"):
+                await store.create(record(rid))
+            chunks = [
+                ("r1", 0, JournalEntry(0, (1,), "a")),
+                ("r2", 0, JournalEntry(0, (7, 8), "xy")),
+                ("r1", 0, JournalEntry(1, (2, 3), "bc")),
+                ("r2", 0, JournalEntry(2, (9,), "z")),
+                ("r1", 0, JournalEntry(3, (4,), "d")),
+            ]
+            before = await evalsha_calls(client)
+            assert await store.append_many(chunks[:4]) == [1, 2, 3, 3]
+            assert await evalsha_calls(client) - before == 1
+            monkeypatch.setattr("orchestrator.store.redis_store.APPEND_CALL_MAX", 2)
+            await store.create(record("r3"))
+            split = [("r3", 0, JournalEntry(i, (i,), str(i))) for i in range(5)]
+            before = await evalsha_calls(client)
+            assert await store.append_many([chunks[4], *split]) == [4, 1, 2, 3, 4, 5]
+            assert await evalsha_calls(client) - before == 3
+            assert [e.index for e in await store.journal("r3")] == [0, 1, 2, 3, 4]
+            assert [e.index for e in await store.journal("r1")] == [0, 1, 3]
+
+    run(scenario)
+
+
+# Redis only: counts the store's round trips.
+def test_a_tenant_cost_is_one_round_trip_on_one_server(settings: StoreSettings) -> None:
+    # A request's end pays for its tenant's totals: index and totals in one MULTI, not a
+    # SADD and then a MULTI.
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            client = store._redis  # the round trips are the point
+            direct, piped = [], []
+            execute, pipeline = client.execute_command, client.pipeline
+
+            async def counted_execute(*args: Any, **kwargs: Any) -> Any:
+                direct.append(args[0])
+                return await execute(*args, **kwargs)
+
+            def counted_pipeline(*args: Any, **kwargs: Any) -> Any:
+                piped.append(kwargs.get("transaction", args[0] if args else True))
+                return pipeline(*args, **kwargs)
+
+            client.execute_command, client.pipeline = counted_execute, counted_pipeline
+            await store.add_tenant_cost("t1", {"usd": 2.5, "transfer_bytes": 10})
+            client.execute_command, client.pipeline = execute, pipeline
+            assert (direct, piped) == ([], [True])
+            costs = await store.tenant_costs()
+            assert (costs["t1"]["requests"], costs["t1"]["usd"]) == (1, 2.5)
+
+    run(scenario)
+
+
 # Redis only: reads the key's TTL (memory: test_memory_store.py, journals expire).
 def test_journal_expires_with_the_record(settings: StoreSettings) -> None:
     async def scenario() -> None:

@@ -40,8 +40,11 @@ def test_summary_counts_and_rates() -> None:
     samples.append(_sample(4.0, 25.0, 10.0, contiguous=False))
     refused = _sample(5.0, None, None, completed=False, admitted=False, code="RESOURCE_EXHAUSTED")
     samples.append(refused)
+    for k, x in enumerate(samples):
+        x.messages = k
     r = LoadResult(samples)
     s = r.summary()
+    assert s["messages"] == sum(range(11))  # every stream message, the refused call's too
     assert (s["requests"], s["admitted"], s["completed"]) == (11, 10, 10)
     assert s["not_completed_by_code"] == {"RESOURCE_EXHAUSTED": 1}
     assert s["not_contiguous"] == 1

@@ -37,11 +37,14 @@ class CountingStore(MemoryStore):
     def __init__(self, settings: StoreSettings) -> None:
         super().__init__(settings)
         self.batches: list[int] = []
+        self.started: list[float] = []
+        """When each write began."""
 
     async def append_many(
         self, items: Sequence[tuple[str, int, JournalEntry]]
     ) -> list[int | errors.PdorchError]:
         self.batches.append(len(items))
+        self.started.append(time.monotonic())
         return await super().append_many(items)
 
 
@@ -74,6 +77,35 @@ def test_concurrent_streams_share_one_write() -> None:
         assert sum(store.batches) == 60
         for r in runs:
             assert await journalled(store, r.rid) == [0, 1, 2]
+            assert r.journal.unjournalled == 0
+
+    run(main())
+
+
+def test_a_busy_writer_gathers_for_gather_s_and_an_idle_one_writes_at_once() -> None:
+    gather_s = 0.3
+
+    async def main() -> None:
+        store = CountingStore(StoreSettings(url="memory://"))
+        runs = await started(store, *(f"r{i}" for i in range(10)))
+        writer = JournalWriter(store, 1.0, gather_s=gather_s)
+        t0 = time.monotonic()
+        await writer.journal(runs[0], entry(0))
+        assert time.monotonic() - t0 < gather_s  # idle: no wait
+
+        async def late(k: int) -> None:  # arriving over ~20 ms, while the writer is busy
+            await asyncio.sleep(k * 0.002)
+            await writer.journal(runs[k], entry(0))
+
+        await asyncio.gather(*(late(k) for k in range(1, 10)))
+        assert store.batches == [1, 9]  # not nine writes
+        assert store.started[1] - store.started[0] >= gather_s - 0.005
+        await asyncio.sleep(gather_s)  # idle again: the next write goes at once
+        t0 = time.monotonic()
+        await writer.journal(runs[0], entry(1))
+        assert time.monotonic() - t0 < gather_s
+        assert store.batches == [1, 9, 1]
+        for r in runs:
             assert r.journal.unjournalled == 0
 
     run(main())
