@@ -85,6 +85,18 @@ class Kind(enum.IntEnum):
     LANDED = 11
     """One-sided: the receiver read a segment. The sender, with nothing in flight, waits
     for DONE: these keep its idle deadline for a live, reading receiver."""
+    KEYS = 12
+    """One-sided v2: registered regions of the sender (key id, address, length, packed
+    remote key), sent once per link; the receiver keeps them for the link's life."""
+    WITHDRAW = 13
+    """One-sided v2: key ids the sender deregistered (its memory was freed): the receiver
+    forgets them, and a later READ naming one is refused."""
+    OPEN_READ2 = 14
+    """One-sided v2 OPEN: flags (``FOLDED``), segment size, KV header. Segments follow as
+    READ messages naming keys by id; no ACCEPT when ``FOLDED`` (they follow at once)."""
+    READ = 15
+    """One-sided v2: a segment is ready — descriptors (key id, offset, length) into
+    regions KEYS announced on this link."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -210,51 +222,124 @@ def parse_open(body: bytes) -> tuple[int, int, bytes]:
 
 @dataclass(frozen=True, slots=True)
 class RemoteRegion:
-    """Memory of the sender that the receiver may read: address, length, remote key."""
+    """Memory of the sender the receiver reads (a descriptor resolved against its key):
+    address, length, the packed remote key and its id on the link."""
 
     address: int
     length: int
     rkey: bytes
+    key_id: int
 
 
 _SEG = struct.Struct("<IH")
-_REGION = struct.Struct("<QQH")
 MAX_REGIONS = 256
 """Per segment: a segment of 32 layers whose K and V lie apart is 64 regions."""
 MAX_RKEY_BYTES = 1024
 
 
-def segment(index: int, regions: list[RemoteRegion]) -> bytes:
-    if not 0 < len(regions) <= MAX_REGIONS:
-        raise errors.WireFormatError(f"{len(regions)} regions in a segment")
-    parts = [_SEG.pack(index, len(regions))]
-    for r in regions:
-        if len(r.rkey) > MAX_RKEY_BYTES:
-            raise errors.WireFormatError(f"remote key of {len(r.rkey)} bytes")
-        parts.append(_REGION.pack(r.address, r.length, len(r.rkey)) + r.rkey)
-    return encode(Kind.SEGMENT, b"".join(parts))
+FOLDED = 1
+"""OPEN_READ2 flag: the whole KV is there; its READ and LAYERS messages follow in the same
+write and the receiver answers only DONE | ERROR (one message, one reply)."""
+ONE_SIDED_V1_REFUSED = (
+    "one-sided protocol 1 (OPEN_READ with packed keys per segment) is no longer taken: "
+    "upgrade the sender (prefill and decode workers must run the same release)"
+)
 
 
-def parse_segment(body: bytes) -> tuple[int, list[RemoteRegion]]:
-    """Decode a SEGMENT body, bounds checked (the caller checks lengths against the header)."""
-    if len(body) < _SEG.size:
-        raise errors.WireFormatError("SEGMENT too short")
-    index, count = _SEG.unpack_from(body)
-    if not 0 < count <= MAX_REGIONS:
-        raise errors.WireFormatError(f"SEGMENT with {count} regions")
-    pos, regions = _SEG.size, []
+@dataclass(frozen=True, slots=True)
+class RemoteKey:
+    """A registered region of the sender (KEYS): its id on the link, where, how long."""
+
+    key_id: int
+    address: int
+    length: int
+    rkey: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """Part of a segment (READ): ``length`` bytes at ``offset`` into key ``key_id``."""
+
+    key_id: int
+    offset: int
+    length: int
+
+
+_KEY = struct.Struct("<IQQH")
+_DESC = struct.Struct("<IQQ")
+_COUNT = struct.Struct("<H")
+_ID = struct.Struct("<I")
+MAX_KEYS = 256
+"""Per KEYS message (a sender splits more over several)."""
+
+
+def keys(entries: list[RemoteKey]) -> bytes:
+    if not 0 < len(entries) <= MAX_KEYS:
+        raise errors.WireFormatError(f"{len(entries)} keys in a KEYS message")
+    parts = [_COUNT.pack(len(entries))]
+    for k in entries:
+        if not k.key_id or len(k.rkey) > MAX_RKEY_BYTES:
+            raise errors.WireFormatError(f"key {k.key_id}: id 0 or remote key too long")
+        parts.append(_KEY.pack(k.key_id, k.address, k.length, len(k.rkey)) + k.rkey)
+    return encode(Kind.KEYS, b"".join(parts))
+
+
+def parse_keys(body: bytes) -> list[RemoteKey]:
+    if len(body) < _COUNT.size:
+        raise errors.WireFormatError("KEYS too short")
+    (count,) = _COUNT.unpack_from(body)
+    if not 0 < count <= MAX_KEYS:
+        raise errors.WireFormatError(f"KEYS with {count} keys")
+    pos, out = _COUNT.size, []
     for _ in range(count):
-        if pos + _REGION.size > len(body):
-            raise errors.WireFormatError("SEGMENT truncated")
-        address, length, klen = _REGION.unpack_from(body, pos)
-        pos += _REGION.size
-        if klen > MAX_RKEY_BYTES or pos + klen > len(body):
-            raise errors.WireFormatError("SEGMENT remote key truncated or too long")
-        regions.append(RemoteRegion(address, length, body[pos : pos + klen]))
+        if pos + _KEY.size > len(body):
+            raise errors.WireFormatError("KEYS truncated")
+        key_id, address, length, klen = _KEY.unpack_from(body, pos)
+        pos += _KEY.size
+        if not key_id or klen > MAX_RKEY_BYTES or pos + klen > len(body):
+            raise errors.WireFormatError("KEYS: key id 0, or remote key truncated or too long")
+        out.append(RemoteKey(key_id, address, length, body[pos : pos + klen]))
         pos += klen
     if pos != len(body):
-        raise errors.WireFormatError("SEGMENT has trailing bytes")
-    return index, regions
+        raise errors.WireFormatError("KEYS has trailing bytes")
+    return out
+
+
+def withdraw(key_ids: list[int]) -> bytes:
+    return encode(Kind.WITHDRAW, b"".join(_ID.pack(k) for k in key_ids))
+
+
+def parse_withdraw(body: bytes) -> list[int]:
+    if not body or len(body) % _ID.size:
+        raise errors.WireFormatError(f"WITHDRAW of {len(body)} bytes")
+    return [k for (k,) in _ID.iter_unpack(body)]
+
+
+def open_read2(segment_bytes: int, header: bytes, *, folded: bool) -> bytes:
+    """OPEN_READ2: flags, segment size, KV header (`FOLDED`: READs and LAYERS follow)."""
+    flags = FOLDED if folded else 0
+    return encode(Kind.OPEN_READ2, _OPEN.pack(flags, segment_bytes) + header)
+
+
+def read(index: int, descriptors: list[Descriptor]) -> bytes:
+    if not 0 < len(descriptors) <= MAX_REGIONS:
+        raise errors.WireFormatError(f"{len(descriptors)} descriptors in a segment")
+    body = _SEG.pack(index, len(descriptors))
+    return encode(Kind.READ, body + b"".join(_DESC.pack(*_fields(d)) for d in descriptors))
+
+
+def _fields(d: Descriptor) -> tuple[int, int, int]:
+    return d.key_id, d.offset, d.length
+
+
+def parse_read(body: bytes) -> tuple[int, list[Descriptor]]:
+    """Decode a READ body, bounds checked (the receiver checks keys and lengths)."""
+    if len(body) < _SEG.size:
+        raise errors.WireFormatError("READ too short")
+    index, count = _SEG.unpack_from(body)
+    if not 0 < count <= MAX_REGIONS or len(body) != _SEG.size + count * _DESC.size:
+        raise errors.WireFormatError(f"READ with {count} descriptors in {len(body)} bytes")
+    return index, [Descriptor(*f) for f in _DESC.iter_unpack(body[_SEG.size :])]
 
 
 def accept(token: int) -> bytes:

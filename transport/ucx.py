@@ -212,23 +212,13 @@ class UcxDataPlane(DataPlane):
 
     # ------------------------------------------------------------------ one-sided
 
-    def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
-        context = _context_handle()
-        regions: list[ucp.Region] = []
-        try:
-            for address, length in _runs(buffers):
-                regions.append(ucp.register(context, address, length))
-        except BaseException:
-            self.withdraw(regions)
-            raise
-        remote = [RemoteRegion(r.address, r.length, r.rkey) for r in regions]
-        return remote, regions
+    def register(self, address: int, length: int) -> tuple[bytes, object]:
+        region = ucp.register(_context_handle(), address, length)
+        return region.rkey, region
 
-    def withdraw(self, handle: object) -> None:
-        assert isinstance(handle, list)
-        context = _context_handle()
-        for region in handle:
-            ucp.deregister(context, region)
+    def deregister(self, handle: object) -> None:
+        assert isinstance(handle, ucp.Region)
+        ucp.deregister(_context_handle(), handle)
 
     async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
         ep = await self._endpoint(peer)
@@ -240,12 +230,18 @@ class UcxDataPlane(DataPlane):
         if into.nbytes <= _INLINE_READ_BYTES:  # a thread hop costs more than the copy
             gets = reads.start(handle, list(regions), into)
             if gets.poll():
+                reads.done()
                 return
             await asyncio.to_thread(reads.finish, gets, into)
             return
         # The thread holds ``into`` (so its memory outlives every read into it) and the
         # channel's lock while it calls into UCX on the endpoint.
         await asyncio.to_thread(reads.run, handle, list(regions), into)
+
+    def forget_keys(self, peer: Peer, key_ids: Sequence[int]) -> None:
+        reads = self._reading.get(peer.channel)
+        if reads is not None:
+            reads.forget(key_ids)
 
     def discard_unmatched(self, keep: Callable[[int], bool]) -> list[tuple[int, int]]:
         if self._ucxx is None:
@@ -261,6 +257,7 @@ class UcxDataPlane(DataPlane):
         if reads is not None:
             with reads.lock:
                 reads.abandoned.set()
+                reads.drop_keys()  # now, or by the last read still in progress
                 if ep is not None:
                     _abort(ep)
         elif ep is not None:
@@ -275,11 +272,18 @@ class UcxDataPlane(DataPlane):
 
 
 class _Reads:
-    """A channel's one-sided reads, run in threads (``ucp_get_nbx`` may copy inline)."""
+    """A channel's one-sided reads, run in threads (``ucp_get_nbx`` may copy inline), and
+    the remote keys unpacked on its endpoint (once per key id, for the link's life)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.abandoned = threading.Event()
+        self.keys: dict[int, int] = {}
+        """Key id → remote key unpacked on this channel's endpoint."""
+        self.active = 0
+        """Reads issued and not yet completed: keys are destroyed only when none are."""
+        self.retired: list[int] = []
+        """Keys forgotten while reads were active: destroyed with the last one."""
 
     def run(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> None:
         self.finish(self.start(endpoint, regions, into), into)
@@ -288,42 +292,77 @@ class _Reads:
         """Issue the reads (a CMA read copies right here) under the channel's lock."""
         gets = ucp.Gets(_worker_handle(), endpoint)
         base = _address(into)
-        try:
-            with self.lock:
-                if self.abandoned.is_set():
-                    raise errors.PeerLostError("the transfer was abandoned")
+        with self.lock:
+            if self.abandoned.is_set():
+                raise errors.PeerLostError("the transfer was abandoned")
+            self.active += 1
+            try:
                 offset = 0
                 for r in regions:
-                    gets.issue(base + offset, r.length, r.address, r.rkey)
+                    key = self.keys.get(r.key_id)
+                    if key is None:
+                        key = self.keys[r.key_id] = ucp.unpack_rkey(endpoint, r.rkey)
+                    gets.issue(base + offset, r.length, r.address, key)
                     offset += r.length
-        except BaseException:
-            if gets.pending:  # e.g. a bad remote key after good ones: let those finish
-                with contextlib.suppress(errors.TransportError):
-                    gets.wait(self.abandoned)
-            raise
+            except BaseException:
+                if gets.pending:  # e.g. a failed get after good ones: let those finish
+                    with contextlib.suppress(errors.TransportError):
+                        gets.wait(self.abandoned)
+                self.active -= 1
+                raise
         return gets
 
     def finish(self, gets: ucp.Gets, into: memoryview) -> None:
         """Wait for the reads (``into`` is held until they are done)."""
-        gets.wait(self.abandoned)
+        try:
+            gets.wait(self.abandoned)
+        except errors.PeerLostError:
+            if gets.pending:  # not cancelled: its keys may still be in use, leak them
+                with self.lock:
+                    self.keys.clear()
+                    self.retired.clear()
+                    self.active -= 1
+                raise
+            self.done()
+            raise
+        self.done()
+
+    def done(self) -> None:
+        with self.lock:
+            self.active -= 1
+            if not self.active:
+                self._destroy(self.retired)
+                self.retired = []
+                if self.abandoned.is_set():
+                    self.drop_keys()
+
+    def forget(self, key_ids: Sequence[int]) -> None:
+        """The sender withdrew these keys (between transfers: no read uses them)."""
+        with self.lock:
+            for key_id in key_ids:
+                key = self.keys.pop(key_id, None)
+                if key is not None:
+                    self.retired.append(key)
+            if not self.active:
+                self._destroy(self.retired)
+                self.retired = []
+
+    def drop_keys(self) -> None:
+        """The channel is going (called under the lock): destroy its keys unless a read
+        still uses them (then the last read does)."""
+        if not self.active:
+            self._destroy([*self.keys.values(), *self.retired])
+            self.keys.clear()
+            self.retired = []
+
+    @staticmethod
+    def _destroy(keys: list[int]) -> None:
+        for key in keys:
+            ucp.destroy_rkey(key)
 
 
 _INLINE_READ_BYTES = 1 << 20
 """Segments up to this size are read on the event loop (a CMA copy of 1 MiB: ~0.1 ms)."""
-
-
-def _runs(buffers: Sequence[memoryview]) -> list[tuple[int, int]]:
-    """(address, length) of each run of adjacent buffers: one registration, one read each."""
-    runs: list[tuple[int, int]] = []
-    for b in buffers:
-        if not b.nbytes:
-            continue
-        address = _address(b)
-        if runs and runs[-1][0] + runs[-1][1] == address:
-            runs[-1] = (runs[-1][0], runs[-1][1] + b.nbytes)
-        else:
-            runs.append((address, b.nbytes))
-    return runs
 
 
 def _worker_handle() -> int:

@@ -516,6 +516,8 @@ def _decode_layers(
 ) -> tuple[list[LayerShape], int]:
     """``n_layers`` (K, V) shapes from ``pos``, each bounded; and the position after them."""
     layers: list[LayerShape] = []
+    seen: dict[tuple[int, int, bytes], LayerShape] = {}
+    """Shapes decoded and checked already: layers mostly repeat one shape (~4 µs each)."""
     for i in range(n_layers):
         if pos + 2 > end:
             raise WireFormatError(f"header truncated in layer {i}'s shape")
@@ -526,6 +528,11 @@ def _decode_layers(
         n = k_ndim + v_ndim
         if pos + 4 * n > end:
             raise WireFormatError(f"header truncated in layer {i}'s dims")
+        raw = (k_ndim, v_ndim, bytes(buf[pos : pos + 4 * n]))
+        if (shape := seen.get(raw)) is not None:
+            layers.append(shape)
+            pos += 4 * n
+            continue
         dims = struct.unpack_from(f"<{n}I", buf, pos)
         pos += 4 * n
         # A zero dim makes a tensor empty, but numpy still refuses to view shapes whose other
@@ -533,7 +540,8 @@ def _decode_layers(
         for part in (dims[:k_ndim], dims[k_ndim:]):
             if math.prod(max(d, 1) for d in part) * dtype.itemsize > _MAX_EXTENT:
                 raise WireFormatError(f"layer {i}: shape {part} is too large to address")
-        layers.append(LayerShape(k=tuple(dims[:k_ndim]), v=tuple(dims[k_ndim:])))
+        seen[raw] = LayerShape(k=tuple(dims[:k_ndim]), v=tuple(dims[k_ndim:]))
+        layers.append(seen[raw])
     return layers, pos
 
 
