@@ -16,12 +16,25 @@ peer's identity checked before HELLO); only where the layer *payload* travels di
                                ◀──────────   DONE | ERROR(code, message)
       ABORT(message) ────────────────────▶   (at any time: discard the partial KV)
 
-One-sided (UCX, `transport.ucx`): OPEN_READ instead of OPEN, and for each segment, once its
-layers exist, SEGMENT(index, regions) — the addresses, lengths and remote keys of the
-sender's registered memory holding it — before its LAYERS frames (the checksums follow while
-the receiver already reads). The receiver reads each segment into its own reserved buffer,
-verifies each layer as both its bytes and its frame are in, says LANDED as segments land
-(but the last), and answers DONE | ERROR.
+One-sided (UCX, `transport.ucx`; protocol 2 — the first one-sided protocol, OPEN_READ with
+a packed remote key in every SEGMENT, is refused with "upgrade the sender"). The sender's
+memory is registered once per allocation (`transport.registry`) under a *key id*; a link
+carries each key once, in KEYS (key id, address, length, packed remote key), before the
+first READ naming it, and WITHDRAW (key ids) before its next transfer once that memory was
+freed. Per transfer only (key id, offset, length) descriptors travel:
+
+      OPEN_READ2(FOLDED, segment size, header
+                 ⊕ [WITHDRAW] [KEYS] READ(0, descriptors)… [LAYERS]) ──▶
+                               ◀──────────   (LANDED…) DONE | ERROR
+
+— one message and one reply when the whole KV exists (`KvSender.send`; LAYERS inside it up
+to 4 MiB, after it beyond, computed while the receiver reads). Layer by layer (`open`),
+OPEN_READ2 without FOLDED is answered ACCEPT, then each segment's [KEYS] READ goes as soon
+as its layers exist, followed by its LAYERS. The receiver checks the header (and fences
+the epoch, reserves the memory) before it looks at anything folded in; it reads each
+segment into its own reserved slice, only by keys this link holds and within them, and
+verifies each layer as both its bytes and its frame are in; LANDED as segments land (but
+the last) is the sender's sign of life.
 
 **The transfer token.** Out-of-band payloads (UCX tag messages) are keyed by a token the
 *receiver* draws at random for each transfer it accepts (48 bits, `new_token`), after it
@@ -315,10 +328,44 @@ def parse_withdraw(body: bytes) -> list[int]:
     return [k for (k,) in _ID.iter_unpack(body)]
 
 
-def open_read2(segment_bytes: int, header: bytes, *, folded: bool) -> bytes:
-    """OPEN_READ2: flags, segment size, KV header (`FOLDED`: READs and LAYERS follow)."""
+_OPEN2 = struct.Struct("<QQI")
+
+
+def open_read2(segment_bytes: int, header: bytes, *, folded: bool, then: bytes = b"") -> bytes:
+    """OPEN_READ2: flags, segment size, header length, KV header, then (``FOLDED``) whole
+    control messages the receiver takes as if they followed: [WITHDRAW] [KEYS] READ…
+    [LAYERS] — one message, read in one go."""
     flags = FOLDED if folded else 0
-    return encode(Kind.OPEN_READ2, _OPEN.pack(flags, segment_bytes) + header)
+    body = _OPEN2.pack(flags, segment_bytes, len(header)) + header + then
+    return encode(Kind.OPEN_READ2, body)
+
+
+def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Message]]:
+    """Flags, segment size, KV header and the messages folded in after it."""
+    if len(body) < _OPEN2.size:
+        raise errors.WireFormatError("OPEN_READ2 too short")
+    flags, segment_bytes, header_len = _OPEN2.unpack_from(body)
+    if segment_bytes < MIN_SEGMENT_BYTES:
+        raise errors.WireFormatError(f"segment size {segment_bytes} below {MIN_SEGMENT_BYTES}")
+    end = _OPEN2.size + header_len
+    if end > len(body):
+        raise errors.WireFormatError("OPEN_READ2 header truncated")
+    return flags, segment_bytes, body[_OPEN2.size : end], split(body[end:])
+
+
+def split(data: bytes) -> list[Message]:
+    """Whole control messages laid end to end (each head checked as on the link)."""
+    out, pos = [], 0
+    while pos < len(data):
+        if pos + HEAD_SIZE > len(data):
+            raise errors.WireFormatError("a folded message is truncated")
+        kind, length = decode_head(data[pos : pos + HEAD_SIZE])
+        pos += HEAD_SIZE
+        if pos + length > len(data):
+            raise errors.WireFormatError("a folded message is truncated")
+        out.append(Message(kind, data[pos : pos + length]))
+        pos += length
+    return out
 
 
 def read(index: int, descriptors: list[Descriptor]) -> bytes:

@@ -2,15 +2,17 @@
 ``UcxConfig(one_sided=True)`` — the receiver reads each segment from the sender's registered
 memory (one-sided ``get``, transport v2). Control stays on the TCP link either way.
 
-One-sided, per transfer (`transport.control` has the message flow): the sender registers
-each segment's memory as soon as the segment exists (``ucp_mem_map``, a few µs; adjacent
-buffers make one region, others a block list) and sends its regions and remote keys in a
-SEGMENT message, then its layers' checksums; the receiver, which checked the header and
-reserved the (request id, epoch) and the bytes before anything else, reads the regions into
-its own slice for that segment (``ucp_get_nbx``: CMA between local processes, one copy
-done by the receiver's own thread), verifies each layer as bytes and frame are both in, and
-answers DONE. The calls UCXX's Python API lacks are in `transport.ucp` (ctypes on UCXX's
-own context, worker and endpoints).
+One-sided (`transport.control` has the message flow): the sender registers each allocation
+its KV lives in once (``ucp_mem_map`` and the packed remote key, `transport.registry`) and
+tells each link's receiver its key once; per transfer it sends (key id, offset, length)
+descriptors per segment — with the header in one message when the whole KV exists. The
+receiver, which checked the header and reserved the (request id, epoch) and the bytes before
+anything else, unpacks each remote key once per link (``ucp_ep_rkey_unpack``, kept in
+`_Reads.keys` until WITHDRAW or the link goes), reads the regions into its own slice for
+that segment (``ucp_get_nbx``: CMA between local processes, one copy done by the receiver's
+own thread, or on its loop up to 1 MiB), verifies each layer as bytes and frame are both in,
+and answers DONE. The calls UCXX's Python API lacks are in `transport.ucp` (ctypes on
+UCXX's own context, worker and endpoints).
 
 **Pull, and why no stale write can land in re-used memory.** Only the receiver's own reads
 ever write into its memory, and only into the slice of a buffer reserved for the (request
@@ -21,9 +23,12 @@ more is issued, and aborts the link's endpoint, which cancels what is still outs
 the thread running the reads holds the buffer until they completed or were cancelled, and a
 failed transfer's buffer never returns to the pool (it is freed once nothing refers to it).
 A sender that died or stalled writes nothing anywhere: its memory is only read. On the
-sender's side, a failed transfer's registered buffers stay referenced for the idle deadline
-(the receiver's reads end within it) and are then deregistered; a receiver reading memory
-the prefill already re-used gets bytes whose checksums do not match, and refuses them.
+sender's side, a failed transfer's buffers stay referenced for the idle deadline (the
+receiver's reads end within it), so never freed under a read; a registration lives exactly
+as long as its allocation (it is dropped as the allocation is freed, and WITHDRAWn from the
+links that hold its key before their next transfer), so no key ever names memory that was
+freed and given to someone else; a receiver reading memory the prefill re-used for another
+request's KV anyway gets bytes whose checksums do not match, and refuses them.
 With push (the sender writing into memory the receiver announced), a stalled prefill
 resumed after its transfer was failed and the blocks re-used would write into someone
 else's KV — CMA does not revoke access on deregistration — unless those blocks were

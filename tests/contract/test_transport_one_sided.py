@@ -145,11 +145,11 @@ def _spy(sent: list[list[control.Kind]]) -> Callable[[], None]:
     original = Link.send
 
     async def send(self: Link, data: bytes, timeout_s: float) -> None:
-        kinds, pos = [], 0
-        while pos < len(data):
-            kind, length = control.decode_head(data[pos : pos + control.HEAD_SIZE])
-            kinds.append(kind)
-            pos += control.HEAD_SIZE + length
+        kinds = []
+        for msg in control.split(data):
+            kinds.append(msg.kind)
+            if msg.kind is control.Kind.OPEN_READ2:  # and what is folded into it
+                kinds.extend(m.kind for m in control.parse_open_read2(msg.body)[3])
         sent.append(kinds)
         await original(self, data, timeout_s)
 
@@ -238,7 +238,7 @@ def test_a_freed_buffers_key_is_withdrawn_on_the_link_before_its_next_transfer()
     finally:
         undo()
     opens = [k for k in sent if control.Kind.OPEN_READ2 in k]
-    assert opens[1][:3] == [control.Kind.WITHDRAW, control.Kind.KEYS, control.Kind.OPEN_READ2]
+    assert opens[1][:3] == [control.Kind.OPEN_READ2, control.Kind.WITHDRAW, control.Kind.KEYS]
 
 
 def test_a_folded_refusal_is_raised_by_send_and_the_next_transfer_goes_through() -> None:

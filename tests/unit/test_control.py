@@ -386,11 +386,26 @@ def test_any_keys_read_or_withdraw_body_decodes_canonically_or_is_refused(body: 
         assert control.withdraw(control.parse_withdraw(body))[HEAD_SIZE:] == body
 
 
-def test_open_read2_carries_its_flags_in_the_tag_field() -> None:
-    kind, body = split(control.open_read2(1 << 20, b"h", folded=True))
+def test_open_read2_carries_its_flags_and_the_messages_folded_into_it() -> None:
+    then = control.read(0, [control.Descriptor(1, 0, 64)]) + control.encode(Kind.DONE)
+    kind, body = split(control.open_read2(1 << 20, b"h", folded=True, then=then))
     assert kind is Kind.OPEN_READ2
-    assert control.parse_open(body) == (control.FOLDED, 1 << 20, b"h")
-    assert control.parse_open(split(control.open_read2(1 << 20, b"h", folded=False))[1])[0] == 0
+    flags, segment, header, folded = control.parse_open_read2(body)
+    assert (flags, segment, header) == (control.FOLDED, 1 << 20, b"h")
+    assert [m.kind for m in folded] == [Kind.READ, Kind.DONE]
+    assert control.parse_read(folded[0].body) == (0, [control.Descriptor(1, 0, 64)])
+    plain = split(control.open_read2(1 << 20, b"hh", folded=False))[1]
+    assert control.parse_open_read2(plain) == (0, 1 << 20, b"hh", [])
+
+
+def test_a_truncated_open_read2_or_folded_message_is_refused() -> None:
+    body = split(control.open_read2(1 << 20, b"header", folded=True, then=control.withdraw([1])))[1]
+    for bad in (body[:10], body[:25], body[:-1]):
+        with pytest.raises(errors.WireFormatError, match=r"short|truncated"):
+            control.parse_open_read2(bad)
+    tiny = split(control.open_read2(1024, b"h", folded=False))[1]
+    with pytest.raises(errors.WireFormatError, match="segment size"):
+        control.parse_open_read2(tiny)
 
 
 def test_keys_and_reads_out_of_bounds_are_refused() -> None:
