@@ -7,9 +7,12 @@ starts moving as soon as its last layer is given, while each layer's checksum is
 a thread (xxh3 releases the GIL) and its frame follows; `finish()` returns once the receiver
 has verified every layer. Connections and data-plane endpoints to a receiver are pooled and
 reused; a pooled connection whose peer went away is noticed before reuse and replaced, so
-the first transfer after a receiver restarts connects afresh. With `LinkTls`, links are
-mutual TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
-out-of-band payload of each transfer carries the token the receiver issued in its ACCEPT.
+the first transfer after a receiver restarts connects afresh. One-sided (UCX v2), `send`
+of a complete KV is one message and one reply (`_send_folded`), over memory registered once
+per allocation (`transport.registry`) whose keys each link carries once. With `LinkTls`,
+links are mutual TLS and KV goes only to a receiver whose identity `LinkTls.receivers`
+allows; the out-of-band payload of each transfer carries the token the receiver issued in
+its ACCEPT.
 """
 
 from __future__ import annotations
