@@ -413,7 +413,9 @@ the link carried (freed ones are withdrawn); at most ~4 MiB with the longest rem
 
 def _learn_keys(link: Link, body: bytes) -> None:
     for key in control.parse_keys(body):
-        if len(link.keys) >= _MAX_KEYS_PER_LINK and key.key_id not in link.keys:
+        if key.key_id in link.keys:  # ids are never reused: its unpacked key may be cached
+            raise errors.WireFormatError(f"key {key.key_id} announced twice on a link")
+        if len(link.keys) >= _MAX_KEYS_PER_LINK:
             raise errors.WireFormatError(f"more than {_MAX_KEYS_PER_LINK} keys on a link")
         link.keys[key.key_id] = key
 

@@ -98,6 +98,28 @@ def test_a_read_by_a_withdrawn_key_is_refused_and_nothing_is_adopted() -> None:
     assert "does not hold" in _text(withdrawn, fits, folded=True)  # one message, one reply
 
 
+def test_a_key_announced_twice_on_a_link_is_refused() -> None:
+    async def run() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        try:
+            reader, writer = await testing._say_hello(address)
+            cache = testing.synthetic_cache("r", 1, 64 * testing.KIB, n_layers=2)
+            fits = control.read(0, [control.Descriptor(KEY.key_id, 0, 64 * testing.KIB)])
+            twice = control.keys([KEY]) + control.keys([dataclasses.replace(KEY, address=8192)])
+            header = wire.encode_header(cache.header)
+            writer.write(control.open_read2(1 << 20, header, folded=True, then=twice + fits))
+            msg = await _reply(reader)
+            assert msg.kind is control.Kind.ERROR
+            assert "announced twice" in str(control.parse_error(msg.body))
+            assert receiver.inbox.bytes_in_use == 0
+            writer.close()
+        finally:
+            await receiver.close()
+
+    asyncio.run(run())
+
+
 def test_the_retired_one_sided_protocol_is_refused_clearly() -> None:
     async def run() -> None:
         receiver = make_receiver(UCX_READ, TransportSettings())
