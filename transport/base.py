@@ -18,8 +18,9 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from transport import control, errors
 from transport.control import RemoteRegion
@@ -128,6 +129,13 @@ class DataPlane(abc.ABC):
         ``into`` (exactly as long as they are together). Remote keys are unpacked once
         per (channel, key id) and kept until `forget_keys` or the channel's release."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
+
+    def read_now(
+        self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview
+    ) -> Coroutine[Any, Any, None] | None:
+        """One-sided, receiver: `read`, done right here when it can be (a small read on a
+        link whose endpoint exists): None once done, else what completes it."""
+        return self.read(peer, regions, into)
 
     def forget_keys(self, peer: Peer, key_ids: Sequence[int]) -> None:
         """One-sided, receiver: the sender withdrew these keys; drop what `read` kept."""

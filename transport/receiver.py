@@ -492,6 +492,7 @@ class _Receive:
         deadline = time.monotonic() + s.transfer_timeout_s
         verified = 0
         try:
+            verified += self._start_verifying()  # what landed in place, before any wait
             while verified < len(h.layers):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -531,9 +532,7 @@ class _Receive:
             seg = self.receiving.pop(task)
             task.result()
             landed += 1
-            for index in seg:
-                self.landed.add(index)
-                self._maybe_verify(index)
+            self._landed(seg)
         if self.one_sided:
             self._start_reads()
             more = self.receiving or len(self.reading) < len(self.segments)
@@ -625,9 +624,21 @@ class _Receive:
         overlap the reads."""
         while self.queued and len(self.receiving) < _MAX_READS:
             n, regions = self.queued.pop(0)
-            coro = self.plane.read(self.link.peer, regions, self.segment_view(n))
-            task = asyncio.create_task(coro, name=f"pdorch-kv-read-{n}")
+            view = self.segment_view(n)
+            if len(self.segments) == 1:  # the whole KV: read in place when small
+                rest = self.plane.read_now(self.link.peer, regions, view)
+                if rest is None:
+                    self._landed(self.segments[n])
+                    continue
+            else:
+                rest = self.plane.read(self.link.peer, regions, view)
+            task = asyncio.create_task(rest, name=f"pdorch-kv-read-{n}")
             self.receiving[task] = self.segments[n]
+
+    def _landed(self, seg: range) -> None:
+        for index in seg:
+            self.landed.add(index)
+            self._maybe_verify(index)
 
     def _on_frame(self, frame: wire.LayerFrame) -> wire.LayerFrame:
         wire.check_layer_frame(self.header, frame, self.frames)  # no per-frame set copy

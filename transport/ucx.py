@@ -75,7 +75,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,15 +233,26 @@ class UcxDataPlane(DataPlane):
         except Exception as exc:
             raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
         if into.nbytes <= _INLINE_READ_BYTES:  # a thread hop costs more than the copy
-            gets = reads.start(handle, list(regions), into)
-            if gets.poll():
-                reads.done()
-                return
-            await asyncio.to_thread(reads.finish, gets, into)
+            rest = reads.in_place(handle, list(regions), into)
+            if rest is not None:
+                await rest
             return
         # The thread holds ``into`` (so its memory outlives every read into it) and the
         # channel's lock while it calls into UCX on the endpoint.
         await asyncio.to_thread(reads.run, handle, list(regions), into)
+
+    def read_now(
+        self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview
+    ) -> Coroutine[Any, Any, None] | None:
+        ep = self._eps.get(peer.channel)
+        if ep is None or into.nbytes > _INLINE_READ_BYTES:
+            return self.read(peer, regions, into)
+        reads = self._reading.setdefault(peer.channel, _Reads())
+        try:
+            handle = int(_requests(ep).handle)
+        except Exception as exc:
+            raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
+        return reads.in_place(handle, list(regions), into)
 
     def forget_keys(self, peer: Peer, key_ids: Sequence[int]) -> None:
         reads = self._reading.get(peer.channel)
@@ -316,6 +327,21 @@ class _Reads:
                 self.active -= 1
                 raise
         return gets
+
+    def in_place(
+        self, endpoint: int, regions: list[RemoteRegion], into: memoryview
+    ) -> Coroutine[Any, Any, None] | None:
+        """Issue the reads here (on the loop: a small segment); None once they completed
+        (a CMA read copies inside the call), else what waits for the rest in a thread."""
+        gets = self.start(endpoint, regions, into)
+        try:
+            if gets.poll():
+                self.done()
+                return None
+        except BaseException:  # a read failed: all of them completed
+            self.done()
+            raise
+        return asyncio.to_thread(self.finish, gets, into)
 
     def finish(self, gets: ucp.Gets, into: memoryview) -> None:
         """Wait for the reads (``into`` is held until they are done)."""
