@@ -108,8 +108,8 @@ class UcxConfig:
     one_sided: bool = False
     """Payloads are read by the receiver from the sender's registered memory (``get``,
     transport v2) instead of sent as tagged messages (v1). Opt-in: measured side by side
-    here (README "Limits", a loaded 2-core VM) v2 was 1.1–3× v1 from 4 KiB to 16 MiB but
-    0.5–1.0× at 64–256 MiB; it stays off until it is ≥ v1 at every size. A receiver takes
+    here (README "Limits", a 2-core VM) v2 was 1.0–2× v1 from 4 KiB to 16 MiB but
+    0.83–0.95× at 64–256 MiB; it stays off until it is ≥ v1 at every size. A receiver takes
     either, as each sender opens it."""
     error_handling: bool = False
     """UCX endpoint peer-error handling. Off: with it on, libucx 1.21 gives our endpoints
