@@ -18,8 +18,9 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from transport import control, errors
 from transport.control import RemoteRegion
@@ -110,22 +111,34 @@ class DataPlane(abc.ABC):
 
     one_sided: bool = False
     """Sender: open transfers whose receiver *reads* each segment from this side's
-    registered memory (`expose` here, `read` there) instead of `send`/`recv`."""
+    registered memory (`register` here, `read` there) instead of `send`/`recv`."""
     can_read: bool = False
     """Receiver: whether it takes such one-sided transfers (`read`)."""
 
-    def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
-        """One-sided, sender: register ``buffers`` for remote reads; return their regions
-        (for the SEGMENT message) and a handle for `withdraw`."""
+    def register(self, address: int, length: int) -> tuple[bytes, object]:
+        """One-sided, sender: register ``length`` bytes at ``address`` for remote reads;
+        return the packed remote key (for KEYS) and a handle for `deregister`."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
 
-    def withdraw(self, handle: object) -> None:
-        """One-sided, sender: deregister what `expose` registered (the transfer ended)."""
+    def deregister(self, handle: object) -> None:
+        """One-sided, sender: undo `register` (the memory is being freed)."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
 
     async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
         """One-sided, receiver: read ``regions`` of ``peer``'s memory, in order, into
-        ``into`` (exactly as long as they are together)."""
+        ``into`` (exactly as long as they are together). Remote keys are unpacked once
+        per (channel, key id) and kept until `forget_keys` or the channel's release."""
+        raise NotImplementedError(f"{self.name} has no one-sided path")
+
+    def read_now(
+        self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview
+    ) -> Coroutine[Any, Any, None] | None:
+        """One-sided, receiver: `read`, done right here when it can be (a small read on a
+        link whose endpoint exists): None once done, else what completes it."""
+        return self.read(peer, regions, into)
+
+    def forget_keys(self, peer: Peer, key_ids: Sequence[int]) -> None:
+        """One-sided, receiver: the sender withdrew these keys; drop what `read` kept."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
 
     def discard_unmatched(self, keep: Callable[[int], bool]) -> list[tuple[int, int]]:

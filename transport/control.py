@@ -16,12 +16,25 @@ peer's identity checked before HELLO); only where the layer *payload* travels di
                                ◀──────────   DONE | ERROR(code, message)
       ABORT(message) ────────────────────▶   (at any time: discard the partial KV)
 
-One-sided (UCX, `transport.ucx`): OPEN_READ instead of OPEN, and for each segment, once its
-layers exist, SEGMENT(index, regions) — the addresses, lengths and remote keys of the
-sender's registered memory holding it — before its LAYERS frames (the checksums follow while
-the receiver already reads). The receiver reads each segment into its own reserved buffer,
-verifies each layer as both its bytes and its frame are in, says LANDED as segments land
-(but the last), and answers DONE | ERROR.
+One-sided (UCX, `transport.ucx`; protocol 2 — the first one-sided protocol, OPEN_READ with
+a packed remote key in every SEGMENT, is refused with "upgrade the sender"). The sender's
+memory is registered once per allocation (`transport.registry`) under a *key id*; a link
+carries each key once, in KEYS (key id, address, length, packed remote key), before the
+first READ naming it, and WITHDRAW (key ids) before its next transfer once that memory was
+freed. Per transfer only (key id, offset, length) descriptors travel:
+
+      OPEN_READ2(FOLDED, segment size, header
+                 ⊕ [WITHDRAW] [KEYS] READ(0, descriptors)… [LAYERS]) ──▶
+                               ◀──────────   (LANDED…) DONE | ERROR
+
+— one message and one reply when the whole KV exists (`KvSender.send`; LAYERS inside it up
+to 4 MiB, after it beyond, computed while the receiver reads). Layer by layer (`open`),
+OPEN_READ2 without FOLDED is answered ACCEPT, then each segment's [KEYS] READ goes as soon
+as its layers exist, followed by its LAYERS. The receiver checks the header (and fences
+the epoch, reserves the memory) before it looks at anything folded in; it reads each
+segment into its own reserved slice, only by keys this link holds and within them, and
+verifies each layer as both its bytes and its frame are in; LANDED as segments land (but
+the last) is the sender's sign of life.
 
 **The transfer token.** Out-of-band payloads (UCX tag messages) are keyed by a token the
 *receiver* draws at random for each transfer it accepts (48 bits, `new_token`), after it
@@ -85,6 +98,18 @@ class Kind(enum.IntEnum):
     LANDED = 11
     """One-sided: the receiver read a segment. The sender, with nothing in flight, waits
     for DONE: these keep its idle deadline for a live, reading receiver."""
+    KEYS = 12
+    """One-sided v2: registered regions of the sender (key id, address, length, packed
+    remote key), sent once per link; the receiver keeps them for the link's life."""
+    WITHDRAW = 13
+    """One-sided v2: key ids the sender deregistered (its memory was freed): the receiver
+    forgets them, and a later READ naming one is refused."""
+    OPEN_READ2 = 14
+    """One-sided v2 OPEN: flags (``FOLDED``), segment size, KV header. Segments follow as
+    READ messages naming keys by id; no ACCEPT when ``FOLDED`` (they follow at once)."""
+    READ = 15
+    """One-sided v2: a segment is ready — descriptors (key id, offset, length) into
+    regions KEYS announced on this link."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -210,51 +235,158 @@ def parse_open(body: bytes) -> tuple[int, int, bytes]:
 
 @dataclass(frozen=True, slots=True)
 class RemoteRegion:
-    """Memory of the sender that the receiver may read: address, length, remote key."""
+    """Memory of the sender the receiver reads (a descriptor resolved against its key):
+    address, length, the packed remote key and its id on the link."""
 
     address: int
     length: int
     rkey: bytes
+    key_id: int
 
 
 _SEG = struct.Struct("<IH")
-_REGION = struct.Struct("<QQH")
 MAX_REGIONS = 256
 """Per segment: a segment of 32 layers whose K and V lie apart is 64 regions."""
 MAX_RKEY_BYTES = 1024
 
 
-def segment(index: int, regions: list[RemoteRegion]) -> bytes:
-    if not 0 < len(regions) <= MAX_REGIONS:
-        raise errors.WireFormatError(f"{len(regions)} regions in a segment")
-    parts = [_SEG.pack(index, len(regions))]
-    for r in regions:
-        if len(r.rkey) > MAX_RKEY_BYTES:
-            raise errors.WireFormatError(f"remote key of {len(r.rkey)} bytes")
-        parts.append(_REGION.pack(r.address, r.length, len(r.rkey)) + r.rkey)
-    return encode(Kind.SEGMENT, b"".join(parts))
+FOLDED = 1
+"""OPEN_READ2 flag: the whole KV is there; its READ and LAYERS messages follow in the same
+write and the receiver answers only DONE | ERROR (one message, one reply)."""
+ONE_SIDED_V1_REFUSED = (
+    "one-sided protocol 1 (OPEN_READ with packed keys per segment) is no longer taken: "
+    "upgrade the sender (prefill and decode workers must run the same release)"
+)
 
 
-def parse_segment(body: bytes) -> tuple[int, list[RemoteRegion]]:
-    """Decode a SEGMENT body, bounds checked (the caller checks lengths against the header)."""
-    if len(body) < _SEG.size:
-        raise errors.WireFormatError("SEGMENT too short")
-    index, count = _SEG.unpack_from(body)
-    if not 0 < count <= MAX_REGIONS:
-        raise errors.WireFormatError(f"SEGMENT with {count} regions")
-    pos, regions = _SEG.size, []
+@dataclass(frozen=True, slots=True)
+class RemoteKey:
+    """A registered region of the sender (KEYS): its id on the link, where, how long."""
+
+    key_id: int
+    address: int
+    length: int
+    rkey: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """Part of a segment (READ): ``length`` bytes at ``offset`` into key ``key_id``."""
+
+    key_id: int
+    offset: int
+    length: int
+
+
+_KEY = struct.Struct("<IQQH")
+_DESC = struct.Struct("<IQQ")
+_COUNT = struct.Struct("<H")
+_ID = struct.Struct("<I")
+MAX_KEYS = 256
+"""Per KEYS message (a sender splits more over several)."""
+
+
+def keys(entries: list[RemoteKey]) -> bytes:
+    if not 0 < len(entries) <= MAX_KEYS:
+        raise errors.WireFormatError(f"{len(entries)} keys in a KEYS message")
+    parts = [_COUNT.pack(len(entries))]
+    for k in entries:
+        if not k.key_id or len(k.rkey) > MAX_RKEY_BYTES:
+            raise errors.WireFormatError(f"key {k.key_id}: id 0 or remote key too long")
+        parts.append(_KEY.pack(k.key_id, k.address, k.length, len(k.rkey)) + k.rkey)
+    return encode(Kind.KEYS, b"".join(parts))
+
+
+def parse_keys(body: bytes) -> list[RemoteKey]:
+    if len(body) < _COUNT.size:
+        raise errors.WireFormatError("KEYS too short")
+    (count,) = _COUNT.unpack_from(body)
+    if not 0 < count <= MAX_KEYS:
+        raise errors.WireFormatError(f"KEYS with {count} keys")
+    pos, out = _COUNT.size, []
     for _ in range(count):
-        if pos + _REGION.size > len(body):
-            raise errors.WireFormatError("SEGMENT truncated")
-        address, length, klen = _REGION.unpack_from(body, pos)
-        pos += _REGION.size
-        if klen > MAX_RKEY_BYTES or pos + klen > len(body):
-            raise errors.WireFormatError("SEGMENT remote key truncated or too long")
-        regions.append(RemoteRegion(address, length, body[pos : pos + klen]))
+        if pos + _KEY.size > len(body):
+            raise errors.WireFormatError("KEYS truncated")
+        key_id, address, length, klen = _KEY.unpack_from(body, pos)
+        pos += _KEY.size
+        if not key_id or klen > MAX_RKEY_BYTES or pos + klen > len(body):
+            raise errors.WireFormatError("KEYS: key id 0, or remote key truncated or too long")
+        out.append(RemoteKey(key_id, address, length, body[pos : pos + klen]))
         pos += klen
     if pos != len(body):
-        raise errors.WireFormatError("SEGMENT has trailing bytes")
-    return index, regions
+        raise errors.WireFormatError("KEYS has trailing bytes")
+    return out
+
+
+def withdraw(key_ids: list[int]) -> bytes:
+    return encode(Kind.WITHDRAW, b"".join(_ID.pack(k) for k in key_ids))
+
+
+def parse_withdraw(body: bytes) -> list[int]:
+    if not body or len(body) % _ID.size:
+        raise errors.WireFormatError(f"WITHDRAW of {len(body)} bytes")
+    return [k for (k,) in _ID.iter_unpack(body)]
+
+
+_OPEN2 = struct.Struct("<QQI")
+
+
+def open_read2(segment_bytes: int, header: bytes, *, folded: bool, then: bytes = b"") -> bytes:
+    """OPEN_READ2: flags, segment size, header length, KV header, then (``FOLDED``) whole
+    control messages the receiver takes as if they followed: [WITHDRAW] [KEYS] READ…
+    [LAYERS] — one message, read in one go."""
+    flags = FOLDED if folded else 0
+    body = _OPEN2.pack(flags, segment_bytes, len(header)) + header + then
+    return encode(Kind.OPEN_READ2, body)
+
+
+def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Message]]:
+    """Flags, segment size, KV header and the messages folded in after it."""
+    if len(body) < _OPEN2.size:
+        raise errors.WireFormatError("OPEN_READ2 too short")
+    flags, segment_bytes, header_len = _OPEN2.unpack_from(body)
+    if segment_bytes < MIN_SEGMENT_BYTES:
+        raise errors.WireFormatError(f"segment size {segment_bytes} below {MIN_SEGMENT_BYTES}")
+    end = _OPEN2.size + header_len
+    if end > len(body):
+        raise errors.WireFormatError("OPEN_READ2 header truncated")
+    return flags, segment_bytes, body[_OPEN2.size : end], split(body[end:])
+
+
+def split(data: bytes) -> list[Message]:
+    """Whole control messages laid end to end (each head checked as on the link)."""
+    out, pos = [], 0
+    while pos < len(data):
+        if pos + HEAD_SIZE > len(data):
+            raise errors.WireFormatError("a folded message is truncated")
+        kind, length = decode_head(data[pos : pos + HEAD_SIZE])
+        pos += HEAD_SIZE
+        if pos + length > len(data):
+            raise errors.WireFormatError("a folded message is truncated")
+        out.append(Message(kind, data[pos : pos + length]))
+        pos += length
+    return out
+
+
+def read(index: int, descriptors: list[Descriptor]) -> bytes:
+    if not 0 < len(descriptors) <= MAX_REGIONS:
+        raise errors.WireFormatError(f"{len(descriptors)} descriptors in a segment")
+    body = _SEG.pack(index, len(descriptors))
+    return encode(Kind.READ, body + b"".join(_DESC.pack(*_fields(d)) for d in descriptors))
+
+
+def _fields(d: Descriptor) -> tuple[int, int, int]:
+    return d.key_id, d.offset, d.length
+
+
+def parse_read(body: bytes) -> tuple[int, list[Descriptor]]:
+    """Decode a READ body, bounds checked (the receiver checks keys and lengths)."""
+    if len(body) < _SEG.size:
+        raise errors.WireFormatError("READ too short")
+    index, count = _SEG.unpack_from(body)
+    if not 0 < count <= MAX_REGIONS or len(body) != _SEG.size + count * _DESC.size:
+        raise errors.WireFormatError(f"READ with {count} descriptors in {len(body)} bytes")
+    return index, [Descriptor(*f) for f in _DESC.iter_unpack(body[_SEG.size :])]
 
 
 def accept(token: int) -> bytes:

@@ -52,6 +52,10 @@ class Link:
         self.authenticated = False
         """Whether TLS verified the peer's certificate and identity (refusals to others
         carry no details, `control.refusal`)."""
+        self.keys_told: set[int] = set()
+        """One-sided, sender: key ids this link's receiver holds (KEYS sent, not withdrawn)."""
+        self.keys: dict[int, control.RemoteKey] = {}
+        """One-sided, receiver: the keys the sender announced on this link, by id."""
 
     # -------------------------------------------------------------------------- reading
 
@@ -91,6 +95,9 @@ class Link:
     async def send(self, data: bytes, timeout_s: float) -> None:
         try:
             self.writer.write(data)
+            transport = self.writer.transport
+            if not transport.get_write_buffer_size() and not transport.is_closing():
+                return  # all of it went to the socket: nothing to drain (saves loop turns)
             await asyncio.wait_for(self.writer.drain(), timeout_s)
         except TimeoutError:
             self.broken = True

@@ -7,9 +7,12 @@ starts moving as soon as its last layer is given, while each layer's checksum is
 a thread (xxh3 releases the GIL) and its frame follows; `finish()` returns once the receiver
 has verified every layer. Connections and data-plane endpoints to a receiver are pooled and
 reused; a pooled connection whose peer went away is noticed before reuse and replaced, so
-the first transfer after a receiver restarts connects afresh. With `LinkTls`, links are
-mutual TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
-out-of-band payload of each transfer carries the token the receiver issued in its ACCEPT.
+the first transfer after a receiver restarts connects afresh. One-sided (UCX v2), `send`
+of a complete KV is one message and one reply (`_send_folded`), over memory registered once
+per allocation (`transport.registry`) whose keys each link carries once. With `LinkTls`,
+links are mutual TLS and KV goes only to a receiver whose identity `LinkTls.receivers`
+allows; the out-of-band payload of each transfer carries the token the receiver issued in
+its ACCEPT.
 """
 
 from __future__ import annotations
@@ -31,17 +34,23 @@ import numpy as np
 from transport import control, errors, wire
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.link import STREAM_LIMIT, Link
+from transport.registry import Registration, Registry
 from transport.security import LinkTls, describe
 
 log = logging.getLogger(__name__)
 
 PayloadHook = Callable[[int, memoryview, memoryview], tuple[memoryview, memoryview]]
 DelayHook = Callable[[int], float]
-Exposed = list[tuple[object, list[memoryview]]]
-"""One-sided: data-plane registrations, each with the buffers it covers."""
+Parts = list[tuple[int, list[memoryview], list[memoryview]]]
+"""Layers of a segment: index, buffers as checksummed, buffers as sent."""
+Held = tuple[list[Registration], list[memoryview]]
+"""One-sided: registrations a transfer uses, and its buffers (kept alive with them)."""
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
+_FOLD_CHECKSUM_BYTES = 4 << 20
+"""A folded transfer up to this size is checksummed before its one write (~130 µs at
+4 MiB): a thread hop and a second message cost more here (0.2–0.6 ms under load)."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -71,8 +80,10 @@ class KvSender:
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._address = b""
         self._pools: dict[str, _Pool] = {}
-        self._held: dict[int, Exposed] = {}
-        """Failed transfers' exposed memory, held a while (`_quarantine`)."""
+        self._held: dict[int, Held] = {}
+        """Failed transfers' registered memory, held a while (`_quarantine`)."""
+        self.registry = Registry(data_plane.register, data_plane.deregister)
+        """One-sided: memory registered once per allocation, keys sent once per link."""
         self._started = False
         self._closed = False
         self._checksummer = concurrent.futures.ThreadPoolExecutor(
@@ -100,26 +111,18 @@ class KvSender:
             raise errors.TransportClosedError("sender is closed")
         await self.start()
         encoded = wire.encode_header(header)
-        pool = self._pools.setdefault(address, _Pool(self.settings.max_connections_per_peer))
-        try:
-            await asyncio.wait_for(pool.slots.acquire(), self.settings.idle_timeout_s)
-        except TimeoutError:
-            raise errors.TransferTimeoutError(
-                f"no free connection slot to {address} within {self.settings.idle_timeout_s}s"
-            ) from None
+        pool = await self._slot(address)
         try:
             for attempt in (1, 2):
                 link, reused = await self._acquire(pool, address)
                 try:
-                    await link.send(
-                        control.open_(
-                            0,  # the receiver issues the transfer's token
-                            self.settings.segment_bytes,
-                            encoded,
-                            read=self._plane.one_sided,
-                        ),
-                        self.settings.idle_timeout_s,
-                    )
+                    if self._plane.one_sided:
+                        message = self.withdrawals(link) + control.open_read2(
+                            self.settings.segment_bytes, encoded, folded=False
+                        )
+                    else:  # the receiver issues the transfer's token
+                        message = control.open_(0, self.settings.segment_bytes, encoded)
+                    await link.send(message, self.settings.idle_timeout_s)
                     msg = await link.next_message(self.settings.idle_timeout_s)
                 except errors.PeerLostError:
                     await link.close()
@@ -147,12 +150,146 @@ class KvSender:
             raise
 
     async def send(self, address: str, cache: wire.KvCache) -> None:
-        """Send a whole KV cache: the layer-wise API in a loop."""
+        """Send a whole KV cache: the layer-wise API in a loop, or — one-sided — one
+        message and one reply (`_send_folded`)."""
+        if self._plane.one_sided:
+            await self._send_folded(address, cache)
+            return
         scaled = cache.header.scales is not wire.ScaleLayout.NONE
         async with await self.open(address, cache.header) as transfer:
             for i, (k, v) in enumerate(cache.layers):
                 await transfer.send_layer(i, k, v, cache.scales[i] if scaled else None)
             await transfer.finish()
+
+    async def _send_folded(self, address: str, cache: wire.KvCache) -> None:
+        """One-sided, the whole KV at hand (prefill finished): OPEN_READ2 (``FOLDED``) and
+        every segment's READ in one write — with KEYS for what this link's receiver does
+        not hold yet, WITHDRAW for what it holds and was freed — then the checksums
+        (LAYERS; in that same write when the KV is small), then one reply: DONE | ERROR.
+        A refusal is raised here, as from `open`; a failed transfer's memory is held
+        (`_quarantine`) while its receiver may still be reading."""
+        if self._closed:
+            raise errors.TransportClosedError("sender is closed")
+        await self.start()
+        folded = _Folded(self, cache)
+        await folded.prepare()
+        pool = await self._slot(address)
+        try:
+            folded.register()
+        except BaseException:
+            pool.slots.release()
+            raise
+        try:
+            link, msg = await self._exchange(pool, address, folded)
+        except BaseException:
+            self._quarantine(folded.held, self.settings.idle_timeout_s)
+            pool.slots.release()
+            raise
+        if msg.kind is control.Kind.DONE:
+            self._release_registrations(folded.used)
+            self._release(pool, link, reusable=True)
+            return
+        # A refusal or a failure: the receiver stopped reading before it answered, but the
+        # link may still carry what we sent after the OPEN: it is not reused.
+        await link.close()
+        self._quarantine(folded.held, self.settings.idle_timeout_s)
+        pool.slots.release()
+        if msg.kind is control.Kind.ERROR:
+            raise control.parse_error(msg.body)
+        raise errors.WireFormatError(f"expected DONE, got {msg.kind.name}")
+
+    async def _slot(self, address: str) -> _Pool:
+        """The receiver's pool, with one of its transfer slots taken."""
+        pool = self._pools.setdefault(address, _Pool(self.settings.max_connections_per_peer))
+        if not pool.slots.locked():  # free: taken without a task or a loop turn
+            await pool.slots.acquire()
+            return pool
+        try:
+            await asyncio.wait_for(pool.slots.acquire(), self.settings.idle_timeout_s)
+        except TimeoutError:
+            raise errors.TransferTimeoutError(
+                f"no free connection slot to {address} within {self.settings.idle_timeout_s}s"
+            ) from None
+        return pool
+
+    async def _exchange(
+        self, pool: _Pool, address: str, folded: _Folded
+    ) -> tuple[Link, control.Message]:
+        """Send a folded transfer and read its reply (past LANDED).
+
+        At its connection cap a receiver may close a pooled link it saw idle before it
+        read the OPEN waiting there (`KvReceiver._make_room`): such a link yields
+        `PeerLostError` without any reply, and the transfer goes once more on a fresh link,
+        as `open` does. A receiver that read the OPEN marks its link busy and never closes
+        it for room, so a link that answered is never retried."""
+        for attempt in (1, 2):
+            link, reused = await self._acquire(pool, address)
+            replied = False
+            try:
+                await link.send(folded.message(link), folded.wait_s())
+                if not folded.frames:  # a large KV: checksummed while the receiver reads
+                    await link.send(await folded.checksummed(), folded.wait_s())
+                msg = await link.next_message(folded.wait_s())
+                replied = True
+                while msg.kind is control.Kind.LANDED:
+                    msg = await link.next_message(folded.wait_s())
+            except errors.PeerLostError:
+                await link.close()
+                if reused and attempt == 1 and not replied:
+                    continue
+                raise
+            except BaseException:
+                with contextlib.suppress(errors.TransportError):
+                    await link.send(control.encode(control.Kind.ABORT, b"sender error"), 1.0)
+                await link.close()
+                raise
+            return link, msg
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def withdrawals(self, link: Link) -> bytes:
+        """WITHDRAW for keys this link's receiver holds whose memory was freed (sent before
+        the link's next transfer, so the receiver never reads by them again)."""
+        self.registry.collect()
+        gone = [k for k in link.keys_told if k not in self.registry.live]
+        if not gone:
+            return b""
+        link.keys_told.difference_update(gone)
+        return control.withdraw(gone)
+
+    def announce(self, link: Link, used: list[Registration]) -> bytes:
+        """KEYS for the registrations this link's receiver does not hold yet (once per
+        link: later transfers name them by id)."""
+        new = [r.key for r in used if r.key.key_id not in link.keys_told]
+        link.keys_told.update(k.key_id for k in new)
+        return b"".join(
+            control.keys(new[i : i + control.MAX_KEYS])
+            for i in range(0, len(new), control.MAX_KEYS)
+        )
+
+    def _layer(
+        self,
+        h: wire.KvHeader,
+        index: int,
+        k: np.ndarray,
+        v: np.ndarray,
+        scales: tuple[np.ndarray, np.ndarray] | None,
+    ) -> tuple[list[memoryview], list[memoryview]]:
+        """Layer ``index``'s buffers, as checksummed and as sent, checked against the
+        header (shapes, dtype, scales)."""
+        shape = h.layers[index]
+        if tuple(k.shape) != shape.k or tuple(v.shape) != shape.v:
+            raise errors.WireFormatError(f"layer {index} shapes differ from the header's")
+        if k.dtype.itemsize != h.dtype.itemsize or v.dtype.itemsize != h.dtype.itemsize:
+            raise errors.WireFormatError(f"layer {index} dtype differs from {h.dtype.name}")
+        counts = h.scale_counts(index)
+        given = (0, 0) if scales is None else (scales[0].size, scales[1].size)
+        if (scales is None) != (h.scales is wire.ScaleLayout.NONE) or given != counts:
+            raise errors.WireFormatError(f"layer {index}: scales do not match the header's")
+        kb, vb, *sb = wire.layer_buffers(k, v, scales)
+        out_k, out_v = kb, vb
+        if self.payload_hook is not None:  # fault injection, after the checksum
+            out_k, out_v = self.payload_hook(index, kb, vb)
+        return [kb, vb, *sb], [out_k, out_v, *sb]
 
     async def _acquire(self, pool: _Pool, address: str) -> tuple[Link, bool]:
         # The receiver closes links idle for connection_idle_s: leave those it may be
@@ -217,21 +354,25 @@ class KvSender:
             pool.idle.append((link, time.monotonic()))
         pool.slots.release()
 
-    def _quarantine(self, exposed: Exposed, hold_s: float) -> None:
+    def _quarantine(self, held: Held, hold_s: float) -> None:
         """A failed one-sided transfer: its receiver may still be reading (it aborts its
         reads within its idle deadline). Its buffers stay referenced, so never freed under
-        a read, and registered for ``hold_s``; then they are withdrawn."""
-        key = id(exposed)
-        self._held[key] = exposed
+        a read, and its registrations in use, for ``hold_s``; then they are released."""
+        key = id(held)
+        self._held[key] = held
         loop = asyncio.get_running_loop()
-        loop.call_later(hold_s, lambda: self._withdraw(self._held.pop(key, [])))
+        loop.call_later(hold_s, lambda: self._unhold(key))
 
-    def _withdraw(self, exposed: Exposed) -> None:
-        for handle, _ in exposed:
-            try:
-                self._plane.withdraw(handle)
-            except errors.TransportError:
-                log.warning("could not deregister KV memory", exc_info=True)
+    def _unhold(self, key: int) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._release_registrations(held[0])
+
+    def _release_registrations(self, used: list[Registration]) -> None:
+        try:
+            self.registry.release(used)
+        except errors.TransportError:
+            log.warning("could not deregister KV memory", exc_info=True)
 
     async def close(self) -> None:
         """Close idle links and the data plane. Idempotent."""
@@ -239,10 +380,11 @@ class KvSender:
             return
         self._closed = True
         while self._held:
-            self._withdraw(self._held.popitem()[1])
+            self._release_registrations(self._held.popitem()[1][0])
         for pool in self._pools.values():
             while pool.idle:
                 await pool.idle.pop()[0].close()
+        self.registry.close()
         await self._plane.close()
         self._checksummer.shutdown(wait=False)
 
@@ -261,6 +403,92 @@ class KvSender:
 
 def _checksums(layers: list[list[memoryview]]) -> list[int]:
     return [wire.checksum(*layer) for layer in layers]
+
+
+def _frames(parts: Parts, sums: list[int]) -> bytes:
+    return b"".join(
+        wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))
+        for (i, summed, _), c in zip(parts, sums, strict=True)
+    )
+
+
+def _remaining(deadline: float, settings: TransportSettings, request_id: str) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise errors.TransferTimeoutError(
+            f"transfer of {request_id!r} exceeded {settings.transfer_timeout_s}s"
+        )
+    return min(remaining, settings.idle_timeout_s)
+
+
+class _Folded:
+    """One folded one-sided transfer (`KvSender._send_folded`): its layers, checked and
+    hooked; its registrations and READ descriptors; its checksums."""
+
+    def __init__(self, sender: KvSender, cache: wire.KvCache) -> None:
+        self.sender = sender
+        self.cache = cache
+        self.header = cache.header
+        self.parts: Parts = []
+        self.used: list[Registration] = []
+        self.reads: list[tuple[int, list[control.Descriptor]]] = []
+        self.frames = b""
+        self.deadline = time.monotonic() + sender.settings.transfer_timeout_s
+
+    @property
+    def held(self) -> Held:
+        return self.used, [b for _, _, sent in self.parts for b in sent]
+
+    def wait_s(self) -> float:
+        return _remaining(self.deadline, self.sender.settings, self.header.request_id)
+
+    async def prepare(self) -> None:
+        """Check every layer against the header; a small KV's checksums right away."""
+        h, cache, sender = self.header, self.cache, self.sender
+        if len(cache.layers) != len(h.layers):
+            raise errors.WireFormatError(f"{len(cache.layers)} layers; the header: {len(h.layers)}")
+        scaled = h.scales is not wire.ScaleLayout.NONE
+        for i, (k, v) in enumerate(cache.layers):
+            summed, sent = sender._layer(h, i, k, v, cache.scales[i] if scaled else None)
+            if sender.delay_hook is not None and (held := sender.delay_hook(i)) > 0:
+                await asyncio.sleep(min(held, self.wait_s()))  # a slow link
+            self.parts.append((i, summed, sent))
+        self.encoded = wire.encode_header(h)
+        if sum(b.nbytes for _, summed, _ in self.parts for b in summed) <= _FOLD_CHECKSUM_BYTES:
+            self.frames = _frames(self.parts, _checksums([s for _, s, _ in self.parts]))
+
+    def register(self) -> None:
+        """Descriptors of each segment, registering memory not registered yet."""
+        registry = self.sender.registry
+        try:
+            for n, seg in enumerate(wire.segments(self.header, self.sender.settings.segment_bytes)):
+                descs, regs = registry.acquire([b for i in seg for b in self.parts[i][2]])
+                self.used.extend(r for r in regs if r not in self.used)
+                self.reads.append((n, descs))
+        except BaseException:
+            self.sender._release_registrations(self.used)
+            raise
+
+    def message(self, link: Link) -> bytes:
+        """OPEN_READ2 with [WITHDRAW] [KEYS] READ… [LAYERS] folded in: one message, which
+        the receiver reads in one go. (Past `control.MAX_BODY`, e.g. hundreds of blocks
+        apart, the same messages follow it instead.)"""
+        sender = self.sender
+        keys = sender.withdrawals(link) + sender.announce(link, self.used)
+        rest = b"".join(control.read(n, descs) for n, descs in self.reads)
+        if self.frames:
+            rest += control.encode(control.Kind.LAYERS, self.frames)
+        seg = sender.settings.segment_bytes
+        then = keys + rest
+        if len(self.encoded) + len(then) + 32 <= control.MAX_BODY:
+            return control.open_read2(seg, self.encoded, folded=True, then=then)
+        return keys + control.open_read2(seg, self.encoded, folded=True) + rest
+
+    async def checksummed(self) -> bytes:
+        """LAYERS with every layer's checksum (kept: a retry sends them with its OPEN)."""
+        sums = await self.sender.checksums([summed for _, summed, _ in self.parts])
+        self.frames = _frames(self.parts, sums)
+        return control.encode(control.Kind.LAYERS, self.frames)
 
 
 class OutgoingTransfer:
@@ -282,9 +510,10 @@ class OutgoingTransfer:
         self._missing = [len(seg) for seg in self._segments]
         self._outgoing: dict[int, tuple[list[memoryview], list[memoryview]]] = {}
         """Layers of incomplete segments: buffers as checksummed, buffers as sent."""
-        self._exposed: Exposed = []
-        """One-sided: registrations to withdraw when the transfer ends, with the buffers
-        they cover (kept alive until then: the receiver reads them)."""
+        self._used: list[Registration] = []
+        self._buffers: list[memoryview] = []
+        """One-sided: the registrations the transfer uses and its buffers (kept alive until
+        it ended: the receiver reads them)."""
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
@@ -317,23 +546,10 @@ class OutgoingTransfer:
         h = self.header
         if not 0 <= index < len(h.layers) or index in self._sent:
             raise errors.WireFormatError(f"layer {index} is out of range or already sent")
-        shape = h.layers[index]
-        if tuple(k.shape) != shape.k or tuple(v.shape) != shape.v:
-            raise errors.WireFormatError(f"layer {index} shapes differ from the header's")
-        if k.dtype.itemsize != h.dtype.itemsize or v.dtype.itemsize != h.dtype.itemsize:
-            raise errors.WireFormatError(f"layer {index} dtype differs from {h.dtype.name}")
-        counts = h.scale_counts(index)
-        given = (0, 0) if scales is None else (scales[0].size, scales[1].size)
-        if (scales is None) != (h.scales is wire.ScaleLayout.NONE) or given != counts:
-            raise errors.WireFormatError(f"layer {index}: scales do not match the header's")
-        kb, vb, *sb = wire.layer_buffers(k, v, scales)
-        out_k, out_v = kb, vb
-        if self._sender.payload_hook is not None:  # fault injection, after the checksum
-            out_k, out_v = self._sender.payload_hook(index, kb, vb)
+        summed, sent = self._sender._layer(h, index, k, v, scales)
         if self._sender.delay_hook is not None and (held := self._sender.delay_hook(index)) > 0:
             await asyncio.sleep(min(held, self._wait_s()))  # a slow link, within the deadline
         plane = self._sender._plane
-        summed, sent = [kb, vb, *sb], [out_k, out_v, *sb]
         nbytes = sum(b.nbytes for b in summed)
         try:
             if plane.inline:
@@ -361,45 +577,32 @@ class OutgoingTransfer:
         msg = control.encode(control.Kind.LAYER, wire.encode_layer_frame(frame))
         await self._link.send(msg, self._wait_s())
 
-    async def _segment(
-        self, seg: int, parts: list[tuple[int, list[memoryview], list[memoryview]]]
-    ) -> None:
+    async def _segment(self, seg: int, parts: Parts) -> None:
         if self._sender._plane.one_sided:
             await self._expose_segment(seg, parts)
         else:
             await self._send_segment(seg, parts)
 
-    async def _expose_segment(
-        self, seg: int, parts: list[tuple[int, list[memoryview], list[memoryview]]]
-    ) -> None:
-        """One-sided: register the segment's memory and tell the receiver where it is at
-        once (it starts reading), then checksum its layers in one thread hop meanwhile and
-        send their frames; the receiver verifies each layer once both are in."""
-        plane = self._sender._plane
+    async def _expose_segment(self, seg: int, parts: Parts) -> None:
+        """One-sided: tell the receiver where the segment is at once (it starts reading) —
+        KEYS first for memory its link does not know yet — then checksum its layers in
+        one thread hop meanwhile and send their frames; the receiver verifies each layer
+        once both are in."""
+        sender = self._sender
         bufs = [b for _, _, sent in parts for b in sent]
-        regions, handle = plane.expose(bufs)
-        self._exposed.append((handle, bufs))
-        await self._link.send(control.segment(seg, regions), self._wait_s())
+        descs, regs = sender.registry.acquire(bufs)
+        self._used.extend(regs)
+        self._buffers.extend(bufs)
+        message = sender.announce(self._link, regs) + control.read(seg, descs)
+        await self._link.send(message, self._wait_s())
         await self._send_frames(parts)
 
-    async def _send_frames(
-        self, parts: list[tuple[int, list[memoryview], list[memoryview]]]
-    ) -> None:
+    async def _send_frames(self, parts: Parts) -> None:
         sums = await self._sender.checksums([summed for _, summed, _ in parts])
-        frames = b"".join(
-            wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))
-            for (i, summed, _), c in zip(parts, sums, strict=True)
-        )
+        frames = _frames(parts, sums)
         await self._link.send(control.encode(control.Kind.LAYERS, frames), self._wait_s())
 
-    def _withdraw(self) -> None:
-        """Deregister the transfer's exposed memory (it ended, and the receiver said DONE)."""
-        self._sender._withdraw(self._exposed)
-        self._exposed = []
-
-    async def _send_segment(
-        self, seg: int, parts: list[tuple[int, list[memoryview], list[memoryview]]]
-    ) -> None:
+    async def _send_segment(self, seg: int, parts: Parts) -> None:
         """Start the segment's payload (the receiver posted its receive already), checksum
         its layers meanwhile in one thread hop, send their frames in one write, then wait
         for the payload to be delivered."""
@@ -435,7 +638,8 @@ class OutgoingTransfer:
             raise
         if msg.kind is control.Kind.DONE:
             self._state = "done"
-            self._withdraw()
+            self._sender._release_registrations(self._used)
+            self._used, self._buffers = [], []
             self._sender._release(self._pool, self._link, reusable=True)
             return
         await self._fail()
@@ -468,11 +672,11 @@ class OutgoingTransfer:
             with contextlib.suppress(BaseException):
                 await t
         self._in_flight.clear()
-        if self._exposed:
+        if self._used:
             # The receiver may still be reading (it aborts its reads within its idle
             # deadline): the buffers stay referenced, so never freed under a read, until then.
-            exposed, self._exposed = self._exposed, []
-            self._sender._quarantine(exposed, self._settings.idle_timeout_s)
+            held, self._used, self._buffers = (self._used, self._buffers), [], []
+            self._sender._quarantine(held, self._settings.idle_timeout_s)
         await self._link.close()
         self._sender._release(self._pool, self._link, reusable=False)
 

@@ -161,25 +161,31 @@ def deregister(context: int, region: Region) -> None:
     _ucp().ucp_mem_unmap(context, region.memh)
 
 
-class Gets:
-    """One-sided reads issued on an endpoint: `issue` each, then `poll` or `wait`.
+def unpack_rkey(endpoint: int, rkey: bytes) -> int:
+    """A remote key unpacked on ``endpoint`` (destroy it with `destroy_rkey`, after every
+    read using it completed)."""
+    key = ctypes.c_void_p()
+    _check(_ucp().ucp_ep_rkey_unpack(endpoint, rkey, ctypes.byref(key)), "ucp_ep_rkey_unpack")
+    return int(key.value or 0)
 
-    Remote keys are unpacked per read and destroyed once every read completed (UCX wants
-    a key destroyed after the operations that use it, and before its endpoint closes).
-    """
+
+def destroy_rkey(key: int) -> None:
+    _ucp().ucp_rkey_destroy(key)
+
+
+class Gets:
+    """One-sided reads issued on an endpoint with unpacked remote keys: `issue` each, then
+    `poll` or `wait`. The keys belong to the caller (kept per link, destroyed once no read
+    uses them)."""
 
     def __init__(self, worker: int, endpoint: int) -> None:
         self._worker = worker
         self._ep = endpoint
-        self._rkeys: list[ctypes.c_void_p] = []
         self._requests: list[int] = []
         self._failure = 0
 
-    def issue(self, into: int, length: int, remote: int, rkey: bytes) -> None:
+    def issue(self, into: int, length: int, remote: int, key: int) -> None:
         lib = _ucp()
-        key = ctypes.c_void_p()
-        _check(lib.ucp_ep_rkey_unpack(self._ep, rkey, ctypes.byref(key)), "ucp_ep_rkey_unpack")
-        self._rkeys.append(key)
         ptr = lib.ucp_get_nbx(self._ep, into, length, remote, key, ctypes.byref(_NO_PARAMS))
         value = int(ptr or 0)
         if value == 0:
@@ -190,11 +196,14 @@ class Gets:
 
     def poll(self) -> bool:
         """Progress the worker, collect finished reads; True once none is pending (then
-        the first failure, if any, is raised and the keys are destroyed).
+        the first failure, if any, is raised).
 
         Progress is made here rather than left to UCXX's progress thread: that thread
         sleeps on the worker's events, and a CMA read's completion raises none (reads then
         completed ~2 ms late at 1 MiB)."""
+        if not self._requests:
+            _check(self._failure, "ucp_get_nbx")
+            return True
         lib = _ucp()
         while lib.ucp_worker_progress(self._worker):
             pass
@@ -209,15 +218,14 @@ class Gets:
         self._requests = still
         if still:
             return False
-        self.release_keys()
         _check(self._failure, "ucp_get_nbx")
         return True
 
     def wait(self, abandoned: threading.Event) -> None:
         """`poll` until every read completed. Deadlines are the caller's: it sets
         ``abandoned`` and aborts the endpoint, which cancels what is outstanding (those
-        reads then complete, failed); after that, at most ``_ABANDON_GRACE_S``. Keys of
-        reads still pending then are leaked with them: never destroy a key in use."""
+        reads then complete, failed); after that, at most ``_ABANDON_GRACE_S`` (the keys
+        in use are then leaked with the reads: never destroy a key in use)."""
         given_up_at: float | None = None
         while not self.poll():
             if abandoned.is_set():
@@ -226,12 +234,6 @@ class Gets:
                 if now - given_up_at > _ABANDON_GRACE_S:
                     raise errors.PeerLostError("one-sided reads not cancelled by the abort")
             time.sleep(_POLL_S)
-
-    def release_keys(self) -> None:
-        lib = _ucp()
-        for key in self._rkeys:
-            lib.ucp_rkey_destroy(key)
-        self._rkeys.clear()
 
     @property
     def pending(self) -> int:

@@ -2,15 +2,17 @@
 ``UcxConfig(one_sided=True)`` — the receiver reads each segment from the sender's registered
 memory (one-sided ``get``, transport v2). Control stays on the TCP link either way.
 
-One-sided, per transfer (`transport.control` has the message flow): the sender registers
-each segment's memory as soon as the segment exists (``ucp_mem_map``, a few µs; adjacent
-buffers make one region, others a block list) and sends its regions and remote keys in a
-SEGMENT message, then its layers' checksums; the receiver, which checked the header and
-reserved the (request id, epoch) and the bytes before anything else, reads the regions into
-its own slice for that segment (``ucp_get_nbx``: CMA between local processes, one copy
-done by the receiver's own thread), verifies each layer as bytes and frame are both in, and
-answers DONE. The calls UCXX's Python API lacks are in `transport.ucp` (ctypes on UCXX's
-own context, worker and endpoints).
+One-sided (`transport.control` has the message flow): the sender registers each allocation
+its KV lives in once (``ucp_mem_map`` and the packed remote key, `transport.registry`) and
+tells each link's receiver its key once; per transfer it sends (key id, offset, length)
+descriptors per segment — with the header in one message when the whole KV exists. The
+receiver, which checked the header and reserved the (request id, epoch) and the bytes before
+anything else, unpacks each remote key once per link (``ucp_ep_rkey_unpack``, kept in
+`_Reads.keys` until WITHDRAW or the link goes), reads the regions into its own slice for
+that segment (``ucp_get_nbx``: CMA between local processes, one copy done by the receiver's
+own thread, or on its loop up to 1 MiB), verifies each layer as bytes and frame are both in,
+and answers DONE. The calls UCXX's Python API lacks are in `transport.ucp` (ctypes on
+UCXX's own context, worker and endpoints).
 
 **Pull, and why no stale write can land in re-used memory.** Only the receiver's own reads
 ever write into its memory, and only into the slice of a buffer reserved for the (request
@@ -21,9 +23,12 @@ more is issued, and aborts the link's endpoint, which cancels what is still outs
 the thread running the reads holds the buffer until they completed or were cancelled, and a
 failed transfer's buffer never returns to the pool (it is freed once nothing refers to it).
 A sender that died or stalled writes nothing anywhere: its memory is only read. On the
-sender's side, a failed transfer's registered buffers stay referenced for the idle deadline
-(the receiver's reads end within it) and are then deregistered; a receiver reading memory
-the prefill already re-used gets bytes whose checksums do not match, and refuses them.
+sender's side, a failed transfer's buffers stay referenced for the idle deadline (the
+receiver's reads end within it), so never freed under a read; a registration lives exactly
+as long as its allocation (it is dropped as the allocation is freed, and WITHDRAWn from the
+links that hold its key before their next transfer), so no key ever names memory that was
+freed and given to someone else; a receiver reading memory the prefill re-used for another
+request's KV anyway gets bytes whose checksums do not match, and refuses them.
 With push (the sender writing into memory the receiver announced), a stalled prefill
 resumed after its transfer was failed and the blocks re-used would write into someone
 else's KV — CMA does not revoke access on deregistration — unless those blocks were
@@ -84,7 +89,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,9 +122,9 @@ class UcxConfig:
     one_sided: bool = False
     """Payloads are read by the receiver from the sender's registered memory (``get``,
     transport v2) instead of sent as tagged messages (v1). Opt-in: measured side by side
-    here (README "Limits", a loaded 2-core VM) v2 was about as fast as v1 at 1–4 MiB and
-    0.4–0.7× at 64–256 MiB; it stays off until a quiet machine says otherwise. A receiver
-    takes either, as each sender opens it."""
+    here (README "Limits", a 2-core VM) v2 was 1.0–2× v1 from 4 KiB to 16 MiB but
+    0.83–0.95× at 64–256 MiB; it stays off until it is ≥ v1 at every size. A receiver takes
+    either, as each sender opens it."""
     error_handling: bool = False
     """UCX endpoint peer-error handling on *tag* (v1) endpoints. Off: with it on, libucx
     1.21 gives them only ``tcp/lo`` lanes (0.5–1 GB/s). Peer failure is detected by the
@@ -225,23 +230,13 @@ class UcxDataPlane(DataPlane):
 
     # ------------------------------------------------------------------ one-sided
 
-    def expose(self, buffers: Sequence[memoryview]) -> tuple[list[RemoteRegion], object]:
-        context = _context_handle()
-        regions: list[ucp.Region] = []
-        try:
-            for address, length in _runs(buffers):
-                regions.append(ucp.register(context, address, length))
-        except BaseException:
-            self.withdraw(regions)
-            raise
-        remote = [RemoteRegion(r.address, r.length, r.rkey) for r in regions]
-        return remote, regions
+    def register(self, address: int, length: int) -> tuple[bytes, object]:
+        region = ucp.register(_context_handle(), address, length)
+        return region.rkey, region
 
-    def withdraw(self, handle: object) -> None:
-        assert isinstance(handle, list)
-        context = _context_handle()
-        for region in handle:
-            ucp.deregister(context, region)
+    def deregister(self, handle: object) -> None:
+        assert isinstance(handle, ucp.Region)
+        ucp.deregister(_context_handle(), handle)
 
     async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
         ep = await self._endpoint(peer, _CONTEXT.checked_reads)
@@ -251,14 +246,31 @@ class UcxDataPlane(DataPlane):
         except Exception as exc:
             raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
         if into.nbytes <= _INLINE_READ_BYTES:  # a thread hop costs more than the copy
-            gets = reads.start(handle, list(regions), into)
-            if gets.poll():
-                return
-            await asyncio.to_thread(reads.finish, gets, into)
+            rest = reads.in_place(handle, list(regions), into)
+            if rest is not None:
+                await rest
             return
         # The thread holds ``into`` (so its memory outlives every read into it) and the
         # channel's lock while it calls into UCX on the endpoint.
         await asyncio.to_thread(reads.run, handle, list(regions), into)
+
+    def read_now(
+        self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview
+    ) -> Coroutine[Any, Any, None] | None:
+        ep = self._eps.get(peer.channel)
+        if ep is None or into.nbytes > _INLINE_READ_BYTES:
+            return self.read(peer, regions, into)
+        reads = self._reading.setdefault(peer.channel, _Reads())
+        try:
+            handle = int(_requests(ep).handle)
+        except Exception as exc:
+            raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
+        return reads.in_place(handle, list(regions), into)
+
+    def forget_keys(self, peer: Peer, key_ids: Sequence[int]) -> None:
+        reads = self._reading.get(peer.channel)
+        if reads is not None:
+            reads.forget(key_ids)
 
     def discard_unmatched(self, keep: Callable[[int], bool]) -> list[tuple[int, int]]:
         if self._ucxx is None:
@@ -274,6 +286,7 @@ class UcxDataPlane(DataPlane):
         if reads is not None:
             with reads.lock:
                 reads.abandoned.set()
+                reads.drop_keys()  # now, or by the last read still in progress
                 if ep is not None:
                     _abort(ep)
         elif ep is not None:
@@ -288,11 +301,18 @@ class UcxDataPlane(DataPlane):
 
 
 class _Reads:
-    """A channel's one-sided reads, run in threads (``ucp_get_nbx`` may copy inline)."""
+    """A channel's one-sided reads, run in threads (``ucp_get_nbx`` may copy inline), and
+    the remote keys unpacked on its endpoint (once per key id, for the link's life)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.abandoned = threading.Event()
+        self.keys: dict[int, int] = {}
+        """Key id → remote key unpacked on this channel's endpoint."""
+        self.active = 0
+        """Reads issued and not yet completed: keys are destroyed only when none are."""
+        self.retired: list[int] = []
+        """Keys forgotten while reads were active: destroyed with the last one."""
 
     def run(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> None:
         self.finish(self.start(endpoint, regions, into), into)
@@ -301,42 +321,92 @@ class _Reads:
         """Issue the reads (a CMA read copies right here) under the channel's lock."""
         gets = ucp.Gets(_worker_handle(), endpoint)
         base = _address(into)
-        try:
-            with self.lock:
-                if self.abandoned.is_set():
-                    raise errors.PeerLostError("the transfer was abandoned")
+        with self.lock:
+            if self.abandoned.is_set():
+                raise errors.PeerLostError("the transfer was abandoned")
+            self.active += 1
+            try:
                 offset = 0
                 for r in regions:
-                    gets.issue(base + offset, r.length, r.address, r.rkey)
+                    key = self.keys.get(r.key_id)
+                    if key is None:
+                        key = self.keys[r.key_id] = ucp.unpack_rkey(endpoint, r.rkey)
+                    gets.issue(base + offset, r.length, r.address, key)
                     offset += r.length
-        except BaseException:
-            if gets.pending:  # e.g. a bad remote key after good ones: let those finish
-                with contextlib.suppress(errors.TransportError):
-                    gets.wait(self.abandoned)
-            raise
+            except BaseException:
+                if gets.pending:  # e.g. a failed get after good ones: let those finish
+                    with contextlib.suppress(errors.TransportError):
+                        gets.wait(self.abandoned)
+                self.active -= 1
+                raise
         return gets
+
+    def in_place(
+        self, endpoint: int, regions: list[RemoteRegion], into: memoryview
+    ) -> Coroutine[Any, Any, None] | None:
+        """Issue the reads here (on the loop: a small segment); None once they completed
+        (a CMA read copies inside the call), else what waits for the rest in a thread."""
+        gets = self.start(endpoint, regions, into)
+        try:
+            if gets.poll():
+                self.done()
+                return None
+        except BaseException:  # a read failed: all of them completed
+            self.done()
+            raise
+        return asyncio.to_thread(self.finish, gets, into)
 
     def finish(self, gets: ucp.Gets, into: memoryview) -> None:
         """Wait for the reads (``into`` is held until they are done)."""
-        gets.wait(self.abandoned)
+        try:
+            gets.wait(self.abandoned)
+        except errors.PeerLostError:
+            if gets.pending:  # not cancelled: its keys may still be in use, leak them
+                with self.lock:
+                    self.keys.clear()
+                    self.retired.clear()
+                    self.active -= 1
+                raise
+            self.done()
+            raise
+        self.done()
+
+    def done(self) -> None:
+        with self.lock:
+            self.active -= 1
+            if not self.active:
+                self._destroy(self.retired)
+                self.retired = []
+                if self.abandoned.is_set():
+                    self.drop_keys()
+
+    def forget(self, key_ids: Sequence[int]) -> None:
+        """The sender withdrew these keys (between transfers: no read uses them)."""
+        with self.lock:
+            for key_id in key_ids:
+                key = self.keys.pop(key_id, None)
+                if key is not None:
+                    self.retired.append(key)
+            if not self.active:
+                self._destroy(self.retired)
+                self.retired = []
+
+    def drop_keys(self) -> None:
+        """The channel is going (called under the lock): destroy its keys unless a read
+        still uses them (then the last read does)."""
+        if not self.active:
+            self._destroy([*self.keys.values(), *self.retired])
+            self.keys.clear()
+            self.retired = []
+
+    @staticmethod
+    def _destroy(keys: list[int]) -> None:
+        for key in keys:
+            ucp.destroy_rkey(key)
 
 
 _INLINE_READ_BYTES = 1 << 20
 """Segments up to this size are read on the event loop (a CMA copy of 1 MiB: ~0.1 ms)."""
-
-
-def _runs(buffers: Sequence[memoryview]) -> list[tuple[int, int]]:
-    """(address, length) of each run of adjacent buffers: one registration, one read each."""
-    runs: list[tuple[int, int]] = []
-    for b in buffers:
-        if not b.nbytes:
-            continue
-        address = _address(b)
-        if runs and runs[-1][0] + runs[-1][1] == address:
-            runs[-1] = (runs[-1][0], runs[-1][1] + b.nbytes)
-        else:
-            runs.append((address, b.nbytes))
-    return runs
 
 
 def _worker_handle() -> int:

@@ -356,10 +356,13 @@ class ReferenceHost(EngineHost):
             header = replace(
                 header, prefix_tokens=prefix, prefix_hash=bytes(request.decode_prefix_hash)
             )
-        async with await self._sender.open(request.kv_target, header) as transfer:
-            for i, layer in enumerate(layers):
-                await transfer.send_layer(i, layer.k, layer.v, layer.scales)
-            await transfer.finish()
+        cache = wire.KvCache(
+            header,
+            tuple((layer.k, layer.v) for layer in layers),
+            scales=tuple(layer.scales for layer in layers if layer.scales is not None),
+        )
+        # The whole KV exists: one-sided, one message and one reply (else layer by layer).
+        await self._sender.send(request.kv_target, cache)
         return header
 
     async def decode(

@@ -1,23 +1,33 @@
-"""One-sided UCX: the receiver reads only into the slice it reserved, once per segment.
+"""One-sided UCX: the receiver reads only into the slice it reserved, once per segment, only
+by keys its link holds; the sender registers memory once and sends each key once per link.
 
-A sender announcing regions that do not add up to the segment's size, or a segment that
-does not exist, or a one-sided OPEN to a receiver without that path, is refused with a
-clear error before any read is issued, and the reservation is released.
+A sender announcing descriptors that do not add up to the segment's size, that reach
+outside their key, that name a key never announced or withdrawn, or a segment that does
+not exist, or a one-sided OPEN to a receiver without that path (or in the retired protocol
+1), is refused with a clear error before any read is issued, and the reservation released.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
+from collections.abc import Awaitable, Callable
 
+import numpy as np
 import pytest
 
 from transport import control, errors, testing, wire
-from transport.backends import UCX_READ, make_receiver
+from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
+from transport.link import Link
+from transport.receiver import KvReceiver
 from transport.tcp import tcp_receiver
 from transport.ucx import ucx_available
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
+
+KEY = control.RemoteKey(7, 4096, 64 * testing.KIB, b"k")
 
 
 async def _message(reader: asyncio.StreamReader) -> control.Message:
@@ -25,36 +35,110 @@ async def _message(reader: asyncio.StreamReader) -> control.Message:
     return control.Message(kind, await asyncio.wait_for(reader.readexactly(length), 5))
 
 
-async def _refused(regions: list[control.RemoteRegion], index: int = 0) -> str:
+async def _reply(reader: asyncio.StreamReader) -> control.Message:
+    msg = await _message(reader)
+    while msg.kind is control.Kind.LANDED:
+        msg = await _message(reader)
+    return msg
+
+
+async def _refused(*messages: bytes, folded: bool = False) -> tuple[str, KvReceiver]:
+    """Send ``messages`` around an OPEN_READ2 of a 64 KiB KV in 2 layers (one segment);
+    return the receiver's ERROR text, having checked nothing was adopted or kept."""
     receiver = make_receiver(UCX_READ, TransportSettings())
     address = await receiver.start()
     try:
         reader, writer = await testing._say_hello(address)
         cache = testing.synthetic_cache("r", 1, 64 * testing.KIB, n_layers=2)
-        writer.write(control.open_(0, 1 << 20, wire.encode_header(cache.header), read=True))
-        assert (await _message(reader)).kind is control.Kind.ACCEPT
-        writer.write(control.segment(index, regions))
-        msg = await _message(reader)
-        while msg.kind is control.Kind.LANDED:
-            msg = await _message(reader)
+        header = wire.encode_header(cache.header)
+        before, after = messages[:-1], messages[-1]
+        writer.write(b"".join(before) + control.open_read2(1 << 20, header, folded=folded))
+        if not folded:
+            assert (await _message(reader)).kind is control.Kind.ACCEPT
+        writer.write(after)
+        msg = await _reply(reader)
         assert msg.kind is control.Kind.ERROR, msg.kind
         with pytest.raises(errors.WireFormatError):
             await receiver.take("r", 1, timeout_s=5)
         assert receiver.inbox.bytes_in_use == 0
         writer.close()
-        return control.parse_error(msg.body).args[0]
+        return control.parse_error(msg.body).args[0], receiver
     finally:
         await receiver.close()
 
 
-def test_regions_that_do_not_add_up_to_the_segment_are_refused() -> None:
-    too_long = [control.RemoteRegion(4096, 64 * testing.KIB + 1, b"k")]
-    assert "do not add up" in asyncio.run(_refused(too_long))
+def _text(*messages: bytes, folded: bool = False) -> str:
+    return asyncio.run(_refused(*messages, folded=folded))[0]
+
+
+def test_descriptors_that_do_not_add_up_to_the_segment_are_refused() -> None:
+    short = control.read(0, [control.Descriptor(KEY.key_id, 0, 64 * testing.KIB - 1)])
+    assert "do not add up" in _text(control.keys([KEY]), short)
+
+
+def test_a_descriptor_outside_its_key_is_refused() -> None:
+    outside = control.read(0, [control.Descriptor(KEY.key_id, 1, 64 * testing.KIB)])
+    assert "outside key" in _text(control.keys([KEY]), outside)
 
 
 def test_a_segment_out_of_range_is_refused() -> None:
-    fits = [control.RemoteRegion(4096, 64 * testing.KIB, b"k")]
-    assert "out of range" in asyncio.run(_refused(fits, index=1))  # 64 KiB: one segment
+    fits = control.read(1, [control.Descriptor(KEY.key_id, 0, 64 * testing.KIB)])
+    assert "out of range" in _text(control.keys([KEY]), fits)  # 64 KiB: one segment
+
+
+def test_a_read_by_a_key_never_announced_is_refused() -> None:
+    fits = control.read(0, [control.Descriptor(KEY.key_id, 0, 64 * testing.KIB)])
+    assert "does not hold" in _text(control.keys([dataclasses.replace(KEY, key_id=8)]), fits)
+
+
+def test_a_read_by_a_withdrawn_key_is_refused_and_nothing_is_adopted() -> None:
+    fits = control.read(0, [control.Descriptor(KEY.key_id, 0, 64 * testing.KIB)])
+    withdrawn = control.keys([KEY]) + control.withdraw([KEY.key_id])
+    assert "does not hold" in _text(withdrawn, fits)
+    assert "does not hold" in _text(withdrawn, fits, folded=True)  # one message, one reply
+
+
+def test_a_key_announced_twice_on_a_link_is_refused() -> None:
+    async def run() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        try:
+            reader, writer = await testing._say_hello(address)
+            cache = testing.synthetic_cache("r", 1, 64 * testing.KIB, n_layers=2)
+            fits = control.read(0, [control.Descriptor(KEY.key_id, 0, 64 * testing.KIB)])
+            twice = control.keys([KEY]) + control.keys([dataclasses.replace(KEY, address=8192)])
+            header = wire.encode_header(cache.header)
+            writer.write(control.open_read2(1 << 20, header, folded=True, then=twice + fits))
+            msg = await _reply(reader)
+            assert msg.kind is control.Kind.ERROR
+            assert "announced twice" in str(control.parse_error(msg.body))
+            assert receiver.inbox.bytes_in_use == 0
+            writer.close()
+        finally:
+            await receiver.close()
+
+    asyncio.run(run())
+
+
+def test_the_retired_one_sided_protocol_is_refused_clearly() -> None:
+    async def run() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        try:
+            reader, writer = await testing._say_hello(address)
+            header = wire.encode_header(testing.synthetic_cache("v1", 1, 1024).header)
+            writer.write(control.open_(0, 1 << 20, header, read=True))
+            msg = await _message(reader)
+            assert msg.kind is control.Kind.ERROR
+            refused = control.parse_error(msg.body)
+            assert isinstance(refused, errors.HeaderRejectedError)
+            assert "upgrade the sender" in str(refused)
+            assert receiver.inbox.bytes_in_use == 0
+            writer.close()
+        finally:
+            await receiver.close()
+
+    asyncio.run(run())
 
 
 def test_a_one_sided_open_to_a_receiver_without_that_path_is_refused() -> None:
@@ -64,7 +148,7 @@ def test_a_one_sided_open_to_a_receiver_without_that_path_is_refused() -> None:
         try:
             reader, writer = await testing._say_hello(address)
             header = wire.encode_header(testing.synthetic_cache("t", 1, 1024).header)
-            writer.write(control.open_(0, 1 << 20, header, read=True))
+            writer.write(control.open_read2(1 << 20, header, folded=False))
             msg = await _message(reader)
             assert msg.kind is control.Kind.ERROR
             assert isinstance(control.parse_error(msg.body), errors.HeaderRejectedError)
@@ -73,3 +157,143 @@ def test_a_one_sided_open_to_a_receiver_without_that_path_is_refused() -> None:
             await receiver.close()
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------- keys once per link, withdrawn
+
+
+def _spy(sent: list[list[control.Kind]]) -> Callable[[], None]:
+    """Record the kinds of the control messages each `Link.send` writes; returns an undo."""
+    original = Link.send
+
+    async def send(self: Link, data: bytes, timeout_s: float) -> None:
+        kinds = []
+        for msg in control.split(data):
+            kinds.append(msg.kind)
+            if msg.kind is control.Kind.OPEN_READ2:  # and what is folded into it
+                kinds.extend(m.kind for m in control.parse_open_read2(msg.body)[3])
+        sent.append(kinds)
+        await original(self, data, timeout_s)
+
+    Link.send = send  # type: ignore[method-assign]
+    return lambda: setattr(Link, "send", original)
+
+
+async def _with_pair(body: Callable[..., Awaitable[None]]) -> None:
+    receiver = make_receiver(UCX_READ, TransportSettings())
+    address = await receiver.start()
+    sender = make_sender(UCX_READ, TransportSettings())
+    try:
+        await body(sender, receiver, address)
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def _send_and_take(sender: object, receiver: KvReceiver, address: str, cache: object) -> None:
+    assert isinstance(cache, wire.KvCache)
+    await sender.send(address, cache)  # type: ignore[attr-defined]
+    got = await receiver.take(cache.header.request_id, cache.header.epoch, 5)
+    assert testing.digest(got) == testing.digest(cache)
+    got.release()
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["folded", "layerwise"])
+def test_keys_travel_once_per_link_and_memory_is_registered_once(layerwise: bool) -> None:
+    sent: list[list[control.Kind]] = []
+
+    async def body(sender: object, receiver: KvReceiver, address: str) -> None:
+        from transport.sender import KvSender  # noqa: PLC0415
+
+        assert isinstance(sender, KvSender)
+        cache = testing.synthetic_cache("k", 1, 256 * testing.KIB, n_layers=4)
+        for n in range(3):
+            c = dataclasses.replace(cache, header=dataclasses.replace(cache.header, epoch=n + 1))
+            if layerwise:
+                async with await sender.open(address, c.header) as t:
+                    for i, (k, v) in enumerate(c.layers):
+                        await t.send_layer(i, k, v)
+                    await t.finish()
+                got = await receiver.take("k", n + 1, 5)
+                assert testing.digest(got) == testing.digest(c)
+                got.release()
+            else:
+                await _send_and_take(sender, receiver, address, c)
+        assert sender.registry.registrations == 1  # the KV's allocation, once
+        assert receiver.connections == 1  # one pooled link carried all three
+
+    undo = _spy(sent)
+    try:
+        asyncio.run(_with_pair(body))
+    finally:
+        undo()
+    with_keys = [kinds for kinds in sent if control.Kind.KEYS in kinds]
+    assert len(with_keys) == 1  # the first transfer's; later ones carry no packed key
+    opens = [k for k in sent if control.Kind.OPEN_READ2 in k or control.Kind.READ in k]
+    assert with_keys[0] == opens[0 if not layerwise else 1]
+
+
+def test_a_freed_buffers_key_is_withdrawn_on_the_link_before_its_next_transfer() -> None:
+    sent: list[list[control.Kind]] = []
+
+    async def body(sender: object, receiver: KvReceiver, address: str) -> None:
+        from transport.sender import KvSender  # noqa: PLC0415
+
+        assert isinstance(sender, KvSender)
+        first = testing.synthetic_cache("w", 1, 64 * testing.KIB, n_layers=2)
+        await _send_and_take(sender, receiver, address, first)
+        (old,) = sender.registry.live
+        (link,) = [conn for conn in receiver._conns]
+        assert old in link.keys  # the receiver holds it for the link's life
+        del first
+        gc.collect()
+        await _send_and_take(
+            sender, receiver, address, testing.synthetic_cache("w", 2, 64 * testing.KIB, seed=3)
+        )
+        assert old not in sender.registry.live
+        assert old not in link.keys  # withdrawn: a READ naming it would now be refused
+        assert len(link.keys) == 1
+
+    undo = _spy(sent)
+    try:
+        asyncio.run(_with_pair(body))
+    finally:
+        undo()
+    opens = [k for k in sent if control.Kind.OPEN_READ2 in k]
+    assert opens[1][:3] == [control.Kind.OPEN_READ2, control.Kind.WITHDRAW, control.Kind.KEYS]
+
+
+def test_a_folded_refusal_is_raised_by_send_and_the_next_transfer_goes_through() -> None:
+    async def body(sender: object, receiver: KvReceiver, address: str) -> None:
+        cache = testing.synthetic_cache("f", 2, 64 * testing.KIB, n_layers=2)
+        await _send_and_take(sender, receiver, address, cache)
+        stale = dataclasses.replace(cache, header=dataclasses.replace(cache.header, epoch=1))
+        with pytest.raises(errors.StaleEpochError):
+            await sender.send(address, stale)  # type: ignore[attr-defined]
+        assert receiver.inbox.bytes_in_use == 0
+        newer = dataclasses.replace(cache, header=dataclasses.replace(cache.header, epoch=3))
+        await _send_and_take(sender, receiver, address, newer)
+
+    asyncio.run(_with_pair(body))
+
+
+def test_a_buffer_not_owned_by_numpy_is_registered_for_one_transfer() -> None:
+    async def body(sender: object, receiver: KvReceiver, address: str) -> None:
+        from transport.sender import KvSender  # noqa: PLC0415
+
+        assert isinstance(sender, KvSender)
+        cache = testing.synthetic_cache("b", 1, 64 * testing.KIB, n_layers=2)
+        raw = bytearray(b"".join(bytes(t) for k, v in cache.layers for t in (k, v)))
+        layers = []
+        pos = 0
+        for k, v in cache.layers:
+            kk = np.frombuffer(raw, np.float32, k.size, pos).reshape(k.shape)
+            pos += k.nbytes
+            vv = np.frombuffer(raw, np.float32, v.size, pos).reshape(v.shape)
+            pos += v.nbytes
+            layers.append((kk, vv))
+        foreign = wire.KvCache(cache.header, tuple(layers))
+        await _send_and_take(sender, receiver, address, foreign)
+        assert not sender.registry.live  # withdrawn when the transfer ended
+
+    asyncio.run(_with_pair(body))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import pytest
@@ -316,19 +317,34 @@ def test_control_messages_built_by_helpers_all_decode() -> None:
         control.error(errors.BudgetExceededError("full")),
         control.encode(Kind.ABORT, b"cancelled"),
         control.encode(Kind.LAYERS, b"\0" * (3 * LAYER_FRAME_SIZE)),
-        control.open_(control.new_token(), 1 << 20, b"header", read=True),
-        control.segment(0, [control.RemoteRegion(1, 2, b"rkey")]),
+        control.open_(control.new_token(), 1 << 20, b"header", read=True),  # retired: refused
+        control.encode(Kind.SEGMENT, b""),  # retired with OPEN_READ
         control.encode(Kind.LANDED),
+        control.keys([control.RemoteKey(1, 4096, 64, b"rkey")]),
+        control.withdraw([1, 2]),
+        control.open_read2(1 << 20, b"header", folded=True),
+        control.read(0, [control.Descriptor(1, 0, 64)]),
     ]
     assert [split(m)[0] for m in messages] == list(Kind)
 
 
-REGIONS = st.lists(
+KEYS = st.lists(
     st.builds(
-        control.RemoteRegion,
-        st.integers(0, 2**64 - 1),
-        st.integers(0, 2**64 - 1),
+        control.RemoteKey,
+        st.integers(1, U32_MAX),
+        st.integers(0, U64_MAX),
+        st.integers(0, U64_MAX),
         st.binary(max_size=control.MAX_RKEY_BYTES),
+    ),
+    min_size=1,
+    max_size=8,
+)
+DESCRIPTORS = st.lists(
+    st.builds(
+        control.Descriptor,
+        st.integers(0, U32_MAX),
+        st.integers(0, U64_MAX),
+        st.integers(0, U64_MAX),
     ),
     min_size=1,
     max_size=8,
@@ -336,38 +352,85 @@ REGIONS = st.lists(
 
 
 @FUZZ
-@given(st.integers(0, U32_MAX), REGIONS)
-def test_segment_round_trip(index: int, regions: list[control.RemoteRegion]) -> None:
-    msg = control.segment(index, regions)
-    kind, length = control.decode_head(msg[:HEAD_SIZE])
-    assert kind is Kind.SEGMENT
-    assert length == len(msg) - HEAD_SIZE
-    assert control.parse_segment(msg[HEAD_SIZE:]) == (index, regions)
-
-
-def test_a_segment_with_no_or_too_many_regions_is_refused() -> None:
-    region = control.RemoteRegion(1, 2, b"k")
-    for count in (0, control.MAX_REGIONS + 1):
-        with pytest.raises(errors.WireFormatError):
-            control.segment(0, [region] * count)
-        body = struct.pack("<IH", 0, count) + struct.pack("<QQH", 1, 2, 1) + b"k"
-        with pytest.raises(errors.WireFormatError):
-            control.parse_segment(body)
-
-
-def test_a_remote_key_over_the_limit_is_refused() -> None:
-    with pytest.raises(errors.WireFormatError):
-        control.segment(0, [control.RemoteRegion(1, 2, b"k" * (control.MAX_RKEY_BYTES + 1))])
+@given(KEYS)
+def test_keys_round_trip(keys: list[control.RemoteKey]) -> None:
+    kind, body = split(control.keys(keys))
+    assert kind is Kind.KEYS
+    assert control.parse_keys(body) == keys
 
 
 @FUZZ
-@given(st.binary(max_size=256))
-def test_random_segment_bodies_only_raise_wire_format_errors(body: bytes) -> None:
-    try:
-        index, regions = control.parse_segment(body)
-    except errors.WireFormatError:
-        return
-    assert control.segment(index, regions)[HEAD_SIZE:] == body  # accepted means canonical
+@given(st.integers(0, U32_MAX), DESCRIPTORS)
+def test_read_round_trip(index: int, descs: list[control.Descriptor]) -> None:
+    kind, body = split(control.read(index, descs))
+    assert kind is Kind.READ
+    assert control.parse_read(body) == (index, descs)
+
+
+@FUZZ
+@given(st.lists(st.integers(0, U32_MAX), min_size=1, max_size=50))
+def test_withdraw_round_trip(ids: list[int]) -> None:
+    kind, body = split(control.withdraw(ids))
+    assert kind is Kind.WITHDRAW
+    assert control.parse_withdraw(body) == ids
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_any_keys_read_or_withdraw_body_decodes_canonically_or_is_refused(body: bytes) -> None:
+    with contextlib.suppress(errors.WireFormatError):
+        assert control.keys(control.parse_keys(body))[HEAD_SIZE:] == body
+    with contextlib.suppress(errors.WireFormatError):
+        assert control.read(*control.parse_read(body))[HEAD_SIZE:] == body
+    with contextlib.suppress(errors.WireFormatError):
+        assert control.withdraw(control.parse_withdraw(body))[HEAD_SIZE:] == body
+
+
+def test_open_read2_carries_its_flags_and_the_messages_folded_into_it() -> None:
+    then = control.read(0, [control.Descriptor(1, 0, 64)]) + control.encode(Kind.DONE)
+    kind, body = split(control.open_read2(1 << 20, b"h", folded=True, then=then))
+    assert kind is Kind.OPEN_READ2
+    flags, segment, header, folded = control.parse_open_read2(body)
+    assert (flags, segment, header) == (control.FOLDED, 1 << 20, b"h")
+    assert [m.kind for m in folded] == [Kind.READ, Kind.DONE]
+    assert control.parse_read(folded[0].body) == (0, [control.Descriptor(1, 0, 64)])
+    plain = split(control.open_read2(1 << 20, b"hh", folded=False))[1]
+    assert control.parse_open_read2(plain) == (0, 1 << 20, b"hh", [])
+
+
+def test_a_truncated_open_read2_or_folded_message_is_refused() -> None:
+    body = split(control.open_read2(1 << 20, b"header", folded=True, then=control.withdraw([1])))[1]
+    for bad in (body[:10], body[:25], body[:-1]):
+        with pytest.raises(errors.WireFormatError, match=r"short|truncated"):
+            control.parse_open_read2(bad)
+    tiny = split(control.open_read2(1024, b"h", folded=False))[1]
+    with pytest.raises(errors.WireFormatError, match="segment size"):
+        control.parse_open_read2(tiny)
+
+
+def test_keys_and_reads_out_of_bounds_are_refused() -> None:
+    key = control.RemoteKey(1, 2, 3, b"k")
+    desc = control.Descriptor(1, 0, 1)
+    for count in (0, control.MAX_KEYS + 1):
+        with pytest.raises(errors.WireFormatError):
+            control.keys([key] * count)
+    for count in (0, control.MAX_REGIONS + 1):
+        with pytest.raises(errors.WireFormatError):
+            control.read(0, [desc] * count)
+    with pytest.raises(errors.WireFormatError, match="id 0"):
+        control.keys([control.RemoteKey(0, 2, 3, b"k")])  # 0 is never a key id
+    with pytest.raises(errors.WireFormatError):
+        control.keys([control.RemoteKey(1, 2, 3, b"k" * (control.MAX_RKEY_BYTES + 1))])
+    body = split(control.keys([key]))[1]
+    for bad in (body[:-1], body + b"x", struct.pack("<H", 0)):
+        with pytest.raises(errors.WireFormatError):
+            control.parse_keys(bad)
+    body = split(control.read(0, [desc]))[1]
+    for bad in (body[:-1], body + b"x", struct.pack("<IH", 0, 0)):
+        with pytest.raises(errors.WireFormatError):
+            control.parse_read(bad)
+    with pytest.raises(errors.WireFormatError):
+        control.parse_withdraw(b"abc")
 
 
 def test_open_read_round_trip() -> None:

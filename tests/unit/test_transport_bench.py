@@ -24,6 +24,14 @@ def test_the_report_compares_ours_with_the_best_nixl_variant() -> None:
     assert json.loads(r.json())["gbps"]["nixl-read"] == 4.0
 
 
+def test_a_small_transfers_figure_keeps_its_digits_and_shows_its_latency() -> None:
+    gbps = bench.medians({"ours": [0.0041, 0.004567, 0.0049], "nixl-read": [0.2048]})
+    assert gbps == {"ours": 0.004567, "nixl-read": 0.2048}
+    line = bench.BenchResult("ucx", 4096, 10, 32, gbps).human()
+    assert "ours 0.00 GB/s (897 µs)" in line
+    assert "nixl-read 0.20 GB/s (20 µs)" in line
+
+
 def test_without_nixl_the_report_says_nothing_of_it() -> None:
     r = _result(ours=2.0, ucx_perftest=8.0)
     assert r.best_nixl is None

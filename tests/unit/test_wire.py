@@ -61,6 +61,7 @@ from transport.wire import (
     header_for,
     header_length,
     layer_frame_for,
+    layer_views,
     verify_layer,
 )
 from transport.wire import segments as wire_segments
@@ -624,6 +625,28 @@ def test_every_header_that_decodes_can_be_assembled(
     if header.payload_bytes <= MiB:
         cache = assemble(header, np.zeros(header.payload_bytes, np.uint8))
         assert [(k.shape, v.shape) for k, v in cache.layers] == list(layers)
+
+
+@FUZZ
+@given(
+    dims=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
+    n=st.integers(1, 6),
+    dtype=st.sampled_from([DType.FLOAT32, DType.FLOAT16]),
+)
+def test_uniform_layers_are_assembled_as_the_general_path_views_them(
+    dims: Dims, n: int, dtype: DType
+) -> None:
+    header = decode_header(raw_header(layers=[(dims, dims)] * n, dtype=dtype), BIG_LIMIT)
+    payload = np.arange(header.payload_bytes, dtype=np.uint64).astype(np.uint8)
+    cache = assemble(header, payload)
+    for (k, v), (_, k2, v2) in zip(cache.layers, layer_views(header, payload), strict=True):
+        assert k.shape == k2.shape
+        assert v.shape == v2.shape
+        assert k.dtype == k2.dtype
+        assert k.tobytes() == k2.tobytes()
+        assert v.tobytes() == v2.tobytes()
+        assert np.shares_memory(k, payload)
+        assert k.flags.c_contiguous
 
 
 @FUZZ_SMALL
