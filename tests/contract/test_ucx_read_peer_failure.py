@@ -45,11 +45,8 @@ async def _target() -> None:
     plane = UcxDataPlane(UcxConfig(one_sided=True))
     address = await plane.start()
     buf = _pattern()
-    regions, _handle = plane.expose([memoryview(buf)])
-    hello = {
-        "address": address.hex(),
-        "regions": [[r.address, r.length, r.rkey.hex()] for r in regions],
-    }
+    rkey, _handle = plane.register(int(buf.ctypes.data), buf.nbytes)
+    hello = {"address": address.hex(), "regions": [[int(buf.ctypes.data), buf.nbytes, rkey.hex()]]}
     print(json.dumps(hello), flush=True)
     await asyncio.to_thread(sys.stdin.read)  # until the test kills this process
 
@@ -60,7 +57,7 @@ async def _reader(hello: dict[str, object]) -> None:
     peer = Peer(b"target", bytes.fromhex(str(hello["address"])))
     raw = hello["regions"]
     assert isinstance(raw, list)
-    regions = [RemoteRegion(int(a), int(n), bytes.fromhex(k)) for a, n, k in raw]
+    regions = [RemoteRegion(int(a), int(n), bytes.fromhex(k), 1) for a, n, k in raw]
     into = np.zeros(_SIZE, dtype=np.uint8)
     await asyncio.wait_for(plane.read(peer, regions, memoryview(into)), 10)
     assert np.array_equal(into, _pattern())
