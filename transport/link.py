@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 STREAM_LIMIT = 4 << 20
 """asyncio stream buffer: large, so inline payloads move in few wakeups."""
 _CHUNK = 4 << 20
+_JOIN_BYTES = 256 << 10
+"""`Link.send_batch` joins chunks up to this into one write (one send syscall)."""
 
 
 class Link:
@@ -81,6 +83,24 @@ class Link:
         await wait_first([task], timeout_s, what="the peer's next message")
         return self.take_pending()
 
+    async def read_next(self, timeout_s: float) -> control.Message:
+        """The next message, read in place when no read is outstanding: no task and no
+        loop turn when it is already buffered (the inline payload path reads frame after
+        frame so). EOF, a reset and silence for ``timeout_s`` raise as `next_message`."""
+        if self._stash is not None or self._pending is not None:
+            return await self.next_message(timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await read_message(self.reader)
+        except TimeoutError:
+            self.broken = True
+            raise errors.TransferTimeoutError(
+                f"timed out after {timeout_s}s waiting for the peer's next message"
+            ) from None
+        except errors.TransportError:
+            self.broken = True
+            raise
+
     def is_stale(self) -> bool:
         """An idle pooled link whose peer closed it or spoke out of turn."""
         return (
@@ -125,6 +145,24 @@ class Link:
             self._raise_if_refused()
             raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
 
+    async def send_batch(self, chunks: Sequence[bytes | memoryview], timeout_s: float) -> None:
+        """Write many messages and payloads at once (TCP backend, a whole KV): small ones
+        joined into one write, and a drain — racing the pending read for the peer's ERROR
+        or EOF — only when the transport holds more than its high-water mark."""
+        if sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks) <= _JOIN_BYTES:
+            chunks = [b"".join(chunks)]
+        try:
+            for c in chunks:
+                self.writer.write(c)
+        except OSError as exc:
+            self.broken = True
+            self._raise_if_refused()
+            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+        transport = self.writer.transport
+        high = transport.get_write_buffer_limits()[1]
+        if transport.get_write_buffer_size() > high or transport.is_closing():
+            await self.send_payload((), timeout_s)
+
     def _raise_if_refused(self) -> None:
         """If the peer's ERROR already arrived before our write broke, raise it instead."""
         task, msg = self._pending, self._stash
@@ -168,7 +206,8 @@ class Link:
         pos, n = 0, len(view)
         try:
             while pos < n:
-                chunk = await asyncio.wait_for(self.reader.read(min(n - pos, _CHUNK)), timeout_s)
+                async with asyncio.timeout(timeout_s):  # no task, unlike wait_for (3.11)
+                    chunk = await self.reader.read(min(n - pos, _CHUNK))
                 if not chunk:
                     raise errors.PeerLostError(f"peer closed after {pos} of {n} payload bytes")
                 view[pos : pos + len(chunk)] = chunk

@@ -493,6 +493,8 @@ class _Receive:
         verified = 0
         try:
             verified += self._start_verifying()  # what landed in place, before any wait
+            if self.plane.inline:
+                verified += await self._read_inline(deadline)
             while verified < len(h.layers):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -523,6 +525,27 @@ class _Receive:
             for task in unfinished:
                 with contextlib.suppress(BaseException):
                     await task
+
+    async def _read_inline(self, deadline: float) -> int:
+        """Inline (TCP): frames and payloads follow each other on the link, as does any
+        ABORT, and a dead or silent peer ends the read itself (EOF, the idle deadline):
+        read them in turn, in place — no task and no loop turn per frame while the bytes
+        are buffered. Verification batches started meanwhile are checked between frames
+        (a failed checksum ends the read there). Returns the layers verified."""
+        h, s = self.header, self.settings
+        verified = 0
+        while len(self.frames) < len(h.layers):
+            for task in [t for t in self.verifying if t.done()]:
+                verified += self.verifying.pop(task)
+                task.result()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.TransferTimeoutError(
+                    f"transfer exceeded {s.transfer_timeout_s}s ({len(self.frames)} layers)"
+                )
+            await self._on_message(await self.link.read_next(min(remaining, s.idle_timeout_s)))
+            verified += self._start_verifying()
+        return verified
 
     async def _collect_landed(self) -> None:
         """File the segments whose payload is in; one-sided, start the next reads and tell
