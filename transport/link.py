@@ -30,6 +30,8 @@ STREAM_LIMIT = 4 << 20
 _CHUNK = 4 << 20
 _JOIN_BYTES = 256 << 10
 """`Link.send_batch` joins chunks up to this into one write (one send syscall)."""
+_HELD_BYTES = 512 << 10
+"""`Link.send_batch` drains once the transport holds more than this unsent."""
 
 
 class Link:
@@ -148,17 +150,22 @@ class Link:
     async def send_batch(self, chunks: Sequence[bytes | memoryview], timeout_s: float) -> None:
         """Write many messages and payloads at once (TCP backend, a whole KV): small ones
         joined into one write, and a drain — racing the pending read for the peer's ERROR
-        or EOF — only when the transport holds more than its high-water mark."""
+        or EOF — only when the transport holds more than `_HELD_BYTES` unsent, and at the
+        end past its high-water mark."""
         if sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks) <= _JOIN_BYTES:
             chunks = [b"".join(chunks)]
-        try:
-            for c in chunks:
-                self.writer.write(c)
-        except OSError as exc:
-            self.broken = True
-            self._raise_if_refused()
-            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
         transport = self.writer.transport
+        for c in chunks:
+            try:
+                self.writer.write(c)
+            except OSError as exc:
+                self.broken = True
+                self._raise_if_refused()
+                raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+            if transport.get_write_buffer_size() > _HELD_BYTES:
+                # asyncio moves what is left of its buffer after each send (3.11): a large
+                # held buffer costs a copy per send. Drain here, as a write per layer did.
+                await self.send_payload((), timeout_s)
         high = transport.get_write_buffer_limits()[1]
         if transport.get_write_buffer_size() > high or transport.is_closing():
             await self.send_payload((), timeout_s)

@@ -48,9 +48,11 @@ Held = tuple[list[Registration], list[memoryview]]
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
-_BATCH_BYTES = 4 << 20
+_BATCH_BYTES = 512 << 10
 """Inline (`OutgoingTransfer.send_all`): payload bytes per batch of layers, checksummed
-together then written together (the next batch's checksums overlap the kernel's send)."""
+together (on the loop: below `_THREAD_CHECKSUM_BYTES`) then written together. 4 MiB
+batches, checksummed in a thread, leave the link idle meanwhile; at 16 MiB they measured
+no better than a write per layer, and in some runs worse (`bench transport`, tcp)."""
 _FOLD_CHECKSUM_BYTES = 4 << 20
 """A folded transfer up to this size is checksummed before its one write (~130 µs at
 4 MiB): a thread hop and a second message cost more here (0.2–0.6 ms under load)."""
@@ -577,11 +579,11 @@ class OutgoingTransfer:
 
     async def send_all(self, cache: wire.KvCache) -> None:
         """Inline (TCP), the whole KV at hand: every layer's LAYER frame and payload, in
-        batches of about `_BATCH_BYTES` — each batch's checksums at once (in a thread when
-        large), then its frames and payloads in one `Link.send_batch`, which drains only
-        past the transport's high-water mark. Per layer, a frame write, a drain and a race
-        of the pending read cost ~140 µs; the receiver reads batched frames in place. A
-        layer `delay_hook` holds back goes out after the layers before it were written."""
+        batches of about `_BATCH_BYTES` — each batch's checksums at once, then its frames
+        and payloads in one `Link.send_batch`, which drains only when the transport holds
+        much unsent. Per layer, a frame write, a drain and a race of the pending read cost
+        ~140 µs; the receiver reads batched frames in place. A layer `delay_hook` holds
+        back goes out after the layers before it were written."""
         if self._state != "open":
             raise errors.TransportClosedError(f"transfer is {self._state}")
         h = self.header
