@@ -116,6 +116,11 @@ _LAYOUTS: dict[tuple[int, DType, ScaleLayout], tuple[tuple[LayerShape, ...], tup
 _LAYOUTS = {}
 """(id of a header's layers tuple, dtype, scales) → (that tuple, held so its id stays
 unique while it is here; each layer's offset, then the payload's end)."""
+_SEGMENTS: dict[
+    tuple[int, DType, ScaleLayout, int], tuple[tuple[LayerShape, ...], tuple[range, ...]]
+]
+_SEGMENTS = {}
+"""(id of a layers tuple, dtype, scales, target bytes) → (the tuple, `segments`)."""
 _SHAPE_SECTIONS: dict[int, tuple[tuple[LayerShape, ...], bytes]] = {}
 """id of a layers tuple → (the tuple, its encoded shape section)."""
 _DECODED_SHAPES: dict[tuple[int, DType, bytes], tuple[LayerShape, ...]] = {}
@@ -799,15 +804,21 @@ def segments(h: KvHeader, target_bytes: int) -> list[range]:
     """Group consecutive layers into segments of at least ``target_bytes`` (the last may be
     smaller). Out-of-band backends move one message per segment: per-message costs (a
     rendezvous round trip, Python overhead) dominate with many small layers."""
+    key = (id(h.layers), h.dtype, h.scales, target_bytes)
+    known = _SEGMENTS.get(key)
+    if known is not None and known[0] is h.layers:
+        return list(known[1])
     out: list[range] = []
     start, acc = 0, 0
+    offsets = h._layout()
     for i in range(len(h.layers)):
-        acc += h.layer_nbytes(i)
+        acc += offsets[i + 1] - offsets[i]
         if acc >= target_bytes:
             out.append(range(start, i + 1))
             start, acc = i + 1, 0
     if start < len(h.layers):
         out.append(range(start, len(h.layers)))
+    _remember(_SEGMENTS, key, (h.layers, tuple(out)))
     return out
 
 

@@ -103,3 +103,16 @@ def test_the_encoded_shape_section_follows_its_layers() -> None:
     two = header((LayerShape((1, 3), (1, 3)),))
     for h in (one, two, one):
         assert wire.decode_header(wire.encode_header(h), BIG_LIMIT).layers == h.layers
+
+
+def test_segments_are_memoized_per_target_and_returned_as_a_fresh_list() -> None:
+    h = header((LayerShape((1, 2), (1, 2)),) * 4)  # 16 bytes a layer
+    assert wire.segments(h, 32) == [range(0, 2), range(2, 4)]
+    got = wire.segments(h, 32)
+    got.clear()  # a caller's list is its own
+    assert wire.segments(h, 32) == [range(0, 2), range(2, 4)]
+    assert wire.segments(h, 1 << 20) == [range(0, 4)]
+    assert wire.segments(dataclasses.replace(h, dtype=DType.FLOAT16), 16) == [
+        range(0, 2),
+        range(2, 4),
+    ]
