@@ -587,7 +587,7 @@ class _Receive:
         if not self.ready:
             return 0
         finite = self.header.dtype if self.settings.check_finite else None
-        frames, flat, offsets = self.frames, self.flat, self.header._layout()
+        frames, flat, offsets = self.frames, self.flat, self.header.bounds
         batch = [  # the value bytes only matter to the finite check
             (frames[i], flat[offsets[i] : offsets[i + 1]], self.values(i) if finite else 0)
             for i in self.ready

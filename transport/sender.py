@@ -472,7 +472,7 @@ class _Folded:
         hooked = sender.payload_hook is not None or sender.delay_hook is not None
         span = None if hooked else _span(h, cache)
         if span is not None:
-            offsets = h._layout()
+            offsets = h.bounds
             self.summed = [[span[offsets[i] : offsets[i + 1]]] for i in range(len(h.layers))]
             self.segments = [[span[offsets[seg.start] : offsets[seg.stop]]] for seg in spans]
         else:
@@ -489,7 +489,7 @@ class _Folded:
             self.frames = self._frames(_checksums(self.summed))
 
     def _frames(self, sums: list[int]) -> bytes:
-        offsets = self.header._layout()
+        offsets = self.header.bounds
         n = len(sums)
         return wire.encode_layer_frames(
             range(n), [offsets[i + 1] - offsets[i] for i in range(n)], sums
@@ -535,7 +535,7 @@ def _span(h: wire.KvHeader, cache: wire.KvCache) -> memoryview | None:
     that allocation, so `Registry` registers the allocation, as it would for the layers."""
     if h.scales is not wire.ScaleLayout.NONE or not h.payload_bytes:
         return None
-    itemsize, offsets = h.dtype.itemsize, h._layout()
+    itemsize, offsets = h.dtype.itemsize, h.bounds
     try:
         base = _addressof(_from_buffer(cache.layers[0][0]))
         for (k, v), shape, off in zip(cache.layers, h.layers, offsets, strict=False):

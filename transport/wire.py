@@ -243,6 +243,12 @@ class KvHeader:
         return self._layout()[-1]
 
     @property
+    def bounds(self) -> tuple[int, ...]:
+        """Each layer's offset in a contiguous payload, then the payload's end (layer
+        ``i`` is ``bounds[i]:bounds[i + 1]``); derived once per layout."""
+        return self._layout()
+
+    @property
     def version(self) -> int:
         """The format version this header is written in: the oldest that expresses it."""
         if self.prefix_tokens:
@@ -710,7 +716,7 @@ def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> N
 
 def check_layer_frames(h: KvHeader, frames: Sequence[LayerFrame], seen: Container[int]) -> None:
     """`check_layer_frame` for many frames at once (none may repeat another either)."""
-    offsets, n = h._layout(), len(h.layers)
+    offsets, n = h.bounds, len(h.layers)
     batch: set[int] = set()
     for frame in frames:
         index = frame.index
@@ -810,7 +816,7 @@ def segments(h: KvHeader, target_bytes: int) -> list[range]:
         return list(known[1])
     out: list[range] = []
     start, acc = 0, 0
-    offsets = h._layout()
+    offsets = h.bounds
     for i in range(len(h.layers)):
         acc += offsets[i + 1] - offsets[i]
         if acc >= target_bytes:
