@@ -238,10 +238,10 @@ class KvSender:
                 await link.send(folded.message(link), folded.wait_s())
                 if not folded.frames:  # a large KV: checksummed while the receiver reads
                     await link.send(await folded.checksummed(), folded.wait_s())
-                msg = await link.next_message(folded.wait_s())
+                msg = await link.read_next(folded.wait_s())  # in place: no task to wake
                 replied = True
                 while msg.kind is control.Kind.LANDED:
-                    msg = await link.next_message(folded.wait_s())
+                    msg = await link.read_next(folded.wait_s())
             except errors.PeerLostError:
                 await link.close()
                 if reused and attempt == 1 and not replied:
@@ -358,8 +358,7 @@ class KvSender:
         return link
 
     def _release(self, pool: _Pool, link: Link, reusable: bool) -> None:
-        if reusable and not self._closed:
-            link.pending()  # watch the idle link so a dead peer is noticed before reuse
+        if reusable and not self._closed:  # a dead peer is noticed before reuse (is_stale)
             pool.idle.append((link, time.monotonic()))
         pool.slots.release()
 
