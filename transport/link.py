@@ -104,13 +104,17 @@ class Link:
             raise
 
     def is_stale(self) -> bool:
-        """An idle pooled link whose peer closed it or spoke out of turn."""
-        return (
-            self.broken
-            or self._stash is not None
-            or self.writer.is_closing()
-            or self.pending().done()
-        )
+        """An idle pooled link whose peer closed it, broke it or spoke out of turn. Seen
+        without a read outstanding (the loop keeps filling the stream's buffer, and marks
+        its EOF or error, whether or not anyone reads), so the next transfer's reply can be
+        read in place: no watch task per idle link to wake, then a waiter."""
+        if self.broken or self._stash is not None or self.writer.is_closing():
+            return True
+        if self._pending is not None:
+            return self._pending.done()
+        reader = self.reader
+        unread = getattr(reader, "_buffer", b"")  # asyncio has no public "bytes buffered"
+        return reader.at_eof() or reader.exception() is not None or bool(unread)
 
     # -------------------------------------------------------------------------- writing
 

@@ -108,6 +108,33 @@ _MIN_HEADER = _PREFIX.size + _BODY.size + _SUM.size
 # numpy's bound on any array's extent in bytes (zero dims counted as 1), even an empty one's.
 _MAX_EXTENT = int(np.iinfo(np.intp).max)
 
+_CACHED_LAYOUTS = 16
+"""Per-layout memos (below) keep this many layouts: a deployment sends a few shapes (one
+per model and token count bucket), and a transfer of 32 layers spent ~60 µs re-deriving
+its layout (offsets, the header's shape section, its decoding) every time."""
+_LAYOUTS: dict[tuple[int, DType, ScaleLayout], tuple[tuple[LayerShape, ...], tuple[int, ...]]]
+_LAYOUTS = {}
+"""(id of a header's layers tuple, dtype, scales) → (that tuple, held so its id stays
+unique while it is here; each layer's offset, then the payload's end)."""
+_SEGMENTS: dict[
+    tuple[int, DType, ScaleLayout, int], tuple[tuple[LayerShape, ...], tuple[range, ...]]
+]
+_SEGMENTS = {}
+"""(id of a layers tuple, dtype, scales, target bytes) → (the tuple, `segments`)."""
+_SHAPE_SECTIONS: dict[int, tuple[tuple[LayerShape, ...], bytes]] = {}
+"""id of a layers tuple → (the tuple, its encoded shape section)."""
+_DECODED_SHAPES: dict[tuple[int, DType, bytes], tuple[LayerShape, ...]] = {}
+"""(layer count, dtype, a header's shape section) → the shapes it decodes to (checked:
+only sections that decoded without error are kept; decoding is a pure function of these)."""
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` under ``key`` in a bounded memo (emptied when full: layouts repeat,
+    so it refills with the few that are live)."""
+    if len(memo) >= _CACHED_LAYOUTS:
+        memo.clear()
+    memo[key] = value
+
 
 class DType(enum.IntEnum):
     """Element types a KV cache may travel in. bf16/fp8 travel as raw bits."""
@@ -197,17 +224,29 @@ class KvHeader:
     def _layout(self) -> tuple[int, ...]:
         offsets = self._offsets
         if offsets is None:
-            pos, acc = 0, [0]
-            for i, layer in enumerate(self.layers):
-                pos += layer.nbytes(self.dtype) + SCALE_ITEMSIZE * sum(self.scale_counts(i))
-                acc.append(pos)
-            offsets = tuple(acc)
+            key = (id(self.layers), self.dtype, self.scales)
+            known = _LAYOUTS.get(key)
+            if known is not None and known[0] is self.layers:
+                offsets = known[1]
+            else:
+                pos, acc = 0, [0]
+                for i, layer in enumerate(self.layers):
+                    pos += layer.nbytes(self.dtype) + SCALE_ITEMSIZE * sum(self.scale_counts(i))
+                    acc.append(pos)
+                offsets = tuple(acc)
+                _remember(_LAYOUTS, key, (self.layers, offsets))
             object.__setattr__(self, "_offsets", offsets)  # frozen: a cache, not state
         return offsets
 
     @property
     def payload_bytes(self) -> int:
         return self._layout()[-1]
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Each layer's offset in a contiguous payload, then the payload's end (layer
+        ``i`` is ``bounds[i]:bounds[i + 1]``); derived once per layout."""
+        return self._layout()
 
     @property
     def version(self) -> int:
@@ -319,13 +358,7 @@ def encode_header(h: KvHeader) -> bytes:
         rid,
         fp,
     ]
-    encoded: dict[LayerShape, bytes] = {}  # layers mostly repeat one shape
-    for layer in h.layers:
-        if (shape := encoded.get(layer)) is None:
-            dims = (*layer.k, *layer.v)
-            shape = struct.pack(f"<BB{len(dims)}I", len(layer.k), len(layer.v), *dims)
-            encoded[layer] = shape
-        parts.append(shape)
+    parts.append(_shape_section(h.layers))
     if h.version >= 2:
         parts.append(bytes((h.scales,)))
     if h.version >= 3:
@@ -339,8 +372,36 @@ def encode_header(h: KvHeader) -> bytes:
     return out
 
 
+def _shape_section(layers: tuple[LayerShape, ...]) -> bytes:
+    """The header's (K, V) shapes, encoded once per layers tuple."""
+    known = _SHAPE_SECTIONS.get(id(layers))
+    if known is not None and known[0] is layers:
+        return known[1]
+    encoded: dict[LayerShape, bytes] = {}  # layers mostly repeat one shape
+    parts = []
+    for layer in layers:
+        if (shape := encoded.get(layer)) is None:
+            dims = (*layer.k, *layer.v)
+            shape = struct.pack(f"<BB{len(dims)}I", len(layer.k), len(layer.v), *dims)
+            encoded[layer] = shape
+        parts.append(shape)
+    section = b"".join(parts)
+    _remember(_SHAPE_SECTIONS, id(layers), (layers, section))
+    return section
+
+
 def encode_layer_frame(frame: LayerFrame) -> bytes:
     return _LAYER.pack(LAYER_MAGIC, frame.index, 0, frame.nbytes, frame.checksum)
+
+
+def encode_layer_frames(
+    indices: Sequence[int], nbytes: Sequence[int], checksums: Sequence[int]
+) -> bytes:
+    """Many layers' frames, back to back (what `decode_layer_frames` reads)."""
+    pack = _LAYER.pack
+    return b"".join(
+        [pack(LAYER_MAGIC, i, 0, n, c) for i, n, c in zip(indices, nbytes, checksums, strict=True)]
+    )
 
 
 def layer_frame_for(
@@ -469,11 +530,16 @@ def decode_header(buf: bytes | memoryview, max_kv_bytes: int) -> KvHeader:
     pos = _PREFIX.size + _BODY.size
     rid, fp = _decode_ids(buf, pos, rid_len, fp_len, end)
     pos += rid_len + fp_len
-    layers, pos = _decode_layers(buf, pos, end, n_layers, dtype)
-    if pos != end:
-        raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
+    section = (n_layers, dtype, bytes(buf[pos:end]))
+    layers = _DECODED_SHAPES.get(section)
+    if layers is None:  # not seen (decoded and checked) before: decode and check it
+        decoded, pos = _decode_layers(buf, pos, end, n_layers, dtype)
+        if pos != end:
+            raise WireFormatError(f"{end - pos} unexplained bytes at the end of the header")
+        layers = tuple(decoded)
+        _remember(_DECODED_SHAPES, section, layers)
     header = KvHeader(
-        rid, epoch, fp, dtype, tokens, tuple(layers), algo_e, scales, prefix_tokens, prefix_hash
+        rid, epoch, fp, dtype, tokens, layers, algo_e, scales, prefix_tokens, prefix_hash
     )
     if header.payload_bytes != payload:
         raise WireFormatError(
@@ -618,6 +684,23 @@ def decode_layer_frame(buf: bytes | memoryview) -> LayerFrame:
     return LayerFrame(index=index, nbytes=nbytes, checksum=csum)
 
 
+def decode_layer_frames(buf: bytes | memoryview) -> list[LayerFrame]:
+    """Frames back to back (`encode_layer_frames`), each checked as `decode_layer_frame`
+    checks one."""
+    if len(buf) % LAYER_FRAME_SIZE:
+        raise WireFormatError(
+            f"layer frames: {len(buf)} bytes, not a multiple of {LAYER_FRAME_SIZE}"
+        )
+    frames = []
+    for magic, index, flags, nbytes, csum in _LAYER.iter_unpack(buf):
+        if magic != LAYER_MAGIC:
+            raise WireFormatError(f"bad layer frame magic {bytes(magic)!r}")
+        if flags:
+            raise WireFormatError(f"unknown layer frame flags {flags:#x}")
+        frames.append(LayerFrame(index, nbytes, csum))
+    return frames
+
+
 def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> None:
     """A frame must name a declared, not yet received layer, with the declared length."""
     if frame.index >= len(h.layers):
@@ -629,6 +712,24 @@ def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> N
         raise WireFormatError(
             f"layer {frame.index} carries {frame.nbytes} bytes, header declares {want}"
         )
+
+
+def check_layer_frames(h: KvHeader, frames: Sequence[LayerFrame], seen: Container[int]) -> None:
+    """`check_layer_frame` for many frames at once (none may repeat another either)."""
+    offsets, n = h.bounds, len(h.layers)
+    batch: set[int] = set()
+    for frame in frames:
+        index = frame.index
+        if index >= n:
+            raise WireFormatError(f"layer index {index} beyond {n} layers")
+        if index in seen or index in batch:
+            raise WireFormatError(f"duplicate layer {index}")
+        batch.add(index)
+        want = offsets[index + 1] - offsets[index]
+        if frame.nbytes != want:
+            raise WireFormatError(
+                f"layer {index} carries {frame.nbytes} bytes, header declares {want}"
+            )
 
 
 def verify_layer(
@@ -709,15 +810,21 @@ def segments(h: KvHeader, target_bytes: int) -> list[range]:
     """Group consecutive layers into segments of at least ``target_bytes`` (the last may be
     smaller). Out-of-band backends move one message per segment: per-message costs (a
     rendezvous round trip, Python overhead) dominate with many small layers."""
+    key = (id(h.layers), h.dtype, h.scales, target_bytes)
+    known = _SEGMENTS.get(key)
+    if known is not None and known[0] is h.layers:
+        return list(known[1])
     out: list[range] = []
     start, acc = 0, 0
+    offsets = h.bounds
     for i in range(len(h.layers)):
-        acc += h.layer_nbytes(i)
+        acc += offsets[i + 1] - offsets[i]
         if acc >= target_bytes:
             out.append(range(start, i + 1))
             start, acc = i + 1, 0
     if start < len(h.layers):
         out.append(range(start, len(h.layers)))
+    _remember(_SEGMENTS, key, (h.layers, tuple(out)))
     return out
 
 
@@ -763,7 +870,7 @@ def _uniform_layers(
     first = h.layers[0]
     if h.scales is not ScaleLayout.NONE or first.k != first.v or not h.payload_bytes:
         return None
-    if any(layer != first for layer in h.layers):
+    if h.layers.count(first) != len(h.layers):  # C speed: a decoded header repeats one object
         return None
     shape = (len(h.layers), 2, *first.k)
     arr = payload[: h.payload_bytes].view(h.dtype.numpy_dtype).reshape(shape)

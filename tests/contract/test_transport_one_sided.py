@@ -297,3 +297,51 @@ def test_a_buffer_not_owned_by_numpy_is_registered_for_one_transfer() -> None:
         assert not sender.registry.live  # withdrawn when the transfer ended
 
     asyncio.run(_with_pair(body))
+
+
+@pytest.mark.parametrize("layout", ["wire-order", "layers-reversed", "v-before-k", "offset"])
+def test_a_folded_kv_arrives_intact_whether_or_not_it_is_one_span(layout: str) -> None:
+    """In wire order in one allocation the sender describes and checksums the KV as one
+    span (`transport.sender._span`); any other layout goes layer by layer. Either way the
+    receiver gets every layer's own bytes, verified."""
+
+    async def body(sender: object, receiver: KvReceiver, address: str) -> None:
+        from transport import sender as sender_module  # noqa: PLC0415
+
+        cache = testing.synthetic_cache("o", 1, 64 * testing.KIB, n_layers=4)
+        block = np.concatenate(
+            [np.zeros(5, np.float32), *(t.ravel() for p in cache.layers for t in p)]
+        )
+        pairs = []
+        pos = 5
+        for k, v in cache.layers:
+            kk = block[pos : pos + k.size].reshape(k.shape)
+            pos += k.size
+            vv = block[pos : pos + v.size].reshape(v.shape)
+            pos += v.size
+            pairs.append((kk, vv))
+        if layout == "layers-reversed":
+            pairs = pairs[::-1]
+        elif layout == "v-before-k":
+            pairs = [(v, k) for k, v in pairs]
+        elif layout == "wire-order":
+            pairs = list(cache.layers)
+        kv = wire.KvCache(
+            wire.header_for("o", 1, testing.FINGERPRINT, wire.DType.FLOAT32, pairs), tuple(pairs)
+        )
+        spans: list[bool] = []
+        original = sender_module._span
+
+        def spy(h: wire.KvHeader, c: wire.KvCache) -> memoryview | None:
+            got = original(h, c)
+            spans.append(got is not None)
+            return got
+
+        sender_module._span = spy  # type: ignore[assignment]
+        try:
+            await _send_and_take(sender, receiver, address, kv)
+        finally:
+            sender_module._span = original  # type: ignore[assignment]
+        assert spans == [layout in ("wire-order", "offset")]
+
+    asyncio.run(_with_pair(body))

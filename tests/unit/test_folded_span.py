@@ -1,0 +1,74 @@
+"""The folded one-sided sender takes a KV laid out as on the wire as one span
+(`transport.sender._span`), and anything else layer by layer: the span must cover exactly
+the layers' bytes, in wire order, inside the allocation that owns them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from transport import testing, wire
+from transport.sender import _span
+
+
+def _cache(layers: list[tuple[np.ndarray, np.ndarray]]) -> wire.KvCache:
+    header = wire.header_for("s", 1, testing.FINGERPRINT, wire.DType.FLOAT32, layers)
+    return wire.KvCache(header, tuple(layers))
+
+
+def _wire_bytes(cache: wire.KvCache) -> bytes:
+    return b"".join(bytes(t.data) for k, v in cache.layers for t in (k, v))
+
+
+def test_a_kv_in_wire_order_is_one_span_of_exactly_its_bytes() -> None:
+    cache = testing.synthetic_cache("s", 1, 64 * testing.KIB, n_layers=8)
+    span = _span(cache.header, cache)
+    assert span is not None
+    assert bytes(span) == _wire_bytes(cache)
+
+
+def test_a_kv_inside_a_larger_allocation_is_the_span_of_its_part() -> None:
+    block = np.arange(1000, dtype=np.float32)
+    layers = [
+        (block[100 + 20 * i : 110 + 20 * i], block[110 + 20 * i : 120 + 20 * i]) for i in range(3)
+    ]
+    cache = _cache(layers)
+    span = _span(cache.header, cache)
+    assert span is not None
+    assert bytes(span) == _wire_bytes(cache)
+    assert isinstance(span.obj, np.ndarray)  # the registry finds the owning allocation
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["layers-reversed", "v-before-k", "a-gap", "apart", "read-only", "not-owned", "shapes"],
+)
+def test_any_other_layout_goes_layer_by_layer(layout: str) -> None:
+    block = np.arange(80, dtype=np.float32)
+    pairs = [(block[32 * i : 32 * i + 16], block[32 * i + 16 : 32 * i + 32]) for i in range(2)]
+    if layout == "layers-reversed":
+        pairs = pairs[::-1]
+    elif layout == "v-before-k":
+        pairs = [(v, k) for k, v in pairs]
+    elif layout == "a-gap":  # layer 1 starts one value late
+        pairs = [pairs[0], (block[33:49], block[49:65])]
+    elif layout == "apart":
+        pairs = [(k.copy(), v.copy()) for k, v in pairs]
+    elif layout == "read-only":
+        block.flags.writeable = False
+    elif layout == "not-owned":
+        raw = bytearray(block.tobytes())
+        flat = np.frombuffer(raw, np.float32)
+        pairs = [(flat[32 * i : 32 * i + 16], flat[32 * i + 16 : 32 * i + 32]) for i in range(2)]
+    cache = _cache(pairs)
+    if layout == "shapes":  # the header says otherwise: the layer-by-layer path says where
+        other = _cache([(k.reshape(4, 4), v.reshape(4, 4)) for k, v in pairs])
+        cache = wire.KvCache(other.header, cache.layers)
+    assert _span(cache.header, cache) is None
+
+
+def test_scaled_or_empty_kvs_go_layer_by_layer() -> None:
+    scaled = testing.scaled_cache("s", 1, 4096, n_layers=2)
+    assert _span(scaled.header, scaled) is None
+    empty = _cache([(np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32))])
+    assert _span(empty.header, empty) is None
