@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from orchestrator.chaos import scenario as sc
+from orchestrator.chaos.runner import ChaosRunner, shareable
 from orchestrator.cli import build_parser, chaos, main, worker
 from transport.backend_names import BACKENDS, DEFAULT, UCX_READ, needs_ucx, receiver_takes
 from transport.backends import make_data_plane, make_receiver, make_sender
@@ -159,3 +160,15 @@ def test_a_chaos_scenario_runs_on_another_transport() -> None:
         sc.with_transport(kv_on_vllm, UCX_READ)
     text = "cluster: {transport: ucx-read}\nfaults: [{at: 1.0, kind: kill, target: decode:random}]"
     assert sc.parse(yaml.safe_load(text)).cluster.transport == UCX_READ
+
+
+def test_kv_link_faults_on_ucx_read_go_through_the_injector(tmp_path: Path) -> None:
+    """Over either UCX backend the payloads leave the control link: KV-link faults use the
+    prefill workers' fault injector, not a proxy (which sees only control messages)."""
+    shipped = sc.load("prefill-kill-transfer")
+    assert "kv" in shipped.links()
+    for transport, injector in ((UCX_READ, True), ("ucx", True), ("tcp", False)):
+        scenario = sc.with_transport(shipped, transport)
+        runner = ChaosRunner(scenario, seed=0, out_dir=tmp_path, pictures=False)
+        assert runner.kv_injector is injector, transport
+        assert shareable(scenario, runner.cluster) is injector, transport  # a proxy: not shared
