@@ -64,8 +64,8 @@ front, so it is smaller than the reference engine's budget, which is only a limi
 
 SIM_TRANSPORT: Backend = TCP
 """Simulated workers' KV transport unless ``--transport`` names one: their KV is a few
-scaled-down bytes, and a fleet of N decode workers on UCX would start N UCX workers in one
-process."""
+scaled-down bytes, and TCP needs no ``ucx`` extra and starts no UCX context or progress
+thread. (On UCX, a ``--count`` fleet's members share their process's one UCX context.)"""
 
 NAME = "worker"
 HELP = "run a prefill or decode worker"
