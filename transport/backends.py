@@ -1,22 +1,32 @@
-"""Pick a backend by name (for the CLI, the benchmark and the conformance suite)."""
+"""Build a backend by name (for the CLI, the benchmark and the conformance suite); the names,
+and which receiver takes which sender, are in `transport.backend_names`."""
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
 
-from transport.base import TransportSettings
+from transport.backend_names import BACKENDS, TCP, UCX, UCX_READ, Backend, needs_ucx
+from transport.base import DataPlane, TransportSettings
 from transport.receiver import KvReceiver
 from transport.security import LinkTls
 from transport.sender import KvSender
-from transport.tcp import tcp_receiver, tcp_sender
-from transport.ucx import UcxConfig, ucx_receiver, ucx_sender
+from transport.tcp import TcpDataPlane
+from transport.ucx import UcxConfig, UcxDataPlane
 from transport.wire import ModelSpec
 
-Backend = Literal["ucx", "tcp"]
-BACKENDS: tuple[Backend, ...] = ("ucx", "tcp")
-UCX_READ = "ucx-read"
-"""Not offered on the command line yet: UCX with one-sided reads (transport v2,
-``UcxConfig(one_sided=True)``), for the benchmark and the conformance suite."""
+__all__ = ["BACKENDS", "UCX_READ", "Backend", "make_data_plane", "make_receiver", "make_sender"]
+
+
+def make_data_plane(backend: str, ucx: UcxConfig | None = None) -> DataPlane:
+    """``backend``'s data plane (``ucx``: ``ucx`` options, one-sided for ``ucx-read``)."""
+    if backend == TCP:
+        return TcpDataPlane()
+    if needs_ucx(backend):
+        config = ucx or UcxConfig()
+        if backend == UCX_READ and not config.one_sided:
+            config = dataclasses.replace(config, one_sided=True)
+        return UcxDataPlane(config)
+    raise ValueError(f"unknown transport backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
 def make_sender(
@@ -25,13 +35,7 @@ def make_sender(
     ucx: UcxConfig | None = None,
     tls: LinkTls | None = None,
 ) -> KvSender:
-    if backend == "ucx":
-        return ucx_sender(settings, ucx, tls)
-    if backend == UCX_READ:
-        return ucx_sender(settings, UcxConfig(one_sided=True), tls)
-    if backend == "tcp":
-        return tcp_sender(settings, tls)
-    raise ValueError(f"unknown transport backend {backend!r} (choose from {BACKENDS})")
+    return KvSender(make_data_plane(backend, ucx), settings or TransportSettings(), tls)
 
 
 def make_receiver(
@@ -41,8 +45,8 @@ def make_receiver(
     ucx: UcxConfig | None = None,
     tls: LinkTls | None = None,
 ) -> KvReceiver:
-    if backend in ("ucx", UCX_READ):  # a UCX receiver takes either, as the sender opens it
-        return ucx_receiver(settings, model, ucx, tls)
-    if backend == "tcp":
-        return tcp_receiver(settings, model, tls)
-    raise ValueError(f"unknown transport backend {backend!r} (choose from {BACKENDS})")
+    """A UCX receiver takes either UCX sender, as each sender opens it: ``ucx-read``'s is
+    ``ucx``'s (`transport.backend_names.receiver_takes`)."""
+    if needs_ucx(backend):
+        backend = UCX
+    return KvReceiver(make_data_plane(backend, ucx), settings or TransportSettings(), model, tls)

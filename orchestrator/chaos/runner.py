@@ -42,6 +42,7 @@ from orchestrator.chaos.workload import Clients, RequestPlan, make_requests
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.errors import PdorchError
 from orchestrator.store.redis_store import RedisStore, StoreSettings
+from transport.backend_names import TCP, UCX, needs_ucx
 from transport.base import TransportSettings
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def _transport(name: str) -> str:
         return name
     from transport.ucx import ucx_available  # noqa: PLC0415
 
-    return "ucx" if ucx_available() else "tcp"
+    return UCX if ucx_available() else TCP
 
 
 def cluster_for(
@@ -111,7 +112,7 @@ def shareable(scenario: Scenario, cluster: LocalCluster) -> bool:
     fault proxy to put in front of its processes (UCX KV faults need none)."""
     spec = scenario.cluster
     transport = _transport(spec.transport)
-    proxies = scenario.links() - ({"kv"} if transport == "ucx" else set())
+    proxies = scenario.links() - ({"kv"} if needs_ucx(transport) else set())
     fault_file = str(cluster.workdir / "kv-fault")
     return not proxies and (
         (cluster.model, cluster.engine, cluster.transport, cluster.prefill_workers,
@@ -157,7 +158,7 @@ class ChaosRunner:
         self.shared = cluster is not None
         self.cluster = cluster or cluster_for(scenario.cluster, model_cache, redis)
         self.links = scenario.links()
-        self.kv_injector = "kv" in self.links and self.transport == "ucx"
+        self.kv_injector = "kv" in self.links and needs_ucx(self.transport)
         if self.kv_injector and scenario.cluster.engine == "vllm":
             raise ScenarioError(
                 f"scenario {scenario.name}: KV-link faults with engine vllm need transport tcp"

@@ -29,6 +29,12 @@ workload whose prompts share an opening (``shared_prefix_words``), KV-aware rout
 suffix-only KV transfer are then at work under the faults. Process faults only (no
 injector, no proxies in front of simulated workers).
 
+``transport``: ``auto`` (``ucx`` where ucxx imports, else ``tcp``) or a ``pdorch worker
+--transport`` choice (``ucx``, ``ucx-read``, ``tcp``); `with_transport` (``pdorch chaos run
+--transport``) runs a scenario on another. KV-link faults (``link:kv``) on ``tcp`` go through
+a fault proxy on the link; on the UCX backends, whose payloads do not travel on that link,
+through the prefill workers' KV fault injector (the transport's fault-injecting wrapper).
+
 ``engine: vllm`` runs every worker on vLLM (``--engine vllm``; model ``smollm2``; the
 command runs from the vllm extra's environment). KV-link faults then need ``transport: tcp``
 (a proxy on the link): over UCX the KV leaves from inside vLLM's processes, where the
@@ -70,13 +76,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from orchestrator.core.spec import RequestLimits
 from orchestrator.errors import PdorchError
+from transport.backend_names import BACKENDS, needs_ucx
 
 
 class ScenarioError(PdorchError):
@@ -121,13 +128,17 @@ LINK_PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
+TRANSPORTS = ("auto", *BACKENDS)
+"""A scenario's ``cluster.transport`` choices."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     prefill: int = 2
     decode: int = 2
     orchestrators: int = 2
     transport: str = "auto"
-    """``ucx``, ``tcp`` or ``auto`` (UCX where ucxx imports)."""
+    """``auto`` (UCX where ucxx imports, else TCP) or one of `TRANSPORTS`."""
     model: str = "tiny"
     engine: str = "reference"
     """The workers' engine (``pdorch worker --engine``): reference, or vllm; or sim
@@ -387,15 +398,30 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
             f"{path}: engine sim takes process faults only (no KV fault injector or proxies "
             "in front of simulated workers)"
         )
-    if cluster.engine == "vllm" and cluster.transport == "ucx" and "kv" in scenario.links():
-        raise ScenarioError(
-            f"{path}: KV-link faults with engine vllm need transport tcp (over UCX the KV "
-            "leaves from inside vLLM's processes, where no fault injector sits)"
-        )
+    _check_transport(scenario, path)
     for p in plan(scenario, 0):
         if p.at >= scenario.duration_s:
             raise ScenarioError(f"{path}: a fault at {p.at}s is after duration_s")
     return scenario
+
+
+def _check_transport(scenario: Scenario, where: str) -> None:
+    cluster = scenario.cluster
+    if cluster.engine == "vllm" and needs_ucx(cluster.transport) and "kv" in scenario.links():
+        raise ScenarioError(
+            f"{where}: KV-link faults with engine vllm need transport tcp (over UCX the KV "
+            "leaves from inside vLLM's processes, where no fault injector sits)"
+        )
+
+
+def with_transport(scenario: Scenario, transport: str) -> Scenario:
+    """``scenario`` on its cluster with workers on ``transport`` (one of `TRANSPORTS`),
+    checked as if its file said so."""
+    if transport not in TRANSPORTS:
+        raise ScenarioError(f"transport {transport!r}: choose from {', '.join(TRANSPORTS)}")
+    out = replace(scenario, cluster=replace(scenario.cluster, transport=transport))
+    _check_transport(out, f"{scenario.path or scenario.name} with transport {transport}")
+    return out
 
 
 def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
@@ -406,7 +432,7 @@ def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
         prefill=_int(d.get("prefill", 2), f"{where}.prefill", lo=0, hi=16),
         decode=_int(d.get("decode", 2), f"{where}.decode", lo=0, hi=16),
         orchestrators=_int(d.get("orchestrators", 2), f"{where}.orchestrators", lo=1, hi=8),
-        transport=_choice(d.get("transport", "auto"), f"{where}.transport", ("auto", "ucx", "tcp")),
+        transport=_choice(d.get("transport", "auto"), f"{where}.transport", TRANSPORTS),
         model=_choice(d.get("model", "tiny"), f"{where}.model", ("tiny", "smollm2")),
         engine=_choice(
             d.get("engine", "reference"), f"{where}.engine", ("reference", "vllm", "sim")

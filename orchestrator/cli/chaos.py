@@ -10,6 +10,11 @@ from pathlib import Path
 
 from orchestrator.cli.common import Commands, Parents, add_command, positive_int, redis_url
 from orchestrator.cli.progress import Progress
+from transport.backend_names import BACKENDS
+
+TRANSPORTS = ("auto", *BACKENDS)
+"""`orchestrator.chaos.scenario.TRANSPORTS` (not imported at parse time: it loads the
+scenarios' parser; a unit test keeps the two equal)."""
 
 NAME = "chaos"
 HELP = "chaos-test failover on a local cluster"
@@ -41,6 +46,13 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "a redis-server of the cluster's own; scenarios that fault Redis refuse it",
     )
     cr.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="run the scenario with workers on this KV transport (auto: ucx where UCXX is "
+        "installed, else tcp) instead of its cluster.transport (default: the scenario's)",
+    )
+    cr.add_argument(
         "--out",
         default="",
         help="folder for histories and timelines (default: chaos-out/SCENARIO, ignored by git)",
@@ -62,10 +74,12 @@ def _list(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from orchestrator.chaos.runner import run_chaos  # noqa: PLC0415
-    from orchestrator.chaos.scenario import ScenarioError, load  # noqa: PLC0415
+    from orchestrator.chaos.scenario import ScenarioError, load, with_transport  # noqa: PLC0415
 
     try:
         scenario = load(args.scenario)
+        if args.transport is not None:
+            scenario = with_transport(scenario, args.transport)
     except ScenarioError as exc:
         print(f"pdorch chaos: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeAlias
 
 from orchestrator.errors import ConfigError
+from transport.backend_names import BACKENDS, DEFAULT, needs_ucx
 
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``add_subparsers()`` returns: each command module adds its command to it."""
@@ -52,18 +53,25 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}\n(see '{self.prog} --help')\n")
 
 
+TRANSPORT_HELP = (
+    "how KV moves from prefill to decode workers: ucx (UCX tag messages), ucx-read (UCX "
+    "one-sided reads: the decode worker pulls the KV; faster for KV up to ~16 MiB, 0.83-0.95x "
+    "of ucx at 64-256 MiB) or tcp (inline on the control connection, needs no UCX); a decode "
+    "worker on ucx or ucx-read takes KV from prefill workers on either, one on tcp only from tcp"
+)
+
 ENGINES = ("reference", "vllm")
 VLLM_MODELS = ("smollm2",)
 """The models `--engine vllm` serves (`orchestrator.workers.vllm`)."""
 
 
 def check_transport(name: str) -> None:
-    """CommandError when ``--transport ucx`` is asked for without UCXX installed (found
-    without importing it: that takes a while and starts UCX)."""
+    """CommandError when a UCX transport (``ucx``, ``ucx-read``) is asked for without UCXX
+    installed (found without importing it: that takes a while and starts UCX)."""
     import importlib.util  # noqa: PLC0415
 
-    if name == "ucx" and importlib.util.find_spec("ucxx") is None:
-        raise CommandError("--transport ucx: UCXX is not installed (the ucx extra); "
+    if needs_ucx(name) and importlib.util.find_spec("ucxx") is None:
+        raise CommandError(f"--transport {name}: UCXX is not installed (the ucx extra); "
                            "--transport tcp needs nothing")  # fmt: skip
 
 
@@ -266,16 +274,17 @@ class Parents:
 
     @functools.cached_property
     def transport(self) -> argparse.ArgumentParser:
-        from transport.backends import BACKENDS  # noqa: PLC0415 - imports the UCX backend
-
         p = _parent()
-        p.add_argument(
-            "--transport",
-            choices=BACKENDS,
-            default="ucx",
-            help="how KV moves from prefill to decode workers (default %(default)s)",
-        )
+        add_transport_flag(p, DEFAULT, DEFAULT)
         return p
+
+
+def add_transport_flag(p: argparse.ArgumentParser, value: str | None, shown: str) -> None:
+    """``--transport``, its choices `transport.backend_names.BACKENDS` (the one list),
+    defaulting to ``value``, which the help names as ``shown``."""
+    p.add_argument(
+        "--transport", choices=BACKENDS, default=value, help=f"{TRANSPORT_HELP} (default {shown})"
+    )
 
 
 def _parent() -> argparse.ArgumentParser:

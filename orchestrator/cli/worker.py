@@ -25,6 +25,7 @@ from orchestrator.cli.common import (
     Commands,
     Parents,
     add_command,
+    add_transport_flag,
     check_engine,
     check_port_free,
     check_redis,
@@ -40,6 +41,7 @@ from orchestrator.cli.common import (
     server_tls_dir,
     until_signalled,
 )
+from transport.backend_names import DEFAULT, TCP, Backend
 
 if TYPE_CHECKING:
     from orchestrator.api.tls import Tls
@@ -60,6 +62,11 @@ VLLM_KV_MIB = 1024
 """vLLM's block pool when ``--kv-capacity-mib`` is not given (the CPU backend allocates it up
 front, so it is smaller than the reference engine's budget, which is only a limit)."""
 
+SIM_TRANSPORT: Backend = TCP
+"""Simulated workers' KV transport unless ``--transport`` names one: their KV is a few
+scaled-down bytes, and TCP needs no ``ucx`` extra and starts no UCX context or progress
+thread. (On UCX, a ``--count`` fleet's members share their process's one UCX context.)"""
+
 NAME = "worker"
 HELP = "run a prefill or decode worker"
 
@@ -75,10 +82,10 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.redis,
         parents.model,
         parents.model_cache,
-        parents.transport,
         parents.tls,
         help=HELP,
     )
+    add_transport_flag(w, None, f"{DEFAULT}; with --sim, {SIM_TRANSPORT}")
     w.add_argument(
         "--role",
         choices=("prefill", "decode"),
@@ -263,8 +270,7 @@ def preflight(args: argparse.Namespace) -> None:
     """What can be checked before anything starts: flags that go together, Redis answers,
     the ports are free."""
     check_engine(args.engine, args.model)
-    if not args.sim:  # simulated workers move KV over TCP
-        check_transport(args.transport)
+    check_transport(transport(args))
     if args.count != 1 and not args.sim:
         raise CommandError("--count needs --sim")
     if args.sim_prefix_cache and not args.sim:
@@ -274,6 +280,13 @@ def preflight(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port, "--port")
         check_port_free(args.host, args.kv_port, "--kv-port")
     check_port_free(args.host, args.metrics_port, "--metrics-port")
+
+
+def transport(args: argparse.Namespace) -> str:
+    """The backend ``--transport`` names, else the default (`SIM_TRANSPORT` for --sim)."""
+    if args.transport is not None:
+        return str(args.transport)
+    return SIM_TRANSPORT if args.sim else DEFAULT
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -308,11 +321,12 @@ async def run(args: argparse.Namespace) -> int:
         args, advertise=args.advertise, kv_advertise=args.kv_advertise, gpu_kind=args.gpu_kind
     )
     kv_tls = _kv_tls(tls)
-    sender = None if hosted else make_sender(args.transport, tsettings, tls=kv_tls)
+    backend = transport(args)
+    sender = None if hosted else make_sender(backend, tsettings, tls=kv_tls)
     if sender is not None and (args.inject_kv_stall > 0 or args.kv_fault or args.kv_fault_file):
         _attach_kv_fault(sender, args)  # chaos/testing only
     receiver = (
-        make_receiver(args.transport, tsettings, engine.info.model_spec(), tls=kv_tls)
+        make_receiver(backend, tsettings, engine.info.model_spec(), tls=kv_tls)
         if args.role == "decode" and not hosted
         else None
     )
@@ -380,7 +394,7 @@ def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics, tls: Tls | None
         name=args.model,
         role=args.role,
         kv_cache_bytes=(args.kv_capacity_mib or VLLM_KV_MIB) << 20,
-        transport=args.transport,
+        transport=transport(args),
         kv_hold_s=args.kv_hold,
         tls_dir=str(tls.files.directory) if tls else "",
         tls_identity=tls.identity if tls else "",
@@ -395,8 +409,8 @@ async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
     from orchestrator.workers.fleet import SharedSender, WorkerFleet, member_settings  # noqa: PLC0415
     from orchestrator.workers.server import Worker  # noqa: PLC0415
     from orchestrator.workers.sim_engine import SimEngine, SimRunner, SimSpec  # noqa: PLC0415
+    from transport.backends import make_data_plane, make_receiver  # noqa: PLC0415
     from transport.base import TransportSettings  # noqa: PLC0415
-    from transport.tcp import TcpDataPlane, tcp_receiver  # noqa: PLC0415
 
     spec = SimSpec.parse(args.sim)  # validated by the parser already
     cached = args.sim_prefix_cache
@@ -423,7 +437,12 @@ async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
     count = args.count
     prefill = args.role == "prefill"
     kv_tls = _kv_tls(tls)
-    sender = SharedSender(TcpDataPlane(), tsettings, users=count, tls=kv_tls) if prefill else None
+    backend = transport(args)
+    sender = (
+        SharedSender(make_data_plane(backend), tsettings, users=count, tls=kv_tls)
+        if prefill
+        else None
+    )
     workers = [
         Worker(
             engines[i % len(engines)],
@@ -431,7 +450,9 @@ async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
             publish,
             sender=sender,
             receiver=(
-                None if prefill else tcp_receiver(tsettings, engine.info.model_spec(), kv_tls)
+                None
+                if prefill
+                else make_receiver(backend, tsettings, engine.info.model_spec(), tls=kv_tls)
             ),
             runner=SimRunner(engines[i % len(engines)]),
             tls=tls,

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.operator.errors import SpecError
+from transport.backend_names import BACKENDS, DEFAULT, needs_ucx
 
 MODELS = ("tiny", "smollm2")  # `pdorch worker --model` choices
 ENGINES = ("reference", "vllm")  # `pdorch worker --engine` choices
 VLLM_MODELS = ("smollm2",)  # what `pdorch worker --engine vllm` serves
-TRANSPORTS = ("ucx", "tcp")  # `pdorch worker --transport` choices
+TRANSPORTS = BACKENDS  # `pdorch worker --transport` choices (the CRD's enum: a test)
+UCX_KINDS = tuple(k for k in TRANSPORTS if needs_ucx(k))  # where spec.transport.ucx applies
 FALLBACKS = ("local", "fail")  # `pdorch orchestrator --fallback` choices
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -97,7 +99,7 @@ class Redis:
 
 @dataclass(frozen=True)
 class Transport:
-    kind: str = "ucx"
+    kind: str = DEFAULT
     ucx_transports: tuple[str, ...] = ()  # UCX_TLS, e.g. ("rc", "cuda_copy")
     ucx_devices: tuple[str, ...] = ()  # UCX_NET_DEVICES, e.g. ("mlx5_0:1",)
 
@@ -293,9 +295,9 @@ def _transport(r: _Reader) -> Transport:
     r.only("kind", "ucx")
     ucx = r.child("ucx")
     ucx.only("transports", "devices")
-    kind = r.choice("kind", TRANSPORTS, "ucx")
-    if ucx.present and kind != "ucx":
-        raise SpecError(ucx.path, "only applies to kind: ucx")
+    kind = r.choice("kind", TRANSPORTS, DEFAULT)
+    if ucx.present and not needs_ucx(kind):
+        raise SpecError(ucx.path, f"only applies to kind: {' or '.join(UCX_KINDS)}")
     return Transport(
         kind=kind, ucx_transports=ucx.strings("transports"), ucx_devices=ucx.strings("devices")
     )
