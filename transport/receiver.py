@@ -692,11 +692,14 @@ class _Receive:
         return frame
 
 
-_MAX_READS = 1
-"""One-sided: segment reads in flight per transfer. One: the next segment is read while the
-last one is verified; two at once shared the memory bandwidth, so a 64 MiB KV's two 32 MiB
-segments landed together and nothing overlapped (measured side by side here at a load of
-7: 1.8–2.6 GB/s with two, 3.6 with one)."""
+_MAX_READS = 2
+"""One-sided: segment reads queued per transfer. The data plane runs a link's reads one after
+another (UCX: one reader thread per link), so the second is queued behind the first and starts
+the moment it lands, with no loop turn between them, while the first is verified and the third
+announced. Two reads *at once* shared the memory bandwidth instead, so a 64 MiB KV's two
+32 MiB segments landed together and nothing overlapped (1.8–2.6 GB/s against 3.6 with one at
+a time, load 7); one at a time with a loop turn and a thread hop between them cost 0.7–2.7 ms
+per segment boundary under load."""
 
 _SPLIT_TAIL_BYTES = 4 << 20
 """A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""

@@ -84,6 +84,7 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import logging
@@ -245,14 +246,24 @@ class UcxDataPlane(DataPlane):
             handle = int(_requests(ep).handle)
         except Exception as exc:
             raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
-        if into.nbytes <= _INLINE_READ_BYTES:  # a thread hop costs more than the copy
+        # A thread hop costs more than a small copy; not while the reader thread copies
+        # (the loop would wait on the channel's lock for a whole segment).
+        if into.nbytes <= _INLINE_READ_BYTES and not reads.chaining:
             rest = reads.in_place(handle, list(regions), into)
             if rest is not None:
                 await rest
             return
-        # The thread holds ``into`` (so its memory outlives every read into it) and the
-        # channel's lock while it calls into UCX on the endpoint.
-        await asyncio.to_thread(reads.run, handle, list(regions), into)
+        # The channel's reader thread holds ``into`` (so its memory outlives every read into
+        # it) and the channel's lock while it calls into UCX on the endpoint.
+        loop = asyncio.get_running_loop()
+        queued = _Queued(handle, list(regions), into, loop, loop.create_future())
+        if reads.enqueue(queued):
+            loop.run_in_executor(None, reads.drain).add_done_callback(_drained)
+        try:
+            await queued.future
+        except asyncio.CancelledError:
+            queued.skip = True  # not started yet: never started (one in progress finishes)
+            raise
 
     def read_now(
         self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview
@@ -307,6 +318,38 @@ class UcxDataPlane(DataPlane):
             _abort(self._eps.popitem()[1])
 
 
+@dataclass(slots=True)
+class _Queued:
+    """A read waiting for its channel's reader thread."""
+
+    endpoint: int
+    regions: list[RemoteRegion]
+    into: memoryview
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    skip: bool = False
+    """Set by the awaiting transfer when it is cancelled: the read is not started."""
+
+    def settle(self, exc: BaseException | None) -> None:
+        """From the reader thread: complete the future on its loop (gone: nothing to tell)."""
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            self.loop.call_soon_threadsafe(_settle, self.future, exc)
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _drained(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:  # drain itself never raises
+        log.error("UCX reader thread failed", exc_info=done.exception())
+
+
 class _Reads:
     """A channel's one-sided reads, run in threads (``ucp_get_nbx`` may copy inline), and
     the remote keys unpacked on its endpoint (once per key id, for the link's life)."""
@@ -320,9 +363,43 @@ class _Reads:
         """Reads issued and not yet completed: keys are destroyed only when none are."""
         self.retired: list[int] = []
         """Keys forgotten while reads were active: destroyed with the last one."""
+        self.chain_lock = threading.Lock()
+        self.chain: collections.deque[_Queued] = collections.deque()
+        """Reads waiting for the channel's reader thread (`drain`), in order."""
+        self.chaining = False
+        """Whether a reader thread is draining ``chain``."""
 
     def run(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> None:
         self.finish(self.start(endpoint, regions, into), into)
+
+    def enqueue(self, queued: _Queued) -> bool:
+        """Queue a read for the channel's reader thread; True: none runs, start one."""
+        with self.chain_lock:
+            self.chain.append(queued)
+            if self.chaining:
+                return False
+            self.chaining = True
+            return True
+
+    def drain(self) -> None:
+        """The channel's reader thread: run the queued reads back to back, telling each
+        one's event loop as it completes. A transfer's segments are read one after another
+        with no loop turn and no thread hop between them (each cost 0.7-2.7 ms under load;
+        two reads at once share the memory bandwidth instead, and the first lands late)."""
+        while True:
+            with self.chain_lock:
+                if not self.chain:
+                    self.chaining = False
+                    return
+                queued = self.chain.popleft()
+            if queued.skip:
+                continue
+            try:
+                self.run(queued.endpoint, queued.regions, queued.into)
+            except BaseException as exc:  # noqa: BLE001 - the awaiting transfer raises it
+                queued.settle(exc)
+            else:
+                queued.settle(None)
 
     def start(self, endpoint: int, regions: list[RemoteRegion], into: memoryview) -> ucp.Gets:
         """Issue the reads (a CMA read copies right here) under the channel's lock."""
