@@ -53,6 +53,7 @@ class Dispatch:
     def stream(self, run: Run, booking: Booking) -> Chunks:
         """The worker token stream of this attempt, in the booked placement's mode."""
         placement = booking.placement
+        run.journal.adopt = None  # an earlier attempt's, never taken: not this attempt's
         if placement.mode is Mode.DISAGGREGATED:
             return self._disaggregated(run, booking)
         if self.metrics is not None and not placement.by_choice:
@@ -161,9 +162,9 @@ class Dispatch:
         first = True
         async with contextlib.aclosing(stream):
             async for chunk in stream:
-                if first:  # the decode worker adopted the KV
-                    first = False
-                    await self.store.transition(run.rid, Edge.KV_ADOPTED, epoch=run.epoch)
+                if first:  # the decode worker adopted the KV: recorded by the chunk's
+                    first = False  # journal write, in the same store call (no round trip)
+                    run.journal.adopt = Edge.KV_ADOPTED
                     _scored_by_prefill(chunk, resp)
                 yield chunk
 

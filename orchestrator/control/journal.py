@@ -32,6 +32,7 @@ import time
 from orchestrator import errors
 from orchestrator.control.run import JournalBuffer, Run
 from orchestrator.core.records import JournalEntry, unjournalled_after
+from orchestrator.core.state import Edge
 from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -130,15 +131,20 @@ class JournalWriter:
 
     async def _write(self, batch: list[_Waiting]) -> None:
         items: list[tuple[str, int, JournalEntry]] = []
+        edges: dict[int, Edge] = {}
         spans: list[tuple[Run, asyncio.Future[None], int]] = []
         for run, done in batch:
             buf = run.journal
             pending = buf.entries[len(buf.entries) - buf.unjournalled :]
+            if buf.adopt is not None and pending:
+                edges[len(items)] = buf.adopt  # taken with the run's first chunk here
             items += [(run.rid, run.epoch, e) for e in pending]
             spans.append((run, done, len(pending)))
-        results = await self.store.append_many(items) if items else []
+        results = await self.store.append_many(items, edges=edges) if items else []
         at = 0
         for run, done, n in spans:
+            if n and run.journal.adopt is not None and not isinstance(results[at], Exception):
+                run.journal.adopt = None  # its write landed, and the edge with it
             again, refusal = self._settled(run, results[at : at + n])
             at += n
             if again:

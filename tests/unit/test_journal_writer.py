@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -41,11 +41,14 @@ class CountingStore(MemoryStore):
         """When each write began."""
 
     async def append_many(
-        self, items: Sequence[tuple[str, int, JournalEntry]]
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
     ) -> list[int | errors.PdorchError]:
         self.batches.append(len(items))
         self.started.append(time.monotonic())
-        return await super().append_many(items)
+        return await super().append_many(items, edges=edges)
 
 
 async def started(store: MemoryStore, *rids: str) -> list[Run]:
