@@ -78,13 +78,16 @@ class JournalWriter:
         if not run.journal.unjournalled:
             return
         waiting = self._queued.get(id(run))
-        if waiting is None:
+        if waiting is None or waiting[1].done():
+            # (done: cancelled under a run that stopped waiting — its chunks stay queued.)
             waiting = self._queued[id(run)] = (run, asyncio.get_running_loop().create_future())
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._write_loop(), name="pdorch-journal-writer")
-        # Shielded: a run cancelled while waiting must not cancel the batch's future (the
-        # writer still writes its chunks; the run's next write resyncs if need be).
-        await asyncio.shield(waiting[1])
+        # Not shielded (a shield costs a future and a callback per chunk): a run cancelled
+        # while waiting cancels its own future, which the writer skips (`_fail`, `_write`
+        # answer only futures not done); its chunks are still written, and the run's next
+        # write waits on a new future (above) and resyncs if need be.
+        await waiting[1]
 
     async def settle(self, run: Run) -> None:
         """Before a final transition: wait (bounded) for the store and flush the journal."""

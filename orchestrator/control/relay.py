@@ -76,8 +76,10 @@ class Relay:
                     cut = stop_cut(run.text, delta, spec.stop)
                     if cut is not None:
                         delta, reason = delta[:cut], "stop"
-                scores = convert.logprobs_from_pb(chunk.logprobs)
-                prompt = convert.logprobs_from_pb(chunk.prompt_logprobs)
+                scores = convert.logprobs_from_pb(chunk.logprobs) if chunk.logprobs else ()
+                prompt = (
+                    convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
+                )
                 if ids or delta or prompt:
                     produced = len(run.output)
                     if chunk.index != produced:
