@@ -210,6 +210,24 @@ def test_a_disaggregated_request_costs_four_store_calls_besides_its_journal() ->
     run(main())
 
 
+def test_a_decode_stream_opening_with_an_empty_chunk_adopts_with_its_first_token() -> None:
+    # The adoption rides with the first *journalled* chunk: a keep-alive before it (no
+    # token, nothing journalled) leaves it for the next write.
+    async def main() -> None:
+        store = _CallCountingStore()
+        d0 = FakeWorker("d0", "decode", empty_first=True)
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store)
+        chunks = await collect(orch.generate(inp(max_tokens=6)))
+        assert_contiguous(chunks, 6)
+        record = chunks[-1].record
+        assert record is not None
+        assert record.state is State.DONE
+        assert "append +kv_adopted" in store.calls
+        assert "transition kv_adopted" not in store.calls
+
+    run(main())
+
+
 def test_a_resubmission_follows_and_a_different_body_is_refused() -> None:
     async def main() -> None:
         orch, _, _ = await setup(FakeWorker("p0", "prefill"), FakeWorker("d0", "decode"))
