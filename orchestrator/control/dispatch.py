@@ -2,8 +2,10 @@
 
 Disaggregated: ``prefill`` (queued → prefilling), the prefill leg — which moves the KV to the
 decode worker — then ``kv_sent`` (→ transferring), the decode stream, and ``kv_adopted``
-(→ decoding) at its first chunk. KV the decode worker may hold but never adopted is released
-on any way out. Aggregated: ``aggregate`` (queued → decoding) and one worker's stream.
+(→ decoding) at its first chunk, taken by that chunk's journal write in the same store call
+(`JournalBuffer.adopt`: a round trip less per request). KV the decode worker may hold but
+never adopted is released on any way out. Aggregated: ``aggregate`` (queued → decoding) and
+one worker's stream.
 
 Every transition names its `Edge` and carries the attempt's epoch, so an attempt that was
 fenced off (a failover, a takeover) cannot move the request. What happens when a leg fails
