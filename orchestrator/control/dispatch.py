@@ -2,8 +2,10 @@
 
 Disaggregated: ``prefill`` (queued → prefilling), the prefill leg — which moves the KV to the
 decode worker — then ``kv_sent`` (→ transferring), the decode stream, and ``kv_adopted``
-(→ decoding) at its first chunk. KV the decode worker may hold but never adopted is released
-on any way out. Aggregated: ``aggregate`` (queued → decoding) and one worker's stream.
+(→ decoding) at its first chunk, taken by that chunk's journal write in the same store call
+(`JournalBuffer.adopt`: a round trip less per request). KV the decode worker may hold but
+never adopted is released on any way out. Aggregated: ``aggregate`` (queued → decoding) and
+one worker's stream.
 
 Every transition names its `Edge` and carries the attempt's epoch, so an attempt that was
 fenced off (a failover, a takeover) cannot move the request. What happens when a leg fails
@@ -53,6 +55,7 @@ class Dispatch:
     def stream(self, run: Run, booking: Booking) -> Chunks:
         """The worker token stream of this attempt, in the booked placement's mode."""
         placement = booking.placement
+        run.journal.adopt = None  # an earlier attempt's, never taken: not this attempt's
         if placement.mode is Mode.DISAGGREGATED:
             return self._disaggregated(run, booking)
         if self.metrics is not None and not placement.by_choice:
@@ -161,9 +164,9 @@ class Dispatch:
         first = True
         async with contextlib.aclosing(stream):
             async for chunk in stream:
-                if first:  # the decode worker adopted the KV
-                    first = False
-                    await self.store.transition(run.rid, Edge.KV_ADOPTED, epoch=run.epoch)
+                if first:  # the decode worker adopted the KV: recorded by the chunk's
+                    first = False  # journal write, in the same store call (no round trip)
+                    run.journal.adopt = Edge.KV_ADOPTED
                     _scored_by_prefill(chunk, resp)
                 yield chunk
 

@@ -32,6 +32,7 @@ import time
 from orchestrator import errors
 from orchestrator.control.run import JournalBuffer, Run
 from orchestrator.core.records import JournalEntry, unjournalled_after
+from orchestrator.core.state import Edge
 from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,16 @@ class JournalWriter:
         if not run.journal.unjournalled:
             return
         waiting = self._queued.get(id(run))
-        if waiting is None:
+        if waiting is None or waiting[1].done():
+            # (done: cancelled under a run that stopped waiting — its chunks stay queued.)
             waiting = self._queued[id(run)] = (run, asyncio.get_running_loop().create_future())
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._write_loop(), name="pdorch-journal-writer")
-        # Shielded: a run cancelled while waiting must not cancel the batch's future (the
-        # writer still writes its chunks; the run's next write resyncs if need be).
-        await asyncio.shield(waiting[1])
+        # Not shielded (a shield costs a future and a callback per chunk): a run cancelled
+        # while waiting cancels its own future, which the writer skips (`_fail`, `_write`
+        # answer only futures not done); its chunks are still written, and the run's next
+        # write waits on a new future (above) and resyncs if need be.
+        await waiting[1]
 
     async def settle(self, run: Run) -> None:
         """Before a final transition: wait (bounded) for the store and flush the journal."""
@@ -130,15 +134,20 @@ class JournalWriter:
 
     async def _write(self, batch: list[_Waiting]) -> None:
         items: list[tuple[str, int, JournalEntry]] = []
+        edges: dict[int, Edge] = {}
         spans: list[tuple[Run, asyncio.Future[None], int]] = []
         for run, done in batch:
             buf = run.journal
             pending = buf.entries[len(buf.entries) - buf.unjournalled :]
+            if buf.adopt is not None and pending:
+                edges[len(items)] = buf.adopt  # taken with the run's first chunk here
             items += [(run.rid, run.epoch, e) for e in pending]
             spans.append((run, done, len(pending)))
-        results = await self.store.append_many(items) if items else []
+        results = await self.store.append_many(items, edges=edges) if items else []
         at = 0
         for run, done, n in spans:
+            if n and run.journal.adopt is not None and not isinstance(results[at], Exception):
+                run.journal.adopt = None  # its write landed, and the edge with it
             again, refusal = self._settled(run, results[at : at + n])
             at += n
             if again:

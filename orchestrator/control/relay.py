@@ -76,8 +76,10 @@ class Relay:
                     cut = stop_cut(run.text, delta, spec.stop)
                     if cut is not None:
                         delta, reason = delta[:cut], "stop"
-                scores = convert.logprobs_from_pb(chunk.logprobs)
-                prompt = convert.logprobs_from_pb(chunk.prompt_logprobs)
+                scores = convert.logprobs_from_pb(chunk.logprobs) if chunk.logprobs else ()
+                prompt = (
+                    convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
+                )
                 if ids or delta or prompt:
                     produced = len(run.output)
                     if chunk.index != produced:
@@ -133,17 +135,32 @@ class Relay:
         record = await self.finish(run, Edge.FINISH, finish, "")
         return OutChunk(run.rid, produced, [], "", finish, run.timings, record)
 
+    async def _adopted(self, run: Run) -> None:
+        """A decode stream that finished before any of its chunks was journalled (none
+        carried a token) still adopted the KV: its own transition (decoding -> done needs
+        it). Refused as invalid, it was taken already (or the request was cancelled: the
+        end's transition says so)."""
+        run.journal.adopt = None
+        with contextlib.suppress(errors.InvalidTransitionError):
+            await self.store.transition(run.rid, Edge.KV_ADOPTED, epoch=run.epoch)
+
     async def finish(self, run: Run, edge: Edge, reason: str, error: str) -> RequestRecord | None:
-        """Settle the journal, then take ``edge`` (a terminal one) with timings and cost."""
+        """Settle the journal, then end the request along ``edge`` (a terminal one) with its
+        timings and cost: one store call (`Store.end`: the transition, the indexes, the
+        tenant's cost, the final record)."""
         state = edge.target
         s = self.settings
         cost = run.cost(s.prices, s.transfer_usd_per_gb)
         try:
             await self.writer.settle(run)
-            await self.store.transition(
+            if run.journal.adopt is not None and edge is Edge.FINISH:
+                await self._adopted(run)
+            record = await self.store.end(
                 run.rid,
                 edge,
                 epoch=run.epoch,
+                tenant=run.spec.tenant,
+                cost=cost,
                 fields={
                     "finish_reason": reason,
                     "timings": as_json(run.timings),
@@ -151,11 +168,6 @@ class Relay:
                     "cost": as_json(cost),
                 },
             )
-            with contextlib.suppress(errors.PdorchError):
-                await self.store.add_tenant_cost(run.spec.tenant, cost)
-            if self.metrics is not None:
-                self.metrics.finished(str(state), reason, run.timings, cost)
-            return await self.store.get(run.rid)
         except errors.PdorchError as exc:
             # A client's Cancel records the end itself, often first: the client's business,
             # not a warning.
@@ -163,3 +175,6 @@ class Relay:
             level = logging.INFO if cancelled else logging.WARNING
             log.log(level, "request %s: could not record %s: %s", run.rid, state, exc)
             return None
+        if self.metrics is not None:
+            self.metrics.finished(str(state), reason, run.timings, cost)
+        return record

@@ -21,6 +21,7 @@ from orchestrator.core.hardware import CPU_HOST, GpuProfile, get_gpu
 from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.records import JournalEntry, RequestRecord
 from orchestrator.core.spec import RequestSpec
+from orchestrator.core.state import Edge
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ class JournalBuffer:
     entries: list[JournalEntry] = field(default_factory=list)
     unjournalled: int = 0
     """How many of the last ``entries`` are not in the journal yet (Redis unreachable)."""
+    adopt: Edge | None = None
+    """An edge the run's next write takes along with its first chunk, in the same store
+    call (`Store.append_many`'s ``edges``): the decode stream's first chunk adopts the KV
+    (`Edge.KV_ADOPTED`) without a round trip of its own. Cleared once a write carrying it
+    landed, and at every attempt's start."""
 
 
 @dataclass(slots=True)

@@ -92,6 +92,25 @@ class Store(Protocol):
         ``ValueError`` when ``fields`` names ``state`` or ``epoch``."""
         ...
 
+    async def end(
+        self,
+        request_id: str,
+        edge: Edge,
+        *,
+        epoch: int,
+        tenant: str,
+        cost: Mapping[str, Any],
+        fields: Mapping[str, Any] | None = None,
+    ) -> RequestRecord:
+        """A request's end: `transition` along the terminal ``edge`` (same checks, same
+        refusals, same exactly-once retry through an outage; ``ValueError`` for an edge
+        that does not end a request) and, only when it is taken, what follows an end — the
+        request leaves the live indexes, ``cost`` (`orchestrator.core.cost.cost_fields`) is
+        added to ``tenant``'s totals (`add_tenant_cost`), exactly once — and the final
+        record, as `get` would read it. On one Redis server one script call, atomically;
+        on a cluster one step per slot, in that order."""
+        ...
+
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         """Write informational fields (timings, workers) of an existing record, unchecked.
         `NotFoundError` for an unknown id; ``ValueError`` for ``state`` or ``epoch`` (those
@@ -106,11 +125,20 @@ class Store(Protocol):
         ...
 
     async def append_many(
-        self, items: Sequence[tuple[str, int, JournalEntry]]
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
     ) -> list[int | errors.PdorchError]:
         """`append` for many (request id, epoch, entry) — of one request or many — in one
         round trip: applied in order, each checked exactly as `append` checks it and
         independently of the others (one request's refusal leaves the others' writes).
+        ``edges`` (item index -> edge; ``ValueError`` for an edge that ends or reassigns a
+        request): that item's request also takes the edge, atomically with the item's
+        write — moved to the edge's target if it is in one of its sources, left be if it is
+        at the target already (a retried write), else the item is refused with
+        `InvalidTransitionError` after the other checks (the decode stream's first chunk
+        adopts the KV this way: `Edge.KV_ADOPTED` without a round trip of its own).
         One result per item: the new output token count, or the refusal `append` would
         raise, returned. `UnavailableError` is raised when the store could not be reached;
         any of the items may then have landed or not (a writer resyncs on the

@@ -46,9 +46,12 @@ slot, ``T`` = the tenant's, ``L``/``S``/``W`` = the live, tenants and workers in
     call              steps (each one script or command, one slot)
     create            [limit: _ACQUIRE T] → _ACQUIRE L + _CREATE R (one pipeline)
     transition        _TRANSITION R; on an end → _UNINDEX L [, _UNINDEX T if counted]
+    end               one server: _END (R, L, T, S in one script); a cluster: transition
+                      as above → add_tenant_cost → HGETALL R
     expire            _EXPIRE R; when failed → _UNINDEX L [, T]
     take_over         _TAKEOVER R; ended → _UNINDEX L [, T]; no record → _UNINDEX L (grace)
-    append, set_fields, refresh/release_lease           one script, R
+    append, set_fields, refresh/release_lease           one script, R (an append's edge
+                                                        too: KV_ADOPTED with the chunk)
     refresh_leases    _REFRESH_MANY once per slot of the requests given, one pipeline
     lease_holders, workers, progress                    MGET / pipeline split per slot
     add_tenant_cost   SADD S → MULTI on the tenant's cost hash (T)

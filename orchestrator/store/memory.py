@@ -254,6 +254,27 @@ class MemoryStore:
                 d.leases.pop(request_id, None)
             return new_epoch
 
+    async def end(
+        self,
+        request_id: str,
+        edge: Edge,
+        *,
+        epoch: int,
+        tenant: str,
+        cost: Mapping[str, Any],
+        fields: Mapping[str, Any] | None = None,
+    ) -> RequestRecord:
+        """The transition, then the cost (only when taken), then the final record."""
+        if edge.target not in TERMINAL:
+            raise ValueError(f"{edge.wire} does not end a request")
+        await self.transition(request_id, edge, epoch=epoch, fields=fields)
+        with contextlib.suppress(errors.PdorchError):  # the end is recorded: best effort
+            await self.add_tenant_cost(tenant, cost)
+        record = await self.get(request_id)
+        if record is None:
+            raise errors.NotFoundError(f"no request {request_id!r}")
+        return record
+
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         if {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch change only through transition()")
@@ -272,18 +293,27 @@ class MemoryStore:
             return self._append(d, request_id, epoch, entry)
 
     async def append_many(
-        self, items: Sequence[tuple[str, int, JournalEntry]]
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
     ) -> list[int | errors.PdorchError]:
+        edges = edges or {}
+        for edge in edges.values():
+            if edge.target in TERMINAL or edge.rule.bumps_epoch:
+                raise ValueError(f"a journal write cannot take {edge.wire}")
         out: list[int | errors.PdorchError] = []
         async with self._call("journal append") as d:  # one round trip, like a pipeline
-            for rid, epoch, entry in items:
+            for i, (rid, epoch, entry) in enumerate(items):
                 try:
-                    out.append(self._append(d, rid, epoch, entry))
+                    out.append(self._append(d, rid, epoch, entry, edges.get(i)))
                 except errors.PdorchError as exc:  # a refusal, answered in its place
                     out.append(exc)
         return out
 
-    def _append(self, d: _Data, request_id: str, epoch: int, entry: JournalEntry) -> int:
+    def _append(
+        self, d: _Data, request_id: str, epoch: int, entry: JournalEntry, edge: Edge | None = None
+    ) -> int:
         rec = d.live(d.records, request_id)
         if rec is None:
             raise errors.NotFoundError(f"no request {request_id!r}")
@@ -298,6 +328,12 @@ class MemoryStore:
                 f"request {request_id!r}: chunk at {entry.index} but journal ends at {end}",
                 int(end),
             )
+        if edge is not None and cur["state"] != str(edge.target):
+            if State(cur["state"]) not in edge.sources:
+                raise errors.InvalidTransitionError(
+                    f"request {request_id!r} is {cur['state']}; cannot {edge.wire}"
+                )
+            cur["state"] = str(edge.target)
         journal = d.live(d.journals, request_id) or _Expiring[list[str]]([])
         journal.value.append(entry.to_json())
         journal.expires_at = d.clock() + self._settings.record_ttl_s

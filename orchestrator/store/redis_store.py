@@ -174,30 +174,80 @@ if TERMINAL[edge.dst] then redis.call('DEL', KEYS[2]) end
 return {1, edge.dst, epoch, cur[4] or '', cur[5] or ''}
 """
 
+# KEYS[1] record, KEYS[2] owner lease, KEYS[3] live index, KEYS[4] the tenant's live
+# count, KEYS[5] the tenant's cost totals, KEYS[6] the tenants index — all on one server
+# (a cluster ends a request slot by slot instead: `RedisStore.end`).
+# ARGV[1] expected epoch, ARGV[2] a terminal edge's name, ARGV[3] the call's token (as
+# `_TRANSITION`'s), ARGV[4] tenant, ARGV[5] float cost fields n, ARGV[6] integer cost fields
+# m, then n + m name/increment pairs (floats first), then the record's field/value pairs.
+# A request's whole end in one step: `_TRANSITION`'s checks and write, the lease dropped,
+# out of the live index (and the tenant's count, if counted), its cost added to the
+# tenant's totals; a retry whose first try landed (its token) adds nothing again.
+# Returns {1, the record's HGETALL}; {-1} missing; {-2, state, epoch} epoch mismatch;
+# {-3, state, epoch} state not a source; {-4} the record's tenant is not ARGV[4] (nothing
+# written: the caller ends it the general way).
+_END = """
+local edge = EDGES[ARGV[2]]
+if not edge or not TERMINAL[edge.dst] then
+  return redis.error_reply('not an ending edge ' .. ARGV[2])
+end
+local cur = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'op', 'tenant', 'counted')
+if not cur[1] then return {-1} end
+local epoch = tostring(tonumber(ARGV[1]) + edge.bump)
+if cur[3] == ARGV[3] and cur[1] == edge.dst and cur[2] == epoch then
+  return {1, redis.call('HGETALL', KEYS[1])}
+end
+if cur[2] ~= ARGV[1] then return {-2, cur[1], cur[2]} end
+if not edge.src[cur[1]] then return {-3, cur[1], cur[2]} end
+if (cur[4] or '') ~= ARGV[4] then return {-4} end
+local nf, ni = tonumber(ARGV[5]), tonumber(ARGV[6])
+local first = 7 + 2 * (nf + ni)
+redis.call('HSET', KEYS[1], 'state', edge.dst, 'epoch', epoch, 'updated_at', now_ms(),
+  'op', ARGV[3])
+if #ARGV >= first then redis.call('HSET', KEYS[1], unpack(ARGV, first)) end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], KEYS[1])
+if cur[5] == '1' then redis.call('ZREM', KEYS[4], KEYS[1]) end
+redis.call('SADD', KEYS[6], ARGV[4])
+redis.call('HINCRBY', KEYS[5], 'requests', 1)
+for i = 0, nf + ni - 1 do
+  local cmd = 'HINCRBY'
+  if i < nf then cmd = 'HINCRBYFLOAT' end
+  redis.call(cmd, KEYS[5], ARGV[7 + 2 * i], ARGV[8 + 2 * i])
+end
+return {1, redis.call('HGETALL', KEYS[1])}
+"""
+
 # KEYS: record, journal — one pair per chunk (a request's pair repeats for each of its
-# chunks). ARGV[1] ttl; then four per chunk: epoch, first index, token count, entry JSON.
+# chunks). ARGV[1] ttl; then five per chunk: epoch, first index, token count, entry JSON, and
+# an edge's name or '' (the chunk also takes that edge: `append_many`'s ``edges``).
 # Each chunk, in order, is appended only at its request's current end (no gap, no
 # duplicate) and only for the current epoch of a live request — so a request's later chunk
-# in the same call chains after its earlier one.
+# in the same call chains after its earlier one. A chunk with an edge moves its request to
+# the edge's target first (nothing to do when it is there already: a retried write).
 # Returns two values per chunk: 1, new_count; -1, 0 missing; -2, epoch stale; -3, state
-# ended; -4, count gap.
+# ended; -4, count gap; -5, state not one of the edge's sources.
 _APPEND = """
 local ttl = tonumber(ARGV[1])
 local out = {}
 local now = nil
 for i = 0, #KEYS / 2 - 1 do
-  local rec, jour, a = KEYS[2 * i + 1], KEYS[2 * i + 2], 2 + 4 * i
+  local rec, jour, a = KEYS[2 * i + 1], KEYS[2 * i + 2], 2 + 5 * i
   local cur = redis.call('HMGET', rec, 'epoch', 'output_tokens', 'state')
+  local edge = nil
+  if ARGV[a + 4] ~= '' then edge = EDGES[ARGV[a + 4]] end
   local code, val = 1, 0
   if not cur[1] then code = -1
   elseif cur[1] ~= ARGV[a] then code, val = -2, cur[1]
   elseif TERMINAL[cur[3]] then code, val = -3, cur[3]
   elseif cur[2] ~= ARGV[a + 1] then code, val = -4, cur[2]
+  elseif edge and cur[3] ~= edge.dst and not edge.src[cur[3]] then code, val = -5, cur[3]
   else
+    now = now or now_ms()
+    if edge and cur[3] ~= edge.dst then redis.call('HSET', rec, 'state', edge.dst) end
     redis.call('RPUSH', jour, ARGV[a + 3])
     redis.call('EXPIRE', jour, ttl)
     val = redis.call('HINCRBY', rec, 'output_tokens', tonumber(ARGV[a + 2]))
-    now = now or now_ms()
     redis.call('HSET', rec, 'updated_at', now)
   end
   out[#out + 1] = code
@@ -246,6 +296,10 @@ APPEND_CALL_MAX = 256
 length (each chunk is a few commands inside the script), so a very large batch is split
 into calls of this size, pipelined, to keep other clients' latency bounded."""
 
+JOURNAL_KEYS_CACHED = 4096
+"""Requests whose journal keys `RedisStore` keeps built (far more than stream at once on a
+replica; past it the cache starts again)."""
+
 INDEX_GRACE_S = 60.0
 """How old an index entry whose record is missing must be before a scan drops it. A request
 is indexed with (on one server: just before) the creation of its record, so an entry
@@ -277,11 +331,21 @@ async def _translated(what: str) -> AsyncIterator[None]:
         raise errors.UnavailableError(f"request store error ({what})") from exc
 
 
+def _check_journal_edge(edge: Edge) -> None:
+    """An edge a journal write may take along: one that neither ends the request nor
+    reassigns it (those have their own calls: `RedisStore.end`, `RedisStore.transition`)."""
+    if edge.target in TERMINAL or edge.rule.bumps_epoch:
+        raise ValueError(f"a journal write cannot take {edge.wire}")
+
+
 def _appended(
-    request_id: str, epoch: int, entry: JournalEntry, res: Any
+    request_id: str, epoch: int, entry: JournalEntry, res: Any, edge: Edge | None = None
 ) -> int | errors.PdorchError:
     """An `_APPEND` reply: the new output token count, or the refusal it means."""
     code = int(res[0])
+    if code == -5:
+        wire = edge.wire if edge is not None else "?"
+        return errors.InvalidTransitionError(f"request {request_id!r} is {res[1]}; cannot {wire}")
     if code == 1:
         return int(res[1])
     if code == -1:
@@ -307,6 +371,7 @@ class RedisStore:
         self._unindex: Any = self._redis.register_script(PRELUDE + _UNINDEX)
         self._create: Any = self._redis.register_script(PRELUDE + _CREATE)
         self._transition: Any = self._redis.register_script(PRELUDE + _TRANSITION)
+        self._end: Any = self._redis.register_script(PRELUDE + _END)
         self._append: Any = self._redis.register_script(PRELUDE + _APPEND)
         self._set: Any = self._redis.register_script(PRELUDE + _SET)
         self._keys = Keys(settings.prefix)
@@ -317,6 +382,8 @@ class RedisStore:
         self._release: Any = self._redis.register_script(PRELUDE + _RELEASE)
         self._expire: Any = self._redis.register_script(PRELUDE + _EXPIRE)
         self._takeover: Any = self._redis.register_script(PRELUDE + _TAKEOVER)
+        self._journal_keys: dict[str, tuple[str, str]] = {}
+        """Request id -> (record, journal) keys of the requests journalled lately."""
         self._parsed: dict[str, WorkerInfo] = {}
         """Heartbeat JSON -> WorkerInfo, from the last `workers` call: a heartbeat changes
         once per interval, while `workers` runs for every request (200 parses each)."""
@@ -482,6 +549,88 @@ class RedisStore:
             f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
         )
 
+    async def end(
+        self,
+        request_id: str,
+        edge: Edge,
+        *,
+        epoch: int,
+        tenant: str,
+        cost: Mapping[str, Any],
+        fields: Mapping[str, Any] | None = None,
+    ) -> RequestRecord:
+        """A request's end (`Store.end`): on one server ONE `_END` script call — the terminal
+        transition, the indexes, the tenant's cost and the final record (before: a
+        transition, an index pipeline, a MULTI and a read, four round trips). On a cluster
+        (the record's, the indexes' and the tenant's slots differ) it is `transition`,
+        `add_tenant_cost` and `get`, slot by slot, as before."""
+        if edge.target not in TERMINAL:
+            raise ValueError(f"{edge.wire} does not end a request")
+        if fields and {"state", "epoch"} & set(fields):
+            raise ValueError("state and epoch are set by the transition itself")
+        if self._cluster:
+            return await self._end_by_slot(request_id, edge, epoch, tenant, cost, fields)
+        flat = [str(x) for kv in (fields or {}).items() for x in kv]
+        key = self._keys.request(request_id)
+        keys = [
+            key,
+            self._keys.lease(request_id),
+            self._active,
+            self._keys.tenant_inflight(tenant),
+            self._keys.tenant_cost(tenant),
+            self._keys.tenants,
+        ]
+        increments: list[Any] = []
+        for name in TENANT_FLOAT_FIELDS:
+            increments += (name, repr(float(cost.get(name, 0.0))))
+        for name in TENANT_INT_FIELDS:
+            increments += (name, int(cost.get(name, 0)))
+        token = secrets.token_hex(8)  # one for every retry, as `transition`'s
+        args = [epoch, edge.wire, token, tenant, len(TENANT_FLOAT_FIELDS),
+                len(TENANT_INT_FIELDS), *increments, *flat]  # fmt: skip
+
+        async def once() -> Any:
+            async with _translated("end"):
+                return await self._end(keys=keys, args=args)
+
+        res = await outlasting(self.settings.outage_s, f"end {edge.wire}", once)
+        code = int(res[0])
+        if code == 1:
+            flat_record = res[1]
+            return RequestRecord.from_fields(
+                dict(zip(flat_record[::2], flat_record[1::2], strict=True))
+            )
+        if code == -4:  # the record names another tenant than the caller: the general way
+            return await self._end_by_slot(request_id, edge, epoch, tenant, cost, fields)
+        if code == -1:
+            raise errors.NotFoundError(f"no request {request_id!r}")
+        state, cur_epoch = res[1], res[2]
+        if code == -2:
+            raise errors.StaleEpochError(
+                f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
+            )
+        raise errors.InvalidTransitionError(
+            f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
+        )
+
+    async def _end_by_slot(
+        self,
+        request_id: str,
+        edge: Edge,
+        epoch: int,
+        tenant: str,
+        cost: Mapping[str, Any],
+        fields: Mapping[str, Any] | None,
+    ) -> RequestRecord:
+        """`end` one slot at a time: the transition (which unindexes), the cost, the read."""
+        await self.transition(request_id, edge, epoch=epoch, fields=fields)
+        with contextlib.suppress(errors.PdorchError):  # the end is recorded: best effort
+            await self.add_tenant_cost(tenant, cost)
+        record = await self.get(request_id)
+        if record is None:
+            raise errors.NotFoundError(f"no request {request_id!r}")
+        return record
+
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         """Informational fields only (timings, workers); never state or epoch."""
         if {"state", "epoch"} & set(fields):
@@ -504,9 +653,13 @@ class RedisStore:
         return got
 
     async def append_many(
-        self, items: Sequence[tuple[str, int, JournalEntry]]
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
     ) -> list[int | errors.PdorchError]:
-        """`append` for many chunks in one round trip, each checked on its own and in order.
+        """`append` for many chunks in one round trip, each checked on its own and in order
+        (``edges``: item -> an edge it takes too, in the same script: `Store.append_many`).
 
         On one server (or a Sentinel primary) it is ONE script call for the whole batch
         (up to `APPEND_CALL_MAX` chunks a call; more are pipelined): the journal writer's
@@ -516,6 +669,9 @@ class RedisStore:
         (NOSCRIPT) is refilled and the calls it refused are sent again."""
         if not items:
             return []
+        edges = edges or {}
+        for edge in edges.values():
+            _check_journal_edge(edge)
         groups = self._append_groups(items)
         calls = []
         for group in groups:
@@ -524,7 +680,9 @@ class RedisStore:
             for i in group:
                 rid, epoch, entry = items[i]
                 keys += self._append_keys(rid)
-                args += (epoch, entry.index, len(entry.token_ids), entry.to_json())
+                taken = edges.get(i)
+                wire = "" if taken is None else taken.wire
+                args += (epoch, entry.index, len(entry.token_ids), entry.to_json(), wire)
             calls.append((keys, args))
         async with _translated("journal append"):
             replies = await self._append_calls(calls)
@@ -532,7 +690,7 @@ class RedisStore:
         for group, reply in zip(groups, replies, strict=True):
             for k, i in enumerate(group):
                 rid, epoch, entry = items[i]
-                out[i] = _appended(rid, epoch, entry, reply[2 * k : 2 * k + 2])
+                out[i] = _appended(rid, epoch, entry, reply[2 * k : 2 * k + 2], edges.get(i))
         return out
 
     def _append_groups(self, items: Sequence[tuple[str, int, JournalEntry]]) -> list[list[int]]:
@@ -575,8 +733,16 @@ class RedisStore:
                 raise reply  # an error reply: the caller translates it
         return replies
 
-    def _append_keys(self, request_id: str) -> list[str]:
-        return [self._keys.request(request_id), self._keys.journal(request_id)]
+    def _append_keys(self, request_id: str) -> tuple[str, str]:
+        """A request's record and journal keys, built once per request (not per chunk: an
+        id's encoding was ~2 % of the relay's profile at 50 streams)."""
+        keys = self._journal_keys.get(request_id)
+        if keys is None:
+            if len(self._journal_keys) >= JOURNAL_KEYS_CACHED:
+                self._journal_keys.clear()  # ended requests' keys: start again
+            record = self._keys.request(request_id)
+            keys = self._journal_keys[request_id] = (record, f"{record}:journal")
+        return keys
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:
         async with _translated("journal read"):

@@ -641,6 +641,159 @@ def test_a_tenant_cost_is_one_round_trip_on_one_server(settings: StoreSettings) 
     run(scenario)
 
 
+def test_append_many_takes_an_edge_with_its_chunk(backend: Backend) -> None:
+    # The decode stream's first chunk adopts the KV in its own journal write: the edge is
+    # taken atomically with the chunk, once (a retried write finds it taken), and refused
+    # (the chunk with it) from a state that is not one of its sources.
+    async def scenario() -> None:
+        async with backend.open() as store:
+            for rid in ("r1", "r2"):
+                await store.create(record(rid, epoch=1))
+                await store.transition(rid, Edge.PREFILL, epoch=1)
+            await store.transition("r1", Edge.KV_SENT, epoch=1)
+            adopt = Edge.KV_ADOPTED
+            got = await store.append_many(
+                [
+                    ("r1", 1, JournalEntry(0, (1,), "a")),
+                    ("r2", 1, JournalEntry(0, (5,), "e")),  # still prefilling: refused
+                    ("r1", 1, JournalEntry(1, (2,), "b")),
+                ],
+                edges={0: adopt, 1: adopt},
+            )
+            assert (got[0], got[2]) == (1, 2)
+            assert isinstance(got[1], errors.InvalidTransitionError)
+            r1, r2 = await store.get("r1"), await store.get("r2")
+            assert r1 is not None
+            assert r2 is not None
+            assert (r1.state, r1.output_tokens) == (State.DECODING, 2)
+            assert (r2.state, r2.output_tokens) == (State.PREFILLING, 0)
+            assert await store.journal("r2") == []
+            # At the edge's target already (a write retried after a lost reply): no-op.
+            assert await store.append_many(
+                [("r1", 1, JournalEntry(2, (3,), "c"))], edges={0: adopt}
+            ) == [3]
+            await store.transition("r1", Edge.FINISH, epoch=1)  # decoding -> done
+            for edge in (Edge.FINISH, Edge.REQUEUE):  # ends, or reassigns: not a write's
+                with pytest.raises(ValueError, match="cannot take"):
+                    await store.append_many(
+                        [("r2", 1, JournalEntry(0, (5,), "e"))], edges={0: edge}
+                    )
+
+    run(scenario)
+
+
+def test_end_records_the_end_the_indexes_and_the_cost_once(backend: Backend) -> None:
+    async def scenario() -> None:
+        async with backend.open() as store:
+
+            def of(rid: str) -> RequestRecord:
+                return replace(record(rid, epoch=1), tenant="acme")
+
+            cost = {"usd": 0.25, "transfer_bytes": 10}
+            assert await store.create(of("e1"), tenant_limit=1) is None
+            await store.transition("e1", Edge.AGGREGATE, epoch=1)
+            with pytest.raises(errors.StaleEpochError):  # fenced: nothing written
+                await store.end("e1", Edge.FINISH, epoch=2, tenant="acme", cost=cost)
+            assert "acme" not in await store.tenant_costs()
+            with pytest.raises(ValueError, match="does not end"):
+                await store.end("e1", Edge.KV_ADOPTED, epoch=1, tenant="acme", cost=cost)
+            with pytest.raises(errors.OverloadedError):  # the tenant's one place is taken
+                await store.create(of("e2"), tenant_limit=1)
+            got = await store.end(
+                "e1", Edge.FINISH, epoch=1, tenant="acme", cost=cost,
+                fields={"finish_reason": "length"},
+            )  # fmt: skip
+            assert (got.state, got.epoch, got.finish_reason) == (State.DONE, 1, "length")
+            assert stored(got) == stored(await store.get("e1"))
+            assert "e1" not in await store.active()
+            totals = (await store.tenant_costs())["acme"]
+            assert (totals["requests"], totals["usd"], totals["transfer_bytes"]) == (1, 0.25, 10)
+            assert await store.create(of("e2"), tenant_limit=1) is None  # its place is free
+            with pytest.raises(errors.InvalidTransitionError):  # ended once, counted once
+                await store.end("e1", Edge.FAIL, epoch=1, tenant="acme", cost=cost)
+            with pytest.raises(errors.NotFoundError):
+                await store.end("nope", Edge.FAIL, epoch=1, tenant="acme", cost=cost)
+            assert (await store.tenant_costs())["acme"]["requests"] == 1
+
+    run(scenario)
+
+
+# Redis (one server) and memory: each loses a reply its own way.
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+def test_an_end_retried_after_its_reply_was_lost_counts_the_cost_once(
+    settings: StoreSettings, kind: str
+) -> None:
+    # The end's write lands and its reply is lost: the retry (`orchestrator.store.outage`)
+    # is answered as done — the record ended once, the tenant's cost counted once.
+    async def scenario() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            if kind == "memory":
+                memory = MemoryStore(StoreSettings(url="memory://", outage_s=5.0))
+                store: Store = memory
+            else:
+                redis_store = await stack.enter_async_context(
+                    opened(replace(settings, outage_s=5.0))
+                )
+                store = redis_store
+            assert await store.create(replace(record("e1", epoch=1), tenant="t")) is None
+            await store.transition("e1", Edge.AGGREGATE, epoch=1)
+            if kind == "memory":
+                memory.lose_replies(1)
+            else:
+                script, lost = redis_store._end, []
+
+                async def reply_lost(**kwargs: Any) -> Any:
+                    got = await script(**kwargs)
+                    if not lost:
+                        lost.append(got)
+                        raise redis.exceptions.ConnectionError("reply lost")
+                    return got
+
+                redis_store._end = reply_lost
+            got = await store.end("e1", Edge.FINISH, epoch=1, tenant="t", cost={"usd": 1.0})
+            assert (got.state, got.epoch) == (State.DONE, 1)
+            costs = (await store.tenant_costs())["t"]
+            assert (costs["requests"], costs["usd"]) == (1, 1.0)
+
+    run(scenario)
+
+
+# Redis only: counts the round trips.
+def test_a_requests_end_is_one_script_call_on_one_server(settings: StoreSettings) -> None:
+    # The end of a request (issue 21's fixed cost): terminal transition, lease, live index,
+    # the tenant's count and totals and the final record, in one call — before: a
+    # transition, an index pipeline, a MULTI and a read.
+    async def scenario() -> None:
+        async with opened(settings) as store:
+            await store.create(replace(record("e1", epoch=1), tenant="t"), tenant_limit=5)
+            await store.transition("e1", Edge.AGGREGATE, epoch=1)
+            client = store._redis
+            direct, piped = [], []
+            execute, pipeline = client.execute_command, client.pipeline
+
+            async def counted_execute(*args: Any, **kwargs: Any) -> Any:
+                direct.append(args[0])
+                return await execute(*args, **kwargs)
+
+            def counted_pipeline(*args: Any, **kwargs: Any) -> Any:
+                piped.append(True)
+                return pipeline(*args, **kwargs)
+
+            client.execute_command, client.pipeline = counted_execute, counted_pipeline
+            got = await store.end("e1", Edge.FINISH, epoch=1, tenant="t", cost={"usd": 2.0})
+            client.execute_command, client.pipeline = execute, pipeline
+            assert (direct, piped) == (["EVALSHA"], [])
+            assert got.state is State.DONE
+            assert "e1" not in await store.active()
+            assert (await store.tenant_costs())["t"]["usd"] == 2.0
+            async with raw(settings.url) as plain:
+                keys = Keys(settings.prefix)
+                assert await plain.zcard(keys.tenant_inflight("t")) == 0
+                assert not await plain.exists(keys.lease("e1"))
+
+    run(scenario)
+
+
 # Redis only: reads the key's TTL (memory: test_memory_store.py, journals expire).
 def test_journal_expires_with_the_record(settings: StoreSettings) -> None:
     async def scenario() -> None:

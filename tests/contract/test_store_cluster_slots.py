@@ -108,6 +108,10 @@ WERE_CROSSING: dict[str, Call] = {
     "tenant_costs": lambda s: s.tenant_costs(),
     "create with a tenant limit": lambda s: s.create(_record("limited"), tenant_limit=5),
     "transition to an end": lambda s: s.transition(RID, Edge.CANCEL, epoch=1),
+    "end": lambda s: s.end(RID, Edge.CANCEL, epoch=1, tenant="", cost={"usd": 1.0}),
+    "append_many with an edge": lambda s: s.append_many(
+        [(RID, 1, JournalEntry(0, (1,), "a"))], edges={0: Edge.AGGREGATE}
+    ),
 }
 """Calls that touch a fleet-wide index or many requests: CROSSSLOT before issue 21."""
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from orchestrator import errors
 from orchestrator.control.clients import WorkerClients
 from orchestrator.control.orchestrator import ControlSettings, GenerateInput, Orchestrator
 from orchestrator.core.records import JournalEntry, WorkerInfo
-from orchestrator.core.state import State
+from orchestrator.core.state import Edge, State
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 from orchestrator.workers.fleet import SharedSender, WorkerFleet
 from orchestrator.workers.server import Worker, WorkerSettings
@@ -55,6 +55,8 @@ async def _abandoned_while_the_cancel_is_lost(redis_url: str) -> None:
 
     async def append_many(
         items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
     ) -> list[int | errors.PdorchError]:
         if not writing.is_set() and any(e.index >= 8 for _, _, e in items):
             writing.set()
@@ -66,7 +68,7 @@ async def _abandoned_while_the_cancel_is_lost(redis_url: str) -> None:
                     break
                 await asyncio.sleep(0.01)
             lost.extend(e.index for _, _, e in items)
-        return await real_append_many(items)
+        return await real_append_many(items, edges=edges)
 
     store.append_many = append_many  # type: ignore[method-assign]
 

@@ -77,6 +77,8 @@ class FakeWorker:
     decode_lacks_prefix: bool = False
     """Prefill: a suffix-only transfer asked for is refused by the receiver (whole KV sent)."""
     prefill_requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
+    empty_first: bool = False
+    """Decode: the stream opens with a chunk that carries no token (a keep-alive)."""
 
     @property
     def info(self) -> WorkerInfo:
@@ -105,6 +107,8 @@ class FakeWorker:
         """The token chunks from output index ``first`` (already sampled) to the end, with
         log probabilities when ``scored`` (but the first's when ``skip_first``: a decode
         stream's first token is the prefill's)."""
+        if self.empty_first:
+            yield worker_pb2.TokenChunk(index=first)
         for n, index in enumerate(range(first, max_tokens)):
             if self.fail_after is not None and n >= self.fail_after:
                 raise rpc_error(self.fail_code, f"{self.worker_id} broke")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -118,6 +118,112 @@ def test_disaggregated_request_is_journalled_and_recorded() -> None:
         journal = await store.journal("r1")
         assert [t for e in journal for t in e.token_ids] == [token(i) for i in range(6)]
         assert await store.active() == []  # ended: no lease, nothing left to reap
+
+    run(main())
+
+
+class _CallCountingStore(MemoryStore):
+    """Records the request-path calls a request makes (issue 21: the fixed cost per request
+    is its store round trips); what `end` does inside is the store's business (one script
+    on Redis), not recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(StoreSettings(url="memory://", outage_s=2.0))
+        self.calls: list[str] = []
+        self._inside = False
+
+    def _record(self, call: str) -> None:
+        if not self._inside:
+            self.calls.append(call)
+
+    async def transition(
+        self, request_id: str, edge: Edge, *, epoch: int, fields: Mapping[str, Any] | None = None
+    ) -> int:
+        self._record(f"transition {edge.wire}")
+        return await super().transition(request_id, edge, epoch=epoch, fields=fields)
+
+    async def end(
+        self,
+        request_id: str,
+        edge: Edge,
+        *,
+        epoch: int,
+        tenant: str,
+        cost: Mapping[str, Any],
+        fields: Mapping[str, Any] | None = None,
+    ) -> RequestRecord:
+        self._record(f"end {edge.wire}")
+        self._inside = True
+        try:
+            return await super().end(
+                request_id, edge, epoch=epoch, tenant=tenant, cost=cost, fields=fields
+            )
+        finally:
+            self._inside = False
+
+    async def append_many(
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
+    ) -> list[int | errors.PdorchError]:
+        taken = sorted(e.wire for e in (edges or {}).values())
+        self._record("append" + "".join(f" +{w}" for w in taken))
+        return await super().append_many(items, edges=edges)
+
+    async def add_tenant_cost(self, tenant: str, cost: Mapping[str, Any]) -> None:
+        self._record("add_tenant_cost")
+        await super().add_tenant_cost(tenant, cost)
+
+    async def create(self, record: RequestRecord, tenant_limit: int = 0) -> RequestRecord | None:
+        self._record("create")
+        return await super().create(record, tenant_limit)
+
+    async def get(self, request_id: str) -> RequestRecord | None:
+        self._record("get")
+        return await super().get(request_id)
+
+
+def test_a_disaggregated_request_costs_four_store_calls_besides_its_journal() -> None:
+    # The fixed cost per request (issue 21): create, PREFILL, KV_SENT, then KV_ADOPTED
+    # taken by the first chunk's journal write (not a call of its own), and the end — its
+    # transition, indexes, the tenant's cost and the final record — as ONE `end` call.
+    async def main() -> None:
+        store = _CallCountingStore()
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), FakeWorker("d0", "decode"),
+                                 store=store)  # fmt: skip
+        chunks = await collect(orch.generate(inp(max_tokens=6)))
+        assert_contiguous(chunks, 6)
+        record = chunks[-1].record
+        assert record is not None
+        assert (record.state, record.output_tokens) == (State.DONE, 6)
+        calls = [c for c in store.calls if c != "append"]
+        assert calls == [
+            "create",
+            "transition prefill",
+            "transition kv_sent",
+            "append +kv_adopted",
+            "end finish",
+        ]
+        assert (await store.tenant_costs())["default"]["requests"] == 1
+
+    run(main())
+
+
+def test_a_decode_stream_opening_with_an_empty_chunk_adopts_with_its_first_token() -> None:
+    # The adoption rides with the first *journalled* chunk: a keep-alive before it (no
+    # token, nothing journalled) leaves it for the next write.
+    async def main() -> None:
+        store = _CallCountingStore()
+        d0 = FakeWorker("d0", "decode", empty_first=True)
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store)
+        chunks = await collect(orch.generate(inp(max_tokens=6)))
+        assert_contiguous(chunks, 6)
+        record = chunks[-1].record
+        assert record is not None
+        assert record.state is State.DONE
+        assert "append +kv_adopted" in store.calls
+        assert "transition kv_adopted" not in store.calls
 
     run(main())
 
@@ -415,7 +521,10 @@ class _BuggyStore(MemoryStore):
         raise RuntimeError("WRONGTYPE at 10.0.0.3:6379")
 
     async def append_many(
-        self, items: Sequence[tuple[str, int, JournalEntry]]
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
     ) -> list[int | errors.PdorchError]:
         raise RuntimeError("WRONGTYPE at 10.0.0.3:6379")
 

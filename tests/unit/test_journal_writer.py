@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -20,7 +20,7 @@ from orchestrator.control.journal import JournalWriter
 from orchestrator.control.run import Run
 from orchestrator.core.records import JournalEntry
 from orchestrator.core.spec import RequestSpec
-from orchestrator.core.state import Edge
+from orchestrator.core.state import Edge, State
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.settings import StoreSettings
 
@@ -39,13 +39,19 @@ class CountingStore(MemoryStore):
         self.batches: list[int] = []
         self.started: list[float] = []
         """When each write began."""
+        self.edges: list[list[Edge]] = []
+        """The edges each write took along."""
 
     async def append_many(
-        self, items: Sequence[tuple[str, int, JournalEntry]]
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
     ) -> list[int | errors.PdorchError]:
         self.batches.append(len(items))
         self.started.append(time.monotonic())
-        return await super().append_many(items)
+        self.edges.append(list((edges or {}).values()))
+        return await super().append_many(items, edges=edges)
 
 
 async def started(store: MemoryStore, *rids: str) -> list[Run]:
@@ -197,5 +203,50 @@ def test_close_fails_waiting_runs_instead_of_leaving_them() -> None:
         await writer.close()
         with pytest.raises(errors.UnavailableError):
             await waiting
+
+    run(main())
+
+
+def test_a_run_cancelled_while_waiting_leaves_its_chunks_queued_and_can_wait_again() -> None:
+    # The wait is not shielded (issue 21: a future and a callback less per chunk): a run
+    # cancelled while its chunk waits for the next batch cancels only its own future; the
+    # chunk is still written, and the run's next flush (its end's settle) waits again.
+    async def main() -> None:
+        store = CountingStore(StoreSettings(url="memory://"))
+        (r0,) = await started(store, "r0")
+        writer = JournalWriter(store, 1.0, gather_s=0.2)
+        await writer.journal(r0, entry(0))  # the writer is busy for gather_s now
+        waiting = asyncio.create_task(writer.journal(r0, entry(1)))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert r0.journal.unjournalled == 1
+        await writer.settle(r0)  # waits on a new future: not the cancelled one
+        assert r0.journal.unjournalled == 0
+        assert await journalled(store, "r0") == [0, 1]
+
+    run(main())
+
+
+def test_an_edge_rides_with_the_runs_next_write_once() -> None:
+    # The decode stream's first chunk adopts the KV in its journal write (`JournalBuffer
+    # .adopt`): the edge goes with that write only, and is cleared once it landed.
+    async def main() -> None:
+        store = CountingStore(StoreSettings(url="memory://"))
+        spec = RequestSpec("r0", (1, 2, 3), 64)
+        await store.create(spec.record("a"))
+        for edge in (Edge.PREFILL, Edge.KV_SENT):
+            await store.transition("r0", edge, epoch=1)
+        r0 = Run(spec, 1, time.monotonic())
+        writer = JournalWriter(store, 1.0)
+        r0.journal.adopt = Edge.KV_ADOPTED
+        await writer.journal(r0, entry(0))
+        assert r0.journal.adopt is None
+        record = await store.get("r0")
+        assert record is not None
+        assert record.state is State.DECODING
+        await writer.journal(r0, entry(1))
+        assert store.edges == [[Edge.KV_ADOPTED], []]
 
     run(main())
