@@ -200,6 +200,11 @@ class UcxDataPlane(DataPlane):
         async with lock:
             ep = self._eps.get(peer.channel)
             if ep is None:
+                if not peer.data_address:  # its receiver has no UCX data plane
+                    raise errors.PeerLostError(
+                        "cannot reach peer over UCX: it has no UCX data plane (a tcp "
+                        "receiver? both workers of a pair need a UCX --transport)"
+                    )
                 try:
                     address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
                     ep = await self._ucxx.create_endpoint_from_worker_address(
