@@ -24,6 +24,8 @@ class WorkerInfo:
     kv_address: str
     """KV transport receiver host:port ("" for a pure prefill worker)."""
     transport: str
+    """KV transport backend ("ucx", "tcp"): a decode worker's receiver's, a prefill worker's
+    sender's; "" when unknown (placement pairs only workers that match, `scheduler`)."""
     model: str
     fingerprint: str
     max_context: int

@@ -9,6 +9,14 @@ short prompt on the decode worker (conditional disaggregation, `orchestrator.cor
 When a whole pool is missing the request runs *aggregated* on a worker of the other pool
 (``fallback="local"``) or is refused (``fallback="fail"``).
 
+A prefill and a decode worker are paired only if the decode's KV receiver takes the
+prefill's sender (`transport.backend_names.receiver_takes`: a ``tcp`` decode worker takes
+only ``tcp`` prefill workers; either UCX backend takes either; a worker that publishes no
+transport is assumed to match). A decode worker no prefill worker can reach — a
+misconfigured ``--transport`` — is left out of disaggregated placement (otherwise every
+request placed there would fail its transfer and be re-prefilled); when no pair can move
+KV at all, requests run aggregated on the decode pool, and the reason says why.
+
 A pool is *down* only when it has no live worker this request may use (none registered, or
 every one failed this request: ``exclude``). Circuit breakers (``held_back``) are advice:
 within a pool, workers they don't hold back come first, then half-open ones (a probe in
@@ -28,6 +36,7 @@ from orchestrator.core.breaker import BreakerState
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.routing import Hint, pick_decode, pick_prefill
 from orchestrator.errors import OverloadedError, UnavailableError
+from transport.backend_names import receiver_takes
 
 
 class Mode(enum.StrEnum):
@@ -71,6 +80,30 @@ def _down(role: str, workers: Sequence[WorkerInfo], banned: set[str]) -> str:
     if failed:
         return f"{role} pool unusable: its live workers failed this request ({', '.join(failed)})"
     return f"{role} pool down: no live {role} worker"
+
+
+def reaches(prefill: WorkerInfo, decode: WorkerInfo) -> bool:
+    """Whether ``prefill``'s KV sender can reach ``decode``'s receiver (a worker that
+    publishes no transport, e.g. an older one, is assumed to match)."""
+    if not prefill.transport or not decode.transport:
+        return True
+    return receiver_takes(decode.transport, prefill.transport)
+
+
+_UNPAIRED = "no prefill worker's KV transport reaches a decode worker (check --transport)"
+
+_Pool = list[tuple[WorkerInfo, int, int]]
+
+
+def _pair(prefills: _Pool, decodes: _Pool) -> tuple[_Pool, _Pool, str]:
+    """The decode workers some prefill worker can send KV to; none: no prefill worker
+    (aggregated) and why."""
+    if not prefills or not decodes:
+        return prefills, decodes, ""
+    paired = [d for d in decodes if any(reaches(p[0], d[0]) for p in prefills)]
+    if not paired:
+        return [], decodes, _UNPAIRED
+    return prefills, paired, ""
 
 
 def _held(role: str, chosen: WorkerInfo, state: BreakerState) -> str:
@@ -158,6 +191,7 @@ def place(
         pool.append((w, max(w.active, active), max(w.kv_used_bytes, kv)))
     if not prefills and not decodes:
         raise UnavailableError("no workers available")
+    prefills, decodes, unpaired = _pair(prefills, decodes)
 
     def breaker(w: WorkerInfo) -> BreakerState:
         return held.get(w.worker_id, BreakerState.CLOSED)
@@ -188,9 +222,10 @@ def place(
     decode = with_local_load(chosen, known)
     if not prefills:
         if fallback != "local":
-            raise UnavailableError("prefill pool is down and fallback is 'fail'")
-        reason = why(f"{_down('prefill', workers, banned)}: aggregated", dnote)
+            raise UnavailableError(f"{unpaired or 'prefill pool is down'} and fallback is 'fail'")
+        reason = why(f"{unpaired or _down('prefill', workers, banned)}: aggregated", dnote)
         return Placement(Mode.AGGREGATED, None, decode, reason)
+    prefills = [p for p in prefills if reaches(p[0], chosen)]  # not empty: chosen is paired
     picked, pnote = best_prefill()
     prefill = with_local_load(picked, known)
     d_state, p_state = breaker(decode), breaker(prefill)

@@ -28,7 +28,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 class EngineHost(abc.ABC):
     info: ModelInfo
     transport: str
-    """The KV transport backend decode workers receive with ("" when none)."""
+    """The KV transport backend the worker moves KV with: a decode worker's receiver's, a
+    prefill worker's sender's ("" when none); placement pairs only workers that match."""
 
     @abc.abstractmethod
     async def start(self, host: str, kv_port: int) -> str:

@@ -52,7 +52,9 @@ class ReferenceHost(EngineHost):
     ) -> None:
         self.engine = engine
         self.info = engine.info
-        self.transport = receiver.backend if receiver is not None else ""
+        self.transport = (
+            receiver.backend if receiver is not None else sender.backend if sender else ""
+        )
         self.metrics = metrics
         self._capacity = kv_capacity_bytes
         self._sender = sender

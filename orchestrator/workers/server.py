@@ -164,7 +164,7 @@ class Worker:
             role=self.settings.role,
             address=self.settings.advertise or self.address,
             kv_address=(self.settings.kv_advertise or self.kv_address) if self.kv_address else "",
-            transport=self.host.transport if self.kv_address else "",
+            transport=self.host.transport,
             model=m.name,
             fingerprint=m.fingerprint,
             max_context=m.max_context,

@@ -6,6 +6,8 @@ KV need is ``total_tokens * kv_bytes_per_token`` of the candidate worker; headro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from orchestrator.core.admission import Decision
@@ -338,3 +340,50 @@ def test_a_decode_pool_that_failed_this_request_is_named_so() -> None:
 def test_a_half_open_decode_worker_with_room_beats_a_full_closed_one() -> None:
     got = place([prefill("p1"), decode("d1", free=50), decode("d2")], 100, held_back={"d2": HALF})
     assert got.decode.worker_id == "d2"
+
+
+# ------------------------------------------------------------------ KV transport pairing
+
+
+def on(w: WorkerInfo, transport: str) -> WorkerInfo:
+    return replace(w, transport=transport)
+
+
+def test_a_decode_worker_no_prefill_worker_reaches_is_left_out() -> None:
+    """A tcp decode worker among UCX ones (a misconfigured --transport) gets no P/D request,
+    though it is the least loaded: its transfers would all fail and be re-prefilled."""
+    p = on(prefill("p1"), "ucx")
+    wrong = on(decode("d0", free=50_000), "tcp")
+    right = on(decode("d1", active=3), "ucx")
+    got = place([p, wrong, right], 100)
+    assert got.mode is Mode.DISAGGREGATED
+    assert got.decode.worker_id == "d1"
+
+
+def test_prefill_workers_are_paired_with_a_decode_worker_that_takes_their_kv() -> None:
+    """ucx-read and ucx senders both reach a UCX receiver; a tcp sender does not."""
+    tcp_p = on(prefill("p0"), "tcp")  # least loaded by id, but it cannot reach d1
+    ucx_p = on(prefill("p1", active=2), "ucx")
+    d = on(decode("d1"), "ucx")
+    got = place([tcp_p, ucx_p, d], 100)
+    assert got.mode is Mode.DISAGGREGATED
+    assert got.prefill is not None
+    assert got.prefill.worker_id == "p1"
+
+
+@pytest.mark.parametrize("fallback", ["local", "fail"])
+def test_no_pair_can_move_kv_runs_aggregated_with_the_reason(fallback: str) -> None:
+    p, d = on(prefill("p1"), "tcp"), on(decode("d1"), "ucx")
+    if fallback == "fail":
+        with pytest.raises(UnavailableError, match="KV transport reaches"):
+            place([p, d], 100, fallback=fallback)
+        return
+    got = place([p, d], 100, fallback=fallback)
+    assert got.mode is Mode.AGGREGATED
+    assert got.decode.worker_id == "d1"
+    assert "no prefill worker's KV transport reaches a decode worker" in got.reason
+
+
+def test_a_worker_publishing_no_transport_is_assumed_to_match() -> None:
+    p, d = on(prefill("p1"), ""), on(decode("d1"), "tcp")
+    assert place([p, d], 100).mode is Mode.DISAGGREGATED
