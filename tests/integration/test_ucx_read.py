@@ -45,8 +45,10 @@ def test_every_worker_runs_ucx_read(fleet: LocalCluster) -> None:
     for name in ("prefill-0", "decode-0", "decode-1"):
         argv = fleet.procs[name].args
         assert argv[argv.index("--transport") + 1] == UCX_READ, name
-    # A decode worker's receiver is UCX's, which takes either UCX sender.
+    # A decode worker's receiver is UCX's, which takes either UCX sender; a prefill worker
+    # publishes its sender's, which placement pairs with receivers that take it.
     assert {w.transport for w in workers(fleet) if w.role == "decode"} == {"ucx"}
+    assert {w.transport for w in workers(fleet) if w.role == "prefill"} == {"ucx"}
 
 
 def test_tokens_over_ucx_read_equal_the_aggregated_run(fleet: LocalCluster) -> None:
