@@ -40,24 +40,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from orchestrator.workers.vllm import kv_channel, kv_layout, kv_params
+from orchestrator.workers.vllm import kv_channel, kv_layout, kv_params, kv_pieces
 from orchestrator.workers.vllm.connector_scheduler import LoadSpec, SaveSpec, StepPlan
 from orchestrator.workers.vllm.kv_loop import LoopThread
+from transport import control, kvcodec, wire
 from transport import errors as terr
-from transport import kvcodec, wire
-from transport.backends import make_receiver, make_sender
+from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
+from transport.registry import Registration
 from transport.security import LinkTls, load_dir
 from transport.sender import KvSender
 
@@ -120,7 +122,8 @@ class LayerViews:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         self.index = {name: i for i, name in enumerate(kv_caches)}
-        views = [self._split(t, block_size) for t in kv_caches.values()]
+        self.tensors = list(kv_caches.values())
+        views = [self._split(t, block_size) for t in self.tensors]
         self.k = [k for k, _, _ in views]
         self.v = [v for _, v, _ in views]
         layouts = {name for _, _, name in views}
@@ -166,11 +169,61 @@ def to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if dtype is torch.bfloat16 else t
 
 
+@dataclass(frozen=True, slots=True)
+class InPlaceLayer:
+    """One layer of vLLM's cache as the one-sided path reads it: the bytes of the memory its
+    tensor views (no copy) and where each block's K and V lie in them."""
+
+    memory: memoryview
+    k: kv_pieces.BlockPieces
+    v: kv_pieces.BlockPieces
+
+    def pieces(self, blocks: Sequence[int]) -> tuple[list[memoryview], list[memoryview]]:
+        """``blocks``' K and V as pieces of the cache, in wire order."""
+        mem = self.memory
+        return (
+            [mem[s : s + n] for s, n in self.k.ranges(blocks)],
+            [mem[s : s + n] for s, n in self.v.ranges(blocks)],
+        )
+
+
+def in_place_layers(
+    views: LayerViews,
+) -> tuple[list[InPlaceLayer], list[tuple[int, int, torch.Tensor]]] | None:
+    """Every layer's `InPlaceLayer`, and the distinct memory regions they lie in (address,
+    length, a tensor that keeps it alive) — or None when some layer cannot be read in
+    place (not in host memory, or blocks that are not regular runs): then it gathers."""
+    layers: list[InPlaceLayer] = []
+    regions: dict[int, tuple[int, int, torch.Tensor]] = {}
+    memories: dict[int, memoryview] = {}
+    for t, k, v in zip(views.tensors, views.k, views.v, strict=True):
+        if t.device.type != "cpu":
+            return None
+        storage = t.untyped_storage()
+        address, length = int(storage.data_ptr()), int(storage.nbytes())
+        pk = kv_pieces.block_pieces(k.shape, k.stride(), int(k.storage_offset()), k.element_size())
+        pv = kv_pieces.block_pieces(v.shape, v.stride(), int(v.storage_offset()), v.element_size())
+        if pk is None or pv is None or not address or not length:
+            return None
+        if address not in memories:
+            raw = (ctypes.c_uint8 * length).from_address(address)  # kept alive by the tensor
+            memories[address] = memoryview(raw).cast("B")
+            regions[address] = (address, length, t)
+        layers.append(InPlaceLayer(memories[address], pk, pv))
+    return layers, list(regions.values())
+
+
+Layer = tuple[int, np.ndarray | None, np.ndarray | None]
+"""A saved layer: its index and its gathered K and V (None, None: read in place)."""
+
+
 @dataclass(slots=True)
 class _Push:
     spec: SaveSpec
-    queue: asyncio.Queue[tuple[int, np.ndarray, np.ndarray] | None]
+    queue: asyncio.Queue[Layer | None]
     future: concurrent.futures.Future[kv_params.PrefillTransfer]
+    in_place: bool = False
+    """Its layers are read in place by the decode side (no gather)."""
     layers_put: int = 0
     gather_s: float = 0.0
     first_layer_at: float = 0.0
@@ -192,6 +245,9 @@ class WorkerSide:
         self._sender: KvSender | None = None
         self._receiver: KvReceiver | None = None
         self._views: LayerViews | None = None
+        self._in_place: list[InPlaceLayer] | None = None
+        """Prefill over ``ucx-read``: vLLM's cache, registered once, read in place."""
+        self._regions: list[Registration] = []
         self._fingerprint = ""
         self._pushes: list[_Push] = []
         self._outcomes: dict[str, dict[str, Any]] = {}
@@ -221,8 +277,14 @@ class WorkerSide:
             )
         self._loop.start()
         if self.config.role == "prefill":
+            if self.config.backend == UCX_READ:
+                # A segment per layer: each layer is read as soon as it is saved (overlapping
+                # the forward), and its pieces fit one READ (`control.MAX_REGIONS`).
+                settings = dataclasses.replace(settings, segment_bytes=control.MIN_SEGMENT_BYTES)
             self._sender = make_sender(self.config.backend, settings, tls=self.config.link_tls())
             self._loop.submit(self._sender.start()).result(30)
+            if self.config.backend == UCX_READ:
+                self._loop.submit(self._register_cache()).result(30)
         else:
             spec = kv_layout.model_spec(self.config.fingerprint, layout, self._max_tokens)
             self._receiver = make_receiver(
@@ -236,6 +298,26 @@ class WorkerSide:
                 "pdorch KV receiver on %s (%s), layout %s", address, self.config.backend, layout
             )
 
+    async def _register_cache(self) -> None:
+        """Register vLLM's KV cache once, for the engine's life (on the loop: the sender's
+        registry is the loop's); where it cannot be read in place, pushes gather."""
+        assert self._sender is not None
+        assert self._views is not None
+        found = in_place_layers(self._views)
+        if found is None:
+            log.warning("vLLM's KV cache cannot be read in place here: KV pushes gather")
+            return
+        layers, regions = found
+        registry = self._sender.registry
+        for address, length, owner in regions:
+            self._regions.append(registry.register_region(address, length, owner))
+        self._in_place = layers
+        log.info(
+            "vLLM's KV cache registered for one-sided reads: %d region(s), %d MiB",
+            len(regions),
+            sum(length for _, length, _ in regions) >> 20,
+        )
+
     def _prefix_held(self, tokens: int, digest: bytes) -> bool:
         """The receiver's check of a suffix-only header, before any payload: the prefix is
         whole blocks and the cache holds its last one, as vLLM's events last said. A block
@@ -248,6 +330,9 @@ class WorkerSide:
 
     async def _close(self) -> None:
         if self._sender is not None:
+            for reg in self._regions:
+                self._sender.registry.unregister_region(reg)
+            self._regions = []
             await self._sender.close()
         if self._receiver is not None:
             await self._receiver.close()
@@ -257,9 +342,11 @@ class WorkerSide:
     def begin_step(self, plan: StepPlan) -> None:
         """Open this step's transfers (before the forward) and queue this step's loads."""
         for spec in plan.saves:
-            queue: asyncio.Queue[tuple[int, np.ndarray, np.ndarray] | None] = asyncio.Queue()
-            future = self._loop.submit(self._push(spec, queue))
-            self._pushes.append(_Push(spec, queue, future))
+            queue: asyncio.Queue[Layer | None] = asyncio.Queue()
+            # In place only when the wire bytes are the cache's (no dtype encoding).
+            in_place = self._in_place is not None and self._wire_dtype(spec) is self.layout.dtype
+            future = self._loop.submit(self._push(spec, queue, in_place))
+            self._pushes.append(_Push(spec, queue, future, in_place))
         for rid in plan.cancels:
             loading = self._loads.get(rid)
             if loading is not None:
@@ -281,9 +368,12 @@ class WorkerSide:
         index = views.index[layer_name]
         for push in self._pushes:
             t = time.perf_counter()
-            ids = torch.tensor(push.spec.block_ids, dtype=torch.long)
-            k, v = to_numpy(views.k[index][ids]), to_numpy(views.v[index][ids])
-            self._loop.call(push.queue.put_nowait, (index, k, v))
+            if push.in_place:  # the decode side reads the blocks where they are
+                self._loop.call(push.queue.put_nowait, (index, None, None))
+            else:
+                ids = torch.tensor(push.spec.block_ids, dtype=torch.long)
+                k, v = to_numpy(views.k[index][ids]), to_numpy(views.v[index][ids])
+                self._loop.call(push.queue.put_nowait, (index, k, v))
             push.layers_put += 1
             push.first_layer_at = push.first_layer_at or t
             push.gather_s += time.perf_counter() - t
@@ -309,16 +399,20 @@ class WorkerSide:
                 log.exception("KV push of %s failed", push.spec.params.request_id)
                 outcome = kv_params.PrefillTransfer(ok=False, error=f"KV push failed: {exc!r}")
             tail_ms = (time.perf_counter() - started) * 1000
-            self._outcomes[push.spec.req_id] = {**outcome.to_dict(), "tail_ms": tail_ms}
+            outcome = dataclasses.replace(
+                outcome, tail_ms=tail_ms, gather_ms=push.gather_s * 1000, in_place=push.in_place
+            )
+            self._outcomes[push.spec.req_id] = outcome.to_dict()
             log.info(
                 "KV push of %s: ok=%s %d bytes, %.1f ms open to verified, layers computed "
-                "over %.1f ms (gather %.1f ms), step waited %.1f ms after the last layer",
+                "over %.1f ms (gather %.1f ms, %s), step waited %.1f ms after the last layer",
                 push.spec.params.request_id,
                 outcome.ok,
                 outcome.kv_bytes,
                 outcome.transfer_ms,
                 (started - push.first_layer_at) * 1000 if push.first_layer_at else 0.0,
                 push.gather_s * 1000,
+                "read in place" if push.in_place else "gathered",
                 tail_ms,
             )
         self._pushes = []
@@ -327,15 +421,17 @@ class WorkerSide:
         outcomes, self._outcomes = self._outcomes, {}
         return outcomes
 
+    def _wire_dtype(self, spec: SaveSpec) -> wire.DType:
+        kv_dtype = spec.params.kv_dtype
+        return kv_params.DTYPES[kv_dtype] if kv_dtype else self.layout.dtype
+
     async def _push(
-        self,
-        spec: SaveSpec,
-        queue: asyncio.Queue[tuple[int, np.ndarray, np.ndarray] | None],
+        self, spec: SaveSpec, queue: asyncio.Queue[Layer | None], in_place: bool
     ) -> kv_params.PrefillTransfer:
         assert self._sender is not None
         layout = self.layout
         p = spec.params
-        wire_dtype = kv_params.DTYPES[p.kv_dtype] if p.kv_dtype else layout.dtype
+        wire_dtype = self._wire_dtype(spec)
         prefix, refused = self._sendable_prefix(spec), False
         started = time.perf_counter()
         try:
@@ -355,6 +451,12 @@ class WorkerSide:
                         if item is None:
                             raise terr.WireFormatError("the engine step ended with layers unsaved")
                         index, k, v = item
+                        if k is None or v is None:  # read in place (not the decode's blocks)
+                            assert self._in_place is not None
+                            assert in_place
+                            pieces = self._in_place[index].pieces(spec.block_ids[skip:])
+                            await transfer.send_layer(index, *pieces)
+                            continue
                         if skip:
                             k, v = np.ascontiguousarray(k[skip:]), np.ascontiguousarray(v[skip:])
                         if wire_dtype is layout.dtype:
