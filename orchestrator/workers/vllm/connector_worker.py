@@ -30,6 +30,29 @@ Caveat: the transport's loop thread and vLLM's model runner share one GIL; on a 
 a layer's hand-off can wait a switch interval (5 ms), which is what stretches transfers to the
 length of the forward; this is invisible while compute is longer than the transfer.
 
+**Prefill over ``ucx-read``: nothing gathered.** `WorkerSide.register` registers vLLM's
+KV cache tensors once, for the engine's life (`Registry.register_region`: their memory,
+deduplicated; the key crosses each link once), and the sender moves one layer per segment.
+``save_kv_layer`` then only hands the layer's index to the loop thread, which gives the
+transfer each requested block's K and V pieces in wire order (`kv_pieces`: a (block, head)
+chunk each in the CPU layout, one run per block — consecutive blocks merged — in the flash
+layout); the decode side reads them one-sided straight out of vLLM's cache into its
+contiguous receive buffer, so the wire layout is the gather's. The gather stays where a
+copy is needed anyway (a ``kv_dtype`` other than the cache's), for tcp and ucx, and where the
+cache is not in host memory (the CUDA build: a warning at start). A suffix-only push leaves
+out the decode's first blocks' pieces. Why reading vLLM's blocks in place is safe: the
+decode only *reads* prefill memory, never writes it; ``wait_for_save`` holds the engine
+step — so the request's blocks, which vLLM frees only after the step — until the receiver
+verified every layer or the transfer failed; each layer's checksum is taken before the
+receiver learns where to read (`transport.sender`), so a read that comes late, after a
+failed transfer's blocks were re-used, gets bytes that fail their checksum and is refused
+(`tests/contract/test_transport_pieces.py` changes a byte between the two). The one window
+left: ``wait_for_save`` gives up ``_SAVE_GRACE_S`` after the transfer's own deadline (which
+cancels the transfer on the loop first); only a loop thread stalled that long could take
+a checksum after the blocks were re-used — and that attempt's prefill has already
+reported failure, so its epoch is fenced off. Figures (SmolLM2-135M fp32, 2 cores shared,
+load 10-16, 3 runs each): see the README's "vLLM workers".
+
 Why staged: the push starts before the decode request exists, so there are no blocks to land
 in yet; landing straight into blocks needs the decode to allocate first and pull (one-sided
 reads: the transport v2 issue), which this block-shaped wire layout is ready for.
