@@ -19,11 +19,23 @@ stopped (`KvSender._quarantine`) — so an allocation is never freed under a rea
 sender cannot tie to an owning numpy array is registered for the one transfer and withdrawn
 after it (``transient``).
 
+**Regions registered explicitly.** Memory that no numpy array owns but that lives long — an
+engine's KV cache (vLLM's paged tensors, for the engine's lifetime) — is registered once by
+its owner (`register_region`: address, length, and an object kept alive with the entry) and
+matched like an allocation, by containment, before anything else; its key crosses each link
+once. `unregister_region` (at close) retires it as a freed allocation is retired: the
+deregistration waits for the transfers using it (as a transient one's does), and each link
+that holds its key sends WITHDRAW before its next transfer. Such memory is not the
+transfer's to hold: its owner keeps what is read stable until the transfer ended, and the
+sender checksums it before the receiver is told where it lies (`transport.sender`), so a
+read of memory re-used after a failed transfer is refused by its checksum.
+
 Not thread-safe but for the weakref callback, which only appends to a deque.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import itertools
@@ -49,6 +61,8 @@ class Registration:
     users: int = 0
     """Transfers using it now (a transient one is withdrawn when this drops to 0)."""
     finalizer: weakref.finalize[Any, Any] | None = field(default=None, repr=False)
+    owner: object = field(default=None, repr=False)
+    """An explicit region's owner (`Registry.register_region`), kept alive with it."""
 
 
 class Registry:
@@ -59,6 +73,10 @@ class Registry:
         """Allocation id → its registration (removed as the allocation is freed)."""
         self.live: dict[int, Registration] = {}
         """Key id → registration, for every key a receiver may still be told or use."""
+        self._regions: list[Registration] = []
+        """Explicit regions (`register_region`), by address."""
+        self._starts: list[int] = []
+        """Their addresses, for bisection."""
         self._dead: collections.deque[Registration] = collections.deque()
         self._ids = itertools.count(1)
         self.registrations = 0
@@ -92,6 +110,36 @@ class Registry:
                 runs.append([reg.key.key_id, offset, b.nbytes])
         return [Descriptor(*run) for run in runs], used
 
+    def register_region(self, address: int, length: int, owner: object) -> Registration:
+        """Register ``length`` bytes at ``address`` until `unregister_region` (or `close`);
+        ``owner`` (what keeps the memory alive) is referenced as long. Overlapping an
+        explicit region already registered is an error (a piece must match one key)."""
+        if address <= 0 or length <= 0:
+            raise ValueError(f"cannot register {length} bytes at {address:#x}")
+        at = bisect.bisect_left(self._starts, address)
+        neighbours = self._regions[max(at - 1, 0) : at + 1]
+        if any(_overlap(r.key, address, length) for r in neighbours):
+            raise ValueError(f"{length} bytes at {address:#x} overlap a registered region")
+        reg = self._new(address, length, transient=False)
+        reg.owner = owner
+        self._regions.insert(at, reg)
+        self._starts.insert(at, address)
+        return reg
+
+    def unregister_region(self, reg: Registration) -> None:
+        """Retire an explicit region: deregistered now, or when the last transfer using it
+        ended; links that hold its key withdraw it before their next transfer."""
+        if reg not in self._regions:
+            return
+        at = self._regions.index(reg)
+        del self._regions[at], self._starts[at]
+        reg.owner = None
+        if reg.users:
+            reg.transient = True  # `release` retires it with its last user
+        else:
+            self._retire(reg)
+        self.collect()
+
     def release(self, used: list[Registration]) -> None:
         for reg in used:
             reg.users -= 1
@@ -111,6 +159,8 @@ class Registry:
             if reg.finalizer is not None:
                 reg.finalizer.detach()
         self._by_owner.clear()
+        self._regions.clear()
+        self._starts.clear()
         self._dead.extend(self.live.values())
         self.collect()
 
@@ -118,6 +168,9 @@ class Registry:
         self._dead.append(reg)
 
     def _for(self, b: memoryview, address: int) -> Registration:
+        region = self._region(address, b.nbytes)
+        if region is not None:
+            return region
         owner = _owner(b)
         if owner is not None:
             reg = self._by_owner.get(id(owner))
@@ -131,6 +184,15 @@ class Registry:
                 reg.finalizer = weakref.finalize(owner, self._freed, key, reg)
                 return reg
         return self._new(address, b.nbytes, transient=True)
+
+    def _region(self, address: int, length: int) -> Registration | None:
+        """The explicit region holding ``length`` bytes at ``address``, if any."""
+        if not self._regions:
+            return None
+        at = bisect.bisect_right(self._starts, address) - 1
+        if at >= 0 and _inside(self._regions[at].key, address, length):
+            return self._regions[at]
+        return None
 
     def _new(self, address: int, length: int, *, transient: bool) -> Registration:
         rkey, handle = self._register(address, length)
@@ -149,6 +211,10 @@ class Registry:
 
 def _inside(key: RemoteKey, address: int, length: int) -> bool:
     return key.address <= address and address + length <= key.address + key.length
+
+
+def _overlap(key: RemoteKey, address: int, length: int) -> bool:
+    return address < key.address + key.length and key.address < address + length
 
 
 def _owner(b: memoryview) -> np.ndarray | None:

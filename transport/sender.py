@@ -13,6 +13,18 @@ per allocation (`transport.registry`) whose keys each link carries once. With `L
 links are mutual TLS and KV goes only to a receiver whose identity `LinkTls.receivers`
 allows; the out-of-band payload of each transfer carries the token the receiver issued in
 its ACCEPT.
+
+**Layers in pieces, read in place (one-sided).** `OutgoingTransfer.send_layer` also takes K
+and V each as a sequence of memoryviews — the pieces of memory that, concatenated, are the
+layer's wire bytes (an engine's paged cache: each block's K, or each (block, head) chunk of
+it, in the request's block order) — so nothing is gathered: the receiver reads the pieces
+straight out of the engine's memory (registered once, `Registry.register_region`) into its
+contiguous buffer. Adjacent pieces merge into one descriptor; a segment still more scattered
+than one READ may name (`control.MAX_REGIONS`) is joined into one copy. The memory is not
+the transfer's: its owner keeps it stable until the transfer ended, and the layers'
+checksums are taken *before* the receiver learns where to read, so bytes changed after
+that (a read that comes late, after a failed transfer's memory was re-used) fail
+verification. Backends without one-sided reads join the pieces (one copy, as a gather).
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -42,6 +54,9 @@ log = logging.getLogger(__name__)
 
 PayloadHook = Callable[[int, memoryview, memoryview], tuple[memoryview, memoryview]]
 DelayHook = Callable[[int], float]
+ExposedHook = Callable[[int], None]
+Pieces = Sequence[memoryview]
+"""K or V of a layer as pieces of memory, in wire order (`OutgoingTransfer.send_layer`)."""
 Parts = list[tuple[int, list[memoryview], list[memoryview]]]
 """Layers of a segment: index, buffers as checksummed, buffers as sent."""
 Held = tuple[list[Registration], list[memoryview]]
@@ -101,6 +116,10 @@ class KvSender:
         self.delay_hook: DelayHook | None = None
         """Fault injection: seconds the link holds a layer back before it goes out (awaited,
         so the sender's event loop keeps running — a slow link, not a stalled process)."""
+        self.exposed_hook: ExposedHook | None = None
+        """Fault injection for layers given in pieces (one-sided): called with a segment's
+        index after its layers' checksums were taken, before the receiver learns where to
+        read them (a test changes the source memory there)."""
 
     @property
     def backend(self) -> str:
@@ -409,6 +428,33 @@ class KvSender:
             raise errors.TransportClosedError(f"sender closed: {exc}") from exc
 
 
+def _layer_pieces(
+    h: wire.KvHeader,
+    index: int,
+    k: Pieces,
+    v: Pieces,
+    scales: tuple[np.ndarray, np.ndarray] | None,
+) -> list[memoryview]:
+    """Layer ``index``'s K and V pieces as byte views, checked against the header."""
+    if scales is not None or h.scales is not wire.ScaleLayout.NONE:
+        raise errors.WireFormatError(f"layer {index}: a scaled layer cannot be sent in pieces")
+    shape = h.layers[index]
+    kn = shape.k_nbytes(h.dtype)
+    out: list[memoryview] = []
+    for p in (*k, *v):
+        if not p.c_contiguous:
+            raise errors.WireFormatError(f"layer {index}: a piece is not contiguous")
+        out.append(p if p.format == "B" and p.ndim == 1 else p.cast("B"))
+    got_k = sum(p.nbytes for p in out[: len(k)])
+    got_v = sum(p.nbytes for p in out[len(k) :])
+    if got_k != kn or got_v != shape.nbytes(h.dtype) - kn:
+        raise errors.WireFormatError(
+            f"layer {index}: pieces of {got_k} + {got_v} bytes; the header's layer is "
+            f"{kn} + {shape.nbytes(h.dtype) - kn}"
+        )
+    return out
+
+
 def _checksums(layers: list[list[memoryview]]) -> list[int]:
     return [wire.checksum(*layer) for layer in layers]
 
@@ -588,6 +634,8 @@ class OutgoingTransfer:
         self._buffers: list[memoryview] = []
         """One-sided: the registrations the transfer uses and its buffers (kept alive until
         it ended: the receiver reads them)."""
+        self._in_place: set[int] = set()
+        """One-sided: layers given in pieces (memory the transfer does not own)."""
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
@@ -609,18 +657,37 @@ class OutgoingTransfer:
     async def send_layer(
         self,
         index: int,
-        k: np.ndarray,
-        v: np.ndarray,
+        k: np.ndarray | Pieces,
+        v: np.ndarray | Pieces,
         scales: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Send layer ``index``: K and V, and their float32 scales when the header is scaled
-        (`wire.ScaleLayout`; one scale per slice of the first axis)."""
+        (`wire.ScaleLayout`; one scale per slice of the first axis). K and V may instead be
+        given as pieces (`Pieces`, unscaled only): one-sided, read where they lie and kept
+        untouched by the caller until the transfer ended; otherwise joined (one copy)."""
         if self._state != "open":
             raise errors.TransportClosedError(f"transfer is {self._state}")
         h = self.header
         if not 0 <= index < len(h.layers) or index in self._sent:
             raise errors.WireFormatError(f"layer {index} is out of range or already sent")
-        summed, sent = self._sender._layer(h, index, k, v, scales)
+        if isinstance(k, np.ndarray) != isinstance(v, np.ndarray):
+            raise errors.WireFormatError(f"layer {index}: K and V must both be arrays or pieces")
+        if isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
+            assert isinstance(k, np.ndarray)
+            assert isinstance(v, np.ndarray)
+            summed, sent = self._sender._layer(h, index, k, v, scales)
+        else:
+            pieces = _layer_pieces(h, index, k, v, scales)
+            if self._sender._plane.one_sided:
+                summed = sent = pieces
+                self._in_place.add(index)
+            else:  # no one-sided reads: one copy
+                kn = h.layers[index].k_nbytes(h.dtype)
+                joined = np.frombuffer(b"".join(pieces), np.uint8)
+                shape = h.layers[index]
+                jk = joined[:kn].view(h.dtype.numpy_dtype).reshape(shape.k)
+                jv = joined[kn:].view(h.dtype.numpy_dtype).reshape(shape.v)
+                summed, sent = self._sender._layer(h, index, jk, jv, None)
         if self._sender.delay_hook is not None and (held := self._sender.delay_hook(index)) > 0:
             await asyncio.sleep(min(held, self._wait_s()))  # a slow link, within the deadline
         plane = self._sender._plane
@@ -709,12 +776,43 @@ class OutgoingTransfer:
         once both are in."""
         sender = self._sender
         bufs = [b for _, _, sent in parts for b in sent]
+        if any(i in self._in_place for i, _, _ in parts):
+            await self._expose_pieces(seg, parts, bufs)
+            return
         descs, regs = sender.registry.acquire(bufs)
         self._used.extend(regs)
         self._buffers.extend(bufs)
         message = sender.announce(self._link, regs) + control.read(seg, descs)
         await self._link.send(message, self._wait_s())
         await self._send_frames(parts)
+
+    async def _expose_pieces(self, seg: int, parts: Parts, bufs: list[memoryview]) -> None:
+        """A segment with layers in pieces (memory the transfer does not own): checksums
+        first, then KEYS, READ and LAYERS in one message. Checked against the bytes as
+        they were given, a read that finds them changed (re-used after the transfer
+        failed) is refused. Too scattered for one READ, the segment is joined (one copy)."""
+        sender = self._sender
+        sums = await sender.checksums([summed for _, summed, _ in parts])
+        if sender.exposed_hook is not None:
+            sender.exposed_hook(seg)
+        descs, regs = sender.registry.acquire(bufs)
+        if len(descs) > control.MAX_REGIONS:
+            sender._release_registrations(regs)
+            log.info(
+                "KV of %s: segment %d is %d pieces apart, more than one READ names (%d): "
+                "joined into one copy",
+                self.header.request_id,
+                seg,
+                len(descs),
+                control.MAX_REGIONS,
+            )
+            bufs = [memoryview(b"".join(bufs))]
+            descs, regs = sender.registry.acquire(bufs)
+        self._used.extend(regs)
+        self._buffers.extend(bufs)
+        message = sender.announce(self._link, regs) + control.read(seg, descs)
+        message += control.encode(control.Kind.LAYERS, _frames(parts, sums))
+        await self._link.send(message, self._wait_s())
 
     async def _send_frames(self, parts: Parts) -> None:
         sums = await self._sender.checksums([summed for _, summed, _ in parts])

@@ -30,6 +30,34 @@ Caveat: the transport's loop thread and vLLM's model runner share one GIL; on a 
 a layer's hand-off can wait a switch interval (5 ms), which is what stretches transfers to the
 length of the forward; this is invisible while compute is longer than the transfer.
 
+**Prefill over ``ucx-read``: nothing gathered.** `WorkerSide.register` registers vLLM's
+KV cache tensors once, for the engine's life (`Registry.register_region`: their memory,
+deduplicated; the key crosses each link once), and the sender moves one layer per segment.
+``save_kv_layer`` then only hands the layer's index to the loop thread, which gives the
+transfer each requested block's K and V pieces in wire order (`kv_pieces`: a (block, head)
+chunk each in the CPU layout, one run per block — consecutive blocks merged — in the flash
+layout); the decode side reads them one-sided straight out of vLLM's cache into its
+contiguous receive buffer, so the wire layout is the gather's. The gather stays where a
+copy is needed anyway (a ``kv_dtype`` other than the cache's), for tcp and ucx, and where the
+cache is not in host memory (the CUDA build: a warning at start). A suffix-only push leaves
+out the decode's first blocks' pieces. Why reading vLLM's blocks in place is safe: the
+decode only *reads* prefill memory, never writes it; ``wait_for_save`` holds the engine
+step — so the request's blocks, which vLLM frees only after the step — until the receiver
+verified every layer or the transfer failed; each layer's checksum is taken before the
+receiver learns where to read (`transport.sender`), so a read that comes late, after a
+failed transfer's blocks were re-used, gets bytes that fail their checksum and is refused
+(`tests/contract/test_transport_pieces.py` changes a byte between the two). The one window
+left: ``wait_for_save`` gives up ``_SAVE_GRACE_S`` after the transfer's own deadline (which
+cancels the transfer on the loop first); only a loop thread stalled that long could take
+a checksum after the blocks were re-used — and that attempt's prefill has already
+reported failure, so its epoch is fenced off. Measured (SmolLM2-135M fp32, two engines,
+2 cores shared, loads 2-5, 3 runs each): the forward's hand-over took 16-20 ms (256 tokens)
+and 29-43 ms (1024) read in place against 18-108 / 41-86 ms gathered — now mostly the
+per-layer hand-off to the loop thread (a GIL switch), no copy; P/D prefill times equal
+main's ``ucx-read`` within noise; and 1024-token pushes, which failed over ``ucx`` (32 MiB
+segments: the link silent past the receiver's 5 s idle deadline while a loaded forward
+computed 21 layers), all went through with a segment per layer (README, "vLLM workers").
+
 Why staged: the push starts before the decode request exists, so there are no blocks to land
 in yet; landing straight into blocks needs the decode to allocate first and pull (one-sided
 reads: the transport v2 issue), which this block-shaped wire layout is ready for.
@@ -40,24 +68,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from orchestrator.workers.vllm import kv_channel, kv_layout, kv_params
+from orchestrator.workers.vllm import kv_channel, kv_layout, kv_params, kv_pieces
 from orchestrator.workers.vllm.connector_scheduler import LoadSpec, SaveSpec, StepPlan
 from orchestrator.workers.vllm.kv_loop import LoopThread
+from transport import control, kvcodec, wire
 from transport import errors as terr
-from transport import kvcodec, wire
-from transport.backends import make_receiver, make_sender
+from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
+from transport.registry import Registration
 from transport.security import LinkTls, load_dir
 from transport.sender import KvSender
 
@@ -120,7 +150,8 @@ class LayerViews:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         self.index = {name: i for i, name in enumerate(kv_caches)}
-        views = [self._split(t, block_size) for t in kv_caches.values()]
+        self.tensors = list(kv_caches.values())
+        views = [self._split(t, block_size) for t in self.tensors]
         self.k = [k for k, _, _ in views]
         self.v = [v for _, v, _ in views]
         layouts = {name for _, _, name in views}
@@ -166,11 +197,61 @@ def to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if dtype is torch.bfloat16 else t
 
 
+@dataclass(frozen=True, slots=True)
+class InPlaceLayer:
+    """One layer of vLLM's cache as the one-sided path reads it: the bytes of the memory its
+    tensor views (no copy) and where each block's K and V lie in them."""
+
+    memory: memoryview
+    k: kv_pieces.BlockPieces
+    v: kv_pieces.BlockPieces
+
+    def pieces(self, blocks: Sequence[int]) -> tuple[list[memoryview], list[memoryview]]:
+        """``blocks``' K and V as pieces of the cache, in wire order."""
+        mem = self.memory
+        return (
+            [mem[s : s + n] for s, n in self.k.ranges(blocks)],
+            [mem[s : s + n] for s, n in self.v.ranges(blocks)],
+        )
+
+
+def in_place_layers(
+    views: LayerViews,
+) -> tuple[list[InPlaceLayer], list[tuple[int, int, torch.Tensor]]] | None:
+    """Every layer's `InPlaceLayer`, and the distinct memory regions they lie in (address,
+    length, a tensor that keeps it alive) — or None when some layer cannot be read in
+    place (not in host memory, or blocks that are not regular runs): then it gathers."""
+    layers: list[InPlaceLayer] = []
+    regions: dict[int, tuple[int, int, torch.Tensor]] = {}
+    memories: dict[int, memoryview] = {}
+    for t, k, v in zip(views.tensors, views.k, views.v, strict=True):
+        if t.device.type != "cpu":
+            return None
+        storage = t.untyped_storage()
+        address, length = int(storage.data_ptr()), int(storage.nbytes())
+        pk = kv_pieces.block_pieces(k.shape, k.stride(), int(k.storage_offset()), k.element_size())
+        pv = kv_pieces.block_pieces(v.shape, v.stride(), int(v.storage_offset()), v.element_size())
+        if pk is None or pv is None or not address or not length:
+            return None
+        if address not in memories:
+            raw = (ctypes.c_uint8 * length).from_address(address)  # kept alive by the tensor
+            memories[address] = memoryview(raw).cast("B")
+            regions[address] = (address, length, t)
+        layers.append(InPlaceLayer(memories[address], pk, pv))
+    return layers, list(regions.values())
+
+
+Layer = tuple[int, np.ndarray | None, np.ndarray | None]
+"""A saved layer: its index and its gathered K and V (None, None: read in place)."""
+
+
 @dataclass(slots=True)
 class _Push:
     spec: SaveSpec
-    queue: asyncio.Queue[tuple[int, np.ndarray, np.ndarray] | None]
+    queue: asyncio.Queue[Layer | None]
     future: concurrent.futures.Future[kv_params.PrefillTransfer]
+    in_place: bool = False
+    """Its layers are read in place by the decode side (no gather)."""
     layers_put: int = 0
     gather_s: float = 0.0
     first_layer_at: float = 0.0
@@ -192,6 +273,9 @@ class WorkerSide:
         self._sender: KvSender | None = None
         self._receiver: KvReceiver | None = None
         self._views: LayerViews | None = None
+        self._in_place: list[InPlaceLayer] | None = None
+        """Prefill over ``ucx-read``: vLLM's cache, registered once, read in place."""
+        self._regions: list[Registration] = []
         self._fingerprint = ""
         self._pushes: list[_Push] = []
         self._outcomes: dict[str, dict[str, Any]] = {}
@@ -221,8 +305,14 @@ class WorkerSide:
             )
         self._loop.start()
         if self.config.role == "prefill":
+            if self.config.backend == UCX_READ:
+                # A segment per layer: each layer is read as soon as it is saved (overlapping
+                # the forward), and its pieces fit one READ (`control.MAX_REGIONS`).
+                settings = dataclasses.replace(settings, segment_bytes=control.MIN_SEGMENT_BYTES)
             self._sender = make_sender(self.config.backend, settings, tls=self.config.link_tls())
             self._loop.submit(self._sender.start()).result(30)
+            if self.config.backend == UCX_READ:
+                self._loop.submit(self._register_cache()).result(30)
         else:
             spec = kv_layout.model_spec(self.config.fingerprint, layout, self._max_tokens)
             self._receiver = make_receiver(
@@ -236,6 +326,26 @@ class WorkerSide:
                 "pdorch KV receiver on %s (%s), layout %s", address, self.config.backend, layout
             )
 
+    async def _register_cache(self) -> None:
+        """Register vLLM's KV cache once, for the engine's life (on the loop: the sender's
+        registry is the loop's); where it cannot be read in place, pushes gather."""
+        assert self._sender is not None
+        assert self._views is not None
+        found = in_place_layers(self._views)
+        if found is None:
+            log.warning("vLLM's KV cache cannot be read in place here: KV pushes gather")
+            return
+        layers, regions = found
+        registry = self._sender.registry
+        for address, length, owner in regions:
+            self._regions.append(registry.register_region(address, length, owner))
+        self._in_place = layers
+        log.info(
+            "vLLM's KV cache registered for one-sided reads: %d region(s), %d MiB",
+            len(regions),
+            sum(length for _, length, _ in regions) >> 20,
+        )
+
     def _prefix_held(self, tokens: int, digest: bytes) -> bool:
         """The receiver's check of a suffix-only header, before any payload: the prefix is
         whole blocks and the cache holds its last one, as vLLM's events last said. A block
@@ -248,6 +358,9 @@ class WorkerSide:
 
     async def _close(self) -> None:
         if self._sender is not None:
+            for reg in self._regions:
+                self._sender.registry.unregister_region(reg)
+            self._regions = []
             await self._sender.close()
         if self._receiver is not None:
             await self._receiver.close()
@@ -257,9 +370,11 @@ class WorkerSide:
     def begin_step(self, plan: StepPlan) -> None:
         """Open this step's transfers (before the forward) and queue this step's loads."""
         for spec in plan.saves:
-            queue: asyncio.Queue[tuple[int, np.ndarray, np.ndarray] | None] = asyncio.Queue()
-            future = self._loop.submit(self._push(spec, queue))
-            self._pushes.append(_Push(spec, queue, future))
+            queue: asyncio.Queue[Layer | None] = asyncio.Queue()
+            # In place only when the wire bytes are the cache's (no dtype encoding).
+            in_place = self._in_place is not None and self._wire_dtype(spec) is self.layout.dtype
+            future = self._loop.submit(self._push(spec, queue, in_place))
+            self._pushes.append(_Push(spec, queue, future, in_place))
         for rid in plan.cancels:
             loading = self._loads.get(rid)
             if loading is not None:
@@ -281,9 +396,12 @@ class WorkerSide:
         index = views.index[layer_name]
         for push in self._pushes:
             t = time.perf_counter()
-            ids = torch.tensor(push.spec.block_ids, dtype=torch.long)
-            k, v = to_numpy(views.k[index][ids]), to_numpy(views.v[index][ids])
-            self._loop.call(push.queue.put_nowait, (index, k, v))
+            if push.in_place:  # the decode side reads the blocks where they are
+                self._loop.call(push.queue.put_nowait, (index, None, None))
+            else:
+                ids = torch.tensor(push.spec.block_ids, dtype=torch.long)
+                k, v = to_numpy(views.k[index][ids]), to_numpy(views.v[index][ids])
+                self._loop.call(push.queue.put_nowait, (index, k, v))
             push.layers_put += 1
             push.first_layer_at = push.first_layer_at or t
             push.gather_s += time.perf_counter() - t
@@ -309,16 +427,20 @@ class WorkerSide:
                 log.exception("KV push of %s failed", push.spec.params.request_id)
                 outcome = kv_params.PrefillTransfer(ok=False, error=f"KV push failed: {exc!r}")
             tail_ms = (time.perf_counter() - started) * 1000
-            self._outcomes[push.spec.req_id] = {**outcome.to_dict(), "tail_ms": tail_ms}
+            outcome = dataclasses.replace(
+                outcome, tail_ms=tail_ms, gather_ms=push.gather_s * 1000, in_place=push.in_place
+            )
+            self._outcomes[push.spec.req_id] = outcome.to_dict()
             log.info(
                 "KV push of %s: ok=%s %d bytes, %.1f ms open to verified, layers computed "
-                "over %.1f ms (gather %.1f ms), step waited %.1f ms after the last layer",
+                "over %.1f ms (gather %.1f ms, %s), step waited %.1f ms after the last layer",
                 push.spec.params.request_id,
                 outcome.ok,
                 outcome.kv_bytes,
                 outcome.transfer_ms,
                 (started - push.first_layer_at) * 1000 if push.first_layer_at else 0.0,
                 push.gather_s * 1000,
+                "read in place" if push.in_place else "gathered",
                 tail_ms,
             )
         self._pushes = []
@@ -327,15 +449,17 @@ class WorkerSide:
         outcomes, self._outcomes = self._outcomes, {}
         return outcomes
 
+    def _wire_dtype(self, spec: SaveSpec) -> wire.DType:
+        kv_dtype = spec.params.kv_dtype
+        return kv_params.DTYPES[kv_dtype] if kv_dtype else self.layout.dtype
+
     async def _push(
-        self,
-        spec: SaveSpec,
-        queue: asyncio.Queue[tuple[int, np.ndarray, np.ndarray] | None],
+        self, spec: SaveSpec, queue: asyncio.Queue[Layer | None], in_place: bool
     ) -> kv_params.PrefillTransfer:
         assert self._sender is not None
         layout = self.layout
         p = spec.params
-        wire_dtype = kv_params.DTYPES[p.kv_dtype] if p.kv_dtype else layout.dtype
+        wire_dtype = self._wire_dtype(spec)
         prefix, refused = self._sendable_prefix(spec), False
         started = time.perf_counter()
         try:
@@ -355,6 +479,12 @@ class WorkerSide:
                         if item is None:
                             raise terr.WireFormatError("the engine step ended with layers unsaved")
                         index, k, v = item
+                        if k is None or v is None:  # read in place (not the decode's blocks)
+                            assert self._in_place is not None
+                            assert in_place
+                            pieces = self._in_place[index].pieces(spec.block_ids[skip:])
+                            await transfer.send_layer(index, *pieces)
+                            continue
                         if skip:
                             k, v = np.ascontiguousarray(k[skip:]), np.ascontiguousarray(v[skip:])
                         if wire_dtype is layout.dtype:

@@ -98,7 +98,8 @@ class VllmSettings:
     enforce_eager: bool = True
     """No graph capture: the CPU backend's compile step costs more than it saves here."""
     transport: str = "tcp"
-    """pdorch's KV transport backend for the connector (ucx or tcp)."""
+    """pdorch's KV transport backend for the connector: tcp, ucx, or ucx-read (one-sided:
+    the decode reads the prefill's blocks out of vLLM's cache, no gather)."""
     kv_hold_s: float = 30.0
     """Decode side: free a pushed KV nobody claims after this long."""
     kv_timeout_s: float = 30.0

@@ -144,6 +144,11 @@ class PrefillTransfer:
     """The KV sent extends the decode worker's first this many tokens (a suffix only)."""
     prefix_refused: bool = False
     """A suffix was asked, the decode worker lacked its prefix: the whole KV was sent."""
+    gather_ms: float = 0.0
+    """Time the forward spent handing the layers over (gathering the request's blocks,
+    unless they were read in place)."""
+    in_place: bool = False
+    """The decode side read the blocks straight out of the prefill's cache (``ucx-read``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,6 +160,8 @@ class PrefillTransfer:
             "tail_ms": self.tail_ms,
             "prefix_tokens": self.prefix_tokens,
             "prefix_refused": self.prefix_refused,
+            "gather_ms": self.gather_ms,
+            "in_place": self.in_place,
         }
 
     @classmethod
@@ -171,6 +178,8 @@ class PrefillTransfer:
                 tail_ms=float(d.get("tail_ms", 0.0)),
                 prefix_tokens=int(d.get("prefix_tokens", 0)),
                 prefix_refused=bool(d.get("prefix_refused", False)),
+                gather_ms=float(d.get("gather_ms", 0.0)),
+                in_place=bool(d.get("in_place", False)),
             )
         except (TypeError, ValueError) as exc:
             return cls(ok=False, error=f"malformed transfer result: {exc}")

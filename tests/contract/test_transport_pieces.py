@@ -1,0 +1,266 @@
+"""Layers sent in pieces (issue 16 item 1): K and V of each layer given as the memoryviews of
+a paged cache's blocks — a memory region registered once, as vLLM's KV cache is — are read
+one-sided straight out of it and land byte-identical to the gathered layout; adjacent
+pieces travel as one descriptor; the region is registered once however many transfers use
+it; a byte changed after the checksums were taken (memory re-used under a late read) is
+refused; pieces too scattered for one READ, or sent over a backend without one-sided reads,
+are joined (one copy) and still land right."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from transport import control, errors, testing, wire
+from transport.backends import UCX_READ, make_receiver, make_sender
+from transport.base import TransportSettings
+from transport.link import Link
+from transport.receiver import KvReceiver
+from transport.sender import KvSender
+from transport.ucx import ucx_available
+
+pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
+
+LAYERS, BLOCKS, HEADS, BS, HD = 4, 32, 3, 16, 64
+"""The pool: a paged cache of LAYERS x BLOCKS blocks, HEADS heads, BS tokens, HD dims."""
+
+
+def _pool(seed: int) -> np.ndarray:
+    """vLLM's CPU layout ("cpu-LBHNC"): per layer and block, per head, BS rows of K then
+    BS rows of V — so each (block, head) K chunk lies between two V chunks."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((LAYERS, BLOCKS, HEADS, 2, BS, HD), np.float32)
+
+
+def _flash_pool(seed: int) -> np.ndarray:
+    """The flash layout ("2BNHC"): per layer, every block's K, then every block's V."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((LAYERS, 2, BLOCKS, BS, HEADS, HD), np.float32)
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    return memoryview(a).cast("B")
+
+
+def _pieces(pool: np.ndarray, layer: int, ids: list[int]) -> tuple[list[memoryview], ...]:
+    """K's and V's pieces of ``ids``, in wire order."""
+    if pool.shape[1] == 2:  # flash: one piece per block
+        return [_bytes(pool[layer, 0, b]) for b in ids], [_bytes(pool[layer, 1, b]) for b in ids]
+    k = [_bytes(pool[layer, b, j, 0]) for b in ids for j in range(HEADS)]
+    v = [_bytes(pool[layer, b, j, 1]) for b in ids for j in range(HEADS)]
+    return k, v
+
+
+def _gathered(pool: np.ndarray, layer: int, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """What the connector's gather produces (``views.k[index][ids]``)."""
+    if pool.shape[1] == 2:
+        return pool[layer, 0][ids], pool[layer, 1][ids]
+    return pool[layer][ids][:, :, 0], pool[layer][ids][:, :, 1]
+
+
+def _header(pool: np.ndarray, rid: str, epoch: int, ids: list[int]) -> wire.KvHeader:
+    k, v = _gathered(pool, 0, ids)
+    layers = [(k, v)] * LAYERS
+    return wire.header_for(rid, epoch, testing.FINGERPRINT, wire.DType.FLOAT32, layers)
+
+
+async def _send(sender: KvSender, address: str, pool: np.ndarray, h: wire.KvHeader,
+                ids: list[int]) -> None:  # fmt: skip
+    async with await sender.open(address, h) as t:
+        for i in range(LAYERS):
+            await t.send_layer(i, *_pieces(pool, i, ids))
+        await t.finish()
+
+
+async def _landed(receiver: KvReceiver, pool: np.ndarray, h: wire.KvHeader,
+                  ids: list[int]) -> None:  # fmt: skip
+    got = await receiver.take(h.request_id, h.epoch, 5)
+    try:
+        for i, (k, v) in enumerate(got.layers):
+            gk, gv = _gathered(pool, i, ids)
+            assert k.tobytes() == gk.tobytes(), f"layer {i} K"
+            assert v.tobytes() == gv.tobytes(), f"layer {i} V"
+    finally:
+        got.release()
+
+
+def _reads(sent: list[list[control.Descriptor]]) -> Callable[[], None]:
+    """Record each READ's descriptors a `Link.send` writes; returns an undo."""
+    original = Link.send
+
+    async def send(self: Link, data: bytes, timeout_s: float) -> None:
+        for msg in control.split(data):
+            if msg.kind is control.Kind.READ:
+                sent.append(control.parse_read(msg.body)[1])
+        await original(self, data, timeout_s)
+
+    Link.send = send  # type: ignore[method-assign]
+    return lambda: setattr(Link, "send", original)
+
+
+@pytest.fixture
+def reads() -> Iterator[list[list[control.Descriptor]]]:
+    sent: list[list[control.Descriptor]] = []
+    undo = _reads(sent)
+    yield sent
+    undo()
+
+
+Body = Callable[[KvSender, KvReceiver, str], Awaitable[None]]
+
+
+def _run(body: Body, backend: str = UCX_READ) -> None:
+    async def main() -> None:
+        receiver = make_receiver(backend, TransportSettings())
+        address = await receiver.start()
+        sender = make_sender(backend, TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES))
+        await sender.start()
+        try:
+            await body(sender, receiver, address)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("make", [_pool, _flash_pool], ids=["cpu-LBHNC", "2BNHC"])
+def test_pieces_land_as_the_gather_and_the_region_is_registered_once(
+    make: Callable[[int], np.ndarray], reads: list[list[control.Descriptor]]
+) -> None:
+    pool = make(1)
+    ids = [5, 6, 7, 2, 9]  # 5, 6, 7 consecutive: adjacent when a block is one piece
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        for epoch in (1, 2, 3):
+            h = _header(pool, "p", epoch, ids)
+            await _send(sender, address, pool, h, ids)
+            await _landed(receiver, pool, h, ids)
+        assert sender.registry.registrations == 1  # the region, once: nothing per transfer
+        assert set(sender.registry.live) == {region.key.key_id}
+        assert all(d.key_id == region.key.key_id for r in reads for d in r)
+
+    _run(body)
+    per_layer = [len(r) for r in reads]
+    if make is _flash_pool:  # blocks 5-7 merged: 3 runs of K, 3 of V per layer
+        assert set(per_layer) == {2 * 3}
+    else:  # (block, head) chunks, K and V interleaved: nothing merges
+        assert set(per_layer) == {2 * len(ids) * HEADS}
+    assert len(reads) == 3 * LAYERS  # one layer per segment here (a READ each)
+
+
+def test_a_piece_changed_after_its_checksum_is_refused(
+    reads: list[list[control.Descriptor]],
+) -> None:
+    """The checksums are taken before the receiver learns where to read: memory changed
+    after that — a late read of blocks re-used after the transfer failed — is refused."""
+    pool = _pool(2)
+    ids = [3, 4, 11]
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        flat = pool.reshape(-1).view(np.uint8)
+        offset = (((1 * BLOCKS + 11) * HEADS + 2) * 2 + 1) * BS * HD * 4 + 5  # layer 1, V
+
+        def flip(seg: int) -> None:
+            if seg == 1:
+                flat[offset] ^= 0x40
+
+        sender.exposed_hook = flip
+        h = _header(pool, "c", 1, ids)
+        with pytest.raises(errors.TransportError, match="checksum"):
+            await _send(sender, address, pool, h, ids)
+        with pytest.raises(errors.TransportError):
+            await receiver.take("c", 1, 2)
+        sender.exposed_hook = None
+        h2 = _header(pool, "c", 2, ids)  # the next transfer reads the bytes as they now are
+        await _send(sender, address, pool, h2, ids)
+        await _landed(receiver, pool, h2, ids)
+
+    _run(body)
+
+
+def test_pieces_too_scattered_for_one_read_are_joined_and_land(
+    reads: list[list[control.Descriptor]],
+) -> None:
+    pool = _pool(3)
+    ids = list(range(BLOCKS - 1, -1, -1))  # 32 blocks x 3 heads x 2: 192 pieces a layer
+    many = ids * 2  # 384 > control.MAX_REGIONS
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        h = _header(pool, "j", 1, many)
+        await _send(sender, address, pool, h, many)
+        await _landed(receiver, pool, h, many)
+        assert set(sender.registry.live) == {region.key.key_id}  # the copy's key: withdrawn
+
+    _run(body)
+    assert all(len(r) == 1 for r in reads)  # each segment joined into one buffer
+
+
+def test_pieces_over_tcp_are_joined_and_land() -> None:
+    pool = _pool(4)
+    ids = [0, 7, 8]
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        h = _header(pool, "t", 1, ids)
+        await _send(sender, address, pool, h, ids)
+        await _landed(receiver, pool, h, ids)
+
+    _run(body, "tcp")
+
+
+def test_pieces_that_do_not_add_up_to_the_layer_are_refused() -> None:
+    pool = _pool(5)
+    ids = [1, 2]
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        h = _header(pool, "s", 1, ids)
+        async with await sender.open(address, h) as t:
+            k, v = _pieces(pool, 0, ids)
+            with pytest.raises(errors.WireFormatError, match="pieces of"):
+                await t.send_layer(0, k[:-1], v)
+            with pytest.raises(errors.WireFormatError, match="both be arrays or pieces"):
+                await t.send_layer(0, k, _gathered(pool, 0, ids)[1])
+
+    _run(body)
+
+
+def test_an_unregistered_region_is_withdrawn_before_the_next_transfer() -> None:
+    pool = _pool(6)
+    ids = [1, 2]
+    sent: list[list[control.Kind]] = []
+    original = Link.send
+
+    async def spy(self: Link, data: bytes, timeout_s: float) -> None:
+        sent.append([m.kind for m in control.split(data)])
+        await original(self, data, timeout_s)
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        h = _header(pool, "u", 1, ids)
+        await _send(sender, address, pool, h, ids)
+        await _landed(receiver, pool, h, ids)
+        sender.registry.unregister_region(region)
+        assert region.key.key_id not in sender.registry.live
+        (link,) = list(receiver._conns)
+        assert region.key.key_id in link.keys
+        h2 = _header(pool, "u", 2, ids)  # now the numpy allocation's own registration
+        await _send(sender, address, pool, h2, ids)
+        await _landed(receiver, pool, h2, ids)
+        assert region.key.key_id not in link.keys
+        assert sender.registry.registrations == 2
+
+    Link.send = spy  # type: ignore[method-assign]
+    try:
+        _run(body)
+    finally:
+        Link.send = original  # type: ignore[method-assign]
+    withdraws = [k for k in sent if control.Kind.WITHDRAW in k]
+    assert withdraws
+    assert withdraws[0][0] is control.Kind.WITHDRAW  # before the next OPEN
