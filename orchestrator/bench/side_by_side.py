@@ -72,7 +72,7 @@ class ServingBench:
     model: str = "smollm2"
     model_cache: Path | None = None
     transport: str = "tcp"
-    """pdorch's KV transport backend for ``pdorch-pd`` (tcp or ucx)."""
+    """pdorch's KV transport backend for ``pdorch-pd`` (`transport.backend_names.BACKENDS`)."""
     nixl_path: str = ""
     """A directory holding the ``nixl`` package, put on the NIXL servers' PYTHONPATH."""
     ready_timeout_s: float = 900.0

@@ -29,6 +29,7 @@ from orchestrator.cli.common import (
     positive_int,
 )
 from orchestrator.cli.orchestrator import ServerSettings
+from transport.backend_names import BACKENDS
 
 if TYPE_CHECKING:
     from orchestrator.bench.control_plane import ControlPlaneBench
@@ -465,7 +466,7 @@ def _serving(bs: argparse.ArgumentParser) -> None:
         help=f"comma-separated, of {', '.join(SYSTEMS)}",
     )
     bs.add_argument(
-        "--transport", choices=("tcp", "ucx"), default=default(ServingBench, "transport"),
+        "--transport", choices=BACKENDS, default=default(ServingBench, "transport"),
         help="pdorch's KV transport for pdorch-pd",
     )  # fmt: skip
     bs.add_argument(

@@ -3,6 +3,13 @@
 Two engines (one per process, as in production: each pdorch worker hosts one), started once for
 the module (each start is 15-20 s on an idle 2-core machine, minutes on a busy one), driven by
 ``vllm_pd_proc.py`` over pipes. Runs in the vLLM venv (skipped elsewhere).
+
+The engines move KV over ``ucx-read`` (issue 16 item 1): the prefill registers vLLM's KV
+cache once and gathers nothing — the decode reads each layer's blocks one-sided straight out
+of the prefill's cache; a push whose wire dtype differs from the cache's still gathers. The
+connector's gather path over TCP runs under the worker command in `tests/vllm`
+(``test_vllm_pd``, ``test_vllm_failover``: ``--transport tcp``). Without UCXX the module
+runs on TCP and skips the in-place checks.
 """
 
 from __future__ import annotations
@@ -19,17 +26,25 @@ from typing import IO, Any
 
 import pytest
 
+from transport.backend_names import TCP, UCX_READ
+from transport.ucx import ucx_available
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 
+BACKEND = UCX_READ if ucx_available() else TCP
+
 DECODE_TIMEOUT_S = 5.0
+KV_BYTES_PER_TOKEN = 46080
+"""SmolLM2-135M's fp32 KV: 30 layers x K and V x 3 heads x 64 x 4 bytes (whole blocks move)."""
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
     "Once upon a time, in a land far away, there lived a " * 12,  # > one 128-token block
+    "List the planets of the solar system and one fact about each. " * 30,  # 4+ blocks
 ]
 
 
@@ -39,7 +54,7 @@ class Engine:
     def __init__(self, role: str, model: Path, log_path: Path) -> None:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
         script = Path(__file__).with_name("vllm_pd_proc.py")
-        argv = [sys.executable, str(script), role, "--model", str(model),
+        argv = [sys.executable, str(script), role, "--model", str(model), "--backend", BACKEND,
                 "--timeout-s", str(DECODE_TIMEOUT_S)]  # fmt: skip
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
@@ -128,8 +143,10 @@ def test_pd_greedy_output_equals_aggregated(engines: tuple[Engine, Engine], toke
         ids = tokenize(text)
         ref = prefill.call(op="generate", ids=ids, max_tokens=16)
         pre, dec = _pd(prefill, decode, ids, f"eq-{i}", 1, 16)
-        assert pre["transfer"]["ok"], pre["transfer"]
-        assert pre["transfer"]["kv_bytes"] > 0
+        transfer = pre["transfer"]
+        assert transfer["ok"], transfer
+        assert transfer["kv_bytes"] == -(-len(ids) // 128) * 128 * KV_BYTES_PER_TOKEN
+        assert transfer["in_place"] is (BACKEND == UCX_READ), transfer  # read out of vLLM's cache
         assert dec["finish_reason"] == ref["finish_reason"], (dec, ref)
         assert [pre["tokens"][0], *dec["tokens"]] == ref["tokens"], (text, pre, dec, ref)
 
@@ -195,3 +212,24 @@ def test_release_frees_a_pushed_kv_nobody_loads(
     while decode.call(op="held")["held_bytes"] != 0:
         assert time.monotonic() < deadline, "released KV still held"
         time.sleep(0.2)
+
+
+def test_a_push_encoding_its_dtype_gathers_and_lands(
+    engines: tuple[Engine, Engine], tokenize: Any
+) -> None:
+    """fp32 cache, fp16 on the wire: a copy anyway, so the push gathers (on any backend)."""
+    prefill, decode = engines
+    ids = tokenize(PROMPTS[2])
+    target = decode.hello["kv_address"]
+    pre = prefill.call(
+        op="prefill", ids=ids, request_id="encoded", epoch=1, target=target, kv_dtype="float16"
+    )
+    transfer = pre["transfer"]
+    assert transfer["ok"], transfer
+    assert not transfer["in_place"], transfer
+    assert transfer["kv_bytes"] == -(-len(ids) // 128) * 128 * KV_BYTES_PER_TOKEN // 2
+    dec = decode.call(
+        op="decode", ids=[*ids, pre["tokens"][0]], request_id="encoded", epoch=1, max_tokens=3
+    )
+    assert dec["finish_reason"] != "error", dec
+    assert len(dec["tokens"]) == 3

@@ -56,7 +56,8 @@ and 29-43 ms (1024) read in place against 18-108 / 41-86 ms gathered — now mos
 per-layer hand-off to the loop thread (a GIL switch), no copy; P/D prefill times equal
 main's ``ucx-read`` within noise; and 1024-token pushes, which failed over ``ucx`` (32 MiB
 segments: the link silent past the receiver's 5 s idle deadline while a loaded forward
-computed 21 layers), all went through with a segment per layer (README, "vLLM workers").
+computed 21 layers), all went through with a segment per layer (README, "vLLM workers");
+the tag path (``ucx``) now moves a segment per layer too.
 
 Why staged: the push starts before the decode request exists, so there are no blocks to land
 in yet; landing straight into blocks needs the decode to allocate first and pull (one-sided
@@ -84,6 +85,7 @@ from orchestrator.workers.vllm.connector_scheduler import LoadSpec, SaveSpec, St
 from orchestrator.workers.vllm.kv_loop import LoopThread
 from transport import control, kvcodec, wire
 from transport import errors as terr
+from transport.backend_names import needs_ucx
 from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.receiver import KvReceiver
@@ -305,9 +307,12 @@ class WorkerSide:
             )
         self._loop.start()
         if self.config.role == "prefill":
-            if self.config.backend == UCX_READ:
-                # A segment per layer: each layer is read as soon as it is saved (overlapping
-                # the forward), and its pieces fit one READ (`control.MAX_REGIONS`).
+            if needs_ucx(self.config.backend):
+                # A segment per layer: each layer moves as soon as it is saved (overlapping
+                # the forward; with 32 MiB segments a 1024-token KV's first one was announced
+                # only once 21 of 30 layers existed, and a loaded CPU forward left the link
+                # silent past the receiver's idle deadline), and one-sided, its pieces fit
+                # one READ (`control.MAX_REGIONS`).
                 settings = dataclasses.replace(settings, segment_bytes=control.MIN_SEGMENT_BYTES)
             self._sender = make_sender(self.config.backend, settings, tls=self.config.link_tls())
             self._loop.submit(self._sender.start()).result(30)
