@@ -331,6 +331,22 @@ async def _translated(what: str) -> AsyncIterator[None]:
         raise errors.UnavailableError(f"request store error ({what})") from exc
 
 
+def _refused(
+    request_id: str, edge: Edge, epoch: int, code: int, res: list[Any]
+) -> errors.PdorchError:
+    """What a refused transition script's reply (code, state, epoch) means."""
+    if code == -1:
+        return errors.NotFoundError(f"no request {request_id!r}")
+    state, cur_epoch = res[1], res[2]
+    if code == -2:
+        return errors.StaleEpochError(
+            f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
+        )
+    return errors.InvalidTransitionError(
+        f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
+    )
+
+
 def _check_journal_edge(edge: Edge) -> None:
     """An edge a journal write may take along: one that neither ends the request nor
     reassigns it (those have their own calls: `RedisStore.end`, `RedisStore.transition`)."""
@@ -538,16 +554,7 @@ class RedisStore:
             if res[1] in _TERMINAL:  # ended: out of the indexes (after the record, see create)
                 await self._unindexed(key, res[3], counted=res[4] == "1", grace_s=0, outlast=True)
             return int(res[2])
-        if code == -1:
-            raise errors.NotFoundError(f"no request {request_id!r}")
-        state, cur_epoch = res[1], res[2]
-        if code == -2:
-            raise errors.StaleEpochError(
-                f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
-            )
-        raise errors.InvalidTransitionError(
-            f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
-        )
+        raise _refused(request_id, edge, epoch, code, res)
 
     async def end(
         self,
@@ -602,16 +609,7 @@ class RedisStore:
             )
         if code == -4:  # the record names another tenant than the caller: the general way
             return await self._end_by_slot(request_id, edge, epoch, tenant, cost, fields)
-        if code == -1:
-            raise errors.NotFoundError(f"no request {request_id!r}")
-        state, cur_epoch = res[1], res[2]
-        if code == -2:
-            raise errors.StaleEpochError(
-                f"request {request_id!r}: epoch {epoch} is stale (now {cur_epoch}, {state})"
-            )
-        raise errors.InvalidTransitionError(
-            f"request {request_id!r} is {state}; cannot {edge.wire} (to {edge.target})"
-        )
+        raise _refused(request_id, edge, epoch, code, res)
 
     async def _end_by_slot(
         self,
