@@ -77,6 +77,24 @@ async def _tokenize(address: str, text: str) -> list[int]:
         return list((await stub.Tokenize(worker_pb2.TokenizeRequest(text=text), timeout=30)).ids)
 
 
+async def check_split_equals_aggregated(
+    decode_address: str, prompt: str, ids: list[int], chunks: list[orchestrator_pb2.GenerateChunk]
+) -> None:
+    """A 16-token greedy request's stream: split (prefill and decode workers, the KV moved),
+    indices contiguous from 0, and the tokens of the same prompt run aggregated."""
+    last = chunks[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.prefill_worker.startswith("prefill")
+    assert last.decode_worker.startswith("decode")
+    assert last.kv_bytes > 0
+    indices = [c.index for c in chunks if c.token_ids]
+    assert indices == sorted(indices)
+    assert indices[0] == 0
+    tokens = await _tokenize(decode_address, prompt)
+    ref = await _aggregated(decode_address, tokens, 16, common_pb2.SamplingParams(temperature=0))
+    assert ids == ref, prompt
+
+
 def test_twenty_prompts_disaggregated_equal_aggregated(cluster: LocalCluster) -> None:
     address = cluster.orchestrator_addresses[0]
     decode = next(w for w in workers(cluster) if w.role == "decode")
@@ -84,18 +102,7 @@ def test_twenty_prompts_disaggregated_equal_aggregated(cluster: LocalCluster) ->
     async def main() -> None:
         results = await asyncio.gather(*(collect(address, request(p)) for p in PROMPTS))
         for prompt, (ids, _text, chunks) in zip(PROMPTS, results, strict=True):
-            assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-            assert chunks[-1].prefill_worker.startswith("prefill")
-            assert chunks[-1].decode_worker.startswith("decode")
-            assert chunks[-1].kv_bytes > 0
-            indices = [c.index for c in chunks if c.token_ids]
-            assert indices == sorted(indices)
-            assert indices[0] == 0
-            tokens = await _tokenize(decode.address, prompt)
-            ref = await _aggregated(
-                decode.address, tokens, 16, common_pb2.SamplingParams(temperature=0)
-            )
-            assert ids == ref, prompt
+            await check_split_equals_aggregated(decode.address, prompt, ids, chunks)
 
     run(main())
 

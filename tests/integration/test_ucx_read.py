@@ -22,7 +22,7 @@ from orchestrator.chaos import scenario as sc
 from orchestrator.chaos.runner import ChaosRunner, cluster_for, shareable
 from orchestrator.cluster import LocalCluster, connect
 from tests.integration.conftest import collect, request, run, workers
-from tests.integration.test_end_to_end import PROMPTS, _aggregated, _tokenize
+from tests.integration.test_end_to_end import PROMPTS, _tokenize, check_split_equals_aggregated
 from transport.backend_names import TCP, UCX_READ
 from transport.backends import make_receiver
 from transport.base import TransportSettings
@@ -58,21 +58,8 @@ def test_tokens_over_ucx_read_equal_the_aggregated_run(fleet: LocalCluster) -> N
 
     async def main() -> None:
         results = await asyncio.gather(*(collect(address, request(p)) for p in prompts))
-        seen = set()
         for prompt, (ids, _text, chunks) in zip(prompts, results, strict=True):
-            last = chunks[-1]
-            assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
-            assert last.kv_bytes > 0  # disaggregated: the KV moved
-            seen.add((last.prefill_worker, last.decode_worker))
-            indices = [c.index for c in chunks if c.token_ids]
-            assert indices == sorted(indices)
-            assert indices[0] == 0
-            tokens = await _tokenize(decode.address, prompt)
-            ref = await _aggregated(
-                decode.address, tokens, 16, common_pb2.SamplingParams(temperature=0)
-            )
-            assert ids == ref, prompt
-        assert all(p.startswith("prefill") and d.startswith("decode") for p, d in seen)
+            await check_split_equals_aggregated(decode.address, prompt, ids, chunks)
 
     run(main())
 
