@@ -3,11 +3,7 @@ worker (`pdorch worker --engine vllm`), the prompt's KV moved by pdorch's connec
 pdorch's transport, checked against vLLM on its own (greedy, the 20 shipped prompts; seeded,
 with pdorch's sampler in both); and log probabilities across the split (issue 17 defect 13:
 the prefill's response carries the prompt's and the first token's, the decode stream the
-rest), equal to the log-softmax of transformers' raw logits on the same model.
-
-The workers run ``--transport ucx-read`` (the decode reads the prefill's blocks one-sided out
-of vLLM's registered cache; `tests/integration/test_vllm_connector.py` checks no gather
-happened); the failover tests run the connector's TCP path."""
+rest), equal to the log-softmax of transformers' raw logits on the same model."""
 
 from __future__ import annotations
 
@@ -45,7 +41,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 @pytest.fixture(scope="module")
 def pd_cluster() -> Iterator[LocalCluster]:
     c = LocalCluster(
-        model="smollm2", engine="vllm", transport="ucx-read", prefill_workers=1, decode_workers=1,
+        model="smollm2", engine="vllm", transport="tcp", prefill_workers=1, decode_workers=1,
         ready_timeout_s=900,
     )  # fmt: skip
     with c:
