@@ -69,6 +69,8 @@ def test_pd_greedy_equals_vllm_offline_and_blocks_come_back(
         return bool(decode) and decode[0].active == 0 and decode[0].kv_used_bytes == 0
 
     wait_for(settled, 15, "the decode worker's blocks and held KV to return to zero")
+    # Both publish the backend they move KV with: placement pairs them by it.
+    assert {w.role: w.transport for w in workers(pd_cluster)} == {"prefill": "tcp", "decode": "tcp"}
 
 
 def test_pd_seeded_equals_the_uninterrupted_request(

@@ -175,6 +175,7 @@ class VllmHost(EngineHost):
         events = kv_events.endpoint() if s.kv_report_blocks > 0 else ""
         if s.role in ("prefill", "decode"):
             self._connector = True
+            self.transport = s.transport  # a decode worker's: its connector's, once it says
             if s.role == "decode":  # the connector's receiver reports to us over this socket
                 self._control = kv.DecodeKvControl()
             transfer = kv.connector_config(
