@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -495,9 +496,33 @@ class LocalCluster:
         for name, proc in self.procs.items():
             yield name, proc.tail(4000)
 
+    def problems(self, per_process: int = 40) -> str:
+        """Each process's warnings and errors (its last ``per_process``, tracebacks
+        included) and its last lines: what a failed test prints (tests/conftest.py)."""
+        out = [f"cluster in {self.workdir}"]
+        for name, proc in self.procs.items():
+            if name == "redis":
+                continue
+            lines = proc.tail(1 << 20).splitlines()
+            flagged = [line for line in lines if _PROBLEM.match(line) or _TRACE.match(line)]
+            out.append(f"--- {name}: {len(flagged)} warning/error lines; the last shown")
+            out += flagged[-per_process:]
+            out.append(f"--- {name}: last lines")
+            out += lines[-8:]
+        return "\n".join(out)
+
 
 _LIVE: list[LocalCluster] = []
 """Clusters started in this process and not stopped: `connect` finds an address's owner."""
+
+_PROBLEM = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL) ")
+"""A log line at WARNING or above (the format `orchestrator.cli` configures)."""
+_TRACE = re.compile(r"^(Traceback |\S+(Error|Exception): )")
+
+
+def live_clusters() -> tuple[LocalCluster, ...]:
+    """The clusters this process started and has not stopped."""
+    return tuple(_LIVE)
 
 
 def connect(address: str, token: str | None = None) -> grpc.aio.Channel:
