@@ -15,6 +15,7 @@ orchestrator, the orchestrator's to a worker). The gateway stays plain HTTP on l
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -468,6 +469,7 @@ class LocalCluster:
             self.procs[name].stop()
         with contextlib.suppress(ValueError):
             _LIVE.remove(self)
+            _STOPPED.append((time.time(), self))
 
     def owns(self, address: str) -> bool:
         """Whether ``address`` is one of this cluster's orchestrators or workers (simulated
@@ -520,9 +522,15 @@ _PROBLEM = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL) ")
 _TRACE = re.compile(r"^(Traceback |\S+(Error|Exception): )")
 
 
-def live_clusters() -> tuple[LocalCluster, ...]:
-    """The clusters this process started and has not stopped."""
-    return tuple(_LIVE)
+_STOPPED: collections.deque[tuple[float, LocalCluster]] = collections.deque(maxlen=4)
+"""The clusters stopped last, with when (``time.time()``): a test's own ``with`` block
+stops its cluster before the test's failure is reported."""
+
+
+def clusters_since(started: float) -> list[LocalCluster]:
+    """The clusters this process has running, and those it stopped at or after ``started``
+    (``time.time()``)."""
+    return [*_LIVE, *(c for at, c in _STOPPED if at >= started and c not in _LIVE)]
 
 
 def connect(address: str, token: str | None = None) -> grpc.aio.Channel:

@@ -3,8 +3,10 @@ failed (tests/conftest.py, `LocalCluster.problems`): CI keeps no cluster's log d
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,8 +48,9 @@ def _report(outcome: str, when: str) -> pytest.TestReport:
     return pytest.TestReport("t.py::t", ("t.py", 0, "t"), {}, outcome, None, when)  # type: ignore[arg-type]
 
 
-def _run_hook(report: pytest.TestReport) -> pytest.TestReport:
-    hook = conftest.pytest_runtest_makereport(None, None)  # type: ignore[arg-type]
+def _run_hook(report: pytest.TestReport, started: float = 0.0) -> pytest.TestReport:
+    call = pytest.CallInfo[None](None, None, started, started + 1, 1, "call", _ispytest=True)
+    hook = conftest.pytest_runtest_makereport(None, call)  # type: ignore[arg-type]
     next(hook)
     with pytest.raises(StopIteration) as done:
         hook.send(report)
@@ -64,3 +67,17 @@ def test_a_failed_call_carries_the_live_clusters_logs(
     assert "stale epoch" in failed.sections[0][1]
     assert _run_hook(_report("passed", "call")).sections == []
     assert _run_hook(_report("failed", "setup")).sections == []  # start-up errors say it
+
+
+def test_a_cluster_stopped_during_the_test_is_reported_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test's own ``with LocalCluster(...)`` block stops it before the report is made."""
+    c = _cluster(tmp_path)
+    monkeypatch.setattr(cluster_mod, "_LIVE", [c])
+    monkeypatch.setattr(cluster_mod, "_STOPPED", collections.deque(maxlen=4))
+    started = time.time()
+    c.stop()
+    assert cluster_mod.clusters_since(started) == [c]
+    assert "stale epoch" in _run_hook(_report("failed", "call"), started).sections[0][1]
+    assert _run_hook(_report("failed", "call"), time.time() + 60).sections == []  # before it
