@@ -55,6 +55,13 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
   by turning rendezvous off (``RNDV_THRESH=inf``), which would make v1's tag messages
   eager copies; a context started that way gets error-handling reads too. Where neither
   holds (UCXX started by someone else), reads keep error handling off.
+* The worker's lock is a **mutex** (``USE_MT_MUTEX=y``; UCX's default is a spinlock). A CMA
+  read copies inside ``ucp_worker_progress``, 512 KiB a call (``CMA_SEG_SIZE``), holding
+  the worker's lock, and while a read is outstanding UCXX's progress thread progresses the
+  same worker: with a spinlock it spun for as long as the reads copied — a 256 MiB
+  transfer cost its receiver ~105 ms of CPU against v1's ~65, one more core busy on a
+  2-core VM (per-thread ``schedstat``, load ~15). With a mutex the two threads share the
+  copy and the receiver's CPU is ~65 ms; tag (v1) transfers are unchanged within noise.
 * Otherwise peer-death detection comes from the control link: a killed peer's TCP
   connection is reset by its kernel within milliseconds, and a stalled peer trips the
   transfer's idle deadline (one-sided, the receiver's LANDED messages keep the sender's).
@@ -176,7 +183,7 @@ class UcxDataPlane(DataPlane):
             ucxx = _import_ucxx()
             try:
                 if not _initialised(ucxx):
-                    options = {"CMA_MEMORY_INVALIDATE": "y", **self._config.options}
+                    options = {**_CONTEXT_OPTIONS, **self._config.options}
                     ucxx.init(options=options, progress_mode=self._config.progress_mode)
                     _CONTEXT.checked_reads = _reads_keep_cma(options)
                 address = ucxx.get_worker_address().tobytes()
@@ -493,6 +500,10 @@ class _Reads:
         for key in keys:
             ucp.destroy_rkey(key)
 
+
+_CONTEXT_OPTIONS = {"CMA_MEMORY_INVALIDATE": "y", "USE_MT_MUTEX": "y"}
+"""What every data plane starts UCX with (module notes): CMA stays eligible for reads'
+error-handling endpoints, and the worker's lock is a mutex, not a spinlock."""
 
 _INLINE_READ_BYTES = 1 << 20
 """Segments up to this size are read on the event loop (a CMA copy of 1 MiB: ~0.1 ms)."""
