@@ -55,6 +55,13 @@ The configuration, and why (figures measured on the 2-core CI kind of machine; s
   by turning rendezvous off (``RNDV_THRESH=inf``), which would make v1's tag messages
   eager copies; a context started that way gets error-handling reads too. Where neither
   holds (UCXX started by someone else), reads keep error handling off.
+* The worker's lock is a **mutex** (``USE_MT_MUTEX=y``; UCX's default is a spinlock). A CMA
+  read copies inside ``ucp_worker_progress``, 512 KiB a call (``CMA_SEG_SIZE``), holding
+  the worker's lock, and while a read is outstanding UCXX's progress thread progresses the
+  same worker: with a spinlock it spun for as long as the reads copied — a 256 MiB
+  transfer cost its receiver ~105 ms of CPU against v1's ~65, one more core busy on a
+  2-core VM (per-thread ``schedstat``, load ~15). With a mutex the two threads share the
+  copy and the receiver's CPU is ~65 ms; tag (v1) transfers are unchanged within noise.
 * Otherwise peer-death detection comes from the control link: a killed peer's TCP
   connection is reset by its kernel within milliseconds, and a stalled peer trips the
   transfer's idle deadline (one-sided, the receiver's LANDED messages keep the sender's).
@@ -123,9 +130,10 @@ class UcxConfig:
     one_sided: bool = False
     """Payloads are read by the receiver from the sender's registered memory (``get``,
     transport v2) instead of sent as tagged messages (v1). Opt-in: measured side by side
-    here (README "Limits", a 2-core VM) v2 was 1.0–2× v1 from 4 KiB to 16 MiB but
-    0.83–0.95× at 64–256 MiB; it stays off until it is ≥ v1 at every size. A receiver takes
-    either, as each sender opens it."""
+    here (README "Limits", a 2-core VM) v2 is 1.2–3× v1 from 4 KiB to 16 MiB and level
+    with it at 64–256 MiB (0.93–1.10×, medians of 4–5 runs; either is ahead in a given
+    run); it stays off until it is ≥ v1 at every size. A receiver takes either, as each
+    sender opens it."""
     error_handling: bool = False
     """UCX endpoint peer-error handling on *tag* (v1) endpoints. Off: with it on, libucx
     1.21 gives them only ``tcp/lo`` lanes (0.5–1 GB/s). Peer failure is detected by the
@@ -176,7 +184,7 @@ class UcxDataPlane(DataPlane):
             ucxx = _import_ucxx()
             try:
                 if not _initialised(ucxx):
-                    options = {"CMA_MEMORY_INVALIDATE": "y", **self._config.options}
+                    options = {**_CONTEXT_OPTIONS, **self._config.options}
                     ucxx.init(options=options, progress_mode=self._config.progress_mode)
                     _CONTEXT.checked_reads = _reads_keep_cma(options)
                 address = ucxx.get_worker_address().tobytes()
@@ -493,6 +501,10 @@ class _Reads:
         for key in keys:
             ucp.destroy_rkey(key)
 
+
+_CONTEXT_OPTIONS = {"CMA_MEMORY_INVALIDATE": "y", "USE_MT_MUTEX": "y"}
+"""What every data plane starts UCX with (module notes): CMA stays eligible for reads'
+error-handling endpoints, and the worker's lock is a mutex, not a spinlock."""
 
 _INLINE_READ_BYTES = 1 << 20
 """Segments up to this size are read on the event loop (a CMA copy of 1 MiB: ~0.1 ms)."""
