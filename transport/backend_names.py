@@ -9,8 +9,9 @@ loading asyncio, the senders or UCX.
 * ``ucx``: UCX tag messages (transport v1), the default.
 * ``ucx-read``: UCX one-sided reads (transport v2, ``UcxConfig(one_sided=True)``): the
   decode worker pulls the segments from the prefill's registered memory, one message and
-  one reply per transfer. Measured side by side on a 2-core VM (README "Limits"): 1.2–3×
-  the tag path from 4 KiB to 16 MiB, level with it (0.93–1.10×) at 64–256 MiB.
+  one reply per transfer. Measured side by side on a 2-core VM (README "Transport
+  performance"): 1.2–3× the tag path from 4 KiB to 16 MiB, level with it (0.9–1.1×) at
+  64–256 MiB.
 * ``tcp``: payloads inline on the control connection; needs nothing installed.
 
 **Pairing.** Control always travels on a TCP link and each sender says how it moves

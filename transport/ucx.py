@@ -130,9 +130,9 @@ class UcxConfig:
     one_sided: bool = False
     """Payloads are read by the receiver from the sender's registered memory (``get``,
     transport v2) instead of sent as tagged messages (v1). Opt-in: measured side by side
-    here (README "Limits", a 2-core VM) v2 is 1.2–3× v1 from 4 KiB to 16 MiB and level
-    with it at 64–256 MiB (0.93–1.10×, medians of 4–5 runs; either is ahead in a given
-    run); it stays off until it is ≥ v1 at every size. A receiver takes either, as each
+    here (README "Transport performance", a 2-core VM) v2 is 1.2–3× v1 from 4 KiB to 16
+    MiB and level with it at 64–256 MiB (0.96–1.00×, medians of 24 runs; either is ahead
+    in a given run); it stays off until it is ≥ v1 at every size. A receiver takes either, as each
     sender opens it."""
     error_handling: bool = False
     """UCX endpoint peer-error handling on *tag* (v1) endpoints. Off: with it on, libucx
