@@ -32,13 +32,14 @@ UVLOOP = "uvloop"
 LOOPS = (UVLOOP, ASYNCIO)
 
 ORCHESTRATOR_LOOP = UVLOOP
-"""`pdorch orchestrator`'s loop when ``--loop`` is not given (and uvloop imports): ~8 %
-less CPU per relayed message at 16 tokens × 200 streams, tails unchanged (README: Control
-plane at scale)."""
+"""`pdorch orchestrator`'s loop when ``--loop`` is not given (and uvloop imports): 7-10 %
+less CPU per request than asyncio's in 18 alternated pairs of `pdorch bench control-plane`,
+tails unchanged (README: Control plane at scale)."""
 WORKER_LOOP = ASYNCIO
-"""`pdorch worker`'s: the simulated fleet on uvloop saved no CPU measurably and its
-requests' overhead p99 rose to 3-4 s (from 0.2-1.1 s) in every run, cause not found: kept
-on asyncio until that is understood (``--loop uvloop`` to measure it)."""
+"""`pdorch worker`'s: the simulated fleet on uvloop saved no CPU measurably, and requests'
+overhead p99 at 256 tokens × 50 streams was 2.5-3.0 s in every run against 0.16-0.34 s
+beside it, cause not found: workers keep asyncio's loop until that is understood
+(``--loop uvloop`` to measure it)."""
 
 FALLBACK_WARNING = (
     "uvloop is not installed: running on asyncio's default event loop, which costs more CPU "
