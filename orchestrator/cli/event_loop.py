@@ -36,10 +36,14 @@ ORCHESTRATOR_LOOP = UVLOOP
 less CPU per request than asyncio's in 18 alternated pairs of `pdorch bench control-plane`,
 tails unchanged (README: Control plane at scale)."""
 WORKER_LOOP = ASYNCIO
-"""`pdorch worker`'s: the simulated fleet on uvloop saved no CPU measurably, and requests'
-overhead p99 at 256 tokens × 50 streams was 2.5-3.0 s in every run against 0.16-0.34 s
-beside it, cause not found: workers keep asyncio's loop until that is understood
-(``--loop uvloop`` to measure it)."""
+"""`pdorch worker`'s. On uvloop, a busy worker's KV receiver loses the TLS handshakes of
+incoming KV links: it accepts plaintext and then upgrades (`StreamWriter.start_tls`), and
+uvloop has by then read the sender's ClientHello into the stream's buffer, where the TLS
+layer never sees it; the sender's connect times out (2 s) and the request fails over
+(2,280 failovers in 14 of 16 bench runs with the simulated fleet on uvloop, none in 48 on
+asyncio's loop; README: Control plane at scale). Until the receiver does TLS at accept,
+workers stay on asyncio's loop."""
+WORKER_LOOP_NOTE = "uvloop: a busy worker's KV links over TLS fail their handshakes (README)"
 
 FALLBACK_WARNING = (
     "uvloop is not installed: running on asyncio's default event loop, which costs more CPU "
@@ -49,16 +53,17 @@ FALLBACK_WARNING = (
 T = TypeVar("T")
 
 
-def add_loop_flag(p: argparse.ArgumentParser, preferred: str) -> None:
+def add_loop_flag(p: argparse.ArgumentParser, preferred: str, note: str = "") -> None:
     """``--loop``; not given (None), `choose` runs on ``preferred`` (`ORCHESTRATOR_LOOP`,
-    `WORKER_LOOP`), kept in ``preferred_loop``."""
+    `WORKER_LOOP`), kept in ``preferred_loop``. ``note``: a caveat for the help."""
     p.add_argument(
         "--loop",
         choices=LOOPS,
         default=None,
         help=f"the event loop (default: {preferred}"
         + (f" when installed, else {ASYNCIO} with a warning" if preferred != ASYNCIO else "")
-        + "; README: Control plane at scale)",
+        + (f"; {note}" if note else "; README: Control plane at scale")
+        + ")",
     )
     p.set_defaults(preferred_loop=preferred)
 

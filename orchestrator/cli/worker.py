@@ -86,7 +86,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.tls,
         help=HELP,
     )
-    event_loop.add_loop_flag(w, event_loop.WORKER_LOOP)
+    event_loop.add_loop_flag(w, event_loop.WORKER_LOOP, event_loop.WORKER_LOOP_NOTE)
     add_transport_flag(w, None, f"{DEFAULT}; with --sim, {SIM_TRANSPORT}")
     w.add_argument(
         "--role",
