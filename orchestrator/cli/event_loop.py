@@ -40,8 +40,8 @@ WORKER_LOOP = ASYNCIO
 incoming KV links: it accepts plaintext and then upgrades (`StreamWriter.start_tls`), and
 uvloop has by then read the sender's ClientHello into the stream's buffer, where the TLS
 layer never sees it; the sender's connect times out (2 s) and the request fails over
-(2,280 failovers in 14 of 16 bench runs with the simulated fleet on uvloop, none in 48 on
-asyncio's loop; README: Control plane at scale). Until the receiver does TLS at accept,
+(in every loaded bench cluster with the simulated fleet on uvloop, up to 370 requests of
+2,000; none on asyncio's loop; README: Control plane at scale). Until the receiver does TLS at accept,
 workers stay on asyncio's loop."""
 WORKER_LOOP_NOTE = "uvloop: a busy worker's KV links over TLS fail their handshakes (README)"
 
