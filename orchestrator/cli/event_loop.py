@@ -41,8 +41,8 @@ incoming KV links: it accepts plaintext and then upgrades (`StreamWriter.start_t
 uvloop has by then read the sender's ClientHello into the stream's buffer, where the TLS
 layer never sees it; the sender's connect times out (2 s) and the request fails over
 (in every loaded bench cluster with the simulated fleet on uvloop, up to 370 requests of
-2,000; none on asyncio's loop; README: Control plane at scale). Until the receiver does TLS at accept,
-workers stay on asyncio's loop."""
+2,000; none on asyncio's loop; README: Control plane at scale). Until the receiver does
+TLS at accept, workers stay on asyncio's loop."""
 WORKER_LOOP_NOTE = "uvloop: a busy worker's KV links over TLS fail their handshakes (README)"
 
 FALLBACK_WARNING = (
