@@ -73,6 +73,8 @@ class ControlPlaneBench:
     profile_dir: Path | None = None
     orchestrator_args: tuple[str, ...] = ()
     """Extra `pdorch orchestrator` flags (e.g. ``--max-inflight=300``: admission under load)."""
+    fleet_args: tuple[str, ...] = ()
+    """Extra flags of every simulated-worker process (e.g. ``--loop=uvloop``)."""
     timeout_s: float = 600.0
     """The whole load phase."""
     tls: bool = True
@@ -194,7 +196,7 @@ def _run(
     ):
         for i, n in enumerate(_split(count, b.fleet_processes)):
             if n:
-                cluster.start_sim_workers(role, n, sim, i)
+                cluster.start_sim_workers(role, n, sim, i, *b.fleet_args)
     cluster.wait_live_workers(prefill, decode)
     progress(f"starting {b.orchestrators} orchestrator(s)")
     for i in range(b.orchestrators):

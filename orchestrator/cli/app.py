@@ -10,7 +10,6 @@ was; `build_parser()` without ``only`` builds them all (tests, documentation).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from orchestrator.cli import (
     cost,
     demo,
     down,
+    event_loop,
     generate,
     migrate,
     operator,
@@ -150,9 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_redis(args, os.environ)
         if getattr(args, "call", None) is not None:
             return int(args.call(args))
+        loop = _loop(args)
         if getattr(args, "profile", ""):
-            return _profiled(args)
-        return int(asyncio.run(args.run(args)))
+            return _profiled(args, loop)
+        return int(event_loop.run(args.run(args), loop))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
@@ -186,14 +187,22 @@ def _version() -> str:
         return "unknown"
 
 
-def _profiled(args: argparse.Namespace) -> int:
+def _loop(args: argparse.Namespace) -> str:
+    """The event loop ``args``' command runs on: a command with ``--loop`` (a server) gets
+    `event_loop.choose`'s; the others, asyncio's."""
+    if not hasattr(args, "loop"):
+        return event_loop.ASYNCIO
+    return event_loop.choose(args.loop, args.preferred_loop)
+
+
+def _profiled(args: argparse.Namespace, loop: str) -> int:
     """Run a server command under cProfile; the stats go to ``--profile`` when it exits."""
     import cProfile  # noqa: PLC0415
 
     profiler = cProfile.Profile()
     profiler.enable()
     try:
-        return int(asyncio.run(args.run(args)))
+        return int(event_loop.run(args.run(args), loop))
     finally:
         profiler.disable()
         profiler.dump_stats(args.profile)

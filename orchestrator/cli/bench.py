@@ -281,6 +281,13 @@ def _control_plane(bc: argparse.ArgumentParser) -> None:
         metavar="FLAG",
         help="pass FLAG to every orchestrator, e.g. --orchestrator-arg=--max-inflight=300",
     )
+    bc.add_argument(
+        "--fleet-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="pass FLAG to every simulated-worker process, e.g. --fleet-arg=--loop=uvloop",
+    )
     for switch in ("tls", "pin", "hiredis"):
         bc.add_argument(
             f"--{switch}",
@@ -328,6 +335,7 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
         warmup=args.warmup,
         profile_dir=Path(args.profile_dir) if args.profile_dir else None,
         orchestrator_args=tuple(args.orchestrator_arg),
+        fleet_args=tuple(args.fleet_arg),
         tls=args.tls == "on",
         redis_shards=args.redis_shards,
         pin=args.pin == "on",

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orchestrator.cli import gc_tuning
+from orchestrator.cli import event_loop, gc_tuning
 from orchestrator.cli.common import (
     CommandError,
     Commands,
@@ -100,6 +100,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
     from orchestrator.store.settings import StoreSettings  # noqa: PLC0415
 
     o = add_command(sub, NAME, parents, parents.redis, parents.tls, help=HELP)
+    event_loop.add_loop_flag(o, event_loop.ORCHESTRATOR_LOOP)
     o.add_argument(
         "--host", default=default(ServerSettings, "host"), help="listen address (%(default)s)"
     )
@@ -386,7 +387,11 @@ async def run(args: argparse.Namespace) -> int:
             await http.start()  # before SERVING: a ready orchestrator serves both
             print(f"gateway {args.replica_id} ready on {http.url}/v1", flush=True)
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
-        print(f"orchestrator {args.replica_id} ready on {serving.host}:{port}", flush=True)
+        print(
+            f"orchestrator {args.replica_id} ready on {serving.host}:{port} "
+            f"(event loop {event_loop.running()})",
+            flush=True,
+        )
         await until_signalled()
     finally:
         await health.enter_graceful_shutdown()

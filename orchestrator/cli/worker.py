@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.cli import event_loop
 from orchestrator.cli.common import (
     ENGINES,
     CommandError,
@@ -85,6 +86,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents.tls,
         help=HELP,
     )
+    event_loop.add_loop_flag(w, event_loop.WORKER_LOOP, event_loop.WORKER_LOOP_NOTE)
     add_transport_flag(w, None, f"{DEFAULT}; with --sim, {SIM_TRANSPORT}")
     w.add_argument(
         "--role",
@@ -346,7 +348,11 @@ async def run(args: argparse.Namespace) -> int:
     metrics.watch(worker.kv_used, worker.active_sequences)
     metrics_server = serve_metrics(metrics.registry, args.host, args.metrics_port)
     await worker.start()
-    print(f"worker {worker.worker_id} ready on {worker.address} kv={worker.kv_address}", flush=True)
+    print(
+        f"worker {worker.worker_id} ready on {worker.address} kv={worker.kv_address} "
+        f"(event loop {event_loop.running()})",
+        flush=True,
+    )
     try:
         await until_signalled()
     finally:
@@ -466,7 +472,11 @@ async def _run_sim_workers(args: argparse.Namespace, tls: Tls | None) -> int:
         await store.close()
         raise
     for w in workers:
-        print(f"worker {w.worker_id} ready on {w.address} kv={w.kv_address}", flush=True)
+        print(
+            f"worker {w.worker_id} ready on {w.address} kv={w.kv_address} "
+            f"(event loop {event_loop.running()})",
+            flush=True,
+        )
     try:
         await until_signalled()
     finally:
