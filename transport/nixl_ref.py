@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from transport import ucx_env
+
 _MODULE = "nixl_cu12"
 
 
@@ -40,6 +42,7 @@ def measure(size: int, iters: int, op: str, descs: int, timeout_s: float = 120.0
         text=True,
         timeout=timeout_s,
         check=False,
+        env=ucx_env.for_child(),  # not our ucxx's UCX defaults: NIXL as it runs on its own
     )
     for line in out.stdout.splitlines():
         if line.startswith("{"):

@@ -103,7 +103,7 @@ from typing import Any
 
 import numpy as np
 
-from transport import errors, ucp
+from transport import errors, ucp, ucx_env
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.completion import CompletionPoller
 from transport.control import RemoteRegion
@@ -141,6 +141,7 @@ class UcxConfig:
 
 
 def _import_ucxx() -> Any:
+    ucx_env.snapshot()  # before ucxx sets its defaults (another UCX program must not inherit them)
     # `import ucxx` sets UCX_MEMTYPE_CACHE, which libucx 1.21 no longer knows, and UCX then
     # prints an "unused environment variable" warning to *stdout* in every process.
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
