@@ -25,9 +25,8 @@ print(json.dumps({"ours": os.environ.get("UCX_RNDV_THRESH"),
 def _probe(**extra: str) -> dict[str, str | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     env.update(extra, PDORCH_PROBE="kept")
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60
-    )
+    argv = [sys.executable, "-c", PROBE]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     result: dict[str, str | None] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
