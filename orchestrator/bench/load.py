@@ -33,6 +33,7 @@ reason. Every completed stream's token indices are checked to be contiguous from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -97,6 +98,9 @@ class LoadSpec:
     ramp_s: float = 0.0
     """Spread the slots' first requests over this many seconds (`slot_delay`); 0: every
     slot starts at once (arrivals in bursts of ``concurrency``)."""
+    connect_timeout_s: float = 10.0
+    """How long the load waits for its channels to connect before it starts anyway (a
+    target that does not answer then fails the requests, which say why)."""
     ramp_phase: float = 0.0
     """Where in its turn, in [0, 1), this process's slots start: load processes sharing a
     ramp (``bench control-plane``: process i of n at i / n) interleave their arrivals."""
@@ -279,8 +283,9 @@ async def run_load(spec: LoadSpec, token: str | None = None, tls: Tls | None = N
 
     try:
         connecting = time.perf_counter()
-        async with asyncio.timeout(spec.timeout_s):  # the load's start-up, not a request's
-            await asyncio.gather(*(c.channel_ready() for c in channels))
+        with contextlib.suppress(TimeoutError):  # the load's start-up, not a request's
+            async with asyncio.timeout(spec.connect_timeout_s):
+                await asyncio.gather(*(c.channel_ready() for c in channels))
         result.connect_ms = (time.perf_counter() - connecting) * 1000
         async with asyncio.TaskGroup() as group:
             for k in range(min(spec.concurrency, spec.requests)):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
+
 import pytest
 
 from orchestrator.bench.control_plane import ControlPlaneBench, _client_argv, _split
@@ -12,6 +16,7 @@ from orchestrator.bench.load import (
     distribution,
     percentile,
     prompt,
+    run_load,
     slot_delay,
 )
 from orchestrator.errors import ConfigError
@@ -118,3 +123,19 @@ def test_connect_time_round_trips_and_merges_as_the_longest() -> None:
     merged = LoadResult.merge([a, b])
     assert merged.connect_ms == 120.0
     assert merged.summary()["connect_ms"] == 120.0
+
+
+def test_a_target_that_does_not_answer_fails_the_requests_after_the_connect_wait() -> None:
+    # The load waits for its channels before its clock starts — boundedly: a target that
+    # never answers still ends the load, its requests refused (UNAVAILABLE), not a hang.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    spec = LoadSpec((f"127.0.0.1:{port}",), requests=2, concurrency=2, timeout_s=5.0,
+                    connect_timeout_s=0.3)  # fmt: skip
+    t0 = time.monotonic()
+    result = asyncio.run(run_load(spec))
+    assert time.monotonic() - t0 < 5.0
+    assert [s.code for s in result.samples] == ["UNAVAILABLE", "UNAVAILABLE"]
+    assert not any(s.admitted for s in result.samples)
+    assert result.connect_ms >= 250
