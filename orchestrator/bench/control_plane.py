@@ -77,6 +77,10 @@ class ControlPlaneBench:
     """Extra flags of every simulated-worker process (e.g. ``--loop=uvloop``)."""
     timeout_s: float = 600.0
     """The whole load phase."""
+    ramp_s: float = 0.0
+    """Spread the first ``concurrency`` requests evenly over this many seconds (and so
+    every later wave: a closed loop of equal requests stays in step); 0: they start at once,
+    and each wave arrives as a burst of ``concurrency`` (`orchestrator.bench.load`)."""
     tls: bool = True
     """Client API over TLS and orchestrator→worker calls over mutual TLS (the local
     cluster's default); False: plaintext, to measure what TLS costs."""
@@ -96,6 +100,8 @@ class ControlPlaneBench:
                      "gpu_batch"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
+        if self.ramp_s < 0:
+            raise ConfigError("ramp_s", "must be >= 0 (0: no ramp)")
         if self.redis_shards < 0:
             raise ConfigError("redis_shards", "must be >= 0 (0: one plain redis-server)")
         if self.fleet_processes < 1:
@@ -305,6 +311,7 @@ def _result(
         "max_tokens": b.max_tokens,
         "prompt_words": b.prompt_words,
         "tls": b.tls,
+        "ramp_s": b.ramp_s,
         **summary,
         "tokens": usage.tokens,
         "orchestrator_cpu_ms_per_request": cpu_ms["orchestrators"],
@@ -372,8 +379,8 @@ def _client_argv(
     """Each load process's command line: its share of the requests and concurrency."""
     argv = []
     offset = 0
-    for requests, concurrency in zip(
-        _split(b.requests, b.clients), _split(b.concurrency, b.clients), strict=True
+    for i, (requests, concurrency) in enumerate(
+        zip(_split(b.requests, b.clients), _split(b.concurrency, b.clients), strict=True)
     ):
         if not requests:
             continue
@@ -386,6 +393,8 @@ def _client_argv(
             "--max-tokens", str(b.max_tokens),
             "--prompt-words", str(b.prompt_words),
             "--offset", str(offset),
+            "--ramp-s", str(b.ramp_s),
+            "--ramp-phase", str(i / b.clients),
             "--samples",
             *(["--tls-dir", tls_dir] if tls_dir else []),
         ])  # fmt: skip
@@ -404,7 +413,8 @@ def format_result(r: dict[str, object]) -> str:
         f"{r['max_tokens']} tokens each, {r['clients']} client process(es)",
         f"admitted {r['admitted_per_s']} req/s, completed {r['completed_per_s']} req/s "
         f"({r['completed']}/{r['requests']}; not completed: {r['not_completed_by_code']})",
-        f"orchestration overhead ms: {r['overhead_ms']}",
+        f"orchestration overhead ms: {r['overhead_ms']} (arrivals ramped over "
+        f"{r['ramp_s']} s; channels connected in {r['connect_ms']} ms, before the clock)",
         f"client TTFT ms: {r['client_ttft_ms']}",
         f"worker TTFT ms: {r['worker_ttft_ms']}",
         f"orchestrator CPU ms/request: {r['orchestrator_cpu_ms_per_request']} "

@@ -18,6 +18,13 @@ What is measured per request, in milliseconds:
   (record, transitions, the first journal append), the Prefill call's and the Decode
   stream's own latency, the relay — and any wait for a CPU in those processes.
 
+The clock starts once every channel is connected (TCP, TLS and HTTP/2 set up: the load's
+own start-up, reported apart as ``connect_ms``), so the first requests' TTFT is not a
+handshake's. A closed loop of equal requests started together stays in step: every
+request of a wave ends together and the next ``concurrency`` arrive at once, a burst each
+time. ``ramp_s`` spreads the slots' first requests over that many seconds, and the waves
+with them, for arrivals that are not a burst.
+
 A request is *admitted* unless the orchestrator refused it up front (``RESOURCE_EXHAUSTED``,
 or ``UNAVAILABLE`` before any chunk); it *completed* when its stream ended with a finish
 reason. Every completed stream's token indices are checked to be contiguous from 0.
@@ -26,6 +33,7 @@ reason. Every completed stream's token indices are checked to be contiguous from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -87,6 +95,15 @@ class LoadSpec:
     """Per request, the whole stream."""
     offset: int = 0
     """First request number (distinct prompts across client processes)."""
+    ramp_s: float = 0.0
+    """Spread the slots' first requests over this many seconds (`slot_delay`); 0: every
+    slot starts at once (arrivals in bursts of ``concurrency``)."""
+    connect_timeout_s: float = 10.0
+    """How long the load waits for its channels to connect before it starts anyway (a
+    target that does not answer then fails the requests, which say why)."""
+    ramp_phase: float = 0.0
+    """Where in its turn, in [0, 1), this process's slots start: load processes sharing a
+    ramp (``bench control-plane``: process i of n at i / n) interleave their arrivals."""
 
 
 @dataclass(slots=True)
@@ -121,19 +138,31 @@ class LoadResult:
     samples: list[Sample] = field(default_factory=list)
     cpu_s: float = 0.0
     """CPU seconds the load process(es) used."""
+    connect_ms: float = 0.0
+    """How long the channels took to connect, before the first request (the longest of
+    the load processes')."""
 
     def to_json(self) -> str:
-        return json.dumps({"samples": [asdict(s) for s in self.samples], "cpu_s": self.cpu_s})
+        samples = [asdict(s) for s in self.samples]
+        return json.dumps({"samples": samples, "cpu_s": self.cpu_s, "connect_ms": self.connect_ms})
 
     @classmethod
     def from_json(cls, text: str) -> LoadResult:
         data = json.loads(text)
-        return cls([Sample(**s) for s in data["samples"]], float(data.get("cpu_s", 0.0)))
+        return cls(
+            [Sample(**s) for s in data["samples"]],
+            float(data.get("cpu_s", 0.0)),
+            float(data.get("connect_ms", 0.0)),
+        )
 
     @classmethod
     def merge(cls, results: Iterable[LoadResult]) -> LoadResult:
         results = list(results)
-        return cls([s for r in results for s in r.samples], sum(r.cpu_s for r in results))
+        return cls(
+            [s for r in results for s in r.samples],
+            sum(r.cpu_s for r in results),
+            max((r.connect_ms for r in results), default=0.0),
+        )
 
     def summary(self) -> dict[str, object]:
         s = self.samples
@@ -147,6 +176,7 @@ class LoadResult:
         overheads = [o for x in completed if (o := x.overhead_ms) is not None]
         return {
             "requests": len(s),
+            "connect_ms": round(self.connect_ms, 1),
             "admitted": len(admitted),
             "completed": len(completed),
             "not_completed_by_code": codes,
@@ -180,6 +210,15 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
         "max": round(max(values), 2),
         "mean": round(sum(values) / len(values), 2),
     }
+
+
+def slot_delay(slot: int, spec: LoadSpec) -> float:
+    """Seconds slot ``slot`` (of ``spec.concurrency``) waits before its first request: the
+    slots start evenly over ``spec.ramp_s``, this process's shifted by ``ramp_phase`` of a
+    turn."""
+    if spec.ramp_s <= 0:
+        return 0.0
+    return spec.ramp_s * (slot + spec.ramp_phase) / spec.concurrency
 
 
 def prompt(n: int, words: int) -> str:
@@ -237,14 +276,20 @@ async def run_load(spec: LoadSpec, token: str | None = None, tls: Tls | None = N
     last = spec.offset + spec.requests
     result = LoadResult()
 
-    async def slot() -> None:
+    async def slot(k: int) -> None:
+        await asyncio.sleep(slot_delay(k, spec))
         while (n := next(numbers)) < last:
             result.samples.append(await _one(stubs[n % len(stubs)], n, spec))
 
     try:
+        connecting = time.perf_counter()
+        with contextlib.suppress(TimeoutError):  # the load's start-up, not a request's
+            async with asyncio.timeout(spec.connect_timeout_s):
+                await asyncio.gather(*(c.channel_ready() for c in channels))
+        result.connect_ms = (time.perf_counter() - connecting) * 1000
         async with asyncio.TaskGroup() as group:
             for k in range(min(spec.concurrency, spec.requests)):
-                group.create_task(slot(), name=f"pdorch-load-slot-{k}")
+                group.create_task(slot(k), name=f"pdorch-load-slot-{k}")
     finally:
         for channel in channels:
             await channel.close(None)

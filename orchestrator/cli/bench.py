@@ -25,6 +25,7 @@ from orchestrator.cli.common import (
     client_token,
     default,
     field_doc,
+    non_negative_float,
     non_negative_int,
     positive_int,
 )
@@ -273,6 +274,7 @@ def _control_plane(bc: argparse.ArgumentParser) -> None:
     flag("--prefill-gpu", "prefill_gpu")
     flag("--decode-gpu", "decode_gpu")
     flag("--warmup", "warmup", type=int, help="unmeasured requests (0: 2/worker)")
+    flag("--ramp-s", "ramp_s", type=non_negative_float)
     bc.add_argument("--profile-dir", default="", help="cProfile each orchestrator into DIR")
     bc.add_argument(
         "--orchestrator-arg",
@@ -333,6 +335,7 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
         prefill_gpu=args.prefill_gpu,
         decode_gpu=args.decode_gpu,
         warmup=args.warmup,
+        ramp_s=args.ramp_s,
         profile_dir=Path(args.profile_dir) if args.profile_dir else None,
         orchestrator_args=tuple(args.orchestrator_arg),
         fleet_args=tuple(args.fleet_arg),
@@ -360,6 +363,8 @@ def _load(bl: argparse.ArgumentParser) -> None:
     flag("--max-tokens", "max_tokens", type=positive_int)
     flag("--prompt-words", "prompt_words", type=positive_int)
     flag("--offset", "offset", type=int, help="first request number")
+    flag("--ramp-s", "ramp_s", type=non_negative_float)
+    flag("--ramp-phase", "ramp_phase", type=float)
     bl.add_argument("--samples", action="store_true", help="print every sample as JSON")
     bl.set_defaults(call=_run_load)
 
@@ -390,6 +395,8 @@ def load_spec(args: argparse.Namespace) -> LoadSpec:
         max_tokens=args.max_tokens,
         prompt_words=args.prompt_words,
         offset=args.offset,
+        ramp_s=args.ramp_s,
+        ramp_phase=args.ramp_phase,
     )
 
 

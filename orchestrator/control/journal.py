@@ -17,7 +17,11 @@ a stream's chunks, so batches stay small and the write — a store call whatever
 costs per chunk again: so a write that follows the previous one within ``gather_s`` waits
 until ``gather_s`` after it, gathering meanwhile. That bounds the writes to one per
 ``gather_s`` and delays a chunk at most that long, and only when the replica is busy (an
-idle replica's first write goes at once). Every write of a run goes through the writer, in order,
+idle replica's first write goes at once). **A request's first chunk never waits for the
+gather**: it is its client's time to first token, not a stream's pace, so a run whose
+first chunk queues (`journal`'s ``first``) cuts the wait short and the batch gathered so
+far goes at once — writes are then bounded by one per ``gather_s`` plus one per request
+started. Every write of a run goes through the writer, in order,
 so a run's buffer (`JournalBuffer`) has one writer. A refusal (stale epoch, request ended,
 a gap that cannot be resynced) is that run's alone; an unreachable store fails the batch's
 runs, whose chunks stay unjournalled (never counted as written) until a later write.
@@ -57,15 +61,23 @@ class JournalWriter:
         """When the last write started (the loop's clock)."""
         self._queued: dict[int, _Waiting] = {}
         """Runs waiting for the next batch, by ``id(run)``: one future each."""
+        self._first = False
+        """A first chunk is queued: the next write goes without gathering."""
+        self._gathering: asyncio.Future[None] | None = None
+        """The writer's wait for the gather (resolved early by a first chunk)."""
         self._resyncs: dict[int, int] = {}
         self._task: asyncio.Task[None] | None = None
 
-    async def journal(self, run: Run, entry: JournalEntry) -> None:
+    async def journal(self, run: Run, entry: JournalEntry, *, first: bool = False) -> None:
         """Journal a chunk before the client sees it — or, while Redis is unreachable, keep it
-        to journal later and let the stream go on (the worker does not need Redis)."""
+        to journal later and let the stream go on (the worker does not need Redis).
+        ``first``: the chunk is the request's first token (its client waits on it): it is
+        written without waiting for the gather (module docstring)."""
         buf = run.journal
         buf.entries.append(entry)
         buf.unjournalled += 1
+        if first:
+            self._hurry()
         try:
             await self.flush(run)
         except errors.UnavailableError as exc:
@@ -88,6 +100,23 @@ class JournalWriter:
         # answer only futures not done); its chunks are still written, and the run's next
         # write waits on a new future (above) and resyncs if need be.
         await waiting[1]
+
+    def _hurry(self) -> None:
+        """The next write goes without gathering; one gathering now goes at once."""
+        self._first = True
+        if self._gathering is not None and not self._gathering.done():
+            self._gathering.set_result(None)
+
+    async def _gather(self, wait: float) -> None:
+        """Wait ``wait`` seconds, or less if a first chunk queues meanwhile (`_hurry`)."""
+        loop = asyncio.get_running_loop()
+        self._gathering = gathering = loop.create_future()
+        timer = loop.call_later(wait, _resolve, gathering)
+        try:
+            await gathering
+        finally:
+            timer.cancel()
+            self._gathering = None
 
     async def settle(self, run: Run) -> None:
         """Before a final transition: wait (bounded) for the store and flush the journal."""
@@ -119,8 +148,9 @@ class JournalWriter:
         loop = asyncio.get_running_loop()
         while self._queued:
             wait = self._last_write + self.gather_s - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)  # busy: let the batch gather (module docstring)
+            if wait > 0 and not self._first:
+                await self._gather(wait)  # busy: let the batch gather (module docstring)
+            self._first = False
             self._last_write = loop.time()
             batch = list(self._queued.values())
             self._queued = {}
@@ -195,3 +225,8 @@ class JournalWriter:
             if not done.done():
                 done.set_exception(exc)
                 done.exception()  # retrieved: a run that stopped waiting leaves no warning
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

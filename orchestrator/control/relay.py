@@ -98,7 +98,9 @@ class Relay:
                         )
                     entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt)
                     try:
-                        await self.writer.journal(run, entry)
+                        # The first token is the client's TTFT: never held for the gather.
+                        first = run.first_token_at is None and bool(ids)
+                        await self.writer.journal(run, entry, first=first)
                     except errors.RequestEndedError:  # cancelled through another replica
                         yield OutChunk(rid, produced, [], "", "cancelled", run.timings)
                         return

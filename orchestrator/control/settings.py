@@ -33,8 +33,8 @@ class ControlSettings:
     """Under load, the least time between two journal writes (each one round trip for the
     chunks of every stream on this replica, `orchestrator.control.journal`): a chunk may
     wait this long for the next write — only while the previous one started less than this
-    ago. Fewer, larger writes: the store call costs the same whatever it carries. 0: write
-    as soon as the previous write returned."""
+    ago; a request's first token never waits for it. Fewer, larger writes: the store call
+    costs the same whatever it carries. 0: write as soon as the previous write returned."""
     workers_cache_s: float = 0.25
     """How long a listing of the live workers is reused (0: list them for every request),
     by admission and by the watch on each call's worker — which takes "alive" from a

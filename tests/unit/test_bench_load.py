@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
+
 import pytest
 
-from orchestrator.bench.control_plane import ControlPlaneBench, _split
-from orchestrator.bench.load import LoadResult, Sample, distribution, percentile, prompt
+from orchestrator.bench.control_plane import ControlPlaneBench, _client_argv, _split
+from orchestrator.bench.load import (
+    LoadResult,
+    LoadSpec,
+    Sample,
+    distribution,
+    percentile,
+    prompt,
+    run_load,
+    slot_delay,
+)
 from orchestrator.errors import ConfigError
 
 
@@ -79,3 +92,50 @@ def test_split_and_settings_checks() -> None:
         ControlPlaneBench(workers=4, prefill_workers=4).check()
     with pytest.raises(ConfigError, match="sim"):
         ControlPlaneBench(decode_gpu="T4").check()  # Llama-3 is bf16; a T4 has none
+
+
+def test_a_ramp_spreads_the_slots_and_processes_interleave() -> None:
+    # Without a ramp every slot starts at once (a burst of `concurrency` every wave); with
+    # one, slot k of c starts at (k + phase) / c of it, so two processes at phases 0 and
+    # 1/2 alternate their arrivals.
+    spec = LoadSpec(("x:1",), concurrency=4)
+    assert [slot_delay(k, spec) for k in range(4)] == [0.0] * 4
+    ramped = LoadSpec(("x:1",), concurrency=4, ramp_s=8.0)
+    assert [slot_delay(k, ramped) for k in range(4)] == [0.0, 2.0, 4.0, 6.0]
+    other = LoadSpec(("x:1",), concurrency=4, ramp_s=8.0, ramp_phase=0.5)
+    assert [slot_delay(k, other) for k in range(4)] == [1.0, 3.0, 5.0, 7.0]
+
+
+def test_the_control_plane_bench_gives_each_load_process_its_phase() -> None:
+    b = ControlPlaneBench(workers=4, concurrency=10, requests=20, clients=2, ramp_s=3.0)
+    argv = _client_argv(b, ("x:1",), "WARNING", "")
+    phases = [a[a.index("--ramp-phase") + 1] for a in argv]
+    assert phases == ["0.0", "0.5"]
+    assert all(a[a.index("--ramp-s") + 1] == "3.0" for a in argv)
+    with pytest.raises(ConfigError, match="ramp_s"):
+        ControlPlaneBench(ramp_s=-1.0).check()
+
+
+def test_connect_time_round_trips_and_merges_as_the_longest() -> None:
+    a = LoadResult([_sample(0, 20.0, 10.0)], cpu_s=1.0, connect_ms=30.0)
+    b = LoadResult.from_json(LoadResult([], connect_ms=120.0).to_json())
+    assert b.connect_ms == 120.0
+    merged = LoadResult.merge([a, b])
+    assert merged.connect_ms == 120.0
+    assert merged.summary()["connect_ms"] == 120.0
+
+
+def test_a_target_that_does_not_answer_fails_the_requests_after_the_connect_wait() -> None:
+    # The load waits for its channels before its clock starts — boundedly: a target that
+    # never answers still ends the load, its requests refused (UNAVAILABLE), not a hang.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    spec = LoadSpec((f"127.0.0.1:{port}",), requests=2, concurrency=2, timeout_s=5.0,
+                    connect_timeout_s=0.3)  # fmt: skip
+    t0 = time.monotonic()
+    result = asyncio.run(run_load(spec))
+    assert time.monotonic() - t0 < 5.0
+    assert [s.code for s in result.samples] == ["UNAVAILABLE", "UNAVAILABLE"]
+    assert not any(s.admitted for s in result.samples)
+    assert result.connect_ms >= 250

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Mapping, Sequence
 from typing import Any
 
 import pytest
 
 from orchestrator import errors
+from orchestrator.api import worker_pb2
 from orchestrator.control.journal import JournalWriter
+from orchestrator.control.relay import Relay
 from orchestrator.control.run import Run
+from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import JournalEntry
 from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge, State
@@ -248,5 +251,103 @@ def test_an_edge_rides_with_the_runs_next_write_once() -> None:
         assert record.state is State.DECODING
         await writer.journal(r0, entry(1))
         assert store.edges == [[Edge.KV_ADOPTED], []]
+
+    run(main())
+
+
+def test_a_first_chunk_cuts_the_gather_short_and_takes_the_batch_with_it() -> None:
+    # Issue 21: a request's first token is its client's TTFT — it must not wait for the
+    # gather window of a busy writer. It goes at once, and the chunks gathered so far go
+    # in the same write; a later chunk (not a first) waits for the window again.
+    gather_s = 0.5
+
+    async def main() -> None:
+        store = CountingStore(StoreSettings(url="memory://"))
+        r0, r1, r2, r3 = await started(store, "r0", "r1", "r2", "r3")
+        writer = JournalWriter(store, 1.0, gather_s=gather_s)
+        await writer.journal(r0, entry(0))  # the writer is busy for gather_s now
+        gathering = asyncio.create_task(writer.journal(r1, entry(0)))  # not a first: waits
+        await asyncio.sleep(0.02)
+        assert not gathering.done()
+        t0 = time.monotonic()
+        await writer.journal(r2, entry(0), first=True)
+        assert time.monotonic() - t0 < gather_s / 2
+        await gathering  # it went with the first chunk's write
+        assert store.batches == [1, 2]
+        t0 = time.monotonic()
+        await writer.journal(r3, entry(0))  # a write just went: this one gathers again
+        assert time.monotonic() - t0 >= gather_s - 0.005
+        assert store.batches == [1, 2, 1]
+        for r in (r0, r1, r2, r3):
+            assert await journalled(store, r.rid) == [0]
+            assert r.journal.unjournalled == 0
+
+    run(main())
+
+
+def test_a_first_chunk_queued_during_a_write_skips_the_next_gather() -> None:
+    # The first chunk arrives while a write is in flight: the write after it goes as soon
+    # as that one returns, without the gather.
+    gather_s = 0.5
+
+    async def main() -> None:
+        store = SlowStore(StoreSettings(url="memory://"), delay_s=0.05)
+        r0, r1 = await started(store, "r0", "r1")
+        writer = JournalWriter(store, 1.0, gather_s=gather_s)
+        writing = asyncio.create_task(writer.journal(r0, entry(0)))
+        await asyncio.sleep(0.01)  # r0's write is in flight
+        t0 = time.monotonic()
+        await writer.journal(r1, entry(0), first=True)
+        assert time.monotonic() - t0 < gather_s / 2
+        await writing
+        assert await journalled(store, "r1") == [0]
+
+    run(main())
+
+
+class SlowStore(MemoryStore):
+    """Each journal write takes ``delay_s`` (a round trip)."""
+
+    def __init__(self, settings: StoreSettings, delay_s: float) -> None:
+        super().__init__(settings)
+        self.delay_s = delay_s
+
+    async def append_many(
+        self,
+        items: Sequence[tuple[str, int, JournalEntry]],
+        *,
+        edges: Mapping[int, Edge] | None = None,
+    ) -> list[int | errors.PdorchError]:
+        await asyncio.sleep(self.delay_s)
+        return await super().append_many(items, edges=edges)
+
+
+def test_the_relay_sends_the_first_token_without_the_gather_and_the_rest_with_it() -> None:
+    # The relay marks the chunk carrying a request's first token as its first (`Relay`):
+    # behind a busy writer it reaches the client at once; the next chunk waits the gather.
+    gather_s = 0.5
+
+    async def main() -> None:
+        store = CountingStore(StoreSettings(url="memory://"))
+        busy, r1 = await started(store, "busy", "r1")
+        writer = JournalWriter(store, 1.0, gather_s=gather_s)
+        relay = Relay(store, ControlSettings(), writer, None)
+        await writer.journal(busy, entry(0))  # the writer is busy for gather_s now
+
+        async def stream() -> AsyncGenerator[worker_pb2.TokenChunk, None]:
+            yield worker_pb2.TokenChunk(index=0, token_ids=[7], text="a")
+            yield worker_pb2.TokenChunk(index=1, token_ids=[8], text="b")
+
+        t0 = time.monotonic()
+        out = relay.relay(r1, stream())
+        first = await anext(out)
+        assert (first.index, first.token_ids) == (0, [7])
+        assert time.monotonic() - t0 < gather_s / 2
+        t1 = time.monotonic()
+        second = await anext(out)
+        assert (second.index, second.token_ids) == (1, [8])
+        assert time.monotonic() - t1 >= gather_s - 0.05  # a write just went: it gathers
+        await out.aclose()
+        assert await journalled(store, "r1") == [0, 1]  # journalled before relayed
 
     run(main())
