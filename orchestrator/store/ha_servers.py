@@ -255,6 +255,15 @@ class LocalSentinel:
         with _client(self.sentinel.port) as c:
             return len(c.execute_command("SENTINEL", "REPLICAS", self.MASTER)) >= 1
 
+    def replicated(self, timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        """Wait until the replica acknowledged every write the primary took (``WAIT``): the
+        store itself does not wait for replication (README "Durability, honestly"), so a
+        test that kills the primary right after writing would otherwise race the replica."""
+        with _client(self.primary.port) as c:
+            acked = int(c.execute_command("WAIT", 1, int(timeout_s * 1000)))
+        if acked < 1:
+            raise RedisServerError(f"the replica did not acknowledge within {timeout_s}s")
+
     def master_port(self) -> int:
         with _client(self.sentinel.port) as c:
             _host, port = c.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.MASTER)

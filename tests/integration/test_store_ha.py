@@ -209,6 +209,7 @@ def test_sentinel_fails_over_and_the_store_follows_the_new_primary(tmp_path: Pat
                 assert await store.create(_record("s1")) is None
                 await store.transition("s1", Edge.AGGREGATE, epoch=1)
                 assert await store.append("s1", 1, JournalEntry(0, (7,), "t")) == 1
+                await asyncio.to_thread(group.replicated)  # no replication race
                 await asyncio.to_thread(group.primary.kill)
                 started = time.monotonic()
                 # A write to the record waits the failover out (outage_s), then lands on the

@@ -62,6 +62,7 @@ def test_a_failed_call_carries_the_live_clusters_logs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cluster_mod, "_LIVE", [_cluster(tmp_path)])
+    monkeypatch.setattr(cluster_mod, "_STOPPED", collections.deque(maxlen=4))  # others' tests
     failed = _run_hook(_report("failed", "call"))
     assert [name for name, _ in failed.sections] == ["cluster logs"]
     assert "stale epoch" in failed.sections[0][1]
