@@ -24,6 +24,8 @@ from tests.integration.conftest import collect, request, wait_for
 
 UVLOOP = "uvloop.Loop"
 ASYNCIO = "asyncio.unix_events._UnixSelectorEventLoop"
+pytestmark = pytest.mark.slow  # starts orchestrators and workers, ~20 s
+
 READY = re.compile(r" ready on \S+ .*\(event loop ([\w.]+)\)")
 
 

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.ucx
+
 PROBE = """
 import json, os
 from transport import ucx, ucx_env
