@@ -7,6 +7,10 @@ decode worker — then ``kv_sent`` (→ transferring), the decode stream, and ``
 never adopted is released on any way out. Aggregated: ``aggregate`` (queued → decoding) and
 one worker's stream.
 
+The placement's own edge (``prefill`` or ``aggregate``, `orchestrator.control.ledger.placed`)
+is not taken here when the record was created with it already (a request's first attempt,
+booked before its creation: `recorded`); every later attempt takes it as a transition.
+
 Every transition names its `Edge` and carries the attempt's epoch, so an attempt that was
 fenced off (a failover, a takeover) cannot move the request. What happens when a leg fails
 is `orchestrator.control.failover`'s business; this module only runs the legs.
@@ -19,7 +23,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 from orchestrator.api import convert, worker_pb2
-from orchestrator.control.ledger import Booking, Ledger
+from orchestrator.control.ledger import Booking, Ledger, placed
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.relay import as_json
@@ -52,32 +56,29 @@ class Dispatch:
         self.settings = settings
         self.metrics = metrics
 
-    def stream(self, run: Run, booking: Booking) -> Chunks:
-        """The worker token stream of this attempt, in the booked placement's mode."""
+    def stream(self, run: Run, booking: Booking, *, recorded: bool = False) -> Chunks:
+        """The worker token stream of this attempt, in the booked placement's mode;
+        ``recorded``: the record was created placed (its placement edge is taken)."""
         placement = booking.placement
         run.journal.adopt = None  # an earlier attempt's, never taken: not this attempt's
         if placement.mode is Mode.DISAGGREGATED:
-            return self._disaggregated(run, booking)
+            return self._disaggregated(run, booking, recorded)
         if self.metrics is not None and not placement.by_choice:
             down = "prefill" if placement.decode.role == "decode" else "decode"
             self.metrics.fallbacks.labels(down).inc()
-        return self._aggregated(run, placement)
+        return self._aggregated(run, placement, recorded)
 
-    async def _disaggregated(self, run: Run, booking: Booking) -> Chunks:
+    async def _placed(self, run: Run, placement: Placement) -> None:
+        """Take the placement's edge out of queued (``prefill`` or ``aggregate``)."""
+        edge, fields = placed(placement)
+        await self.store.transition(run.rid, edge, epoch=run.epoch, fields=fields)
+
+    async def _disaggregated(self, run: Run, booking: Booking, recorded: bool) -> Chunks:
         placement = booking.placement
         assert placement.prefill is not None
         prefill, decode = placement.prefill, placement.decode
-        await self.store.transition(
-            run.rid,
-            Edge.PREFILL,
-            epoch=run.epoch,
-            fields={
-                "mode": Mode.DISAGGREGATED,
-                "placement": placement.reason,
-                "prefill_worker": prefill.worker_id,
-                "decode_worker": decode.worker_id,
-            },
-        )
+        if not recorded:
+            await self._placed(run, placement)
         adopted = False
         inner = self._prefill_then_decode(run, booking, prefill, decode)
         try:
@@ -170,21 +171,12 @@ class Dispatch:
                     _scored_by_prefill(chunk, resp)
                 yield chunk
 
-    async def _aggregated(self, run: Run, placement: Placement) -> Chunks:
+    async def _aggregated(self, run: Run, placement: Placement, recorded: bool) -> Chunks:
         worker = placement.decode
         run.usage.pool = "aggregated"
         run.usage.gpu_kind.setdefault("aggregated", worker.gpu_kind)
-        await self.store.transition(
-            run.rid,
-            Edge.AGGREGATE,
-            epoch=run.epoch,
-            fields={
-                "mode": Mode.AGGREGATED,
-                "placement": placement.reason,
-                "decode_worker": worker.worker_id,
-                "prefill_worker": "",
-            },
-        )
+        if not recorded:
+            await self._placed(run, placement)
         stream = self.legs.generate(
             worker,
             worker_pb2.AggregatedRequest(

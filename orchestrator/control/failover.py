@@ -17,6 +17,10 @@ What happens when a worker dies mid-request:
 5. The next attempt places the request again and re-prefills prompt + the tokens already
    relayed; decoding continues at the next index, so the client sees contiguous indices.
 
+A request's first attempt may come placed (`book`, before the record was created: the
+record is created with its placement edge taken, a store call less); every later attempt,
+and a first one whose placement had to wait, places itself.
+
 After ``max_attempts`` or a non-retryable error the request fails (``fail``). A request
 this replica lost to a peer (lease lost, or its writes fenced with a stale epoch) is not a
 failure: the new owner continues it. A cancelled run records ``cancel`` — or, when the
@@ -38,13 +42,14 @@ import tenacity
 from orchestrator import errors
 from orchestrator.control.dispatch import Dispatch
 from orchestrator.control.leases import LeaseKeeper
-from orchestrator.control.ledger import Ledger
+from orchestrator.control.ledger import Booking, Ledger
 from orchestrator.control.local import Local
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.relay import Relay
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
+from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge, State
 from orchestrator.store.base import Store
 from orchestrator.store.outage import outlasting
@@ -127,8 +132,37 @@ class Failover:
         self.local = local
         self.metrics = metrics
 
-    async def drive(self, run: Run, workers: Sequence[WorkerInfo]) -> AsyncIterator[OutChunk]:
-        """Run the request to its end, failing over to other workers on retryable errors."""
+    def book(self, spec: RequestSpec, workers: Sequence[WorkerInfo]) -> Booking | None:
+        """The first attempt's placement, booked before the request's record is created (so
+        the record is created placed: `orchestrator.control.ledger.placed`); None when
+        nothing can be placed now — the record is then created queued and the drive places
+        it, waiting and retrying as any attempt. The caller hands the booking to `drive`, or
+        gives it back (`unbook`) when no drive starts."""
+        if not workers:
+            return None
+        try:
+            return self.ledger.place(
+                workers,
+                need=len(spec.prompt) + spec.max_tokens,
+                prefill_tokens=len(spec.prompt),
+                excluded=set(),
+                now=time.monotonic(),
+                tokens=spec.prompt,
+            )
+        except (errors.UnavailableError, errors.OverloadedError):
+            return None
+
+    def unbook(self, booking: Booking | None) -> None:
+        """A booking from `book` whose drive never started: its load leaves the ledger."""
+        if booking is not None:
+            self.ledger.release(booking)
+
+    async def drive(
+        self, run: Run, workers: Sequence[WorkerInfo], booked: Booking | None = None
+    ) -> AsyncIterator[OutChunk]:
+        """Run the request to its end, failing over to other workers on retryable errors;
+        ``booked``: the first attempt's placement, recorded by the record's creation
+        (`book`), released by this drive whatever happens."""
         s = self.settings
         self.leases.hold(run)
         retrying = tenacity.AsyncRetrying(
@@ -145,7 +179,8 @@ class Failover:
                         workers = await outlasting(
                             self.store.settings.outage_s, "list workers", self.store.workers
                         )
-                    async for chunk in self._attempt(run, workers):
+                    first, booked = booked, None
+                    async for chunk in self._attempt(run, workers, first):
                         yield chunk
         except asyncio.CancelledError:
             if self.local.stopping and not run.lease_lost:
@@ -176,6 +211,7 @@ class Failover:
             await self.relay.finish(run, Edge.FAIL, "error", str(exc))
             raise
         finally:
+            self.unbook(booked)  # ended before its first attempt started
             self.leases.drop(run)
 
     async def _cancelled(self, run: Run) -> bool:
@@ -206,29 +242,36 @@ class Failover:
         )  # fmt: skip
         run.epoch = new_epoch
 
-    async def _attempt(self, run: Run, workers: Sequence[WorkerInfo]) -> AsyncIterator[OutChunk]:
-        """Place the request, run the attempt's legs and relay their tokens; on a worker's
-        failure, remember to avoid it (here and, by its breaker, for everyone)."""
-        if not workers:
-            raise errors.UnavailableError("no workers registered")
-        spec = run.spec
-        if len(run.output) >= spec.max_tokens:
-            # Every token is out: what failed after the last one only cost the finish.
-            yield await self.relay.complete(run, "length")
-            return
-        booking = self.ledger.place(
-            workers,
-            need=len(spec.prompt) + spec.max_tokens,
-            prefill_tokens=len(spec.prompt) + len(run.output),
-            excluded=run.attempts.excluded,
-            now=time.monotonic(),
-            tokens=[*spec.prompt, *run.output],
-        )
+    async def _attempt(
+        self, run: Run, workers: Sequence[WorkerInfo], booked: Booking | None
+    ) -> AsyncIterator[OutChunk]:
+        """Place the request (unless ``booked``: placed, and recorded, at its creation), run
+        the attempt's legs and relay their tokens; on a worker's failure, remember to avoid
+        it (here and, by its breaker, for everyone)."""
+        if booked is not None:
+            booking = booked  # nothing awaited before the `try` that releases it
+        else:
+            if not workers:
+                raise errors.UnavailableError("no workers registered")
+            spec = run.spec
+            if len(run.output) >= spec.max_tokens:
+                # Every token is out: what failed after the last one only cost the finish.
+                yield await self.relay.complete(run, "length")
+                return
+            booking = self.ledger.place(
+                workers,
+                need=len(spec.prompt) + spec.max_tokens,
+                prefill_tokens=len(spec.prompt) + len(run.output),
+                excluded=run.attempts.excluded,
+                now=time.monotonic(),
+                tokens=[*spec.prompt, *run.output],
+            )
         if self.metrics is not None:
             self.metrics.placements.labels(str(booking.placement.mode)).inc()
         try:
             run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
-            relayed = self.relay.relay(run, self.dispatch.stream(run, booking))
+            stream = self.dispatch.stream(run, booking, recorded=booked is not None)
+            relayed = self.relay.relay(run, stream)
             answered = False
             async with contextlib.aclosing(relayed):
                 async for chunk in relayed:

@@ -4,7 +4,10 @@ Nothing is written before the request is known to be valid and admissible: the i
 checked against the limits (`RequestLimits`, one place), the prompt tokenized on a worker
 and checked against the model, and admission (`Ledger.estimate`) refuses early what would
 only queue to time out; a call whose deadline passed meanwhile is refused too (its client
-is gone: nothing is started for it). Then the record is created in the store, idempotently: the
+is gone: nothing is started for it). Then the record is created in the store — already
+placed when the first attempt's placement could be booked (`Failover.book`): created in
+the state its placement edge leads to, with that edge's fields, so the first attempt takes
+no transition of its own before its prefill — idempotently: the
 client's request id is the key, and a resubmission with the same body (`RequestSpec
 .body_hash`) by the same tenant is answered from the existing request; a different body, or
 another tenant's request under that id, is refused alike (`ConflictError`), so a reused id
@@ -17,18 +20,19 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchestrator import errors
 from orchestrator.api import worker_pb2
 from orchestrator.control.directory import WorkerDirectory
-from orchestrator.control.ledger import Ledger
+from orchestrator.control.ledger import Booking, Ledger, placed
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.idents import id_problem
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.spec import GenerateInput, RequestSpec
+from orchestrator.core.state import apply
 from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -103,10 +107,26 @@ class Intake:
             raise
         return Admitted(spec, workers, estimate)
 
-    async def create(self, spec: RequestSpec) -> tuple[RequestRecord, RequestRecord | None]:
+    async def create(
+        self, spec: RequestSpec, booking: Booking | None = None
+    ) -> tuple[RequestRecord, RequestRecord | None]:
         """Create the request's record: (the record, the existing one when the id was
-        already used — with the same body; a different body raises ConflictError)."""
+        already used — with the same body; a different body raises ConflictError). With
+        ``booking`` (the first attempt's placement) the record is created placed: its
+        placement edge taken from the initial state, by the edge's own rule."""
         record = spec.record(self.owner)
+        if booking is not None:
+            edge, fields = placed(booking.placement)
+            state, epoch = apply(edge, record.state, record.epoch)
+            record = replace(
+                record,
+                state=state,
+                epoch=epoch,
+                mode=fields["mode"],
+                placement=fields["placement"],
+                prefill_worker=fields["prefill_worker"],
+                decode_worker=fields["decode_worker"],
+            )
         try:
             existing = await self.store.create(
                 record, self.settings.admission.tenant_limit(spec.tenant)

@@ -9,7 +9,8 @@ where it runs — disaggregated or not (`place`, `orchestrator.core.scheduler.pl
 conditional-disaggregation rule `disaggregate_or_not`).
 
 A placement is *booked* (`Booking`) for the length of one attempt and released after it,
-whatever its end.
+whatever its end. The first attempt's is booked before the request's record is created, so
+that the record is created placed (`placed`: one store call less per request).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from orchestrator.core.prefix import PrefixIndex
 from orchestrator.core.rates import Rates
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.routing import hint_for
-from orchestrator.core.scheduler import Placement, place
+from orchestrator.core.scheduler import Mode, Placement, place
+from orchestrator.core.state import Edge
 
 
 def breaker_key(w: WorkerInfo) -> str:
@@ -50,6 +52,26 @@ class Booking:
     prefix index says: what a suffix-only transfer may leave out."""
 
 
+def placed(placement: Placement) -> tuple[Edge, dict[str, str]]:
+    """The edge out of queued that ``placement`` takes and the fields it records: the same
+    whether an attempt takes it as a transition (`orchestrator.control.dispatch`) or the
+    request's record is created with it (`orchestrator.control.intake`)."""
+    if placement.mode is Mode.DISAGGREGATED:
+        assert placement.prefill is not None
+        return Edge.PREFILL, {
+            "mode": str(Mode.DISAGGREGATED),
+            "placement": placement.reason,
+            "prefill_worker": placement.prefill.worker_id,
+            "decode_worker": placement.decode.worker_id,
+        }
+    return Edge.AGGREGATE, {
+        "mode": str(Mode.AGGREGATED),
+        "placement": placement.reason,
+        "decode_worker": placement.decode.worker_id,
+        "prefill_worker": "",
+    }
+
+
 class Ledger:
     def __init__(self, settings: ControlSettings) -> None:
         self.settings = settings
@@ -63,6 +85,11 @@ class Ledger:
         prefilled: the bounded queues admission checks."""
         self.prefixes = PrefixIndex()
         """What the workers' prefix caches hold, as their last heartbeats said."""
+
+    def booked(self) -> dict[str, tuple[int, int]]:
+        """Worker id -> (sequences, KV bytes) booked here and not released (a copy): empty
+        when this replica drives nothing."""
+        return dict(self._load)
 
     # ------------------------------------------------------------------ admission
 

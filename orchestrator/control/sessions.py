@@ -1,6 +1,7 @@
 """Client sessions: the calls clients make, and how their streams outlive nothing they must.
 
-A `generate` call admits the request (`Intake`), then starts its drive as a task of its own
+A `generate` call admits the request (`Intake`), books its first placement (`Failover.book`)
+and creates its record placed, then starts its drive as a task of its own
 and streams what the drive hands it. The drive outlives the call: a client that disconnects
 leaves the request running for ``detach_grace_s`` so it can reconnect — to any replica —
 and resume from the journal (`follow`); with no client attached by then it is cancelled.
@@ -20,6 +21,7 @@ from collections.abc import AsyncGenerator, Collection, Sequence
 from orchestrator import errors
 from orchestrator.control.failover import Failover
 from orchestrator.control.intake import Intake
+from orchestrator.control.ledger import Booking
 from orchestrator.control.local import Local
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.run import OutChunk, Run
@@ -78,9 +80,17 @@ class Sessions:
     async def _generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
         started = time.monotonic()
         admitted = await self.intake.admit(inp, len(self.local.tasks))
-        record, existing = await self.intake.create(admitted.spec)
+        # Placed before its record exists, so the record is created placed (a store call
+        # less); the booking goes to the drive, or back to the ledger if none starts.
+        booking = self.failover.book(admitted.spec, admitted.workers)
+        try:
+            record, existing = await self.intake.create(admitted.spec, booking)
+        except BaseException:
+            self.failover.unbook(booking)
+            raise
         rid = record.request_id
         if existing is not None:
+            self.failover.unbook(booking)
             async for chunk in self.follow(rid, inp.resume_from):
                 yield chunk
             return
@@ -92,10 +102,11 @@ class Sessions:
         # The drive is its own task: a client that disconnects does not stop it, so the
         # client can reconnect (to any replica) and resume; see `_detached`.
         task = asyncio.create_task(
-            self._drive_detached(run, admitted.workers, clients), name=f"pdorch-drive-{rid}"
+            self._drive_detached(run, admitted.workers, clients, booking),
+            name=f"pdorch-drive-{rid}",
         )
         self.local.tasks[rid] = task  # so Cancel can stop it
-        task.add_done_callback(lambda t: self._cancelled_unstarted(t, run, clients))
+        task.add_done_callback(lambda t: self._cancelled_unstarted(t, run, clients, booking))
         try:
             while (item := await feed.get()) is not None:
                 if isinstance(item, errors.LeaseLostError):
@@ -120,16 +131,21 @@ class Sessions:
                 self._detached(run, task, clients)
 
     async def _drive_detached(
-        self, run: Run, workers: Sequence[WorkerInfo], clients: set[Feed]
+        self,
+        run: Run,
+        workers: Sequence[WorkerInfo],
+        clients: set[Feed],
+        booking: Booking | None,
     ) -> None:
-        """Drive the request to its end, handing chunks (and the end) to attached clients."""
+        """Drive the request to its end, handing chunks (and the end) to attached clients
+        (``booking``: its first placement, which the drive releases)."""
 
         def deliver(item: OutChunk | BaseException | None) -> None:
             for client in list(clients):
                 client.put_nowait(item)  # bounded: at most one chunk per output token
 
         try:
-            async for chunk in self.failover.drive(run, workers):
+            async for chunk in self.failover.drive(run, workers, booking):
                 deliver(chunk)
         except asyncio.CancelledError:
             if self.local.stopping:  # handed off: the client resumes on another replica
@@ -147,13 +163,17 @@ class Sessions:
         finally:
             self.local.tasks.pop(run.rid, None)
 
-    def _cancelled_unstarted(self, task: asyncio.Task[None], run: Run, clients: set[Feed]) -> None:
+    def _cancelled_unstarted(
+        self, task: asyncio.Task[None], run: Run, clients: set[Feed], booking: Booking | None
+    ) -> None:
         """A drive cancelled before its first step never ran a line of `_drive_detached`
-        (a Cancel landing between the record's creation and the task's start): tell its
-        clients it ended cancelled, or they would wait for chunks that never come."""
+        (a Cancel landing between the record's creation and the task's start): give its
+        placement back and tell its clients it ended cancelled, or they would wait for
+        chunks that never come."""
         if run.rid not in self.local.tasks or self.local.tasks[run.rid] is not task:
             return  # it ran: `_drive_detached` delivered the end and unregistered itself
         del self.local.tasks[run.rid]
+        self.failover.unbook(booking)
         if not task.cancelled():
             return
         end: OutChunk | BaseException = OutChunk(run.rid, 0, [], "", "cancelled", run.timings)

@@ -107,6 +107,7 @@ def test_a_cancel_landing_before_the_drive_starts_ends_the_stream() -> None:
         assert chunks[-1].finish_reason == CANCELLED
         assert await call.code() == grpc.StatusCode.OK
         assert "early" not in orch.local.tasks
+        assert orch.ledger.booked() == {}  # its placement, booked at creation, given back
 
     serve(scenario)
 
@@ -133,6 +134,7 @@ def test_a_cancel_through_another_replica_during_prefill_ends_with_a_cancelled_c
         record = await store.get("mid-prefill")
         assert record is not None
         assert record.state is State.CANCELLED
+        assert rs[0].orch.ledger.booked() == {}
 
     serve(scenario, replicas=2)
 

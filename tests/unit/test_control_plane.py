@@ -130,6 +130,9 @@ class _CallCountingStore(MemoryStore):
     def __init__(self) -> None:
         super().__init__(StoreSettings(url="memory://", outage_s=2.0))
         self.calls: list[str] = []
+        self.created: list[RequestRecord] = []
+        self.before: dict[str, RequestRecord] = {}
+        """Edge name -> the record just before the last transition taking that edge."""
         self._inside = False
 
     def _record(self, call: str) -> None:
@@ -140,6 +143,8 @@ class _CallCountingStore(MemoryStore):
         self, request_id: str, edge: Edge, *, epoch: int, fields: Mapping[str, Any] | None = None
     ) -> int:
         self._record(f"transition {edge.wire}")
+        if (record := await super().get(request_id)) is not None:
+            self.before[edge.wire] = record
         return await super().transition(request_id, edge, epoch=epoch, fields=fields)
 
     async def end(
@@ -177,6 +182,7 @@ class _CallCountingStore(MemoryStore):
 
     async def create(self, record: RequestRecord, tenant_limit: int = 0) -> RequestRecord | None:
         self._record("create")
+        self.created.append(record)
         return await super().create(record, tenant_limit)
 
     async def get(self, request_id: str) -> RequestRecord | None:
@@ -184,8 +190,9 @@ class _CallCountingStore(MemoryStore):
         return await super().get(request_id)
 
 
-def test_a_disaggregated_request_costs_four_store_calls_besides_its_journal() -> None:
-    # The fixed cost per request (issue 21): create, PREFILL, KV_SENT, then KV_ADOPTED
+def test_a_disaggregated_request_costs_three_store_calls_besides_its_journal() -> None:
+    # The fixed cost per request (issue 21): the record is created placed (prefilling, its
+    # workers named: `PREFILL` taken with the creation), then KV_SENT, then KV_ADOPTED
     # taken by the first chunk's journal write (not a call of its own), and the end — its
     # transition, indexes, the tenant's cost and the final record — as ONE `end` call.
     async def main() -> None:
@@ -196,16 +203,86 @@ def test_a_disaggregated_request_costs_four_store_calls_besides_its_journal() ->
         assert_contiguous(chunks, 6)
         record = chunks[-1].record
         assert record is not None
-        assert (record.state, record.output_tokens) == (State.DONE, 6)
+        assert (record.state, record.output_tokens, record.epoch) == (State.DONE, 6, 1)
         calls = [c for c in store.calls if c != "append"]
-        assert calls == [
-            "create",
-            "transition prefill",
-            "transition kv_sent",
-            "append +kv_adopted",
-            "end finish",
-        ]
+        assert calls == ["create", "transition kv_sent", "append +kv_adopted", "end finish"]
+        created = store.created[0]
+        assert (created.state, created.epoch, created.mode) == (
+            State.PREFILLING, 1, "disaggregated",
+        )  # fmt: skip
+        assert (created.prefill_worker, created.decode_worker) == ("p0", "d0")
+        assert created.placement == record.placement != ""
         assert (await store.tenant_costs())["default"]["requests"] == 1
+        assert orch.ledger.booked() == {}
+
+    run(main())
+
+
+def test_the_prefilling_phase_is_in_the_store_while_the_prefill_runs() -> None:
+    # The chaos tool's phase triggers watch the record: created placed, it says
+    # prefilling (and which workers) from its creation until KV_SENT moves it on.
+    async def main() -> None:
+        store = _CallCountingStore()
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), FakeWorker("d0", "decode"),
+                                 store=store)  # fmt: skip
+        assert_contiguous(await collect(orch.generate(inp())), 6)
+        during = store.before["kv_sent"]
+        assert (during.state, during.prefill_worker, during.decode_worker) == (
+            State.PREFILLING, "p0", "d0",
+        )  # fmt: skip
+
+    run(main())
+
+
+def test_an_aggregated_request_is_created_placed_too() -> None:
+    async def main() -> None:
+        store = _CallCountingStore()
+        orch, _, _ = await setup(FakeWorker("d0", "decode"), store=store)
+        assert_contiguous(await collect(orch.generate(inp())), 6)
+        assert [c for c in store.calls if c != "append"] == ["create", "end finish"]
+        created = store.created[0]
+        assert (created.state, created.mode, created.decode_worker) == (
+            State.DECODING, "aggregated", "d0",
+        )  # fmt: skip
+        assert orch.ledger.booked() == {}
+
+    run(main())
+
+
+def test_a_failover_takes_the_placement_edge_as_a_transition() -> None:
+    # Only the first attempt is created placed: the next one (epoch 2) moves the request
+    # out of queued by its own transition.
+    async def main() -> None:
+        store = _CallCountingStore()
+        d0 = FakeWorker("d0", "decode", fail_after=3)
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, FakeWorker("d1", "decode"),
+                                 store=store)  # fmt: skip
+        assert_contiguous(await collect(orch.generate(inp(max_tokens=8))), 8)
+        calls = [c for c in store.calls if c not in {"append", "get"}]
+        assert calls == [
+            "create", "transition kv_sent", "append +kv_adopted", "transition requeue",
+            "transition prefill", "transition kv_sent", "append +kv_adopted", "end finish",
+        ]  # fmt: skip
+        record = await orch.get("r1")
+        assert (record.state, record.epoch, record.decode_worker) == (State.DONE, 2, "d1")
+        assert orch.ledger.booked() == {}
+
+    run(main())
+
+
+def test_a_request_not_placeable_at_creation_is_created_queued_and_placed_by_its_drive() -> None:
+    # No decode pool and no fallback: nothing to book; the record is created queued and
+    # the drive's attempts (which fail: nothing placeable) end it exactly once.
+    async def main() -> None:
+        store = _CallCountingStore()
+        settings = replace(FAST, fallback="fail", max_attempts=2)
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), settings=settings, store=store)
+        with pytest.raises(errors.UnavailableError):
+            await collect(orch.generate(inp()))
+        assert store.created[0].state is State.QUEUED
+        assert [c for c in store.calls if c == "end fail"] == ["end fail"]
+        assert (await orch.get("r1")).state is State.FAILED
+        assert orch.ledger.booked() == {}
 
     run(main())
 
@@ -236,6 +313,8 @@ def test_a_resubmission_follows_and_a_different_body_is_refused() -> None:
         assert [c.token_ids for c in again] == [c.token_ids for c in first]
         with pytest.raises(errors.ConflictError):
             await collect(orch.generate(replace(inp(), max_tokens=7)))
+        # Each call booked a placement before it knew the id was taken: given back.
+        assert orch.ledger.booked() == {}
 
     run(main())
 
