@@ -118,7 +118,17 @@ class Link:
 
     # -------------------------------------------------------------------------- writing
 
+    def _check_writable(self) -> None:
+        """Raise `PeerLostError` (or the peer's ERROR, if it came first) when the transport
+        is already closed — the peer reset it. uvloop raises RuntimeError on a write to a
+        closed transport; asyncio's drops the bytes and fails the drain; so look first."""
+        if self.writer.transport.is_closing():
+            self.broken = True
+            self._raise_if_refused()
+            raise errors.PeerLostError("connection to peer lost: it is closed")
+
     async def send(self, data: bytes, timeout_s: float) -> None:
+        self._check_writable()
         try:
             self.writer.write(data)
             transport = self.writer.transport
@@ -138,6 +148,7 @@ class Link:
 
     async def send_payload(self, buffers: Iterable[memoryview], timeout_s: float) -> None:
         """Write payload bytes inline (TCP backend), racing the pending read for errors."""
+        self._check_writable()
         try:
             for b in buffers:
                 self.writer.write(b)
@@ -160,6 +171,7 @@ class Link:
             chunks = [b"".join(chunks)]
         transport = self.writer.transport
         for c in chunks:
+            self._check_writable()
             try:
                 self.writer.write(c)
             except OSError as exc:

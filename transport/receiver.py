@@ -16,12 +16,23 @@ place (no task to wake, then a waiter). One-sided, a 4 KiB KV in 32 layers: ~0.9
 of CPU per transfer, sender and receiver together (one process, medians of alternating
 runs at loads of 8–15 on this 2-core VM; the README's "KV transport" has the figures).
 
-Per connection: with `LinkTls`, the TLS handshake and the sender's identity first (a
-refusal is logged once, with the peer's identity and address, and tells the peer nothing
-more than that); HELLO within ``connect_timeout_s``; between transfers, at most
-``connection_idle_s`` of silence; at most ``max_connections_per_host`` per remote IP and
-``max_connections`` in all, a new connection at a cap closing the longest-idle one (a
-connection moving KV is never closed for room; if all are, the newcomer gets an ERROR).
+Per connection: at most ``max_connections_per_host`` per remote IP and ``max_connections``
+in all, counted from the accept (a handshake in progress counts), a new connection at a cap
+closing the longest-idle one (a connection moving KV is never closed for room; if all are,
+the newcomer gets an ERROR); with `LinkTls`, the TLS handshake within ``connect_timeout_s``
+and the sender's identity (a refusal is logged once, with the peer's identity and address,
+and tells the peer nothing more than that); HELLO within ``connect_timeout_s``; between
+transfers, at most ``connection_idle_s`` of silence.
+
+TLS starts at accept: the receiver accepts sockets itself and hands each to the loop with
+its server context (`loop.connect_accepted_socket`), so the TLS layer reads the socket's
+first byte. It used to accept in plaintext and upgrade (`StreamWriter.start_tls`), to log
+each refusal with the peer's address (a server with ``ssl=`` fails handshakes out of the
+handler's sight); but senders speak TLS at once, and uvloop starts reading an accepted
+socket before its handler runs: on a busy loop the ClientHello was already in the plaintext
+stream's buffer when the upgrade began, never reached the TLS layer, and the handshake
+stalled until the sender's connect timed out (README: Workers on uvloop). Accepting here
+keeps the refusal log and the caps before the handshake.
 """
 
 from __future__ import annotations
@@ -29,8 +40,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -49,6 +62,14 @@ log = logging.getLogger(__name__)
 # After refusing a transfer mid-payload: how long to wait for the ERROR to go out and the
 # sender to stop (the link lingers, discarding, so the sender reads the ERROR, not EPIPE).
 _REFUSAL_WAIT_S = 1.0
+
+_BACKLOG = 128
+"""Listen backlog: connections the kernel completes while the loop is busy (a burst of
+senders' first links; asyncio's own servers use 100)."""
+_ACCEPT_PAUSE_S = 1.0
+"""After accept fails for want of descriptors or memory: pause this long (as asyncio's
+servers do), letting connections close, rather than spin on a listener that stays ready."""
+_ACCEPT_PAUSE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 _TOKENS = TransferTokens(memory=65536)
 """The process's transfer tokens (`KvReceiver.tokens`); remembers as many spent tokens as
@@ -75,8 +96,11 @@ class KvReceiver:
         self._buffers = BufferPool(settings.pooled_buffer_bytes)
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._data_address = b""
-        self._server: asyncio.Server | None = None
-        self._conns: dict[Link, _Conn] = {}
+        self._listeners: list[socket.socket] = []
+        self._acceptors: list[asyncio.Task[None]] = []
+        self._handlers: set[asyncio.Task[None]] = set()
+        """One task per accepted connection (named ``pdorch-kv-conn``), until it ends."""
+        self._conns: set[_Conn] = set()
         self._closed = False
         self._reaper: asyncio.Task[None] | None = None
         self.address = ""
@@ -96,9 +120,13 @@ class KvReceiver:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen; returns the "host:port" senders connect to."""
         self._data_address = await self._plane.start()
-        self._server = await asyncio.start_server(self._serve, host, port, limit=STREAM_LIMIT)
-        sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
+        self._listeners = await _listen(host, port)
+        sock_host, sock_port = self._listeners[0].getsockname()[:2]
         self.address = f"{sock_host}:{sock_port}"
+        self._acceptors = [
+            asyncio.create_task(self._accept(sock), name="pdorch-kv-accept")
+            for sock in self._listeners
+        ]
         self._reaper = asyncio.create_task(self._reap(), name="pdorch-kv-reaper")
         return self.address
 
@@ -155,10 +183,23 @@ class KvReceiver:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        if self._server is not None:
-            self._server.close()
-        for link in list(self._conns):
-            await link.close()
+        for task in self._acceptors:
+            task.cancel()
+        for task in self._acceptors:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sock in self._listeners:
+            sock.close()
+        for conn in list(self._conns):
+            if conn.link is not None:
+                await conn.link.close()
+        # What is left: handshakes in progress, handlers between their link's close and
+        # their end. Each ends within its own timeouts; cancelled here so none outlives us.
+        handlers = list(self._handlers)
+        for task in handlers:
+            task.cancel()
+        if handlers:
+            await asyncio.wait(handlers, timeout=self.settings.connect_timeout_s)
         for rid in self.inbox.held():
             self.inbox.discard(rid)
         await self._plane.close()
@@ -170,75 +211,144 @@ class KvReceiver:
         """Open control connections (senders' links, and connections not yet introduced)."""
         return len(self._conns)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        s = self.settings
-        link = Link(reader, writer, Peer(b"", b""))
-        peername = writer.get_extra_info("peername")
+    async def _accept(self, listener: socket.socket) -> None:
+        """Accept connections on ``listener`` until cancelled, one handler task each."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peername = await loop.sock_accept(listener)
+            except OSError as exc:  # the listener stays open: the next accept may succeed
+                if exc.errno not in _ACCEPT_PAUSE_ERRNOS:
+                    log.debug("KV receiver: accept failed: %s", exc)
+                    continue
+                log.warning(
+                    "KV receiver cannot accept connections (%s): pausing %ss",
+                    exc,
+                    _ACCEPT_PAUSE_S,
+                )
+                await asyncio.sleep(_ACCEPT_PAUSE_S)
+                continue
+            task = asyncio.create_task(self._serve(sock, peername), name="pdorch-kv-conn")
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _serve(self, sock: socket.socket, peername: Any) -> None:
         host = str(peername[0]) if peername else "?"
+        who = f"{host}:{peername[1]}" if peername else host
         try:
             self._make_room(host)
         except errors.BudgetExceededError as exc:
             log.warning("refused a KV connection from %s: %s", host, exc)
-            with contextlib.suppress(errors.TransportError):
-                await link.send(control.error(exc), s.connect_timeout_s)
-            await link.close()
+            await self._refuse_room(sock, who, exc)
             return
-        conn = _Conn(link, host)
-        self._conns[link] = conn
-        link.who = f"{host}:{peername[1]}" if peername else host
+        conn = _Conn(host, asyncio.current_task())
+        self._conns.add(conn)
+        link: Link | None = None
         try:
-            if not await self._admit(link):
-                return
-            msg = await link.next_message(s.connect_timeout_s)
-            if msg.kind is not control.Kind.HELLO:
-                raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
-            link.peer = Peer(*control.parse_hello(msg.body))
-            link.on_close = partial(self._plane.release, link.peer)
-            await link.send(control.hello(self._instance, self._data_address), s.connect_timeout_s)
-            while not link.broken and not self._closed:
-                conn.idle_since = time.monotonic()
-                # Between transfers: a pooled link waits here, bounded by the idle timeout.
-                # Read in place (no task to wake, then a waiter: two loop steps fewer on
-                # every transfer's critical path; EOF and silence end it the same way).
-                msg = await link.read_next(s.connection_idle_s)
-                if msg.kind in _OPENS:
-                    conn.busy = True
-                    try:
-                        await self._open(link, msg)
-                    finally:
-                        conn.busy = False
-                elif msg.kind in (control.Kind.KEYS, control.Kind.WITHDRAW):
-                    self._on_keys(link, msg)
-                elif msg.kind is not control.Kind.ABORT:  # a late ABORT is harmless
-                    raise errors.WireFormatError(f"unexpected {msg.kind.name} between transfers")
+            link = conn.link = await self._connect(sock, who)
+            if link is not None and await self._admit(link):
+                await self._converse(link, conn)
         except errors.TransportError as exc:
             log.debug("KV connection from %s closed: %s", host, exc)
         except Exception:
             log.exception("KV connection handler failed")
         finally:
-            self._conns.pop(link, None)
-            await link.close()
+            self._conns.discard(conn)
+            if link is not None:
+                await link.close()
 
-    async def _admit(self, link: Link) -> bool:
-        """Mutual TLS, then the sender's identity (nothing to do without TLS). A refusal is
-        logged once (identity and address) and answered with nothing more than its class
-        (`control.refusal`)."""
-        tls, s = self.tls, self.settings
-        server = tls.server if tls is not None else None
-        if tls is None or server is None:
-            return True
+    async def _converse(self, link: Link, conn: _Conn) -> None:
+        """HELLO both ways, then transfers one after another until the link ends."""
+        s = self.settings
+        msg = await link.next_message(s.connect_timeout_s)
+        if msg.kind is not control.Kind.HELLO:
+            raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
+        link.peer = Peer(*control.parse_hello(msg.body))
+        link.on_close = partial(self._plane.release, link.peer)
+        await link.send(control.hello(self._instance, self._data_address), s.connect_timeout_s)
+        while not link.broken and not self._closed:
+            conn.idle_since = time.monotonic()
+            # Between transfers: a pooled link waits here, bounded by the idle timeout.
+            # Read in place (no task to wake, then a waiter: two loop steps fewer on
+            # every transfer's critical path; EOF and silence end it the same way).
+            msg = await link.read_next(s.connection_idle_s)
+            if msg.kind in _OPENS:
+                conn.busy = True
+                try:
+                    await self._open(link, msg)
+                finally:
+                    conn.busy = False
+            elif msg.kind in (control.Kind.KEYS, control.Kind.WITHDRAW):
+                self._on_keys(link, msg)
+            elif msg.kind is not control.Kind.ABORT:  # a late ABORT is harmless
+                raise errors.WireFormatError(f"unexpected {msg.kind.name} between transfers")
+
+    async def _connect(self, sock: socket.socket, who: str) -> Link | None:
+        """The accepted socket as a `Link`, TLS from its first byte when this receiver has a
+        server context: the handshake within ``connect_timeout_s``, or one refusal line and
+        None (the socket closed). The sender's identity is `_admit`'s."""
+        s = self.settings
+        server = self.tls.server if self.tls is not None else None
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=STREAM_LIMIT, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         try:
-            await link.writer.start_tls(server, ssl_handshake_timeout=s.connect_timeout_s)
+            # The handshake's own timeout, and the same deadline around the call (a loop
+            # whose SSL layer would not time out still cannot hold the handler).
+            async with asyncio.timeout(s.connect_timeout_s):
+                if server is None:
+                    transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
+                else:
+                    transport, _ = await loop.connect_accepted_socket(
+                        lambda: protocol,
+                        sock,
+                        ssl=server,
+                        ssl_handshake_timeout=s.connect_timeout_s,
+                    )
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            # The loop closed the socket (it is the transport's from the call on).
+            if server is None:
+                log.debug("KV connection from %s lost at accept: %s", who, exc)
+                return None
             reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+            if isinstance(exc, TimeoutError):
+                reason = f"none within {s.connect_timeout_s}s"
             log.warning(
                 "refused a KV connection from %s (no verified certificate): TLS handshake "
                 "failed: %s",
-                link.who,
+                who,
                 reason,
             )
-            link.broken = True
-            return False
+            return None
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        link = Link(reader, writer, Peer(b"", b""))
+        link.who = who
+        return link
+
+    async def _refuse_room(
+        self, sock: socket.socket, who: str, exc: errors.BudgetExceededError
+    ) -> None:
+        """Answer a connection refused at the caps with an ERROR (retryable), then close.
+        Under TLS it goes after the handshake (a plaintext ERROR would read to a TLS sender
+        as a broken handshake) and carries only its class: the peer is not identified."""
+        link = await self._connect(sock, who)
+        if link is None:
+            return
+        answer = control.refusal(exc) if self.tls is not None and self.tls.server else None
+        with contextlib.suppress(errors.TransportError):
+            await link.send(answer or control.error(exc), self.settings.connect_timeout_s)
+            # The sender's HELLO is on its way: closing with it unread resets the
+            # connection, and the sender would see "connection lost", not why.
+            await link.linger(_REFUSAL_WAIT_S)
+        await link.close()
+
+    async def _admit(self, link: Link) -> bool:
+        """The sender's identity, from the certificate TLS verified (nothing to do without
+        TLS). A refusal is logged once (identity and address) and answered with nothing
+        more than its class (`control.refusal`)."""
+        tls, s = self.tls, self.settings
+        if tls is None or tls.server is None:
+            return True
         cert = link.writer.get_extra_info("peercert")
         identity = describe(cert)
         link.who = f"{identity} at {link.who}"
@@ -273,7 +383,7 @@ class KvReceiver:
         if every one is moving KV, refuse with `BudgetExceededError` (retryable)."""
         s = self.settings
         for cap, what in ((s.max_connections_per_host, f"from {host}"), (s.max_connections, "")):
-            group = [c for c in self._conns.values() if not what or c.host == host]
+            group = [c for c in self._conns if not what or c.host == host]
             if len(group) < cap:
                 continue
             idle = [c for c in group if not c.busy]
@@ -283,9 +393,8 @@ class KvReceiver:
                 )
             oldest = min(idle, key=lambda c: c.idle_since)
             log.debug("closing an idle KV connection from %s to make room", oldest.host)
-            del self._conns[oldest.link]
-            oldest.link.broken = True
-            oldest.link.writer.transport.abort()  # its handler sees EOF and ends
+            self._conns.discard(oldest)
+            oldest.drop()
 
     def _reserve(self, header_bytes: bytes) -> wire.KvHeader:
         """Decode and check the header, fence its epoch and reserve its bytes."""
@@ -421,6 +530,33 @@ _MAX_KEYS_PER_LINK = 4096
 the link carried (freed ones are withdrawn); at most ~4 MiB with the longest remote keys."""
 
 
+async def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` resolves to, as `asyncio.start_server`
+    binds them (address reuse; IPv6 sockets IPv6-only), non-blocking for `sock_accept`."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    if not socks:
+        raise OSError(f"{host!r} resolves to no address to listen on")
+    return socks
+
+
 def _learn_keys(link: Link, body: bytes) -> None:
     for key in control.parse_keys(body):
         if key.key_id in link.keys:  # ids are never reused: its unpacked key may be cached
@@ -434,10 +570,21 @@ def _learn_keys(link: Link, body: bytes) -> None:
 class _Conn:
     """A receiver's control connection: whose, and whether a transfer is using it."""
 
-    link: Link
     host: str
+    handler: asyncio.Task[Any] | None
+    """The task serving it."""
+    link: Link | None = None
+    """None until its TLS handshake (if any) is over."""
     busy: bool = False
     idle_since: float = dataclasses.field(default_factory=time.monotonic)
+
+    def drop(self) -> None:
+        """Close it for room: its handler sees EOF (or, mid-handshake, is cancelled) and ends."""
+        if self.link is not None:
+            self.link.broken = True
+            self.link.writer.transport.abort()
+        elif self.handler is not None:
+            self.handler.cancel()
 
 
 @dataclasses.dataclass

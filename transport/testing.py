@@ -21,7 +21,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -255,7 +255,8 @@ def _local_tls(tls: TlsFiles | None) -> LinkTls | None:
 
 
 class PeerProcess:
-    """The other end of a transfer, in its own process; commands and replies are JSON lines."""
+    """The other end of a transfer, in its own process; commands and replies are JSON lines.
+    It runs on the caller's kind of event loop (uvloop when the caller's is uvloop's)."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
@@ -266,10 +267,12 @@ class PeerProcess:
         cls, backend: str, settings: TransportSettings, tls: TlsFiles | None = None
     ) -> PeerProcess:
         tls_args = [] if tls is None else [tls.folder, tls.peer]
+        loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "transport.testing",
+            "uvloop" if loop == "uvloop" else "asyncio",
             backend,
             json.dumps(asdict(settings)),
             *tls_args,
@@ -804,6 +807,17 @@ CHECKS = (
 )
 
 
+def _main(argv: Sequence[str]) -> None:
+    """``python -m transport.testing LOOP BACKEND SETTINGS [TLS-FOLDER IDENTITY]``."""
+    tls = security.load_dir(argv[3], argv[4]) if len(argv) > 4 else None
+    main = _peer_main(argv[1], TransportSettings(**json.loads(argv[2])), tls)
+    if argv[0] == "uvloop":
+        import uvloop  # noqa: PLC0415 - optional; only a peer told to run on it loads it
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
 if __name__ == "__main__":
-    _tls = security.load_dir(sys.argv[3], sys.argv[4]) if len(sys.argv) > 4 else None
-    asyncio.run(_peer_main(sys.argv[1], TransportSettings(**json.loads(sys.argv[2])), _tls))
+    _main(sys.argv[1:])

@@ -28,6 +28,7 @@ from orchestrator.cli.common import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    write_out,
 )
 from orchestrator.cli.orchestrator import ServerSettings
 from transport.backend_names import BACKENDS
@@ -374,7 +375,7 @@ def _run_load(args: argparse.Namespace) -> int:
 
     result = asyncio.run(run_load(load_spec(args), client_token(os.environ), client_tls(args)))
     if args.samples:  # for `bench control-plane`, which merges several clients
-        print(result.to_json())
+        write_out(result.to_json())  # large: print could lose its tail (write_out says how)
     elif args.json:
         print(json.dumps(result.summary(), indent=2))
     else:

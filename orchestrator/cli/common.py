@@ -18,7 +18,10 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
+import select
 import signal
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeAlias
@@ -618,3 +621,23 @@ def serve_metrics(registry: object, host: str, port: int) -> Any:
     server, _thread = start_http_server(port, host, registry=registry)  # type: ignore[arg-type]
     log.info("metrics on http://%s:%d/metrics", host, port)
     return server
+
+
+def write_out(text: str) -> None:
+    """Write ``text`` and a newline to stdout, all of it, for a parent that parses it.
+
+    `print` can lose the tail of a large text: under ``PYTHONUNBUFFERED`` (``-u``) stdout's
+    text layer sits on the raw file, whose ``write`` may write less than it was given (a
+    full pipe on a non-blocking descriptor, or a write a signal interrupts), and the text
+    layer drops the rest without a word. A `bench load` client on uvloop printed 121,122
+    bytes of samples to a pipe its parent was not yet reading: its ``write`` returned
+    65,536 (strace), and the parent got those and a newline. Here every byte goes out,
+    waiting for room while the pipe is full (the parent's deadline bounds the wait)."""
+    sys.stdout.flush()
+    fd = sys.stdout.fileno()
+    data = memoryview((text + "\n").encode())
+    while data:
+        try:
+            data = data[os.write(fd, data) :]
+        except BlockingIOError:
+            select.select([], [fd], [], 1.0)  # wait for room in the pipe

@@ -36,14 +36,14 @@ ORCHESTRATOR_LOOP = UVLOOP
 less CPU per request than asyncio's in 18 alternated pairs of `pdorch bench control-plane`,
 tails unchanged (README: Control plane at scale)."""
 WORKER_LOOP = ASYNCIO
-"""`pdorch worker`'s. On uvloop, a busy worker's KV receiver loses the TLS handshakes of
-incoming KV links: it accepts plaintext and then upgrades (`StreamWriter.start_tls`), and
-uvloop has by then read the sender's ClientHello into the stream's buffer, where the TLS
-layer never sees it; the sender's connect times out (2 s) and the request fails over
-(in every loaded bench cluster with the simulated fleet on uvloop, up to 370 requests of
-2,000; none on asyncio's loop; README: Control plane at scale). Until the receiver does
-TLS at accept, workers stay on asyncio's loop."""
-WORKER_LOOP_NOTE = "uvloop: a busy worker's KV links over TLS fail their handshakes (README)"
+"""`pdorch worker`'s. uvloop used to lose a busy worker's incoming KV links over TLS (the
+receiver accepted plaintext and upgraded with `StreamWriter.start_tls`; uvloop had read the
+sender's ClientHello into the stream by then): every loaded bench cluster with the
+simulated fleet on uvloop failed requests over. The receiver now does TLS at accept, and
+the fleet on uvloop completes them with no failover; but it saved no CPU either (6
+alternated pairs of `pdorch bench control-plane`, fleet CPU per request uvloop/asyncio
+0.85-1.07, median 1.00; README: Control plane at scale), so workers stay on asyncio's."""
+WORKER_LOOP_NOTE = "uvloop works (TLS included) but saved the simulated fleet no CPU (README)"
 
 FALLBACK_WARNING = (
     "uvloop is not installed: running on asyncio's default event loop, which costs more CPU "

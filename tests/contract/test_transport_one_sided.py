@@ -243,7 +243,8 @@ def test_a_freed_buffers_key_is_withdrawn_on_the_link_before_its_next_transfer()
         first = testing.synthetic_cache("w", 1, 64 * testing.KIB, n_layers=2)
         await _send_and_take(sender, receiver, address, first)
         (old,) = sender.registry.live
-        (link,) = [conn for conn in receiver._conns]
+        (link,) = [conn.link for conn in receiver._conns]
+        assert link is not None
         assert old in link.keys  # the receiver holds it for the link's life
         del first
         gc.collect()

@@ -248,7 +248,8 @@ def test_an_unregistered_region_is_withdrawn_before_the_next_transfer() -> None:
         await _landed(receiver, pool, h, ids)
         sender.registry.unregister_region(region)
         assert region.key.key_id not in sender.registry.live
-        (link,) = list(receiver._conns)
+        (link,) = [conn.link for conn in receiver._conns]
+        assert link is not None
         assert region.key.key_id in link.keys
         h2 = _header(pool, "u", 2, ids)  # now the numpy allocation's own registration
         await _send(sender, address, pool, h2, ids)

@@ -28,7 +28,8 @@ from transport.ucx import UcxDataPlane, ucx_available
 pytest.importorskip("cryptography", reason="the test extra's cryptography")
 from tests.contract.kv_tls_certs import make_pki
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("event_loop_kind")]
+"""Every test on asyncio's loop and on uvloop's (tests/contract/conftest.py)."""
 
 _UCX = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")]
 BACKENDS = [pytest.param("ucx", marks=_UCX), pytest.param(UCX_READ, marks=_UCX), "tcp"]
@@ -199,6 +200,37 @@ def test_a_sender_sends_kv_only_to_a_decode_identity(
 
     asyncio.run(run())
     assert any("may not receive KV" in line for line in _refusals(caplog))
+
+
+def test_a_connection_beyond_the_cap_is_told_so_over_tls(pki: Path) -> None:
+    """At the connection cap, with every link moving KV, a TLS sender learns it is out of
+    room (`BudgetExceededError`, retryable) — not a broken handshake (the receiver used to
+    answer in plaintext, before TLS, which a TLS sender read as a permanent refusal)."""
+    settings = dataclasses.replace(SETTINGS, max_connections_per_host=2, max_connections=2)
+
+    async def run() -> None:
+        receiver = make_receiver("tcp", settings, tls=load_dir(pki, "decode"))
+        address = await receiver.start()
+        sender = make_sender("tcp", settings, tls=load_dir(pki, "prefill"))
+        caches = [testing.synthetic_cache(f"cap-{i}", 1, 64 * KIB) for i in range(3)]
+        try:
+            transfers = [await sender.open(address, c.header) for c in caches[:2]]
+            with pytest.raises(errors.BudgetExceededError) as refused:
+                await sender.open(address, caches[2].header)
+            assert refused.value.retryable
+            for transfer, cache in zip(transfers, caches, strict=False):
+                for i, (k, v) in enumerate(cache.layers):
+                    await transfer.send_layer(i, k, v)
+                await transfer.finish()
+            await sender.send(address, caches[2])  # a slot is free again
+            for cache in caches:
+                got = await receiver.take(cache.header.request_id, 1, 5)
+                assert testing.digest(got) == testing.digest(cache)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(run())
 
 
 # ------------------------------------------------------------------ refusals disclose nothing
@@ -382,3 +414,10 @@ def test_a_context_that_does_not_verify_the_peer_is_refused(pki: Path) -> None:
 def test_who_may_send_kv(name: str | None, allowed: bool) -> None:
     cert = {"subject": ((("commonName", name),),)} if name else {}
     assert LinkTls().senders(cert) is allowed
+
+
+def test_each_variant_runs_on_its_loop(event_loop_kind: str) -> None:
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__.partition(".")[0]
+
+    assert asyncio.run(loop_module()) == event_loop_kind

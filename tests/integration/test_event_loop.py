@@ -142,3 +142,29 @@ def test_a_worker_runs_on_uvloop_when_told(sim_cluster: LocalCluster) -> None:
         assert loops(proc) == [UVLOOP]
     finally:
         proc.stop()
+
+
+def test_a_fleet_on_uvloop_moves_kv_over_tls_under_load() -> None:
+    """Prefill and decode workers on uvloop, KV links over mutual TLS, 50 requests at once
+    (each prefill worker opening links to the decode worker in a burst): every request is
+    disaggregated and none fails over. The KV receiver used to accept plaintext and upgrade
+    it to TLS; uvloop had already read the senders' ClientHellos, the handshakes stalled and
+    requests failed over ("KV transfer failed: connect to … timed out")."""
+    from orchestrator.bench.load import LoadSpec, run_load  # noqa: PLC0415 - grpc
+
+    c = LocalCluster(transport="tcp", prefill_workers=0, decode_workers=0, orchestrators=0)
+    assert c.tls
+    with c:
+        prefill = c.start_sim_workers("prefill", 2, "llama-3-8b@H100", 0, "--loop", "uvloop")
+        decode = c.start_sim_workers("decode", 2, "llama-3-8b@L4", 0, "--loop", "uvloop")
+        c.wait_live_workers(2, 2, timeout_s=60)
+        assert set(loops(prefill)) == set(loops(decode)) == {UVLOOP}
+        address = c.start_orchestrator(0)
+        spec = LoadSpec((address,), requests=100, concurrency=50, max_tokens=16)
+        result = asyncio.run(run_load(spec, tls=c.credentials()))
+        summary = result.summary()
+        assert summary["completed"] == 100, summary
+        assert summary["aggregated"] == 0, summary  # a failed-over request ends aggregated
+        log = c.procs["orchestrator-0"].tail(1_000_000)
+        assert "KV transfer failed" not in log
+        assert "failover" not in log
