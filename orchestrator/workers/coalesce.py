@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator
 
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2
+from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS
 
-MAX_FLUSH_S = 1.0
-"""The longest a worker holds a token back, whatever a request asks: a stream that sends
-less than once a second looks hung to a client (and to the orchestrator's silence watch)."""
+MAX_FLUSH_S = MAX_CHUNK_WINDOW_MS / 1000
+"""The longest a worker holds a token back, whatever a request asks (`MAX_CHUNK_WINDOW_MS`)."""
 
 _End = BaseException | None
 """The pump's last item: the host's error, or None when its stream ended."""
