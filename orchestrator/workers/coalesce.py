@@ -12,8 +12,9 @@ message per ``window_s``:
   orchestrator completes its log-probability from the prefill's answer);
 - otherwise it waits until ``window_s`` after the previous send, and everything the host
   yielded meanwhile goes out with it, in one chunk;
-- the chunk that ends the stream (a finish reason) waits like any other, and is merged with
-  what is pending.
+- the stream's end (a chunk with a finish reason, or the host's end or error) is never
+  held back: it cuts the window short and goes out at once, merged with what is pending
+  (a non-streamed answer, read only at its end, is not delayed by its window).
 
 So a token waits at most ``window_s`` and the stream's indices stay contiguous: a merged
 chunk starts at the first merged chunk's index and carries every token after it in order.
@@ -64,15 +65,29 @@ async def coalesced(
         return
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[worker_pb2.TokenChunk | _End] = asyncio.Queue()
+    ending = False
+    """The stream's end (a finish chunk, the host's end or error) is queued."""
+    wake: asyncio.Future[None] | None = None
+    """The consumer's wait for its window, cut short by the stream's end."""
+
+    def end_wait() -> None:
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     async def pump() -> None:
+        nonlocal ending
         end: _End = None
         try:
             async for chunk in chunks:
                 queue.put_nowait(chunk)
+                if chunk.finish_reason:
+                    ending = True
+                    end_wait()
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             end = exc
         queue.put_nowait(end)
+        ending = True
+        end_wait()
 
     task = asyncio.create_task(pump(), name="pdorch-stream-coalesce")
     last: float | None = None
@@ -84,10 +99,16 @@ async def coalesced(
                 if item is not None:
                     raise item
                 return
-            if not item.finish_reason and last is not None:
+            if not item.finish_reason and last is not None and not ending:
                 wait = last + window_s - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)  # the window: what comes meanwhile joins
+                if wait > 0:  # the window: what comes meanwhile joins; the end cuts it short
+                    wake = loop.create_future()
+                    timer = loop.call_later(wait, end_wait)
+                    try:
+                        await wake
+                    finally:
+                        timer.cancel()
+                        wake = None
             ended, end = False, None
             while last is not None and not item.finish_reason and not queue.empty():
                 more = queue.get_nowait()
