@@ -55,6 +55,51 @@ def window_of(flush_ms: float) -> float:
     return min(max(flush_ms, 0.0) / 1000, MAX_FLUSH_S)
 
 
+class _Source:
+    """The host's chunks, pumped into a queue by a task of their own (``pdorch-stream-
+    coalesce``), and a wait that the stream's end cuts short."""
+
+    def __init__(self, chunks: AsyncIterator[worker_pb2.TokenChunk]) -> None:
+        self.queue: asyncio.Queue[worker_pb2.TokenChunk | _End] = asyncio.Queue()
+        self.ending = False
+        """The stream's end (a finish chunk, the host's end or error) is queued."""
+        self._wake: asyncio.Future[None] | None = None
+        self.task = asyncio.create_task(self._pump(chunks), name="pdorch-stream-coalesce")
+
+    async def _pump(self, chunks: AsyncIterator[worker_pb2.TokenChunk]) -> None:
+        end: _End = None
+        try:
+            async for chunk in chunks:
+                self.queue.put_nowait(chunk)
+                if chunk.finish_reason:
+                    self._ended()
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            end = exc
+        self.queue.put_nowait(end)
+        self._ended()
+
+    def _ended(self) -> None:
+        self.ending = True
+        self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def wait(self, seconds: float) -> None:
+        """Wait ``seconds``, or less: not at all once the stream's end is queued."""
+        if seconds <= 0 or self.ending:
+            return
+        loop = asyncio.get_running_loop()
+        self._wake = loop.create_future()
+        timer = loop.call_later(seconds, self._stop_waiting)
+        try:
+            await self._wake
+        finally:
+            timer.cancel()
+            self._wake = None
+
+
 async def coalesced(
     chunks: AsyncIterator[worker_pb2.TokenChunk], window_s: float
 ) -> AsyncIterator[worker_pb2.TokenChunk]:
@@ -64,32 +109,8 @@ async def coalesced(
             yield chunk
         return
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[worker_pb2.TokenChunk | _End] = asyncio.Queue()
-    ending = False
-    """The stream's end (a finish chunk, the host's end or error) is queued."""
-    wake: asyncio.Future[None] | None = None
-    """The consumer's wait for its window, cut short by the stream's end."""
-
-    def end_wait() -> None:
-        if wake is not None and not wake.done():
-            wake.set_result(None)
-
-    async def pump() -> None:
-        nonlocal ending
-        end: _End = None
-        try:
-            async for chunk in chunks:
-                queue.put_nowait(chunk)
-                if chunk.finish_reason:
-                    ending = True
-                    end_wait()
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            end = exc
-        queue.put_nowait(end)
-        ending = True
-        end_wait()
-
-    task = asyncio.create_task(pump(), name="pdorch-stream-coalesce")
+    source = _Source(chunks)
+    queue = source.queue
     last: float | None = None
     """When the previous chunk went out (None: none yet)."""
     try:
@@ -99,16 +120,9 @@ async def coalesced(
                 if item is not None:
                     raise item
                 return
-            if not item.finish_reason and last is not None and not ending:
-                wait = last + window_s - loop.time()
-                if wait > 0:  # the window: what comes meanwhile joins; the end cuts it short
-                    wake = loop.create_future()
-                    timer = loop.call_later(wait, end_wait)
-                    try:
-                        await wake
-                    finally:
-                        timer.cancel()
-                        wake = None
+            if not item.finish_reason and last is not None:
+                # The window: what comes meanwhile joins; the stream's end cuts it short.
+                await source.wait(last + window_s - loop.time())
             ended, end = False, None
             while last is not None and not item.finish_reason and not queue.empty():
                 more = queue.get_nowait()
@@ -123,4 +137,4 @@ async def coalesced(
             if ended or item.finish_reason:
                 return
     finally:
-        await cancel_and_wait(task)
+        await cancel_and_wait(source.task)
