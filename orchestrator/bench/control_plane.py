@@ -45,6 +45,7 @@ from orchestrator.bench.no_hiredis import child_hiredis, without_hiredis
 from orchestrator.bench.pinning import PinError, available_cores, pin
 from orchestrator.bench.scale import TIERS, CoreAssignment, Usage, assign_cores, project
 from orchestrator.cluster import ClusterError, LocalCluster
+from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS
 from orchestrator.errors import ConfigError
 from orchestrator.store.ha_servers import LocalRedisCluster
 from orchestrator.store.server import RedisServerError
@@ -81,6 +82,9 @@ class ControlPlaneBench:
     """Spread the first ``concurrency`` requests evenly over this many seconds (and so
     every later wave: a closed loop of equal requests stays in step); 0: they start at once,
     and each wave arrives as a burst of ``concurrency`` (`orchestrator.bench.load`)."""
+    chunk_window_ms: int = 0
+    """The chunk window every request asks (``GenerateRequest.chunk_window_ms``, at most
+    `MAX_CHUNK_WINDOW_MS`); 0: the orchestrators' ``--stream-flush-ms``."""
     tls: bool = True
     """Client API over TLS and orchestrator→worker calls over mutual TLS (the local
     cluster's default); False: plaintext, to measure what TLS costs."""
@@ -102,6 +106,8 @@ class ControlPlaneBench:
                 raise ConfigError(name, "must be at least 1")
         if self.ramp_s < 0:
             raise ConfigError("ramp_s", "must be >= 0 (0: no ramp)")
+        if not 0 <= self.chunk_window_ms <= MAX_CHUNK_WINDOW_MS:
+            raise ConfigError("chunk_window_ms", f"must be in [0, {MAX_CHUNK_WINDOW_MS}]")
         if self.redis_shards < 0:
             raise ConfigError("redis_shards", "must be >= 0 (0: one plain redis-server)")
         if self.fleet_processes < 1:
@@ -312,6 +318,7 @@ def _result(
         "prompt_words": b.prompt_words,
         "tls": b.tls,
         "ramp_s": b.ramp_s,
+        "chunk_window_ms": b.chunk_window_ms,
         **summary,
         "tokens": usage.tokens,
         "orchestrator_cpu_ms_per_request": cpu_ms["orchestrators"],
@@ -395,6 +402,7 @@ def _client_argv(
             "--offset", str(offset),
             "--ramp-s", str(b.ramp_s),
             "--ramp-phase", str(i / b.clients),
+            "--chunk-window-ms", str(b.chunk_window_ms),
             "--samples",
             *(["--tls-dir", tls_dir] if tls_dir else []),
         ])  # fmt: skip

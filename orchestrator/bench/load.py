@@ -101,6 +101,9 @@ class LoadSpec:
     connect_timeout_s: float = 10.0
     """How long the load waits for its channels to connect before it starts anyway (a
     target that does not answer then fails the requests, which say why)."""
+    chunk_window_ms: int = 0
+    """The chunk window each request asks (``GenerateRequest.chunk_window_ms``; 0: the
+    orchestrator's)."""
     ramp_phase: float = 0.0
     """Where in its turn, in [0, 1), this process's slots start: load processes sharing a
     ramp (``bench control-plane``: process i of n at i / n) interleave their arrivals."""
@@ -229,7 +232,9 @@ def prompt(n: int, words: int) -> str:
 
 async def _one(stub: OrchestratorAsyncStub, n: int, spec: LoadSpec) -> Sample:
     req = orchestrator_pb2.GenerateRequest(
-        text=prompt(n, spec.prompt_words), max_tokens=spec.max_tokens
+        text=prompt(n, spec.prompt_words),
+        max_tokens=spec.max_tokens,
+        chunk_window_ms=spec.chunk_window_ms,
     )
     sample = Sample(start=time.time(), end=0.0)
     started = time.perf_counter()

@@ -276,6 +276,7 @@ def _control_plane(bc: argparse.ArgumentParser) -> None:
     flag("--decode-gpu", "decode_gpu")
     flag("--warmup", "warmup", type=int, help="unmeasured requests (0: 2/worker)")
     flag("--ramp-s", "ramp_s", type=non_negative_float)
+    flag("--chunk-window-ms", "chunk_window_ms", type=int)
     bc.add_argument("--profile-dir", default="", help="cProfile each orchestrator into DIR")
     bc.add_argument(
         "--orchestrator-arg",
@@ -337,6 +338,7 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
         decode_gpu=args.decode_gpu,
         warmup=args.warmup,
         ramp_s=args.ramp_s,
+        chunk_window_ms=args.chunk_window_ms,
         profile_dir=Path(args.profile_dir) if args.profile_dir else None,
         orchestrator_args=tuple(args.orchestrator_arg),
         fleet_args=tuple(args.fleet_arg),
@@ -366,6 +368,7 @@ def _load(bl: argparse.ArgumentParser) -> None:
     flag("--offset", "offset", type=int, help="first request number")
     flag("--ramp-s", "ramp_s", type=non_negative_float)
     flag("--ramp-phase", "ramp_phase", type=float)
+    flag("--chunk-window-ms", "chunk_window_ms", type=int)
     bl.add_argument("--samples", action="store_true", help="print every sample as JSON")
     bl.set_defaults(call=_run_load)
 
@@ -398,6 +401,7 @@ def load_spec(args: argparse.Namespace) -> LoadSpec:
         offset=args.offset,
         ramp_s=args.ramp_s,
         ramp_phase=args.ramp_phase,
+        chunk_window_ms=args.chunk_window_ms,
     )
 
 

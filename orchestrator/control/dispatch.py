@@ -158,7 +158,7 @@ class Dispatch:
                 max_tokens=run.spec.max_tokens,
                 kv_timeout_s=self.settings.kv_timeout_s,
                 prompt_tokens=len(run.spec.prompt),
-                flush_ms=self.settings.stream_flush_ms,
+                flush_ms=_window_ms(run, self.settings),
             ),
             run.check,
         )
@@ -187,13 +187,19 @@ class Dispatch:
                 max_tokens=run.spec.max_tokens,
                 first_index=len(run.output),
                 prompt_tokens=len(run.spec.prompt),
-                flush_ms=self.settings.stream_flush_ms,
+                flush_ms=_window_ms(run, self.settings),
             ),
             run.check,
         )
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 yield chunk
+
+
+def _window_ms(run: Run, settings: ControlSettings) -> float:
+    """The chunk window asked of the attempt's worker stream: the client's
+    (`RequestSpec.chunk_window_ms`), else this replica's ``stream_flush_ms``."""
+    return float(run.spec.chunk_window_ms) or settings.stream_flush_ms
 
 
 def _sampling(run: Run) -> SamplingParams:

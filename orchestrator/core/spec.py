@@ -23,6 +23,11 @@ from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.state import INITIAL
 from orchestrator.errors import InvalidRequestError
 
+MAX_CHUNK_WINDOW_MS = 1000
+"""The longest a token may be held back to share a message with later ones, whatever a
+request or a replica asks (workers cap their coalescing window at it): a stream that sends
+less than once a second looks hung to a client and to the orchestrator's silence watch."""
+
 
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
@@ -39,6 +44,8 @@ class GenerateInput:
     deadline: float | None = None
     """``time.monotonic()`` after which no client can receive the answer (rpc: the call's
     deadline); a request not created by then is refused, never started."""
+    chunk_window_ms: int = 0
+    """The chunk window the client asks (`RequestSpec.chunk_window_ms`; 0: the replica's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,11 @@ class RequestLimits:
         if inp.sampling.min_tokens > inp.max_tokens:
             raise InvalidRequestError(
                 "min_tokens", f"{inp.sampling.min_tokens} exceeds max_tokens {inp.max_tokens}"
+            )
+        if not 0 <= inp.chunk_window_ms <= MAX_CHUNK_WINDOW_MS:
+            raise InvalidRequestError(
+                "chunk_window_ms",
+                f"must be in [0, {MAX_CHUNK_WINDOW_MS}], got {inp.chunk_window_ms}",
             )
         if len(inp.stop) > self.max_stop_strings or any(not x for x in inp.stop):
             raise InvalidRequestError("stop", f"at most {self.max_stop_strings} non-empty strings")
@@ -162,11 +174,24 @@ class RequestSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     tenant: str = "default"
+    chunk_window_ms: int = 0
+    """How the client wants its tokens delivered, not what to generate: at most one chunk
+    per this many milliseconds (0: the driving replica's ``stream_flush_ms``). Neither in
+    the body hash nor in the record: a resubmission may ask another window, and a replica
+    taking the request over streams at its own."""
 
     @classmethod
     def admitted(cls, inp: GenerateInput, request_id: str, ids: tuple[int, ...]) -> RequestSpec:
         """The spec of a validated input whose prompt tokenized to ``ids``."""
-        return cls(request_id, ids, inp.max_tokens, inp.sampling, inp.stop, inp.tenant)
+        return cls(
+            request_id,
+            ids,
+            inp.max_tokens,
+            inp.sampling,
+            inp.stop,
+            inp.tenant,
+            chunk_window_ms=inp.chunk_window_ms,
+        )
 
     @classmethod
     def from_record(cls, record: RequestRecord) -> RequestSpec:

@@ -35,6 +35,7 @@ from typing import Any
 from orchestrator.control.orchestrator import GenerateInput
 from orchestrator.core.idents import ECHO_CHARS, check_request_id, check_tenant, shown
 from orchestrator.core.sampling import SamplingParams
+from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS
 from orchestrator.errors import InvalidRequestError
 from orchestrator.gateway.errors import ApiError
 from orchestrator.gateway.settings import GatewaySettings
@@ -282,7 +283,10 @@ def _call(body: Mapping[str, Any], rid: str, *, chat: bool, inp: GenerateInput) 
     return Call(
         chat=chat,
         model=model,
-        inp=inp,
+        # A non-streamed answer is read only at its end: its tokens travel in the fewest
+        # messages (the longest chunk window), each costing the orchestrator a read, a
+        # journal write and a hand-off whatever it carries.
+        inp=inp if stream else replace(inp, chunk_window_ms=MAX_CHUNK_WINDOW_MS),
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,

@@ -107,6 +107,7 @@ def _input(
         stop=tuple(req.stop),
         resume_from=req.resume_from_index,
         tenant=tenant,
+        chunk_window_ms=req.chunk_window_ms,
         deadline=None if remaining is None else time.monotonic() + remaining,
     )
 

@@ -12,8 +12,9 @@ message per ``window_s``:
   orchestrator completes its log-probability from the prefill's answer);
 - otherwise it waits until ``window_s`` after the previous send, and everything the host
   yielded meanwhile goes out with it, in one chunk;
-- the chunk that ends the stream (a finish reason) waits like any other, and is merged with
-  what is pending.
+- the stream's end (a chunk with a finish reason, or the host's end or error) is never
+  held back: it cuts the window short and goes out at once, merged with what is pending
+  (a non-streamed answer, read only at its end, is not delayed by its window).
 
 So a token waits at most ``window_s`` and the stream's indices stay contiguous: a merged
 chunk starts at the first merged chunk's index and carries every token after it in order.
@@ -29,10 +30,10 @@ from collections.abc import AsyncIterator
 
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2
+from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS
 
-MAX_FLUSH_S = 1.0
-"""The longest a worker holds a token back, whatever a request asks: a stream that sends
-less than once a second looks hung to a client (and to the orchestrator's silence watch)."""
+MAX_FLUSH_S = MAX_CHUNK_WINDOW_MS / 1000
+"""The longest a worker holds a token back, whatever a request asks (`MAX_CHUNK_WINDOW_MS`)."""
 
 _End = BaseException | None
 """The pump's last item: the host's error, or None when its stream ended."""
@@ -54,6 +55,51 @@ def window_of(flush_ms: float) -> float:
     return min(max(flush_ms, 0.0) / 1000, MAX_FLUSH_S)
 
 
+class _Source:
+    """The host's chunks, pumped into a queue by a task of their own (``pdorch-stream-
+    coalesce``), and a wait that the stream's end cuts short."""
+
+    def __init__(self, chunks: AsyncIterator[worker_pb2.TokenChunk]) -> None:
+        self.queue: asyncio.Queue[worker_pb2.TokenChunk | _End] = asyncio.Queue()
+        self.ending = False
+        """The stream's end (a finish chunk, the host's end or error) is queued."""
+        self._wake: asyncio.Future[None] | None = None
+        self.task = asyncio.create_task(self._pump(chunks), name="pdorch-stream-coalesce")
+
+    async def _pump(self, chunks: AsyncIterator[worker_pb2.TokenChunk]) -> None:
+        end: _End = None
+        try:
+            async for chunk in chunks:
+                self.queue.put_nowait(chunk)
+                if chunk.finish_reason:
+                    self._ended()
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            end = exc
+        self.queue.put_nowait(end)
+        self._ended()
+
+    def _ended(self) -> None:
+        self.ending = True
+        self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def wait(self, seconds: float) -> None:
+        """Wait ``seconds``, or less: not at all once the stream's end is queued."""
+        if seconds <= 0 or self.ending:
+            return
+        loop = asyncio.get_running_loop()
+        self._wake = loop.create_future()
+        timer = loop.call_later(seconds, self._stop_waiting)
+        try:
+            await self._wake
+        finally:
+            timer.cancel()
+            self._wake = None
+
+
 async def coalesced(
     chunks: AsyncIterator[worker_pb2.TokenChunk], window_s: float
 ) -> AsyncIterator[worker_pb2.TokenChunk]:
@@ -63,18 +109,8 @@ async def coalesced(
             yield chunk
         return
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[worker_pb2.TokenChunk | _End] = asyncio.Queue()
-
-    async def pump() -> None:
-        end: _End = None
-        try:
-            async for chunk in chunks:
-                queue.put_nowait(chunk)
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            end = exc
-        queue.put_nowait(end)
-
-    task = asyncio.create_task(pump(), name="pdorch-stream-coalesce")
+    source = _Source(chunks)
+    queue = source.queue
     last: float | None = None
     """When the previous chunk went out (None: none yet)."""
     try:
@@ -85,9 +121,8 @@ async def coalesced(
                     raise item
                 return
             if not item.finish_reason and last is not None:
-                wait = last + window_s - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)  # the window: what comes meanwhile joins
+                # The window: what comes meanwhile joins; the stream's end cuts it short.
+                await source.wait(last + window_s - loop.time())
             ended, end = False, None
             while last is not None and not item.finish_reason and not queue.empty():
                 more = queue.get_nowait()
@@ -102,4 +137,4 @@ async def coalesced(
             if ended or item.finish_reason:
                 return
     finally:
-        await cancel_and_wait(task)
+        await cancel_and_wait(source.task)

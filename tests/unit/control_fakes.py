@@ -79,6 +79,8 @@ class FakeWorker:
     prefill_requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
     empty_first: bool = False
     """Decode: the stream opens with a chunk that carries no token (a keep-alive)."""
+    windows: list[float] = field(default_factory=list)
+    """The coalescing window (``flush_ms``) each decode and aggregated call asked for."""
 
     @property
     def info(self) -> WorkerInfo:
@@ -188,6 +190,7 @@ class _Stubs:
 
     def Decode(self, req: worker_pb2.DecodeRequest) -> _Stream:
         self.w.calls.append((f"decode:{req.request_id}", req.epoch))
+        self.w.windows.append(req.flush_ms)
         assert req.last_token == token(req.generated - 1)
         scored = req.sampling.HasField("logprobs")
         return _Stream(
@@ -196,6 +199,7 @@ class _Stubs:
 
     def Generate(self, req: worker_pb2.AggregatedRequest) -> _Stream:
         self.w.calls.append((f"generate:{req.request_id}", req.epoch))
+        self.w.windows.append(req.flush_ms)
         self.w.samplings.append(req.sampling)
         scored = req.sampling.HasField("logprobs")
         return _Stream(self.w, self.w.stream(req.first_index, req.max_tokens, scored))

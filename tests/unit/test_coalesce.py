@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -136,5 +137,33 @@ def test_the_first_chunk_goes_out_alone_even_with_more_ready() -> None:
         got = [c async for c in coalesced(source(6, 0.0), 0.05)]
         assert [len(c.token_ids) for c in got] == [1, 5]
         assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    run(main())
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_streams_end_is_not_held_back_by_the_window(fails: bool) -> None:
+    """A stream that ends inside a window (its finish, or the host's error) goes out at
+    once with what is pending: a non-streamed answer asks a 1 s window and must not wait
+    for it after its last token."""
+
+    async def short() -> AsyncIterator[worker_pb2.TokenChunk]:
+        async for c in source(4, 0.01, finish=not fails):
+            yield c
+        if fails:
+            raise RuntimeError("engine died")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        got: list[worker_pb2.TokenChunk] = []
+        with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+            async for c in coalesced(short(), 1.0):
+                got.append(c)
+        assert loop.time() - started < 0.5  # not the window's 1 s
+        assert flat(got) == [0, 1, 2, 3]
+        assert [len(c.token_ids) for c in got] == [1, 3]  # still merged
+        if not fails:
+            assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
     run(main())

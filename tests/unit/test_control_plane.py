@@ -122,6 +122,25 @@ def test_disaggregated_request_is_journalled_and_recorded() -> None:
     run(main())
 
 
+def test_a_client_chooses_its_chunk_window() -> None:
+    """A request's ``chunk_window_ms`` is the coalescing window its worker stream is asked
+    for, disaggregated or aggregated; 0 leaves the replica's ``stream_flush_ms``."""
+
+    async def main() -> None:
+        p0, d0 = FakeWorker("p0", "prefill"), FakeWorker("d0", "decode")
+        orch, _, _ = await setup(p0, d0, settings=replace(FAST, stream_flush_ms=40.0))
+        assert_contiguous(await collect(orch.generate(inp("r1"))), 6)
+        windowed = replace(inp("r2"), chunk_window_ms=1000)
+        assert_contiguous(await collect(orch.generate(windowed)), 6)
+        assert d0.windows == [40.0, 1000.0]
+        a0 = FakeWorker("a0", "decode")  # no prefill pool: aggregated on it
+        orch, _, _ = await setup(a0, settings=replace(FAST, stream_flush_ms=40.0))
+        assert_contiguous(await collect(orch.generate(replace(inp("r3"), chunk_window_ms=250))), 6)
+        assert a0.windows == [250.0]
+
+    run(main())
+
+
 class _CallCountingStore(MemoryStore):
     """Records the request-path calls a request makes (issue 21: the fixed cost per request
     is its store round trips); what `end` does inside is the store's business (one script

@@ -11,6 +11,7 @@ from orchestrator import errors
 from orchestrator.control.orchestrator import OutChunk
 from orchestrator.core.logprobs import TokenLogprob, TopLogprob
 from orchestrator.core.records import RequestRecord
+from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS
 from orchestrator.core.state import State
 from orchestrator.gateway import parse, render
 from orchestrator.gateway.errors import ApiError, api_error_for
@@ -55,6 +56,14 @@ def test_completion_defaults_follow_openai() -> None:
     assert inp.sampling.top_p == 1.0
     assert inp.sampling.seed == parse.seed_for("rid-1")
     assert inp.stop == ()
+
+
+@pytest.mark.parametrize("fn", [completion, chat])
+def test_a_non_streamed_answer_asks_the_longest_chunk_window(fn: Any) -> None:
+    """Read only at its end, a non-streamed answer's tokens travel in the fewest messages;
+    a streamed one keeps the orchestrator's window."""
+    assert fn().inp.chunk_window_ms == MAX_CHUNK_WINDOW_MS
+    assert fn(stream=True).inp.chunk_window_ms == 0
 
 
 def test_completion_parameters() -> None:

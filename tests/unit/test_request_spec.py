@@ -40,6 +40,8 @@ OK = GenerateInput("r", token_ids=(1, 2), max_tokens=8, stop=("\n",))
         ({"sampling": SamplingParams(temperature=math.nan)}, "temperature"),
         ({"stop": ("",)}, "stop"),
         ({"stop": tuple("abcdefghi")}, "stop"),
+        ({"chunk_window_ms": 1001}, "chunk_window_ms"),
+        ({"chunk_window_ms": -1}, "chunk_window_ms"),
     ],
 )
 def test_limits_name_the_invalid_field(change: dict[str, object], field: str) -> None:
@@ -76,6 +78,16 @@ def test_a_resumed_spec_is_the_admitted_one() -> None:
     stored = RequestRecord.from_fields(record.to_fields())
     assert RequestSpec.from_record(stored) == spec
     assert record.body_hash == spec.body_hash()
+
+
+def test_the_chunk_window_is_how_not_what() -> None:
+    """The window a client asks is not part of the body (a resubmission may ask another)
+    nor of the record (a replica taking the request over streams at its own)."""
+    spec = RequestSpec.admitted(replace(OK, chunk_window_ms=1000), "r", (5, 6))
+    assert spec.chunk_window_ms == 1000
+    assert spec.body_hash() == replace(spec, chunk_window_ms=0).body_hash()
+    stored = RequestRecord.from_fields(spec.record("owner", created_at=1.0).to_fields())
+    assert RequestSpec.from_record(stored).chunk_window_ms == 0
 
 
 def test_the_body_hash_ignores_the_tenant_and_sees_the_body() -> None:
