@@ -51,8 +51,8 @@ How to read it: TTFT runs from admission to the first token and includes queuein
 prompts arrive together at one prefill worker, so later ones wait for earlier ones. xfer ms
 is one KV's whole transfer (set-up, header, checksums, landing in the decode worker): a KV
 of kilobytes to a few MB is almost all fixed cost, so its GB/s is far below the link's
-(README "Transport performance": 5.9 GB/s over UCX at 64 MiB). out stops at --max-tokens
-or end of text."""
+(3-4 GB/s over UCX at 64 MiB on a 2-core VM: README "Transport performance"). out stops at
+--max-tokens or end of text."""
 
 SHOWN_CHARS = 100
 """Of each output, in the table."""
