@@ -676,6 +676,26 @@ async def check_idle_connections(backend: str) -> None:
             await sender.close()
 
 
+async def finish_then_refill(
+    sender: KvSender,
+    receiver: KvReceiver,
+    address: str,
+    transfers: Sequence[Any],
+    caches: Sequence[wire.KvCache],
+) -> None:
+    """A cap test's end: the open ``transfers`` (of the first ``caches``) finish, the last
+    cache — refused while they held every slot — now goes through, and every cache lands
+    whole at ``receiver``."""
+    for transfer, cache in zip(transfers, caches, strict=False):
+        for i, (k, v) in enumerate(cache.layers):
+            await transfer.send_layer(i, k, v)
+        await transfer.finish()
+    await sender.send(address, caches[-1])  # a slot is free again
+    for cache in caches:
+        got = await receiver.take(cache.header.request_id, 1, 5)
+        assert digest(got) == digest(cache)
+
+
 async def check_connection_caps(backend: str) -> None:
     """At the per-host cap, a new connection closes the longest-idle one; when every
     connection is moving KV, a new one is refused (BudgetExceededError), not queued."""
@@ -700,14 +720,7 @@ async def check_connection_caps(backend: str) -> None:
             pass
         else:
             raise AssertionError("a connection beyond the cap was accepted")
-        for transfer, cache in zip(transfers, caches, strict=False):
-            for i, (k, v) in enumerate(cache.layers):
-                await transfer.send_layer(i, k, v)
-            await transfer.finish()
-        await sender.send(address, caches[4])  # a slot is free again
-        for cache in caches:
-            got = await receiver.take(cache.header.request_id, 1, 5)
-            assert digest(got) == digest(cache)
+        await finish_then_refill(sender, receiver, address, transfers, caches)
     finally:
         for _, w in conns:
             w.close()

@@ -218,14 +218,7 @@ def test_a_connection_beyond_the_cap_is_told_so_over_tls(pki: Path) -> None:
             with pytest.raises(errors.BudgetExceededError) as refused:
                 await sender.open(address, caches[2].header)
             assert refused.value.retryable
-            for transfer, cache in zip(transfers, caches, strict=False):
-                for i, (k, v) in enumerate(cache.layers):
-                    await transfer.send_layer(i, k, v)
-                await transfer.finish()
-            await sender.send(address, caches[2])  # a slot is free again
-            for cache in caches:
-                got = await receiver.take(cache.header.request_id, 1, 5)
-                assert testing.digest(got) == testing.digest(cache)
+            await testing.finish_then_refill(sender, receiver, address, transfers, caches)
         finally:
             await sender.close()
             await receiver.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]  # starts a Python process
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
