@@ -35,6 +35,10 @@ class TransportSettings:
     """TCP connect plus HELLO exchange."""
     idle_timeout_s: float = 5.0
     """Longest wait for the peer's next message or payload progress inside a transfer."""
+    keepalive_s: float = 1.0
+    """Sender, layer by layer: while a transfer waits for its producer's next layer (the
+    engine's forward, `OutgoingTransfer.hold`), an ALIVE this often — well under every
+    receiver's ``idle_timeout_s`` — so a slow forward is not taken for a dead peer."""
     transfer_timeout_s: float = 120.0
     """Whole transfer, open to done."""
     max_kv_bytes: int = 1 << 30

@@ -13,6 +13,7 @@ peer's identity checked before HELLO); only where the layer *payload* travels di
                                ◀──────────   ACCEPT(token) | ERROR(code, message)
       LAYER(frame) [+ payload] ──────────▶   (repeated, one per layer, any order;
       LAYERS(frames)                          out of band, a segment's frames in one message)
+      ALIVE ─────────────────────────────▶   (while the next layer is computed: a sign of life)
                                ◀──────────   DONE | ERROR(code, message)
       ABORT(message) ────────────────────▶   (at any time: discard the partial KV)
 
@@ -110,6 +111,10 @@ class Kind(enum.IntEnum):
     READ = 15
     """One-sided v2: a segment is ready — descriptors (key id, offset, length) into
     regions KEYS announced on this link."""
+    ALIVE = 16
+    """Layer by layer: the sender is alive and its next layer is still being computed (sent
+    every ``keepalive_s`` while it waits for its producer, `OutgoingTransfer.hold`), so a
+    forward slower than the receiver's idle deadline is not taken for a dead peer. No body."""
 
 
 class ErrorCode(enum.IntEnum):

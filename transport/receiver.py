@@ -280,7 +280,7 @@ class KvReceiver:
                     conn.busy = False
             elif msg.kind in (control.Kind.KEYS, control.Kind.WITHDRAW):
                 self._on_keys(link, msg)
-            elif msg.kind is not control.Kind.ABORT:  # a late ABORT is harmless
+            elif msg.kind not in (control.Kind.ABORT, control.Kind.ALIVE):  # late: harmless
                 raise errors.WireFormatError(f"unexpected {msg.kind.name} between transfers")
 
     async def _connect(self, sock: socket.socket, who: str) -> Link | None:
@@ -495,7 +495,7 @@ class KvReceiver:
             )
         except errors.TransportError as exc:
             self.inbox.fail(rid, epoch, exc)
-            log.info(
+            log.warning(
                 "KV transfer of request %s epoch %s from %s failed: %s", rid, epoch, link.who, exc
             )
             if not isinstance(exc, errors.PeerLostError | errors.TransferTimeoutError):
@@ -758,6 +758,8 @@ class _Receive:
         return 0
 
     async def _on_message(self, msg: control.Message) -> None:
+        if msg.kind is control.Kind.ALIVE:  # the sender's next layer is being computed
+            return
         if msg.kind is control.Kind.ABORT:
             raise errors.PeerLostError(f"sender aborted: {msg.body.decode(errors='replace')}")
         if msg.kind is control.Kind.READ and self.one_sided:

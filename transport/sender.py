@@ -2,17 +2,18 @@
 
 Layer-wise streaming: `KvSender.open()` sends the header and waits for the receiver to accept
 it; `OutgoingTransfer.send_layer(i, k, v)` may be called as soon as layer *i* exists and
-returns at once. Out of band, a *segment* (a run of consecutive layers, `wire.segments`)
-starts moving as soon as its last layer is given, while each layer's checksum is computed in
-a thread (xxh3 releases the GIL) and its frame follows; `finish()` returns once the receiver
-has verified every layer. Connections and data-plane endpoints to a receiver are pooled and
-reused; a pooled connection whose peer went away is noticed before reuse and replaced, so
-the first transfer after a receiver restarts connects afresh. One-sided (UCX v2), `send`
-of a complete KV is one message and one reply (`_send_folded`), over memory registered once
-per allocation (`transport.registry`) whose keys each link carries once. With `LinkTls`,
-links are mutual TLS and KV goes only to a receiver whose identity `LinkTls.receivers`
-allows; the out-of-band payload of each transfer carries the token the receiver issued in
-its ACCEPT.
+returns at once; while the producer computes the next layer, `OutgoingTransfer.hold` keeps
+the receiver's idle deadline for a live sender (ALIVE every ``keepalive_s``). Out of band,
+a *segment* (a run of consecutive layers, `wire.segments`) starts moving as soon as its last
+layer is given, while each layer's checksum is computed in a thread (xxh3 releases the GIL)
+and its frame follows; `finish()` returns once the receiver has verified every layer.
+Connections and data-plane endpoints to a receiver are pooled and reused; a pooled
+connection whose peer went away is noticed before reuse and replaced, so the first transfer
+after a receiver restarts connects afresh. One-sided (UCX v2), `send` of a complete KV is
+one message and one reply (`_send_folded`), over memory registered once per allocation
+(`transport.registry`) whose keys each link carries once. With `LinkTls`, links are mutual
+TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
+out-of-band payload of each transfer carries the token the receiver issued in its ACCEPT.
 
 **Layers in pieces, read in place (one-sided).** `OutgoingTransfer.send_layer` also takes K
 and V each as a sequence of memoryviews — the pieces of memory that, concatenated, are the
@@ -37,10 +38,10 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -58,6 +59,8 @@ ExposedHook = Callable[[int], None]
 Pieces = Sequence[memoryview]
 """K or V of a layer as pieces of memory, in wire order (`OutgoingTransfer.send_layer`)."""
 Parts = list[tuple[int, list[memoryview], list[memoryview]]]
+T = TypeVar("T")
+_ALIVE = control.encode(control.Kind.ALIVE)
 """Layers of a segment: index, buffers as checksummed, buffers as sent."""
 Held = tuple[list[Registration], list[memoryview]]
 """One-sided: registrations a transfer uses, and its buffers (kept alive with them)."""
@@ -843,6 +846,31 @@ class OutgoingTransfer:
         finally:
             if not payload.done():
                 payload.cancel()
+
+    async def hold(self, producing: Awaitable[T]) -> T:
+        """Await ``producing`` (the engine computing the next layer), telling the receiver
+        every ``keepalive_s`` that this sender is alive (ALIVE): a forward slower than the
+        receiver's idle deadline is not a dead peer, while a stopped sender still is. A
+        receiver that died or gave up meanwhile is found by the next ALIVE (its ERROR, or
+        the connection lost); the transfer's own deadline bounds the wait. Not concurrent
+        with `send_layer` (an ALIVE never splits a frame from its payload)."""
+        if self._state != "open":
+            raise errors.TransportClosedError(f"transfer is {self._state}")
+        task = asyncio.ensure_future(producing)
+        try:
+            while True:
+                wait_s = min(self._settings.keepalive_s, self._wait_s())
+                done, _ = await asyncio.wait({task}, timeout=wait_s)
+                if done:
+                    return task.result()
+                try:
+                    await self._link.send(_ALIVE, self._wait_s())
+                except BaseException:
+                    await self._fail()
+                    raise
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def finish(self) -> None:
         """Wait until the receiver verified every layer; then the link returns to the pool."""

@@ -9,6 +9,7 @@ Runs in the main venv (torch, no vLLM); each case takes well under a second.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import time
 from collections.abc import Iterator
@@ -64,11 +65,14 @@ class Pair:
         tokens: int,
         dtype: str = "",
         prefix: tuple[int, bytes] = (0, b""),
+        layer_s: float = 0.0,
     ) -> dict[str, object]:
+        """Push blocks ``blocks``, the forward taking ``layer_s`` to compute each layer."""
         params = PrefillParams(rid, epoch, self.kv_address, dtype, prefix[0], prefix[1].hex())
         spec = SaveSpec("v-" + rid, params, blocks, tokens)
         self.prefill.begin_step(StepPlan(saves=[spec]))
         for name, t in self.src.items():  # the forward: each layer saved as it is computed
+            time.sleep(layer_s)
             self.prefill.save_layer(name, t)
         self.prefill.wait_for_save()
         return self.prefill.take_outcomes()["v-" + rid]
@@ -145,6 +149,26 @@ def test_pushed_blocks_land_in_the_decodes_blocks(pair: Pair) -> None:
         assert torch.equal(_kv(pair.dst, layer, 5), _kv(pair.src, layer, 3))
         assert torch.equal(_kv(pair.dst, layer, 1), _kv(pair.src, layer, 7))
     assert torch.equal(_kv(pair.dst, 0, 0), untouched)  # no other block written
+
+
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
+def test_a_forward_slower_than_the_decodes_idle_deadline_still_lands(pair: Pair) -> None:
+    """Each layer takes 3× the decode receiver's idle deadline to compute: the push keeps
+    the link alive meanwhile (ALIVE every ``keepalive_s``), so the decode side does not
+    take a slow prefill for a dead one (the push used to fail: "connection to peer lost")."""
+    assert pair.decode._receiver is not None
+    assert pair.prefill._sender is not None
+    rx, tx = pair.decode._receiver, pair.prefill._sender
+    # (The decode's transfer deadline is the test's 1 s load timeout: lifted, not the point.)
+    rx.settings = dataclasses.replace(rx.settings, idle_timeout_s=0.2, transfer_timeout_s=30)
+    tx.settings = dataclasses.replace(tx.settings, keepalive_s=0.05)
+    outcome = pair.push("slow", 1, blocks=(2, 4), tokens=8, layer_s=0.6)
+    assert outcome["ok"], outcome
+    finished, failed, _ = pair.load("slow", 1, 8, [6, 8])
+    assert (finished, failed) == ({"d-slow"}, set())
+    for layer in range(LAYERS):
+        assert torch.equal(_kv(pair.dst, layer, 6), _kv(pair.src, layer, 2))
+        assert torch.equal(_kv(pair.dst, layer, 8), _kv(pair.src, layer, 4))
 
 
 def test_fp16_on_the_wire_lands_within_its_rounding(pair: Pair) -> None:

@@ -324,6 +324,7 @@ def test_control_messages_built_by_helpers_all_decode() -> None:
         control.withdraw([1, 2]),
         control.open_read2(1 << 20, b"header", folded=True),
         control.read(0, [control.Descriptor(1, 0, 64)]),
+        control.encode(Kind.ALIVE),
     ]
     assert [split(m)[0] for m in messages] == list(Kind)
 

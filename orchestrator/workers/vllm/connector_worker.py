@@ -480,7 +480,9 @@ class WorkerSide:
                 skip = prefix // layout.block_size  # the decode side's own blocks
                 async with transfer:
                     for _ in range(layout.n_layers):
-                        item = await queue.get()
+                        # The forward computes it: a sign of life meanwhile (a slow step
+                        # is not a dead prefill to the decode side's idle deadline).
+                        item = await transfer.hold(queue.get())
                         if item is None:
                             raise terr.WireFormatError("the engine step ended with layers unsaved")
                         index, k, v = item
