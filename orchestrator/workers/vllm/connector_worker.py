@@ -480,9 +480,12 @@ class WorkerSide:
                 skip = prefix // layout.block_size  # the decode side's own blocks
                 async with transfer:
                     for _ in range(layout.n_layers):
-                        # The forward computes it: a sign of life meanwhile (a slow step
-                        # is not a dead prefill to the decode side's idle deadline).
-                        item = await transfer.hold(queue.get())
+                        # Saved already, or the forward computes it: a sign of life
+                        # meanwhile (a slow step is not a dead prefill to the decode side).
+                        if queue.empty():
+                            item = await transfer.hold(queue.get())
+                        else:
+                            item = queue.get_nowait()
                         if item is None:
                             raise terr.WireFormatError("the engine step ended with layers unsaved")
                         index, k, v = item
