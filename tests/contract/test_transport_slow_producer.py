@@ -40,11 +40,18 @@ KEEPALIVE = TransportSettings(keepalive_s=IDLE_S / 4)
 
 
 async def _push(
-    backend: str, sender: TransportSettings, layers: int, layer_size: int, gap_s: float, held: bool
+    backend: str,
+    sender: TransportSettings,
+    layers: int,
+    layer_size: int,
+    gap_s: float,
+    held: bool,
+    idle_s: float = IDLE_S,
 ) -> None:
     """Open, then give each layer ``gap_s`` after the one before, awaited through `hold`
-    (``held``) or bare; the receiver must end up with the KV as sent."""
-    rx = make_receiver(backend, TransportSettings(idle_timeout_s=IDLE_S))
+    (``held``) or bare; the receiver (idle deadline ``idle_s``) must end up with the KV as
+    sent."""
+    rx = make_receiver(backend, TransportSettings(idle_timeout_s=idle_s))
     address = await rx.start()
     tx = make_sender(backend, sender)
     cache = testing.synthetic_cache("slow", 1, layers * layer_size, n_layers=layers, seed=3)
@@ -63,9 +70,10 @@ async def _push(
 
 
 def _segmented(backend: str, segment_bytes: int) -> None:
-    """8 layers of 1 MiB, 0.15 s apart: 1.2 s in all, twice the idle deadline; bare."""
+    """8 layers of 1 MiB, 0.25 s apart: 2 s in all, twice a 1 s idle deadline; bare (each
+    gap a quarter of the deadline: margin for a loaded machine)."""
     settings = TransportSettings(segment_bytes=segment_bytes)
-    asyncio.run(_push(backend, settings, 8, testing.MIB, 0.15, held=False))
+    asyncio.run(_push(backend, settings, 8, testing.MIB, 0.25, held=False, idle_s=1.0))
 
 
 @pytest.mark.parametrize("backend", UCX_BACKENDS)
