@@ -30,12 +30,15 @@ from pathlib import Path
 
 from orchestrator.chaos.history import FaultRecord, History
 from orchestrator.chaos.proxy import FaultProxy
-from orchestrator.chaos.scenario import PlannedFault, Trigger, kv_fault_spec
+from orchestrator.chaos.redis_primary import PrimaryKill
+from orchestrator.chaos.scenario import REDIS_PRIMARY, PlannedFault, Trigger, kv_fault_spec
 from orchestrator.cluster import LocalCluster
 from orchestrator.core.records import RequestRecord
 from orchestrator.core.state import State
 from orchestrator.errors import PdorchError
+from orchestrator.store.ha_servers import LocalRedisCluster
 from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.server import RedisServerError
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +138,13 @@ class FaultExecutor:
         seed: int,
         late_bound_s: float = 0.5,
         kv_file: Path | None = None,
+        redis_cluster: LocalRedisCluster | None = None,
     ) -> None:
         """``kv_injector``: KV-link faults go to the workers' injector (else to the proxies);
-        ``kv_file``: the workers' KV fault file (None: no injector in the workers, e.g. vLLM)."""
+        ``kv_file``: the workers' KV fault file (None: no injector in the workers, e.g. vLLM);
+        ``redis_cluster``: the Redis Cluster the runner started (``redis:primary`` faults)."""
         self.cluster = cluster
+        self.redis_cluster = redis_cluster
         self.store = store
         self.history = history
         self.proxies = proxies
@@ -396,9 +402,7 @@ class FaultExecutor:
             # reach the client from the journal after its reconnect; that *is* the
             # stream's recovery.
         elif head == "redis":
-            record.resolved = "redis"
-            record.affected = tuple(sorted(self.history.active_at(at)))
-            await self._process(fault, ["redis"])
+            await self._redis(fault, record)
         else:
             record.resolved = f"link {sel}"
             record.affected = tuple(sorted(self.history.active_at(at)))
@@ -410,6 +414,50 @@ class FaultExecutor:
             elif fault.kind == "drop":
                 heal = None  # the proxy's drop is one reset of the connections open now
             self._schedule(record, heal, lambda: self._link(fault, sel, key, on=False))
+
+    async def _redis(self, fault: PlannedFault, record: FaultRecord) -> None:
+        """The cluster's redis-server (every active stream is hit), or a Redis Cluster's
+        primary (`_primary`)."""
+        if fault.target == REDIS_PRIMARY:
+            await self._primary(fault, record)
+            return
+        record.resolved = "redis"
+        record.affected = tuple(sorted(self.history.active_at(record.at)))
+        await self._process(fault, ["redis"])
+
+    async def _primary(self, fault: PlannedFault, record: FaultRecord) -> None:
+        """``redis:primary``: SIGKILL the primary holding the most live records (the affected
+        streams: those whose records it held), then follow the promotion of its replica and,
+        with a heal, start it again as a replica (healed: rejoined and synced)."""
+        if self.redis_cluster is None:
+            raise PdorchError("redis:primary needs a Redis Cluster started by the runner")
+        kill = PrimaryKill(self.redis_cluster)
+        live = self.history.active_at(record.at)
+        killed = await asyncio.to_thread(kill.kill, live)
+        record.resolved = killed.describe(len(live))
+        record.affected = killed.affected
+
+        async def follow() -> None:
+            try:
+                await kill.promoted(killed)
+            except RedisServerError as exc:  # reported in the history, not fatal to the run
+                record.outcome = f"no promotion: {type(exc).__name__}: {exc}"
+                record.error = record.outcome
+                return
+            record.promoted_at = self.now()
+            record.outcome = (
+                f"replica :{killed.replica.port if killed.replica else '?'} promoted "
+                f"{record.promoted_at - record.at:.2f} s after the kill"
+            )
+            if fault.kind == "restart" or fault.heal_after is not None:
+                heal = fault.heal_after if fault.heal_after is not None else 0.5
+                await asyncio.sleep(max(0.0, record.at + heal - self.now()))
+                await kill.rejoin()
+                record.healed_at = self.now()
+
+        task = asyncio.create_task(follow(), name=f"pdorch-chaos-failover-{record.label()}")
+        self._heals.add(task)
+        task.add_done_callback(self._heals.discard)
 
     async def _note_journals(self, record: FaultRecord, names: set[str]) -> None:
         """Once the fault took effect: the streams it hit, from a reading taken now as well

@@ -60,6 +60,10 @@ class FaultRecord:
     records_age_s: float | None = None
     """Age of the request records the target and the affected streams were read from (a
     watcher reads them all along, so a fault never waits for a read)."""
+    outcome: str = ""
+    """What the fault led to, once seen (a Redis Cluster primary's replica promoted, when)."""
+    promoted_at: float | None = None
+    """A ``redis:primary`` fault: when its replica served the primary's slots (None: not)."""
 
     def label(self) -> str:
         return f"{self.kind} {self.resolved or self.target}"

@@ -41,6 +41,7 @@ from orchestrator.chaos.scenario import (
 from orchestrator.chaos.workload import Clients, RequestPlan, make_requests
 from orchestrator.cluster import ClusterError, LocalCluster
 from orchestrator.errors import PdorchError
+from orchestrator.store.ha_servers import LocalRedisCluster
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 from transport.backend_names import TCP, UCX, needs_ucx
 from transport.base import TransportSettings
@@ -114,7 +115,8 @@ def shareable(scenario: Scenario, cluster: LocalCluster) -> bool:
     transport = _transport(spec.transport)
     proxies = scenario.links() - ({"kv"} if needs_ucx(transport) else set())
     fault_file = str(cluster.workdir / "kv-fault")
-    return not proxies and (
+    own_redis_cluster = spec.redis_cluster is not None  # started (and faulted) by its runner
+    return not proxies and not own_redis_cluster and (
         (cluster.model, cluster.engine, cluster.transport, cluster.prefill_workers,
          cluster.decode_workers, cluster.orchestrators, cluster.redis_aof,
          cluster.heartbeat_ttl_s, cluster.worker_extra.get("prefill"),
@@ -155,6 +157,10 @@ class ChaosRunner:
             raise ScenarioError(f"scenario {scenario.name} cannot run on the given cluster")
         if redis and _faults_redis(scenario, seed, runs):
             raise ScenarioError(f"scenario {scenario.name} faults Redis: not with --redis")
+        if redis and scenario.cluster.redis_cluster is not None:
+            raise ScenarioError(
+                f"scenario {scenario.name} starts its own Redis Cluster: not with --redis"
+            )
         self.shared = cluster is not None
         self.cluster = cluster or cluster_for(scenario.cluster, model_cache, redis)
         self.links = scenario.links()
@@ -168,6 +174,8 @@ class ChaosRunner:
             self.cluster.workdir / "kv-fault" if scenario.cluster.engine == "reference" else None
         )
         """The workers' KV fault file (their injector's faults; reference engine only)."""
+        self.redis_cluster: LocalRedisCluster | None = None
+        """The Redis Cluster this runner started for the fleet (``cluster.redis_cluster``)."""
 
     # ------------------------------------------------------------------------ setup
 
@@ -205,6 +213,15 @@ class ChaosRunner:
                 self.proxies["kv"][name].retarget(f"127.0.0.1:{kv_port}")
 
         self.cluster.on_worker_ports = retarget
+        if (rc := self.scenario.cluster.redis_cluster) is not None:
+            self.redis_cluster = LocalRedisCluster(
+                self.cluster.workdir / "redis-cluster",
+                primaries=rc.primaries,
+                replicas=rc.replicas,
+                node_timeout_ms=rc.node_timeout_ms,
+            )
+            await asyncio.to_thread(self.redis_cluster.start)
+            self.cluster.external_redis = self.redis_cluster.url
         await asyncio.to_thread(self.cluster.start)
         addresses = list(self.cluster.orchestrator_addresses)
         if "client" in self.links:
@@ -228,6 +245,8 @@ class ChaosRunner:
             redis_proc = c.procs.get("redis")  # none on an external Redis
             if redis_proc is not None and redis_proc.popen.poll() is not None:
                 c.start_redis(c.redis_aof)
+            if self.redis_cluster is not None:
+                self.redis_cluster.rejoin()  # a killed primary back, as a replica
             if self.kv_file is not None:
                 self.kv_file.write_text(kv_fault_spec((), None))  # for workers restarted below
             for name in self._workers():
@@ -252,6 +271,8 @@ class ChaosRunner:
             await self._restore()  # whole again for whoever runs on it next
             return
         await asyncio.to_thread(self.cluster.stop)
+        if self.redis_cluster is not None:
+            await asyncio.to_thread(self.redis_cluster.stop)
         for proxies in self.proxies.values():
             for proxy in proxies.values():
                 await proxy.close()
@@ -350,6 +371,7 @@ class ChaosRunner:
             seed=seed,
             late_bound_s=self.scenario.late_bound_s,
             kv_file=self.kv_file,
+            redis_cluster=self.redis_cluster,
         )
 
         async def faults() -> None:

@@ -68,8 +68,20 @@ process's index in its role); ``keep_up_s`` keeps the cluster up that long after
 Targets: ``prefill`` / ``decode`` with a selector (``:busiest`` the worker serving the most
 of this run's streams, ``:random``, or a worker name such as ``decode-1``), ``pool:prefill``,
 ``pool:decode``, ``orchestrator`` (``:busiest`` / ``:random`` / ``orchestrator-0``), ``redis``,
-and links for network faults: ``link:kv``, ``link:worker`` (orchestrator → worker gRPC),
-``link:client`` (client → orchestrator gRPC).
+``redis:primary`` (see below), and links for network faults: ``link:kv``, ``link:worker``
+(orchestrator → worker gRPC), ``link:client`` (client → orchestrator gRPC).
+
+A Redis Cluster instead of one redis-server: ``cluster: {redis_cluster: {primaries: 3,
+replicas: 1, node_timeout_ms: 2000}}`` — the runner starts it itself (`orchestrator.store.
+ha_servers.LocalRedisCluster`) and the whole fleet uses it. Its fault target is
+``redis:primary``: the primary holding the most of this run's live request records (the
+lowest port on a tie), SIGKILLed (``kill``, or ``restart``); the cluster promotes its replica
+once ``node_timeout_ms`` has passed. The fault's record names the primary, its replica and
+the records it held (the affected streams: their requests' keys all sit in one slot), and,
+once seen, the promotion; ``heal_after`` starts the killed node again (after the promotion),
+where it rejoins as a replica of its successor. pdorch does not ``WAIT`` for replication, so
+writes acknowledged by the primary and not yet copied die with it: the checker reports what
+that cost.
 """
 
 from __future__ import annotations
@@ -95,6 +107,8 @@ LINK_KINDS = frozenset({"delay", "bandwidth", "drop", "corrupt"})
 KINDS = PROCESS_KINDS | LINK_KINDS
 ROLES = ("prefill", "decode")
 LINKS = ("kv", "worker", "client")
+REDIS_PRIMARY = "redis:primary"
+"""A Redis Cluster primary (the one holding the most live request records)."""
 INVARIANTS = frozenset({"no_lost", "no_duplicates", "no_gaps", "outputs_match", "no_leaks"})
 MODEL_CONTEXT: dict[tuple[str, str], int] = {
     ("tiny", "reference"): 8192,
@@ -133,6 +147,19 @@ TRANSPORTS = ("auto", *BACKENDS)
 
 
 @dataclass(frozen=True, slots=True)
+class RedisClusterSpec:
+    """A Redis Cluster the runner starts for the fleet (instead of one redis-server)."""
+
+    primaries: int = 3
+    replicas: int = 1
+    """Replicas of each primary (at least 1 for a ``redis:primary`` fault's failover)."""
+    node_timeout_ms: int = 2000
+    """``cluster-node-timeout``: a primary unreachable this long is failed over; short, so
+    a run sees the promotion, long enough that a loaded 2-core machine does not fail one over
+    by mistake."""
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSpec:
     prefill: int = 2
     decode: int = 2
@@ -149,6 +176,8 @@ class ClusterSpec:
     decode_flags: tuple[str, ...] = ()
     orchestrator_flags: tuple[str, ...] = ()
     """Extra flags for each process of a role (``{index}``: the process's index)."""
+    redis_cluster: RedisClusterSpec | None = None
+    """None: one redis-server of the cluster's own (``redis_aof`` applies to it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +456,12 @@ def with_transport(scenario: Scenario, transport: str) -> Scenario:
 def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
     _known(d, where, {"prefill", "decode", "orchestrators", "transport", "model", "engine",
                       "redis_aof", "heartbeat_ttl_s", "prefill_flags", "decode_flags",
-                      "orchestrator_flags"})  # fmt: skip
+                      "orchestrator_flags", "redis_cluster"})  # fmt: skip
+    redis_cluster = None
+    if "redis_cluster" in d:
+        redis_cluster = _redis_cluster(
+            _mapping(d["redis_cluster"], f"{where}.redis_cluster"), f"{where}.redis_cluster"
+        )
     spec = ClusterSpec(
         prefill=_int(d.get("prefill", 2), f"{where}.prefill", lo=0, hi=16),
         decode=_int(d.get("decode", 2), f"{where}.decode", lo=0, hi=16),
@@ -442,6 +476,7 @@ def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
         prefill_flags=_flags(d.get("prefill_flags", []), f"{where}.prefill_flags"),
         decode_flags=_flags(d.get("decode_flags", []), f"{where}.decode_flags"),
         orchestrator_flags=_flags(d.get("orchestrator_flags", []), f"{where}.orchestrator_flags"),
+        redis_cluster=redis_cluster,
     )
     if spec.prefill + spec.decode == 0:
         raise ScenarioError(f"{where}: needs at least one worker")
@@ -450,6 +485,18 @@ def _cluster(d: Mapping[str, Any], where: str) -> ClusterSpec:
     if spec.engine == "sim" and spec.model != "tiny":
         raise ScenarioError(f"{where}: engine sim simulates its own model: leave model at tiny")
     return spec
+
+
+def _redis_cluster(d: Mapping[str, Any], where: str) -> RedisClusterSpec:
+    _known(d, where, {"primaries", "replicas", "node_timeout_ms"})
+    return RedisClusterSpec(
+        # redis-cli --cluster create (and so replicas) needs 3 primaries at least
+        primaries=_int(d.get("primaries", 3), f"{where}.primaries", lo=3, hi=16),
+        replicas=_int(d.get("replicas", 1), f"{where}.replicas", lo=0, hi=2),
+        node_timeout_ms=_int(
+            d.get("node_timeout_ms", 2000), f"{where}.node_timeout_ms", lo=500, hi=60_000
+        ),
+    )
 
 
 def _flags(value: object, where: str) -> tuple[str, ...]:
@@ -506,8 +553,9 @@ def _target(value: object, where: str, cluster: ClusterSpec) -> str:
     elif head == "orchestrator":
         names = {f"orchestrator-{i}" for i in range(cluster.orchestrators)}
         ok = sel in {"", "busiest", "random"} or sel in names
-    elif head == "redis":
-        ok = sel == ""
+    elif head == "redis":  # on a Redis Cluster, no one redis-server to fault: a primary
+        rc = cluster.redis_cluster
+        ok = sel == "" if rc is None else target == REDIS_PRIMARY and rc.replicas > 0
     elif head == "link":
         ok = sel in LINKS
     if not ok:
@@ -519,8 +567,8 @@ def _check_kind(kind: str, target: str, where: str) -> None:
     link = target.startswith("link:")
     if link != (kind in LINK_KINDS):
         raise ScenarioError(f"{where}: {kind!r} does not apply to target {target!r}")
-    if target == "redis" and kind in {"stop", "continue"}:
-        raise ScenarioError(f"{where}: redis can be killed or restarted, not stopped")
+    if target.startswith("redis") and kind in {"stop", "continue"}:
+        raise ScenarioError(f"{where}: {target} can be killed or restarted, not stopped")
 
 
 def _params(d: Mapping[str, Any], kinds: tuple[str, ...], where: str) -> dict[str, float]:

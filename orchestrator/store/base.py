@@ -142,7 +142,9 @@ class Store(Protocol):
         One result per item: the new output token count, or the refusal `append` would
         raise, returned. `UnavailableError` is raised when the store could not be reached;
         any of the items may then have landed or not (a writer resyncs on the
-        `JournalGapError` its next write gets)."""
+        `JournalGapError` its next write gets). Where only part of it could (a Redis
+        Cluster node down, the others up), the items that part holds get
+        `StoreUnavailableError` — landed or not, as above — and the others their results."""
         ...
 
     async def journal(self, request_id: str, start: int = 0) -> list[JournalEntry]:

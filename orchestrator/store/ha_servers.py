@@ -169,6 +169,35 @@ class LocalRedisCluster:
             return out
         raise RedisServerError("no cluster node is running")
 
+    def slot_ranges(self) -> list[tuple[int, int, int]]:
+        """(first slot, last slot, primary's port) for every served range, as the first live
+        node sees the cluster (``CLUSTER SLOTS``)."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            with _client(node.port) as c:
+                rows = c.execute_command("CLUSTER", "SLOTS")
+            if isinstance(rows, dict):  # redis-py's parsed form: (lo, hi) -> nodes
+                return sorted(
+                    (int(lo), int(hi), int(v["primary"][1])) for (lo, hi), v in rows.items()
+                )
+            return sorted((int(r[0]), int(r[1]), int(r[2][1])) for r in rows)
+        raise RedisServerError("no cluster node is running")
+
+    def replica_of(self, primary: RedisServer) -> RedisServer | None:
+        """A live replica of ``primary`` (None: it has none)."""
+        for node in self.nodes:
+            if node is primary or not node.running:
+                continue
+            with _client(node.port) as c:
+                info = c.info("replication")
+            if info.get("role") == "slave" and int(info["master_port"]) == primary.port:
+                return node
+        return None
+
+    def node(self, port: int) -> RedisServer:
+        return next(n for n in self.nodes if n.port == port)
+
     def primary_with_replica(self) -> tuple[RedisServer, RedisServer]:
         """A primary and a replica of it (``replicas`` >= 1)."""
         for node in self.nodes:
@@ -188,6 +217,18 @@ class LocalRedisCluster:
 
         _wait(promoted, timeout_s, f"replica {replica.port} to be promoted")
         self.wait_ok(replica.port, timeout_s)
+
+    def rejoin(self, timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        """Start every killed node again (on its port and directory: its ``nodes.conf``
+        makes it rejoin, as a replica of the primary that took its slots over) and wait
+        until the cluster is whole and every replica synced."""
+        for node in self.nodes:
+            if not node.running:
+                node.kill()  # reap
+                node.start()
+        for node in self.nodes:
+            self.wait_ok(node.port, timeout_s)
+        _wait(self._replicas_synced, timeout_s, "the replicas to sync")
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -17,6 +17,7 @@ Redis errors are translated here: connection problems, timeouts and error replie
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -684,8 +685,19 @@ class RedisStore:
             calls.append((keys, args))
         async with _translated("journal append"):
             replies = await self._append_calls(calls)
+            if all(isinstance(r, _OUTAGES) for r in replies):
+                raise replies[0]  # nothing reached: the store is unreachable
         out: list[int | errors.PdorchError] = [0] * len(items)
         for group, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, _OUTAGES):
+                # A cluster node down, the others up: their calls landed and must be
+                # reported so (else their writers take their own landed chunks, seen again,
+                # for another writer's); this request's call may have landed or not.
+                log.info("request store unreachable during journal append: %s", reply)
+                down = errors.StoreUnavailableError("request store unreachable (journal append)")
+                for i in group:
+                    out[i] = down
+                continue
             for k, i in enumerate(group):
                 rid, epoch, entry = items[i]
                 out[i] = _appended(rid, epoch, entry, reply[2 * k : 2 * k + 2], edges.get(i))
@@ -705,9 +717,38 @@ class RedisStore:
         return list(by_request.values())
 
     async def _append_calls(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """The `_APPEND` calls' replies: one call alone (redis-py reloads a lost script), or
+        """The `_APPEND` calls' replies. On a cluster, one pipeline per node (by the
+        client's slot map), all at once: a node that is down fails its own calls only —
+        their replies are the outage's exception — while the others' land and are answered
+        (one pipeline across the nodes raised for all, the landed ones included). An error
+        reply is raised."""
+        if not self._cluster or len(calls) == 1:
+            return await self._pipelined(calls)
+        by_node: dict[str, list[int]] = {}
+        for i, (keys, _) in enumerate(calls):
+            try:
+                node = self._redis.get_node_from_key(keys[0])
+            except rexc.SlotNotCoveredError:  # no slot map yet: the client will find it
+                node = None
+            by_node.setdefault("" if node is None else node.name, []).append(i)
+        groups = list(by_node.values())
+        got = await asyncio.gather(
+            *(self._pipelined([calls[i] for i in group]) for group in groups),
+            return_exceptions=True,
+        )
+        replies: list[Any] = [None] * len(calls)
+        for group, result in zip(groups, got, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, _OUTAGES):
+                raise result  # an error reply, a cancellation
+            for k, i in enumerate(group):
+                replies[i] = result if isinstance(result, BaseException) else result[k]
+        return replies
+
+    async def _pipelined(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """The calls' replies: one call alone (redis-py reloads a lost script), or
         pipelined — where, after a NOSCRIPT, only the calls it refused are sent again (the
-        others were applied: sent twice, they would be refused as gaps)."""
+        others were applied: sent twice, they would be refused as gaps). Raises an error
+        reply, or the outage that stopped the pipeline."""
         if len(calls) == 1:
             keys, args = calls[0]
             return [await self._append(keys=keys, args=args)]
@@ -728,7 +769,7 @@ class RedisStore:
             await self._redis.script_load(script.script)
         for reply in replies:
             if isinstance(reply, Exception):
-                raise reply  # an error reply: the caller translates it
+                raise reply  # an error reply (or an outage): the caller translates it
         return replies
 
     def _append_keys(self, request_id: str) -> tuple[str, str]:

@@ -5,7 +5,8 @@ no lost request, no duplicate or missing token index, and outputs equal to the f
 reference run. Scenarios of the same cluster shape share one cluster (restored between
 them); those needing fault proxies in front of processes start their own. One scenario goes
 through the `pdorch chaos` command line itself, on a Redis Cluster
-(`test_chaos_on_redis_cluster.py`): decode-kill, which is therefore not repeated here.
+(`test_chaos_on_redis_cluster.py`): decode-kill, which is therefore not repeated here; so
+does redis-cluster-primary-kill, whose runner starts its own Redis Cluster.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ pytestmark = [pytest.mark.failover, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCENARIOS = sorted(
     name
-    for name in set(sc.shipped()) - {"decode-kill"}  # run by test_chaos_on_redis_cluster.py
+    # decode-kill and redis-cluster-primary-kill: run by test_chaos_on_redis_cluster.py
+    for name in set(sc.shipped()) - {"decode-kill", "redis-cluster-primary-kill"}
     if sc.load(name).cluster.engine == "reference"  # vLLM's: tests/vllm/test_vllm_chaos.py
 )
 
