@@ -20,6 +20,7 @@ import redis
 
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import Edge, State
+from orchestrator.store.ha_servers import cluster_port
 from orchestrator.store.keys import Keys
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 from orchestrator.store.server import RedisServer
@@ -49,7 +50,9 @@ class ClusterNode(RedisServer):
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNode]:
-    n = ClusterNode(tmp_path_factory.mktemp("cluster"))
+    # Its cluster bus (port + 10000) below the ephemeral range too: CI lost a run to an
+    # outgoing connection holding it ("Failed listening on port 34072 (cluster)").
+    n = ClusterNode(tmp_path_factory.mktemp("cluster"), port=cluster_port())
     n.start()
     try:
         n.serve_all_slots()
