@@ -59,11 +59,12 @@ ExposedHook = Callable[[int], None]
 Pieces = Sequence[memoryview]
 """K or V of a layer as pieces of memory, in wire order (`OutgoingTransfer.send_layer`)."""
 Parts = list[tuple[int, list[memoryview], list[memoryview]]]
-T = TypeVar("T")
-_ALIVE = control.encode(control.Kind.ALIVE)
 """Layers of a segment: index, buffers as checksummed, buffers as sent."""
 Held = tuple[list[Registration], list[memoryview]]
 """One-sided: registrations a transfer uses, and its buffers (kept alive with them)."""
+T = TypeVar("T")
+_ALIVE = control.encode(control.Kind.ALIVE)
+"""The keepalive `OutgoingTransfer.hold` sends (no body: encoded once)."""
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
