@@ -41,18 +41,19 @@ one request share a slot (likewise a tenant's keys); the fixed keys (``P:live``,
 ``P:tenants``, ``P:workers``) each sit in a slot of their own. No Lua script or MULTI touches
 two slots (issue 21); what each of the Redis store's calls touches (``R`` = the request's
 slot, ``T`` = the tenant's, ``L``/``S``/``W`` = the live, tenants and workers indexes';
-`orchestrator.store.redis_store`), in the order it touches them:
+`orchestrator.store.redis_store`, its scripts `orchestrator.store.scripts`), in the order it
+touches them:
 
     call              steps (each one script or command, one slot)
-    create            [limit: _ACQUIRE T] → _ACQUIRE L + _CREATE R (one pipeline)
-    transition        _TRANSITION R; on an end → _UNINDEX L [, _UNINDEX T if counted]
-    end               one server: _END (R, L, T, S in one script); a cluster: transition
+    create            [limit: ACQUIRE T] → ACQUIRE L + CREATE R (one pipeline)
+    transition        TRANSITION R; on an end → UNINDEX L [, UNINDEX T if counted]
+    end               one server: END (R, L, T, S in one script); a cluster: transition
                       as above → add_tenant_cost → HGETALL R
-    expire            _EXPIRE R; when failed → _UNINDEX L [, T]
-    take_over         _TAKEOVER R; ended → _UNINDEX L [, T]; no record → _UNINDEX L (grace)
+    expire            EXPIRE R; when failed → UNINDEX L [, T]
+    take_over         TAKEOVER R; ended → UNINDEX L [, T]; no record → UNINDEX L (grace)
     append, set_fields, refresh/release_lease           one script, R (an append's edge
                                                         too: KV_ADOPTED with the chunk)
-    refresh_leases    _REFRESH_MANY once per slot of the requests given, one pipeline
+    refresh_leases    REFRESH_MANY once per slot of the requests given, one pipeline
     lease_holders, workers, progress                    MGET / pipeline split per slot
     add_tenant_cost   SADD S → MULTI on the tenant's cost hash (T)
     heartbeat, deregister                               SET/DEL worker key, SADD/SREM W
@@ -66,11 +67,11 @@ What is atomic, and why the order keeps the invariants:
   on a cluster at once, the creation failing (not admitted) if either write does, and a
   retry of the same id indexing it again — and unindexed only after its end is recorded.
   So what a crash leaves is an index entry without a live record — which the reapers drop
-  (`_TAKEOVER` says "ended" or "missing"; a missing record only once its entry is older than
+  (`TAKEOVER` says "ended" or "missing"; a missing record only once its entry is older than
   ``INDEX_GRACE_S``, as it may be a creation in flight) — never an *admitted* live request
   missing from the index (which nobody would take over). Each entry holds the time it was
   indexed.
-- **The tenant limit is a counter in the tenant's own slot.** `_ACQUIRE` counts and adds in
+- **The tenant limit is a counter in the tenant's own slot.** `ACQUIRE` counts and adds in
   one script, so two replicas never both take the last place: live requests never exceed
   the limit. The record carries ``counted``; its end uncounts it. A replica that died
   between an end and the uncount leaves a place taken: the next creation that finds the
