@@ -1,11 +1,12 @@
 """`CallGuard`: the shape of an interceptor that checks every call before its method runs.
 
 A subclass says what to check (`CallGuard.check`: refuse with ``context.abort``, or
-return); this wraps each unary-request method so the check runs first — before the
-request is even parsed into the method's code, and in the call's own task (so a context
-variable a check sets is that call's alone). The health service (`OPEN_PREFIXES`) is
-never checked: readiness probes. Client-streaming methods, which pdorch serves none of,
-are refused (``UNIMPLEMENTED``) rather than let through unchecked.
+return); this wraps each method so the check runs first — before the request is even
+parsed into the method's code (a bidirectional method's before its first message is read),
+and in the call's own task (so a context variable a check sets is that call's alone). The
+health service (`OPEN_PREFIXES`) is never checked: readiness probes. Client-streaming
+methods with one answer, which pdorch serves none of, are refused (``UNIMPLEMENTED``)
+rather than let through unchecked.
 
 Used by `orchestrator.api.peers.RequirePeer` (the TLS identity) and
 `orchestrator.rpc.auth.Authenticate` (the bearer token).
@@ -30,7 +31,7 @@ else:
 
 
 class CallGuard(_Interceptor):
-    """Runs `check` before every unary-request method but the health service's."""
+    """Runs `check` before every method but the health service's."""
 
     async def check(self, method: str, context: Context) -> object:
         """Refuse the call (``await context.abort(...)``, which raises) or return."""
@@ -45,10 +46,21 @@ class CallGuard(_Interceptor):
         method = str(handler_call_details.method)
         if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
-        if handler.request_streaming:  # pdorch serves none; refuse rather than skip
-            return grpc.unary_unary_rpc_method_handler(self._refuse_streaming)
         parse = handler.request_deserializer
         serialize = handler.response_serializer
+        if handler.stream_stream is not None:
+            bidi: Any = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: Context) -> AsyncIterator[Any]:
+                await self.check(method, context)
+                async for response in bidi(requests, context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, request_deserializer=parse, response_serializer=serialize
+            )
+        if handler.request_streaming:  # pdorch serves none; refuse rather than skip
+            return grpc.unary_unary_rpc_method_handler(self._refuse_streaming)
         if handler.unary_unary is not None:
             unary: Any = handler.unary_unary
 

@@ -6,7 +6,10 @@ message protobuf refuses (a string field that is not UTF-8, a truncated field) m
 grpc.aio log a traceback and answer ``UNKNOWN``. That is the client's mistake, not ours:
 the interceptor wraps each method's deserializer so a `DecodeError` becomes a marker, and
 the method answers ``INVALID_ARGUMENT`` with protobuf's reason (it names the message type
-and the fault, never the client's bytes) after one INFO log line.
+and the fault, never the client's bytes) after one INFO log line. A bidirectional method
+(the workers' ``DecodeMany``) reads its requests in a task of its own, where an abort would
+not end the call: it is handed the `Undecodable` marker among its requests and refuses the
+call itself (`refuse`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] 
     return parse
 
 
-async def _refuse(method: str, request: Undecodable, context: Context) -> None:
+async def refuse(method: str, request: Undecodable, context: Context) -> None:
     log.info("%s: refused an undecodable request from %s: %s", method, context.peer(), request)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.reason}")
 
@@ -66,17 +69,23 @@ class RefuseUndecodable(_Interceptor):
     ) -> Any:
         # The stubs type handlers for the sync server; grpc.aio's hold coroutine functions.
         handler: Any = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
+        if handler is None:
             return handler
         method = str(handler_call_details.method)
         parse = _safe(handler.request_deserializer)
         serialize = handler.response_serializer
+        if handler.stream_stream is not None:  # the method reads the markers itself
+            return grpc.stream_stream_rpc_method_handler(
+                handler.stream_stream, request_deserializer=parse, response_serializer=serialize
+            )
+        if handler.request_streaming:
+            return handler
         if handler.unary_unary is not None:
             unary: Any = handler.unary_unary
 
             async def unary_unary(request: Any, context: Context) -> Any:
                 if isinstance(request, Undecodable):
-                    await _refuse(method, request, context)
+                    await refuse(method, request, context)
                 return await unary(request, context)
 
             return grpc.unary_unary_rpc_method_handler(
@@ -87,7 +96,7 @@ class RefuseUndecodable(_Interceptor):
 
             async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
                 if isinstance(request, Undecodable):
-                    await _refuse(method, request, context)
+                    await refuse(method, request, context)
                 async for response in stream(request, context):
                     yield response
 

@@ -25,37 +25,51 @@ _sym_db = _symbol_database.Default()
 from orchestrator.api import common_pb2 as pdorch_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdorch/v1/worker.proto\x12\tpdorch.v1\x1a\x16pdorch/v1/common.proto\"\xfb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x13\n\x0b\x66irst_index\x18\x05 \x01(\r\x12\x11\n\tkv_target\x18\x06 \x01(\t\x12$\n\x08kv_dtype\x18\x07 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_prefix_hash\x18\t \x01(\x0c\"\xb5\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12$\n\x08kv_dtype\x18\x05 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12.\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x18\n\x10kv_prefix_tokens\x18\t \x01(\r\x12\x19\n\x11kv_prefix_refused\x18\n \x01(\x08\"\xec\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nlast_token\x18\x04 \x01(\r\x12\x11\n\tgenerated\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x14\n\x0ckv_timeout_s\x18\x08 \x01(\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x10\n\x08\x66lush_ms\x18\n \x01(\x01\"\xdd\x01\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc8\x01\n\x11\x41ggregatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x10\n\x08\x66lush_ms\x18\x08 \x01(\x01\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.pdorch.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04\x32R\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdorch.v1.PrefillRequest\x1a\x1a.pdorch.v1.PrefillResponse2\x8e\x01\n\rDecodeService\x12;\n\x06\x44\x65\x63ode\x12\x18.pdorch.v1.DecodeRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12@\n\x07Release\x12\x19.pdorch.v1.ReleaseRequest\x1a\x1a.pdorch.v1.ReleaseResponse2\x97\x01\n\rWorkerService\x12\x41\n\x08Generate\x12\x1c.pdorch.v1.AggregatedRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdorch.v1.TokenizeRequest\x1a\x1b.pdorch.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdorch/v1/worker.proto\x12\tpdorch.v1\x1a\x16pdorch/v1/common.proto\"\xfb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x13\n\x0b\x66irst_index\x18\x05 \x01(\r\x12\x11\n\tkv_target\x18\x06 \x01(\t\x12$\n\x08kv_dtype\x18\x07 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_prefix_hash\x18\t \x01(\x0c\"\xb5\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12$\n\x08kv_dtype\x18\x05 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12.\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x18\n\x10kv_prefix_tokens\x18\t \x01(\r\x12\x19\n\x11kv_prefix_refused\x18\n \x01(\x08\"\xec\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nlast_token\x18\x04 \x01(\r\x12\x11\n\tgenerated\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x14\n\x0ckv_timeout_s\x18\x08 \x01(\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x10\n\x08\x66lush_ms\x18\n \x01(\x01\"\x80\x01\n\rDecodeCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.pdorch.v1.DecodeRequestH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.pdorch.v1.DecodeCancelH\x00\x42\t\n\x07\x63ommand\"\x0e\n\x0c\x44\x65\x63odeCancel\"5\n\x0b\x44\x65\x63odeBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.pdorch.v1.DecodeEvent\"}\n\x0b\x44\x65\x63odeEvent\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.pdorch.v1.TokenChunk\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x18.pdorch.v1.DecodeFailure\"\x99\x01\n\rDecodeFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x38\n\x08trailing\x18\x03 \x03(\x0b\x32&.pdorch.v1.DecodeFailure.TrailingEntry\x1a/\n\rTrailingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xdd\x01\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc8\x01\n\x11\x41ggregatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x10\n\x08\x66lush_ms\x18\x08 \x01(\x01\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.pdorch.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04\x32R\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdorch.v1.PrefillRequest\x1a\x1a.pdorch.v1.PrefillResponse2\xd2\x01\n\rDecodeService\x12;\n\x06\x44\x65\x63ode\x12\x18.pdorch.v1.DecodeRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12\x42\n\nDecodeMany\x12\x18.pdorch.v1.DecodeCommand\x1a\x16.pdorch.v1.DecodeBatch(\x01\x30\x01\x12@\n\x07Release\x12\x19.pdorch.v1.ReleaseRequest\x1a\x1a.pdorch.v1.ReleaseResponse2\x97\x01\n\rWorkerService\x12\x41\n\x08Generate\x12\x1c.pdorch.v1.AggregatedRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdorch.v1.TokenizeRequest\x1a\x1b.pdorch.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchestrator.api.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=1502
-  _globals['_KVDTYPE']._serialized_end=1630
+  _globals['_DECODEFAILURE_TRAILINGENTRY']._loaded_options = None
+  _globals['_DECODEFAILURE_TRAILINGENTRY']._serialized_options = b'8\001'
+  _globals['_KVDTYPE']._serialized_start=1987
+  _globals['_KVDTYPE']._serialized_end=2115
   _globals['_PREFILLREQUEST']._serialized_start=62
   _globals['_PREFILLREQUEST']._serialized_end=313
   _globals['_PREFILLRESPONSE']._serialized_start=316
   _globals['_PREFILLRESPONSE']._serialized_end=625
   _globals['_DECODEREQUEST']._serialized_start=628
   _globals['_DECODEREQUEST']._serialized_end=864
-  _globals['_TOKENCHUNK']._serialized_start=867
-  _globals['_TOKENCHUNK']._serialized_end=1088
-  _globals['_RELEASEREQUEST']._serialized_start=1090
-  _globals['_RELEASEREQUEST']._serialized_end=1141
-  _globals['_RELEASERESPONSE']._serialized_start=1143
-  _globals['_RELEASERESPONSE']._serialized_end=1178
-  _globals['_AGGREGATEDREQUEST']._serialized_start=1181
-  _globals['_AGGREGATEDREQUEST']._serialized_end=1381
-  _globals['_TOKENIZEREQUEST']._serialized_start=1383
-  _globals['_TOKENIZEREQUEST']._serialized_end=1466
-  _globals['_TOKENIZERESPONSE']._serialized_start=1468
-  _globals['_TOKENIZERESPONSE']._serialized_end=1499
-  _globals['_PREFILLSERVICE']._serialized_start=1632
-  _globals['_PREFILLSERVICE']._serialized_end=1714
-  _globals['_DECODESERVICE']._serialized_start=1717
-  _globals['_DECODESERVICE']._serialized_end=1859
-  _globals['_WORKERSERVICE']._serialized_start=1862
-  _globals['_WORKERSERVICE']._serialized_end=2013
+  _globals['_DECODECOMMAND']._serialized_start=867
+  _globals['_DECODECOMMAND']._serialized_end=995
+  _globals['_DECODECANCEL']._serialized_start=997
+  _globals['_DECODECANCEL']._serialized_end=1011
+  _globals['_DECODEBATCH']._serialized_start=1013
+  _globals['_DECODEBATCH']._serialized_end=1066
+  _globals['_DECODEEVENT']._serialized_start=1068
+  _globals['_DECODEEVENT']._serialized_end=1193
+  _globals['_DECODEFAILURE']._serialized_start=1196
+  _globals['_DECODEFAILURE']._serialized_end=1349
+  _globals['_DECODEFAILURE_TRAILINGENTRY']._serialized_start=1302
+  _globals['_DECODEFAILURE_TRAILINGENTRY']._serialized_end=1349
+  _globals['_TOKENCHUNK']._serialized_start=1352
+  _globals['_TOKENCHUNK']._serialized_end=1573
+  _globals['_RELEASEREQUEST']._serialized_start=1575
+  _globals['_RELEASEREQUEST']._serialized_end=1626
+  _globals['_RELEASERESPONSE']._serialized_start=1628
+  _globals['_RELEASERESPONSE']._serialized_end=1663
+  _globals['_AGGREGATEDREQUEST']._serialized_start=1666
+  _globals['_AGGREGATEDREQUEST']._serialized_end=1866
+  _globals['_TOKENIZEREQUEST']._serialized_start=1868
+  _globals['_TOKENIZEREQUEST']._serialized_end=1951
+  _globals['_TOKENIZERESPONSE']._serialized_start=1953
+  _globals['_TOKENIZERESPONSE']._serialized_end=1984
+  _globals['_PREFILLSERVICE']._serialized_start=2117
+  _globals['_PREFILLSERVICE']._serialized_end=2199
+  _globals['_DECODESERVICE']._serialized_start=2202
+  _globals['_DECODESERVICE']._serialized_end=2412
+  _globals['_WORKERSERVICE']._serialized_start=2415
+  _globals['_WORKERSERVICE']._serialized_end=2566
 # @@protoc_insertion_point(module_scope)

@@ -242,6 +242,163 @@ class DecodeRequest(_message.Message):
 Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
 
 @_typing.final
+class DecodeCommand(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    """The orchestrator's name for the stream, unique on this call; events carry it back."""
+    @_builtins.property
+    def start(self) -> Global___DecodeRequest:
+        """Start the stream: what a Decode call would be asked."""
+
+    @_builtins.property
+    def cancel(self) -> Global___DecodeCancel:
+        """Stop it (its client left, a stop string matched, a failover moved it): its decode
+        ends as a cancelled Decode call's would. No event follows.
+        """
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        start: Global___DecodeRequest | None = ...,
+        cancel: Global___DecodeCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "command", b"command", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "command", b"command", "start", b"start", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["start", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
+
+Global___DecodeCommand: _TypeAlias = DecodeCommand  # noqa: Y015
+
+@_typing.final
+class DecodeCancel(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeCancel: _TypeAlias = DecodeCancel  # noqa: Y015
+
+@_typing.final
+class DecodeBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___DecodeEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeBatch: _TypeAlias = DecodeBatch  # noqa: Y015
+
+@_typing.final
+class DecodeEvent(_message.Message):
+    """What one stream produced: a chunk, its end, or its failure."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    ended: _builtins.bool
+    """The stream ended normally after this event's chunk (if any): no more events."""
+    @_builtins.property
+    def chunk(self) -> Global___TokenChunk:
+        """Absent on an event that only ends or fails the stream."""
+
+    @_builtins.property
+    def failure(self) -> Global___DecodeFailure:
+        """The stream failed as its Decode call would have (status code and details, the
+        trailing metadata's pairs): no more events.
+        """
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        chunk: Global___TokenChunk | None = ...,
+        ended: _builtins.bool = ...,
+        failure: Global___DecodeFailure | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "failure", b"failure"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "ended", b"ended", "failure", b"failure", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeEvent: _TypeAlias = DecodeEvent  # noqa: Y015
+
+@_typing.final
+class DecodeFailure(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TrailingEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    TRAILING_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A grpc status code (never OK)."""
+    details: _builtins.str
+    @_builtins.property
+    def trailing(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+        trailing: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "trailing", b"trailing"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeFailure: _TypeAlias = DecodeFailure  # noqa: Y015
+
+@_typing.final
 class TokenChunk(_message.Message):
     """Consecutive output tokens, from a decode or aggregated stream."""
 

@@ -119,6 +119,11 @@ class DecodeServiceStub:
                 request_serializer=pdorch_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdorch_dot_v1_dot_worker__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdorch.v1.DecodeService/DecodeMany',
+                request_serializer=pdorch_dot_v1_dot_worker__pb2.DecodeCommand.SerializeToString,
+                response_deserializer=pdorch_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdorch.v1.DecodeService/Release',
                 request_serializer=pdorch_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
@@ -138,6 +143,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeMany(self, request_iterator, context):
+        """Many decode streams on one call: the orchestrator starts and cancels streams with
+        commands, the worker answers with batches, each carrying the events of every stream
+        that had something to say at that moment (one message where Decode would send one per
+        stream). A stream behaves as its own Decode call would: same tokens, same errors (as a
+        failure event), ended by a chunk with a finish_reason. The call failing fails every
+        stream on it. orchestrator/control/mux.py, orchestrator/workers/mux.py.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Drop the request's KV and decode state at this epoch (or older). Idempotent.
         """
@@ -152,6 +169,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdorch_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdorch_dot_v1_dot_worker__pb2.TokenChunk.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdorch_dot_v1_dot_worker__pb2.DecodeCommand.FromString,
+                    response_serializer=pdorch_dot_v1_dot_worker__pb2.DecodeBatch.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -187,6 +209,33 @@ class DecodeService:
             '/pdorch.v1.DecodeService/Decode',
             pdorch_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdorch_dot_v1_dot_worker__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdorch.v1.DecodeService/DecodeMany',
+            pdorch_dot_v1_dot_worker__pb2.DecodeCommand.SerializeToString,
+            pdorch_dot_v1_dot_worker__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,

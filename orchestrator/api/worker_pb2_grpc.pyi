@@ -82,6 +82,14 @@ class DecodeServiceStub:
     """Waits for the KV of (request_id, epoch), then streams output tokens from index
     `generated` on. The stream ends after the chunk that carries a finish_reason.
     """
+    DecodeMany: _grpc.StreamStreamMultiCallable[_worker_pb2.DecodeCommand, _worker_pb2.DecodeBatch]
+    """Many decode streams on one call: the orchestrator starts and cancels streams with
+    commands, the worker answers with batches, each carrying the events of every stream
+    that had something to say at that moment (one message where Decode would send one per
+    stream). A stream behaves as its own Decode call would: same tokens, same errors (as a
+    failure event), ended by a chunk with a finish_reason. The call failing fails every
+    stream on it. orchestrator/control/mux.py, orchestrator/workers/mux.py.
+    """
     Release: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ReleaseRequest, _worker_pb2.ReleaseResponse]
     """Drop the request's KV and decode state at this epoch (or older). Idempotent."""
 
@@ -93,6 +101,14 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     Decode: _aio.UnaryStreamMultiCallable[_worker_pb2.DecodeRequest, _worker_pb2.TokenChunk]  # type: ignore[assignment]
     """Waits for the KV of (request_id, epoch), then streams output tokens from index
     `generated` on. The stream ends after the chunk that carries a finish_reason.
+    """
+    DecodeMany: _aio.StreamStreamMultiCallable[_worker_pb2.DecodeCommand, _worker_pb2.DecodeBatch]  # type: ignore[assignment]
+    """Many decode streams on one call: the orchestrator starts and cancels streams with
+    commands, the worker answers with batches, each carrying the events of every stream
+    that had something to say at that moment (one message where Decode would send one per
+    stream). A stream behaves as its own Decode call would: same tokens, same errors (as a
+    failure event), ended by a chunk with a finish_reason. The call failing fails every
+    stream on it. orchestrator/control/mux.py, orchestrator/workers/mux.py.
     """
     Release: _aio.UnaryUnaryMultiCallable[_worker_pb2.ReleaseRequest, _worker_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Drop the request's KV and decode state at this epoch (or older). Idempotent."""
@@ -108,6 +124,20 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.TokenChunk], _abc.AsyncIterator[_worker_pb2.TokenChunk]]:
         """Waits for the KV of (request_id, epoch), then streams output tokens from index
         `generated` on. The stream ends after the chunk that carries a finish_reason.
+        """
+
+    @_abc_1.abstractmethod
+    def DecodeMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.DecodeCommand],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.DecodeBatch], _abc.AsyncIterator[_worker_pb2.DecodeBatch]]:
+        """Many decode streams on one call: the orchestrator starts and cancels streams with
+        commands, the worker answers with batches, each carrying the events of every stream
+        that had something to say at that moment (one message where Decode would send one per
+        stream). A stream behaves as its own Decode call would: same tokens, same errors (as a
+        failure event), ended by a chunk with a finish_reason. The call failing fails every
+        stream on it. orchestrator/control/mux.py, orchestrator/workers/mux.py.
         """
 
     @_abc_1.abstractmethod

@@ -19,6 +19,7 @@ from orchestrator.api.protocol import (
     link_broke,
 )
 from orchestrator.api.tls import Tls, secure_channel
+from orchestrator.control.mux import DecodeMux
 from orchestrator.core.peers import WORKER_SERVER_NAME
 
 
@@ -32,6 +33,8 @@ class WorkerStubs:
         self.prefill = worker_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode = worker_pb2_grpc.DecodeServiceStub(self.channel)
         self.general = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self.mux = DecodeMux(self.decode)
+        """The decode streams this replica runs there, on one ``DecodeMany`` call."""
 
 
 class WorkerClients:
@@ -50,6 +53,7 @@ class WorkerClients:
 
     async def close(self) -> None:
         for stubs in self._stubs.values():
+            await stubs.mux.close()
             await stubs.channel.close(None)
         self._stubs.clear()
 

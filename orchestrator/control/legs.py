@@ -24,6 +24,7 @@ import grpc
 from orchestrator import errors
 from orchestrator.api import worker_pb2
 from orchestrator.control.clients import WorkerClients, translated
+from orchestrator.control.mux import Unsupported
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
 
@@ -83,8 +84,23 @@ class WorkerLegs:
     async def decode(
         self, decode: WorkerInfo, req: worker_pb2.DecodeRequest, check: Checkpoint
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
-        """The decode worker's token stream (it adopts the KV before the first chunk)."""
-        stream = self.clients.get(decode.address).decode.Decode(req)
+        """The decode worker's token stream (it adopts the KV before the first chunk): on
+        the call this replica shares with the worker's other streams (`mux`), or on a call
+        of its own (``decode_mux`` off, or a worker without ``DecodeMany``)."""
+        stubs = self.clients.get(decode.address)
+        if self.settings.decode_mux and stubs.mux.supported:
+            shared = stubs.mux.open(req)
+            try:
+                async with translated(decode.worker_id, "decode"):
+                    async for chunk in self._watched(shared, decode, check):
+                        yield chunk
+            except Unsupported:
+                pass  # nothing was streamed: on a call of its own, below
+            else:
+                return
+            finally:
+                shared.close()  # a stop string, a failover or a cancelled client ends it early
+        stream = stubs.decode.Decode(req)
         try:
             async with translated(decode.worker_id, "decode"):
                 async for chunk in self._watched(stream, decode, check):

@@ -29,6 +29,10 @@ class ControlSettings:
     the orchestrator a gRPC read, a journal write and a relay whatever it holds, so this is
     what a token costs here; a token waits at most this long (the first never does). 0:
     every token in its own message."""
+    decode_mux: bool = True
+    """Read the decode streams of the requests on one decode worker from one ``DecodeMany``
+    call (one message per batch of streams, `orchestrator.control.mux`) rather than one
+    ``Decode`` call each. A worker without it is read the old way."""
     journal_gather_ms: float = 10.0
     """Under load, the least time between two journal writes (each one round trip for the
     chunks of every stream on this replica, `orchestrator.control.journal`): a chunk may

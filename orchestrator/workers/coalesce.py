@@ -16,6 +16,12 @@ message per ``window_s``:
   held back: it cuts the window short and goes out at once, merged with what is pending
   (a non-streamed answer, read only at its end, is not delayed by its window).
 
+With ``aligned`` (the streams of one `DecodeMany` call, `workers.mux`) the windows are
+slots of the loop's clock (multiples of ``window_s``): a chunk waits for the start of the
+slot after the previous send's, so every stream with the same window sends at the same
+instants and one batch carries them all. Still at most one chunk per slot and a token waits
+at most ``window_s``; the first chunk and the end still go at once.
+
 So a token waits at most ``window_s`` and the stream's indices stay contiguous: a merged
 chunk starts at the first merged chunk's index and carries every token after it in order.
 The window is the caller's (the orchestrator asks for it per request, ``flush_ms`` in
@@ -26,6 +32,7 @@ comes.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 from orchestrator.aio import cancel_and_wait
@@ -100,8 +107,16 @@ class _Source:
             self._wake = None
 
 
+def due(last: float, window_s: float, aligned: bool) -> float:
+    """When the chunk after one sent at ``last`` goes out: a window later, or (``aligned``)
+    at the start of the next slot of the clock."""
+    if not aligned:
+        return last + window_s
+    return (math.floor(last / window_s) + 1) * window_s
+
+
 async def coalesced(
-    chunks: AsyncIterator[worker_pb2.TokenChunk], window_s: float
+    chunks: AsyncIterator[worker_pb2.TokenChunk], window_s: float, *, aligned: bool = False
 ) -> AsyncIterator[worker_pb2.TokenChunk]:
     """``chunks``, at most one per ``window_s`` (see the module's docstring)."""
     if window_s <= 0:
@@ -122,7 +137,7 @@ async def coalesced(
                 return
             if not item.finish_reason and last is not None:
                 # The window: what comes meanwhile joins; the stream's end cuts it short.
-                await source.wait(last + window_s - loop.time())
+                await source.wait(due(last, window_s, aligned) - loop.time())
             ended, end = False, None
             while last is not None and not item.finish_reason and not queue.empty():
                 more = queue.get_nowait()

@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
 from orchestrator.api import worker_pb2
 from orchestrator.workers.engine import ModelInfo
 
-Context = grpc.aio.ServicerContext[Any, Any]
+
+class Context(Protocol):
+    """What a host uses of its call: to fail it. A gRPC call's context, or one stream of a
+    `DecodeMany` call (`workers.mux.StreamContext`)."""
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> NoReturn: ...
+
+    def set_trailing_metadata(self, trailing_metadata: Any) -> None: ...
 
 
 class EngineHost(abc.ABC):

@@ -6,7 +6,8 @@ model is an `EngineHost` (`host`): the reference engine on one thread with pdorc
 sender/receiver (`reference_host`), or vLLM's async engine (`vllm.engine`). The servicers
 here validate a call, delegate it to the host, coalesce its token stream to the window the
 request asks (`coalesce`) and count what it produced; the worker owns
-the gRPC server, heartbeats and drain. An undecodable request (a string field that is not
+the gRPC server, heartbeats and drain. ``DecodeMany`` runs many decode streams on one call
+(`mux`), each as its own ``Decode`` would. An undecodable request (a string field that is not
 UTF-8) is answered INVALID_ARGUMENT with one log line (`api.undecodable`), as the
 orchestrator's own server does. With TLS credentials the gRPC port is mutual TLS and only
 orchestrator identities are served (`api.peers.RequirePeer`): a client's or another
@@ -34,7 +35,7 @@ from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2, worker_pb2_grpc
 from orchestrator.api.peers import RequirePeer
 from orchestrator.api.tls import Tls
-from orchestrator.api.undecodable import RefuseUndecodable
+from orchestrator.api.undecodable import RefuseUndecodable, Undecodable, refuse
 from orchestrator.core.peers import Surface
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.batcher import EngineRunner
@@ -42,6 +43,7 @@ from orchestrator.workers.coalesce import coalesced, window_of
 from orchestrator.workers.engine import Engine
 from orchestrator.workers.host import EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
+from orchestrator.workers.mux import BadCommand, DecodeMany
 from orchestrator.workers.reference_host import ReferenceHost
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
@@ -114,6 +116,8 @@ class Worker:
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self._heartbeat: asyncio.Task[None] | None = None
+        self._calls: set[DecodeMany] = set()
+        """The open ``DecodeMany`` calls (drained on stop)."""
         self.address = ""
         self.kv_address = ""
 
@@ -194,6 +198,8 @@ class Worker:
         if self._heartbeat is not None:
             await cancel_and_wait(self._heartbeat)  # publishing to Redis: one cancel can be lost
         await self._health.enter_graceful_shutdown()
+        for call in self._calls:  # long-lived: each ends once its streams have
+            call.drain()
         if self._server is not None:
             await self._server.stop(self.settings.drain_grace_s)
         await self.host.close()
@@ -232,6 +238,21 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
         chunks = coalesced(self.w.host.decode(request, context), window_of(request.flush_ms))
         async for chunk in chunks:
             yield self.w._count(chunk)
+
+    async def DecodeMany(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.DecodeCommand | Undecodable],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[worker_pb2.DecodeBatch]:
+        many = DecodeMany(self.w.host.decode, self.w._count)
+        self.w._calls.add(many)
+        try:
+            async for batch in many.serve(request_iterator):
+                yield batch
+        except BadCommand as exc:
+            await refuse("/pdorch.v1.DecodeService/DecodeMany", exc.request, context)
+        finally:
+            self.w._calls.discard(many)
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -107,7 +107,8 @@ def generate(address: str, tls: Tls | None, rid: str) -> grpc.aio.AioRpcError:
 
 
 def call_worker(address: str, ch_factory: object) -> dict[str, grpc.StatusCode]:
-    """Prefill, Decode and Generate on a worker through ``ch_factory()``: each's code."""
+    """Prefill, Decode, DecodeMany and Generate on a worker through ``ch_factory()``: each's
+    code."""
 
     async def main() -> dict[str, grpc.StatusCode]:
         codes: dict[str, grpc.StatusCode] = {}
@@ -137,6 +138,20 @@ def call_worker(address: str, ch_factory: object) -> dict[str, grpc.StatusCode]:
                     "Decode",
                     lambda: decode.Decode(
                         worker_pb2.DecodeRequest(request_id="evil-1", epoch=1), timeout=20
+                    ),
+                ),
+                (
+                    "DecodeMany",
+                    lambda: decode.DecodeMany(
+                        iter(
+                            [
+                                worker_pb2.DecodeCommand(
+                                    stream=1,
+                                    start=worker_pb2.DecodeRequest(request_id="evil-3", epoch=1),
+                                )
+                            ]
+                        ),
+                        timeout=20,
                     ),
                 ),
                 (

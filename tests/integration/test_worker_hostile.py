@@ -59,6 +59,15 @@ async def _scenario() -> None:
             raw = req.SerializeToString().replace(b"rid", b"r\xc3(")
             code, _ = await _code_of(generate(raw, timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
+            # Many decode streams on one call: an undecodable command refuses the call.
+            many = channel.stream_stream("/pdorch.v1.DecodeService/DecodeMany")
+            start = worker_pb2.DecodeCommand(
+                stream=1, start=worker_pb2.DecodeRequest(request_id="rid", epoch=1)
+            )
+            raw = start.SerializeToString().replace(b"rid", b"r\xc3(")
+            code, details = await _code_of(many(iter([raw]), timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "undecodable" in details
             # Still serving well-formed calls.
             ok = tokenize(
                 worker_pb2.TokenizeRequest(text="two words").SerializeToString(), timeout=5
@@ -74,6 +83,6 @@ def test_worker_answers_invalid_argument_to_undecodable_requests(
     with caplog.at_level(logging.INFO):
         asyncio.run(_scenario())
     refused = [r for r in caplog.records if "undecodable" in r.getMessage()]
-    assert len(refused) == 2
+    assert len(refused) == 3  # Tokenize, Generate, DecodeMany: one line each
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -146,6 +146,10 @@ class _Stream:
             self._worker.cancelled += 1
         return True
 
+    def close(self) -> None:
+        """A `control.mux.MuxStream` closed early: as a cancelled call."""
+        self.cancel()
+
 
 def _call(coro: Coroutine[Any, Any, Any]) -> Awaitable[Any]:
     """A unary call as grpc.aio returns it: awaitable, cancellable (a task is both)."""
@@ -157,7 +161,14 @@ class _Stubs:
         self.prefill = self
         self.decode = self
         self.general = self
+        self.mux = self
+        """`control.mux.DecodeMux`: each stream as the worker's Decode call streams it."""
         self.w = worker
+
+    supported = True
+
+    def open(self, req: worker_pb2.DecodeRequest) -> _Stream:
+        return self.Decode(req)
 
     def Prefill(self, req: worker_pb2.PrefillRequest, timeout: float) -> Awaitable[Any]:
         async def run() -> worker_pb2.PrefillResponse:

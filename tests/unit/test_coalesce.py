@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from orchestrator.api import common_pb2, worker_pb2
-from orchestrator.workers.coalesce import MAX_FLUSH_S, coalesced, window_of
+from orchestrator.workers.coalesce import MAX_FLUSH_S, coalesced, due, window_of
 
 LIMIT_S = 5.0
 
@@ -165,5 +165,49 @@ def test_the_streams_end_is_not_held_back_by_the_window(fails: bool) -> None:
         assert [len(c.token_ids) for c in got] == [1, 3]  # still merged
         if not fails:
             assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    run(main())
+
+
+def test_aligned_windows_are_slots_of_the_clock() -> None:
+    assert due(1.23, 0.1, aligned=False) == pytest.approx(1.33)
+    assert due(1.23, 0.1, aligned=True) == pytest.approx(1.3)  # the next slot's start
+    assert due(1.3, 0.1, aligned=True) == pytest.approx(1.4)  # never the same slot twice
+    assert due(0.0, 0.5, aligned=True) == pytest.approx(0.5)
+
+
+def test_aligned_streams_started_apart_send_at_the_same_instants() -> None:
+    """Two streams started 17 ms apart: after their first chunks (sent at once) every chunk
+    of both goes out at a multiple of the window, at most one per slot per stream, and the
+    tokens stay contiguous (`workers.mux` batches them into one message)."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        window = 0.05
+        sent: list[list[float]] = [[], []]
+        got: list[list[worker_pb2.TokenChunk]] = [[], []]
+
+        async def one(n: int) -> None:
+            await asyncio.sleep(0.017 * n)
+            async for c in coalesced(source(30, 0.007), window, aligned=True):
+                sent[n].append(loop.time())
+                got[n].append(c)
+
+        await asyncio.gather(one(0), one(1))
+        for times, chunks in zip(sent, got, strict=True):
+            assert flat(chunks) == list(range(30))
+            assert len(chunks[0].token_ids) == 1  # the first is never held back
+            for at, c in zip(times[1:], chunks[1:], strict=True):
+                if c.finish_reason:
+                    continue  # the end cuts its window short
+                slot = at / window  # a slot's start, give or take a busy loop's lateness
+                assert slot - round(slot) == pytest.approx(0, abs=0.45), (at, slot)
+            slots = [round(t / window) for t in times[1:-1]]
+            assert len(slots) == len(set(slots))  # one chunk per slot at most
+        by_slot = [{round(t / window): t for t in times[1:-1]} for times in sent]
+        shared = by_slot[0].keys() & by_slot[1].keys()
+        assert len(shared) >= 2  # both streams sent in the same slots ...
+        for slot in shared:  # ... at the same instant (the same turn of the loop)
+            assert abs(by_slot[0][slot] - by_slot[1][slot]) < 0.005
 
     run(main())

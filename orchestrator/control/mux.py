@@ -1,0 +1,238 @@
+"""Many decode streams on one call: the orchestrator's side of ``DecodeMany``.
+
+A relayed message costs a replica ~100 µs of gRPC's machinery to read whatever it carries
+(README, "Where a relayed message's CPU goes"); with one ``Decode`` call per request it
+reads one message per stream per window. A `DecodeMux` keeps one ``DecodeMany`` call per
+decode worker and hands each batch's events to the streams of the requests placed there:
+one read per batch where there was one per stream (the worker aligns its streams' windows so
+that a batch carries all of them: `orchestrator.workers.mux`).
+
+A `MuxStream` reads as a ``Decode`` call does: its chunks, then its end. A failure event
+raises the `grpc.aio.AioRpcError` that stream's own call would have raised (its code,
+details and trailing metadata), so `clients.translated` and failover see no difference.
+The call failing fails every stream on it, always with an error failover retries (a killed
+worker: UNAVAILABLE; `_call_failed`); the next stream opens a new call. Handing events out
+never waits for a reader: each stream keeps its chunks until read (at most one per window,
+and no more than its ``max_tokens``). A stream closed early (`MuxStream.close`: a stop
+string, a failover, a client gone) sends its cancel and the worker stops that decode. A
+worker that does not serve ``DecodeMany`` (an older version: UNIMPLEMENTED) fails its
+streams with `Unsupported` before any chunk; the caller then opens a ``Decode`` call
+(`legs`), and this worker's mux is not tried again for `RETRY_UNSUPPORTED_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+import grpc
+
+from orchestrator.api import worker_pb2, worker_pb2_grpc
+from orchestrator.api.protocol import RETRYABLE_CODES, link_broke
+
+__all__ = ["RETRY_UNSUPPORTED_S", "DecodeMux", "MuxStream", "Unsupported"]
+
+log = logging.getLogger(__name__)
+
+RETRY_UNSUPPORTED_S = 60.0
+"""After a worker answered UNIMPLEMENTED, how long its streams use ``Decode`` calls (it may
+be upgraded in place)."""
+
+
+class Unsupported(Exception):
+    """The worker does not serve ``DecodeMany``: nothing was streamed; use ``Decode``."""
+
+
+def _status(code: int) -> grpc.StatusCode:
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status
+    return grpc.StatusCode.UNKNOWN
+
+
+def _error(
+    code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+) -> grpc.aio.AioRpcError:
+    """The error a ``Decode`` call ending with this status raises."""
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details, None
+    )
+
+
+def _call_failed(exc: grpc.aio.AioRpcError) -> BaseException:
+    """What the call's failure means for its streams. Unlike one stream's failure event, it
+    says nothing of their requests — the worker or the link failed — so a code failover
+    would not retry (an INTERNAL from gRPC's core, say) is read as UNAVAILABLE: the
+    requests move to another worker instead of failing."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return Unsupported(f"the worker does not serve DecodeMany: {details}")
+    if code in RETRYABLE_CODES or link_broke(code, details) or code == grpc.StatusCode.CANCELLED:
+        return exc
+    return _error(grpc.StatusCode.UNAVAILABLE, f"the decode call failed: {code.name}: {details}")
+
+
+def _copy(error: BaseException) -> BaseException:
+    """One exception per stream (a raised exception collects its raiser's traceback)."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        trailing = tuple(error.trailing_metadata() or ())
+        return _error(error.code(), error.details() or "", trailing)  # type: ignore[arg-type]
+    return Unsupported(str(error)) if isinstance(error, Unsupported) else error
+
+
+class MuxStream:
+    """One request's decode stream on a shared call: iterate it as a ``Decode`` call."""
+
+    __slots__ = ("_call", "_chunks", "_done", "_error", "_waiter", "sid")
+
+    def __init__(self, call: _Call, sid: int) -> None:
+        self._call = call
+        self.sid = sid
+        self._chunks: deque[worker_pb2.TokenChunk] = deque()
+        self._done = False
+        """No event will come: the stream ended, failed or was closed."""
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __aiter__(self) -> MuxStream:
+        return self
+
+    async def __anext__(self) -> worker_pb2.TokenChunk:
+        while not self._chunks:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._chunks.popleft()
+
+    def close(self) -> None:
+        """Stop the stream (the worker cancels its decode); what was not read is dropped."""
+        if not self._done:
+            self._done = True
+            self._call.cancel(self.sid)
+        self._chunks.clear()
+
+    def _deliver(self, chunk: worker_pb2.TokenChunk) -> None:
+        self._chunks.append(chunk)
+        self._wake()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._done, self._error = True, error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class _Call:
+    """One ``DecodeMany`` call: the commands it sends, the streams its batches feed."""
+
+    def __init__(self, mux: DecodeMux, stub: worker_pb2_grpc.DecodeServiceAsyncStub) -> None:
+        self._mux = mux
+        self._commands: asyncio.Queue[worker_pb2.DecodeCommand | None] = asyncio.Queue()
+        self.streams: dict[int, MuxStream] = {}
+        self._next = 0
+        self.closed = False
+        self._rpc = stub.DecodeMany(self._outgoing())
+        self._reader = asyncio.create_task(self._read(), name="pdorch-decode-many")
+
+    def open(self, request: worker_pb2.DecodeRequest) -> MuxStream:
+        sid, self._next = self._next, self._next + 1
+        stream = self.streams[sid] = MuxStream(self, sid)
+        self._commands.put_nowait(worker_pb2.DecodeCommand(stream=sid, start=request))
+        return stream
+
+    def cancel(self, sid: int) -> None:
+        if self.streams.pop(sid, None) is not None and not self.closed:
+            cancel = worker_pb2.DecodeCancel()
+            self._commands.put_nowait(worker_pb2.DecodeCommand(stream=sid, cancel=cancel))
+
+    async def close(self) -> None:
+        self._rpc.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+    async def _outgoing(self) -> AsyncIterator[worker_pb2.DecodeCommand]:
+        while (command := await self._commands.get()) is not None:
+            yield command
+
+    async def _read(self) -> None:
+        error: BaseException = _error(
+            grpc.StatusCode.UNAVAILABLE, "the worker ended its decode call"
+        )
+        try:
+            async for batch in self._rpc:
+                self._hand_out(batch)
+        except grpc.aio.AioRpcError as exc:
+            error = _call_failed(exc)
+        except asyncio.CancelledError:
+            error = _error(grpc.StatusCode.CANCELLED, "the orchestrator closed the call")
+            raise
+        finally:
+            self.closed = True
+            self._mux._ended(self, error)
+            streams, self.streams = list(self.streams.values()), {}
+            for stream in streams:
+                stream._finish(_copy(error))
+            self._commands.put_nowait(None)
+
+    def _hand_out(self, batch: worker_pb2.DecodeBatch) -> None:
+        self._mux.batches += 1
+        for event in batch.events:
+            stream = self.streams.get(event.stream)
+            if stream is None:
+                continue  # closed meanwhile
+            if event.HasField("chunk"):
+                stream._deliver(event.chunk)
+            if event.HasField("failure"):
+                del self.streams[event.stream]
+                failure = event.failure
+                trailing = tuple(failure.trailing.items())
+                stream._finish(_error(_status(failure.code), failure.details, trailing))
+            elif event.ended:
+                del self.streams[event.stream]
+                stream._finish(None)
+
+
+class DecodeMux:
+    """The decode streams this replica runs on one worker, on one call at a time."""
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeServiceAsyncStub) -> None:
+        self._stub = stub
+        self._call: _Call | None = None
+        self._unsupported_until = 0.0
+        self.batches = 0
+        """Batches read (each one message, whatever the number of streams it fed)."""
+
+    @property
+    def supported(self) -> bool:
+        """False for `RETRY_UNSUPPORTED_S` after the worker answered UNIMPLEMENTED."""
+        return time.monotonic() >= self._unsupported_until
+
+    def open(self, request: worker_pb2.DecodeRequest) -> MuxStream:
+        """Start ``request``'s decode on the worker's call (opened if none is)."""
+        if self._call is None:
+            self._call = _Call(self, self._stub)
+        return self._call.open(request)
+
+    async def close(self) -> None:
+        """Cancel the call: every stream still on it fails (CANCELLED)."""
+        if self._call is not None:
+            await self._call.close()
+
+    def _ended(self, call: _Call, error: BaseException) -> None:
+        if self._call is call:
+            self._call = None
+        if isinstance(error, Unsupported):
+            self._unsupported_until = time.monotonic() + RETRY_UNSUPPORTED_S
+            log.info("a worker does not serve DecodeMany: one Decode call per stream there")
