@@ -280,7 +280,8 @@ def test_a_draining_worker_finishes_its_streams_and_refuses_new_ones() -> None:
             await anext(aiter(running))
             started = time.monotonic()
             stopping = asyncio.create_task(worker.stop())
-            await asyncio.sleep(0.1)
+            while not all(call._draining for call in worker._calls):
+                await asyncio.sleep(0.01)  # the stop reaches the drain
             refused = await failure(mux.open(ask("late", max_tokens=10)))
             assert refused.code() == grpc.StatusCode.UNAVAILABLE
             assert "draining" in (refused.details() or "")
