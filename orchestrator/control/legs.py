@@ -90,12 +90,22 @@ class WorkerLegs:
         stubs = self.clients.get(decode.address)
         if self.settings.decode_mux and stubs.mux.supported:
             shared = stubs.mux.open(req)
+            streamed = False
             try:
                 async with translated(decode.worker_id, "decode"):
                     async for chunk in self._watched(shared, decode, check):
+                        streamed = True
                         yield chunk
-            except Unsupported:
-                pass  # nothing was streamed: on a call of its own, below
+            except Unsupported as exc:
+                if streamed:  # cannot happen (refused before any batch), but never resend
+                    raise errors.WorkerError(
+                        decode.worker_id, str(exc), retryable=True, phase="decode"
+                    ) from exc
+                # nothing was streamed: on a call of its own, below
+            except errors.WorkerError as exc:
+                if exc.phase == "silence":
+                    await stubs.mux.stalled(self.settings.token_timeout_s)
+                raise
             else:
                 return
             finally:

@@ -23,7 +23,6 @@ streams with `Unsupported` before any chunk; the caller then opens a ``Decode`` 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -47,11 +46,7 @@ class Unsupported(Exception):
     """The worker does not serve ``DecodeMany``: nothing was streamed; use ``Decode``."""
 
 
-def _status(code: int) -> grpc.StatusCode:
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN
+_STATUS = {status.value[0]: status for status in grpc.StatusCode}
 
 
 def _error(
@@ -71,7 +66,7 @@ def _call_failed(exc: grpc.aio.AioRpcError) -> BaseException:
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return Unsupported(f"the worker does not serve DecodeMany: {details}")
-    if code in RETRYABLE_CODES or link_broke(code, details) or code == grpc.StatusCode.CANCELLED:
+    if code in RETRYABLE_CODES or link_broke(code, details):
         return exc
     return _error(grpc.StatusCode.UNAVAILABLE, f"the decode call failed: {code.name}: {details}")
 
@@ -115,10 +110,11 @@ class MuxStream:
         return self._chunks.popleft()
 
     def close(self) -> None:
-        """Stop the stream (the worker cancels its decode); what was not read is dropped."""
+        """Stop the stream (the worker cancels its decode); what was not read is dropped,
+        and a read from then on raises `asyncio.CancelledError`, as a cancelled call's."""
         if not self._done:
-            self._done = True
             self._call.cancel(self.sid)
+            self._finish(asyncio.CancelledError("the stream was closed"))
         self._chunks.clear()
 
     def _deliver(self, chunk: worker_pb2.TokenChunk) -> None:
@@ -143,6 +139,8 @@ class _Call:
         self.streams: dict[int, MuxStream] = {}
         self._next = 0
         self.closed = False
+        self.last_batch = time.monotonic()
+        """When the last batch arrived (or the call opened)."""
         self._rpc = stub.DecodeMany(self._outgoing())
         self._reader = asyncio.create_task(self._read(), name="pdorch-decode-many")
 
@@ -159,8 +157,7 @@ class _Call:
 
     async def close(self) -> None:
         self._rpc.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        await asyncio.wait({self._reader})  # its end, whatever it was: never re-raised here
 
     async def _outgoing(self) -> AsyncIterator[worker_pb2.DecodeCommand]:
         while (command := await self._commands.get()) is not None:
@@ -172,13 +169,18 @@ class _Call:
         )
         try:
             async for batch in self._rpc:
+                self.last_batch = time.monotonic()
                 self._hand_out(batch)
         except grpc.aio.AioRpcError as exc:
             error = _call_failed(exc)
         except asyncio.CancelledError:
             error = _error(grpc.StatusCode.CANCELLED, "the orchestrator closed the call")
             raise
+        except Exception as exc:  # noqa: BLE001 - a batch we cannot read: the call is done
+            log.warning("decode call to a worker failed: %r", exc)
+            error = _error(grpc.StatusCode.UNAVAILABLE, f"the decode call failed: {exc!r}")
         finally:
+            self._rpc.cancel()  # ended already, or the worker must stop decoding for it
             self.closed = True
             self._mux._ended(self, error)
             streams, self.streams = list(self.streams.values()), {}
@@ -193,12 +195,15 @@ class _Call:
             if stream is None:
                 continue  # closed meanwhile
             if event.HasField("chunk"):
-                stream._deliver(event.chunk)
+                chunk = worker_pb2.TokenChunk()
+                chunk.CopyFrom(event.chunk)  # its own: not a view keeping the batch alive
+                stream._deliver(chunk)
             if event.HasField("failure"):
                 del self.streams[event.stream]
                 failure = event.failure
                 trailing = tuple(failure.trailing.items())
-                stream._finish(_error(_status(failure.code), failure.details, trailing))
+                code = _STATUS.get(failure.code, grpc.StatusCode.UNKNOWN)
+                stream._finish(_error(code, failure.details, trailing))
             elif event.ended:
                 del self.streams[event.stream]
                 stream._finish(None)
@@ -229,6 +234,16 @@ class DecodeMux:
         """Cancel the call: every stream still on it fails (CANCELLED)."""
         if self._call is not None:
             await self._call.close()
+
+    async def stalled(self, silence_s: float) -> None:
+        """A stream on this worker was given up for silence: if its call has brought no
+        batch for ``silence_s`` either, every stream on it is as silent (a wedged call, or
+        a connection gone without a reset): close it, so the next stream opens a new one
+        rather than wait out the same silence."""
+        call = self._call
+        if call is not None and time.monotonic() - call.last_batch >= silence_s:
+            log.warning("a decode call brought nothing for %.0fs: closing it", silence_s)
+            await call.close()
 
     def _ended(self, call: _Call, error: BaseException) -> None:
         if self._call is call:

@@ -107,12 +107,17 @@ class _Source:
             self._wake = None
 
 
+SLOT_SLACK_S = 1e-4
+"""A send this close before a slot's start counts as in that slot (a timer may fire a
+little early, and ``k * window`` in floating point may fall just short of slot ``k``)."""
+
+
 def due(last: float, window_s: float, aligned: bool) -> float:
     """When the chunk after one sent at ``last`` goes out: a window later, or (``aligned``)
     at the start of the next slot of the clock."""
     if not aligned:
         return last + window_s
-    return (math.floor(last / window_s) + 1) * window_s
+    return (math.floor((last + SLOT_SLACK_S) / window_s) + 1) * window_s
 
 
 async def coalesced(

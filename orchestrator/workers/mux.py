@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
@@ -30,7 +30,7 @@ import grpc
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2
 from orchestrator.api.undecodable import Undecodable
-from orchestrator.workers.coalesce import coalesced, window_of
+from orchestrator.workers.coalesce import coalesced, merge, window_of
 from orchestrator.workers.host import Context
 
 __all__ = ["BadCommand", "DecodeMany", "Decoder", "StreamAborted", "StreamContext"]
@@ -51,8 +51,8 @@ class StreamAborted(Exception):
         self.code = code
         self.details = details
         self.trailing: tuple[tuple[str, str], ...] = tuple(
-            (str(key), str(value)) for key, value in trailing
-        )
+            (str(key), value) for key, value in trailing if isinstance(value, str)
+        )  # pdorch's trailing metadata is text (`api.protocol.BLAME_KEY`)
 
     def event(self, stream: int) -> worker_pb2.DecodeEvent:
         failure = worker_pb2.DecodeFailure(
@@ -84,6 +84,29 @@ class StreamContext:
         self._trailing = trailing_metadata
 
 
+MAX_BATCH_BYTES = 1 << 20
+"""A batch larger than this is split (a gRPC message is refused above 4 MiB by default)."""
+
+
+def _batches(events: list[worker_pb2.DecodeEvent]) -> Iterator[worker_pb2.DecodeBatch]:
+    """``events`` in one batch, or in several of at most `MAX_BATCH_BYTES` each (an event
+    larger than that alone)."""
+    batch = worker_pb2.DecodeBatch(events=events)
+    if batch.ByteSize() <= MAX_BATCH_BYTES:
+        yield batch
+        return
+    part: list[worker_pb2.DecodeEvent] = []
+    size = 0
+    for event in events:
+        n = event.ByteSize() + 8  # the field's tag and length
+        if part and size + n > MAX_BATCH_BYTES:
+            yield worker_pb2.DecodeBatch(events=part)
+            part, size = [], 0
+        part.append(event)
+        size += n
+    yield worker_pb2.DecodeBatch(events=part)
+
+
 class DecodeMany:
     """One ``DecodeMany`` call: its streams' tasks and the batches it sends."""
 
@@ -96,7 +119,11 @@ class DecodeMany:
         self._reading = True
         """The orchestrator may still send commands."""
         self._draining = False
+        self._closing = False
+        """The call is over: its streams are being cancelled, not by a command."""
         self._bad: Undecodable | None = None
+        self._unsent: dict[int, worker_pb2.DecodeEvent] = {}
+        """Each stream's chunk event not yet in a batch, which a later chunk joins."""
 
     def drain(self) -> None:
         """Refuse new streams; end the call once the running ones have ended."""
@@ -125,14 +152,28 @@ class DecodeMany:
                     # Streams due at the same instant wake in this loop turn: let them join.
                     await asyncio.sleep(0)
                 if self._events:
-                    batch = worker_pb2.DecodeBatch(events=self._events)
-                    self._events = []
-                    yield batch
+                    events, self._events = self._events, []
+                    self._unsent.clear()
+                    for batch in _batches(events):
+                        yield batch
         finally:
-            await cancel_and_wait(reader)
-            for task in list(self._tasks.values()):
-                await cancel_and_wait(task)
+            self._closing = True
+            tasks = [reader, *self._tasks.values()]
             self._tasks.clear()
+            for task in tasks:  # all at once, then wait for each
+                task.cancel()
+            for task in tasks:
+                try:
+                    await cancel_and_wait(task)
+                except Exception:
+                    log.exception("a decode stream failed while its call closed")
+
+    def abandon(self) -> None:
+        """The call is over (its context is done): cancel every stream now, whether or not
+        the batches' generator is ever resumed to run its cleanup."""
+        self._closing = True
+        for task in self._tasks.values():
+            task.cancel()
 
     def _over(self) -> bool:
         if self._bad is not None:
@@ -146,6 +187,26 @@ class DecodeMany:
     def _emit(self, event: worker_pb2.DecodeEvent) -> None:
         self._events.append(event)
         self._poke()
+
+    def _emit_chunk(
+        self, sid: int, chunk: worker_pb2.TokenChunk | None, ended: bool, *, first: bool
+    ) -> None:
+        """A stream's chunk, or its end (``None``): joined to its chunk still unsent, if any
+        (an orchestrator slow to read gets one merged chunk per stream, as a blocked
+        ``Decode`` call's coalescer would send, not a backlog of them) — but for the
+        stream's first chunk, which always goes alone (`coalesce`)."""
+        unsent = self._unsent.get(sid)
+        if unsent is not None and not unsent.ended:
+            if chunk is not None:
+                merge(unsent.chunk, chunk)
+            unsent.ended = ended
+            return
+        event = worker_pb2.DecodeEvent(stream=sid, ended=ended)
+        if chunk is not None:
+            event.chunk.CopyFrom(chunk)
+            if not first:
+                self._unsent[sid] = event
+        self._emit(event)
 
     async def _read(self, commands: AsyncIterator[worker_pb2.DecodeCommand | Undecodable]) -> None:
         try:
@@ -161,8 +222,8 @@ class DecodeMany:
                     task = self._tasks.pop(sid, None)
                     if task is not None:
                         task.cancel()
-        except grpc.RpcError as exc:  # the call broke: serve's cancellation follows
-            log.debug("decode call's commands ended: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the call broke: serve's cancellation follows
+            log.debug("decode call's commands ended: %r", exc)
         finally:
             self._reading = False
             self._poke()
@@ -184,20 +245,26 @@ class DecodeMany:
         chunks = coalesced(
             self._decode(request, StreamContext()), window_of(request.flush_ms), aligned=True
         )
-        ended = False
+        ended, first = False, True
         try:
             async for chunk in chunks:
                 ended = bool(chunk.finish_reason)
-                event = worker_pb2.DecodeEvent(stream=sid, ended=ended)
-                event.chunk.CopyFrom(self._count(chunk))
-                self._emit(event)
+                self._emit_chunk(sid, self._count(chunk), ended, first=first)
+                first = False
             if not ended:
-                self._emit(worker_pb2.DecodeEvent(stream=sid, ended=True))
+                self._emit_chunk(sid, None, True, first=False)
         except StreamAborted as exc:
             self._emit(exc.event(sid))
+        except asyncio.CancelledError:
+            if not self._closing and self._tasks.get(sid) is asyncio.current_task():
+                # Not the orchestrator's cancel nor the call's end: the host's own. A
+                # cancelled Decode call would end CANCELLED: say so rather than go silent.
+                lost = StreamAborted(grpc.StatusCode.CANCELLED, "the decode was cancelled", ())
+                self._emit(lost.event(sid))
+            raise
         except Exception as exc:  # what an unhandled error in a Decode call would be
             log.exception("decode of %s failed", request.request_id)
-            failed = StreamAborted(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}", ())
+            failed = StreamAborted(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}", ())
             self._emit(failed.event(sid))
         finally:
             if self._tasks.get(sid) is asyncio.current_task():

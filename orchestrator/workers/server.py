@@ -118,6 +118,7 @@ class Worker:
         self._heartbeat: asyncio.Task[None] | None = None
         self._calls: set[DecodeMany] = set()
         """The open ``DecodeMany`` calls (drained on stop)."""
+        self._draining = False
         self.address = ""
         self.kv_address = ""
 
@@ -198,6 +199,7 @@ class Worker:
         if self._heartbeat is not None:
             await cancel_and_wait(self._heartbeat)  # publishing to Redis: one cancel can be lost
         await self._health.enter_graceful_shutdown()
+        self._draining = True
         for call in self._calls:  # long-lived: each ends once its streams have
             call.drain()
         if self._server is not None:
@@ -246,6 +248,14 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[worker_pb2.DecodeBatch]:
         many = DecodeMany(self.w.host.decode, self.w._count)
         self.w._calls.add(many)
+        if self.w._draining:  # stopping since the call arrived
+            many.drain()
+
+        def abandon(_context: object) -> None:
+            many.abandon()
+
+        done: Any = abandon  # the stubs want their DoneCallback class; any callable does
+        context.add_done_callback(done)
         try:
             async for batch in many.serve(request_iterator):
                 yield batch

@@ -280,8 +280,10 @@ def test_a_draining_worker_finishes_its_streams_and_refuses_new_ones() -> None:
             await anext(aiter(running))
             started = time.monotonic()
             stopping = asyncio.create_task(worker.stop())
-            while not all(call._draining for call in worker._calls):
-                await asyncio.sleep(0.01)  # the stop reaches the drain
+            deadline = time.monotonic() + 10
+            while not worker._draining:  # the stop reaches the drain (a condition, not an event)
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
             refused = await failure(mux.open(ask("late", max_tokens=10)))
             assert refused.code() == grpc.StatusCode.UNAVAILABLE
             assert "draining" in (refused.details() or "")
@@ -391,3 +393,33 @@ def test_a_call_failure_is_always_one_failover_retries() -> None:
     unavailable = fails(grpc.StatusCode.UNAVAILABLE)
     assert _call_failed(unavailable) is unavailable
     assert isinstance(_call_failed(fails(grpc.StatusCode.UNIMPLEMENTED)), Unsupported)
+
+
+def test_a_silent_call_is_closed_when_a_stream_on_it_is_given_up_for_silence() -> None:
+    """A stream given up for silence (`legs`) asks the mux whether its call brought nothing
+    either: then every stream on it is failed (retryable) and the next stream gets a new
+    call, rather than wait out the same silence on a wedged one."""
+
+    async def main() -> None:
+        worker = await serving(ScriptHost(step_s=30.0))  # silent streams
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            mux = DecodeMux(worker_pb2_grpc.DecodeServiceStub(channel))
+            quiet = [mux.open(ask(f"q{i}", max_tokens=5)) for i in range(2)]
+            await mux.stalled(60.0)  # not silent that long: kept
+            assert mux._call is not None
+            await mux.stalled(0.0)
+            for stream in quiet:
+                err = await failure(stream)
+                with pytest.raises(errors.WorkerError) as caught:
+                    async with translated("w", "decode"):
+                        raise err
+                assert caught.value.retryable_instance
+            closed = mux.open(ask("next", max_tokens=5))
+            assert mux._call is not None  # a new call
+            closed.close()
+            with pytest.raises(asyncio.CancelledError):  # a read after close: as a call's
+                await anext(aiter(closed))
+            await mux.close()
+        await worker.stop()
+
+    run(main())

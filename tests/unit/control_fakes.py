@@ -170,6 +170,9 @@ class _Stubs:
     def open(self, req: worker_pb2.DecodeRequest) -> _Stream:
         return self.Decode(req)
 
+    async def stalled(self, silence_s: float) -> None:
+        """Each fake stream is a call of its own: nothing shared to close."""
+
     def Prefill(self, req: worker_pb2.PrefillRequest, timeout: float) -> Awaitable[Any]:
         async def run() -> worker_pb2.PrefillResponse:
             w = self.w

@@ -174,6 +174,11 @@ def test_aligned_windows_are_slots_of_the_clock() -> None:
     assert due(1.23, 0.1, aligned=True) == pytest.approx(1.3)  # the next slot's start
     assert due(1.3, 0.1, aligned=True) == pytest.approx(1.4)  # never the same slot twice
     assert due(0.0, 0.5, aligned=True) == pytest.approx(0.5)
+    # 3 * 0.1 is 0.30000000000000004 and 0.3 / 0.1 is 2.9999999999999996: a send at a
+    # slot's start (or a hair before it, a timer firing early) is in that slot.
+    assert due(3 * 0.1, 0.1, aligned=True) == pytest.approx(0.4)
+    assert due(0.3, 0.1, aligned=True) == pytest.approx(0.4)
+    assert due(0.4 - 1e-6, 0.1, aligned=True) == pytest.approx(0.5)
 
 
 def test_aligned_streams_started_apart_send_at_the_same_instants() -> None:
