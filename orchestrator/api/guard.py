@@ -48,38 +48,32 @@ class CallGuard(_Interceptor):
             return handler
         parse = handler.request_deserializer
         serialize = handler.response_serializer
-        if handler.stream_stream is not None:
-            bidi: Any = handler.stream_stream
+        if handler.unary_stream is not None or handler.stream_stream is not None:
+            bidi = handler.stream_stream is not None
+            inner: Any = handler.stream_stream if bidi else handler.unary_stream
 
-            async def stream_stream(requests: Any, context: Context) -> AsyncIterator[Any]:
+            async def streaming(request: Any, context: Context) -> AsyncIterator[Any]:
+                # ``request``: the one request, or (bidirectional) their iterator, unread yet
                 await self.check(method, context)
-                async for response in bidi(requests, context):
+                async for response in inner(request, context):
                     yield response
 
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, request_deserializer=parse, response_serializer=serialize
+            make = (
+                grpc.stream_stream_rpc_method_handler
+                if bidi
+                else grpc.unary_stream_rpc_method_handler
             )
+            return make(streaming, request_deserializer=parse, response_serializer=serialize)
         if handler.request_streaming:  # pdorch serves none; refuse rather than skip
             return grpc.unary_unary_rpc_method_handler(self._refuse_streaming)
-        if handler.unary_unary is not None:
-            unary: Any = handler.unary_unary
+        unary: Any = handler.unary_unary
 
-            async def unary_unary(request: Any, context: Context) -> Any:
-                await self.check(method, context)
-                return await unary(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=parse, response_serializer=serialize
-            )
-        stream: Any = handler.unary_stream
-
-        async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+        async def unary_unary(request: Any, context: Context) -> Any:
             await self.check(method, context)
-            async for response in stream(request, context):
-                yield response
+            return await unary(request, context)
 
-        return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=parse, response_serializer=serialize
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, request_deserializer=parse, response_serializer=serialize
         )
 
     @staticmethod
