@@ -70,7 +70,9 @@ class BenchResult:
     ``ours-tls``: the same with mutual TLS on the control link (``--tls-dir``); ``ours-32``:
     32 layers allocated apart (a block list); ``ours-read``: UCX one-sided reads
     (transport v2, opt-in); ``nixl-write``/``nixl-read`` (``-32``: 32 descriptors);
-    ``ucx_perftest``: ``-t tag_bw``."""
+    ``ucx_perftest``: ``-t tag_bw``; ``copy`` and ``xxh3``: one copy and one hash pass of the
+    same bytes in this process (`memory_speeds`), what a transfer's memory traffic is
+    made of."""
 
     def ratio(self, variant: str, reference: str) -> float | None:
         a, b = self.gbps.get(variant), self.gbps.get(reference)
@@ -297,6 +299,7 @@ async def _interleaved(
     if backend == "ucx":
         ours["ours-read"] = _Ours(UCX_READ, size, layers)
     nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if nixl else []
+    src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)  # pages in
     async with contextlib.AsyncExitStack() as stack:
         for session in ours.values():
             await stack.enter_async_context(session)
@@ -313,7 +316,30 @@ async def _interleaved(
             ref = await asyncio.to_thread(measure_perftest, size, iters)
             if ref is not None:
                 got.setdefault("ucx_perftest", []).append(ref)
+            copy, xxh3 = memory_speeds(src, dst, iters)
+            got.setdefault("copy", []).append(copy)
+            got.setdefault("xxh3", []).append(xxh3)
     return got
+
+
+def memory_speeds(src: np.ndarray, dst: np.ndarray, iters: int) -> tuple[float, float]:
+    """GB/s of copying ``src`` into ``dst`` and of one checksum pass (`wire.checksum`) over
+    ``src``, ``iters`` times each, in this process on one core. Every transfer makes one copy
+    (the CMA read, or the socket's) and two hash passes (sender and receiver): where those
+    bytes leave the cache, the memory's bandwidth bounds the transfer (README, "Transport
+    performance")."""
+    if src.nbytes != dst.nbytes or not src.nbytes:
+        raise BenchError("memory_speeds needs two buffers of the same, non-zero size")
+    started = time.perf_counter()
+    for _ in range(iters):
+        np.copyto(dst, src)
+    copied = time.perf_counter() - started
+    view = src.reshape(-1).view(np.uint8).data
+    started = time.perf_counter()
+    for _ in range(iters):
+        wire.checksum(view)
+    hashed = time.perf_counter() - started
+    return src.nbytes * iters / copied / 1e9, src.nbytes * iters / hashed / 1e9
 
 
 def medians(got: dict[str, list[float]]) -> dict[str, float]:

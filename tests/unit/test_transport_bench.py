@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from transport import bench, nixl_ref
@@ -53,3 +54,20 @@ def test_bad_counts_are_refused_before_anything_starts() -> None:
 def test_a_tls_directory_without_certificates_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(bench.BenchError, match=r"ca\.pem is missing"):
         bench.run("tcp", 1 << 20, 1, nixl=False, tls_dir=str(tmp_path))
+
+
+def test_the_memory_references_copy_and_hash_the_buffer() -> None:
+    src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)
+    dst = np.zeros_like(src)
+    copy, xxh3 = bench.memory_speeds(src, dst, iters=3)
+    assert np.array_equal(dst, src)  # a real copy was timed
+    assert copy > 0
+    assert xxh3 > 0
+    line = _result(ours=2.0, copy=copy, xxh3=xxh3).human()
+    assert " copy " in line
+    assert " xxh3 " in line
+
+
+def test_the_memory_references_refuse_unequal_buffers() -> None:
+    with pytest.raises(bench.BenchError, match="same, non-zero size"):
+        bench.memory_speeds(np.zeros(8, np.uint8), np.zeros(4, np.uint8), iters=1)
