@@ -189,9 +189,10 @@ class RedisStore:
         key = self._keys.request(rid)
         counted = False
         # Slot by slot (Redis Cluster: no script crosses slots): the tenant's count (atomic
-        # in its own slot), then the index of live requests with the record. What a failure
-        # in between leaves is an index entry without a record, which scans drop
-        # (`INDEX_GRACE_S`), or a record of a request not admitted (see below).
+        # in its own slot), then the index of live requests with the record (one script on
+        # one server). What a failure in between leaves is an index entry without a record,
+        # which scans drop (`INDEX_GRACE_S`), or a record of a request not admitted (see
+        # below).
         if tenant_limit > 0:
             counted = await self._acquire_tenant(record.tenant, key, tenant_limit)
         create_args = [
@@ -202,23 +203,28 @@ class RedisStore:
             *flat,
         ]
         async with _translated("create"):
-            # One round trip: on one server a pipeline runs in order (index, then record);
-            # on a cluster both nodes get theirs at once, and a failure of either fails the
-            # call: the request is not admitted, and a retry (the same id) indexes it.
-            _, res = await self._scripts(
-                [
-                    (self._acquire, [self._active], [key, 0, 0]),
-                    (self._create, [key, self._keys.lease(rid)], create_args),
-                ]
-            )
+            if self._cluster:
+                # One round trip: both nodes get theirs at once, and a failure of either
+                # fails the call: the request is not admitted, and a retry (the same id)
+                # indexes it.
+                _, res = await self._scripts(
+                    [
+                        (self._acquire, [self._active], [key, 0, 0]),
+                        (self._create, [key, self._keys.lease(rid)], create_args),
+                    ]
+                )
+            else:  # one server: the index and the record in one script (one command)
+                res = await self._create(
+                    keys=[key, self._keys.lease(rid), self._active], args=create_args
+                )
         if int(res[0]) == 1:
             return None
         # The id exists: a resubmission. Undo what this call indexed that the existing
-        # record doesn't own (it ended, or it was never counted against the tenant).
-        if res[2] in _TERMINAL:
-            await self._unindexed(key, record.tenant, counted=counted, grace_s=0)
-        elif counted:
-            await self._unindexed(key, record.tenant, counted=True, grace_s=0, live=False)
+        # record doesn't own: the live index (a cluster's, added beside the script) of one
+        # that ended; the tenant's count, if this call counted it.
+        live = self._cluster and res[2] in _TERMINAL
+        if live or counted:
+            await self._unindexed(key, record.tenant, counted=counted, grace_s=0, live=live)
         existing = await self.get(record.request_id)
         if existing is None:  # expired between the two calls: treat as a fresh conflict
             raise errors.ConflictError(f"request {record.request_id!r} is being replaced")
