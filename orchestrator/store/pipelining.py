@@ -7,18 +7,19 @@ arguments. A request makes three script calls of its own — its creation, ``kv_
 end — and a replica serves hundreds of requests at once: most turns of the loop find several
 requests at a store call.
 
-**How.** A call queues (script, keys, args) and waits for its reply. The first call queued
-in a turn schedules the flush for the loop's next turn (``call_soon``), so every call made
-meanwhile, by any request, goes with it; a flush is a task of its own (``pdorch-store-
-pipeline``) on a connection of its own, so no call waits for another pipeline in flight. A
-flush of one call is a plain call; larger ones are split at `MAX_PIPELINE` commands (each
-holds Redis while it runs, as `RedisStore`'s journal batches are capped). Each caller gets
-its own reply, or its own error reply raised, or — when the pipeline could not be sent or
-read — the outage that stopped it (every caller of that pipeline then raises it, and retries
-or gives up as it would have alone: each call is exactly as safe to send twice as before,
-see `orchestrator.store.outage`). Scripts the server lost (NOSCRIPT: a restart, a failover)
-are loaded and only the calls refused sent again. A call whose caller was cancelled before
-its flush is not sent.
+**How.** The first call queued in a turn leads it: it yields once to the loop, so that
+every call made meanwhile, by any request, queues behind it, then takes the queue. Alone, it
+sends its call itself (a plain call: no task, no pipeline). With others, a task of its own
+(``pdorch-store-pipeline``) sends them all as one pipeline on a connection of its own (no
+call waits for another pipeline in flight, and a caller cancelled meanwhile cannot stop the
+others'), split at `MAX_PIPELINE` commands (each holds Redis while it runs, as
+`RedisStore`'s journal batches are capped). Each caller gets its own reply, or its own error
+reply raised, or — when the pipeline could not be sent or read — the outage that stopped it
+(every caller of that pipeline then raises it, and retries or gives up as it would have
+alone: each call is exactly as safe to send twice as before, see
+`orchestrator.store.outage`). Scripts the server lost (NOSCRIPT: a restart, a failover) are
+loaded and only the calls refused sent again. A call whose caller was cancelled before the
+turn's calls were taken is not sent; a leader cancelled then hands the others on.
 
 One server (or a Sentinel primary) only: a Redis Cluster's client spreads a pipeline over its
 nodes, and `RedisStore` calls a cluster's scripts one by one.
@@ -66,27 +67,47 @@ class ScriptPipeline:
         if self._closed:
             raise errors.StoreUnavailableError("request store closed")
         loop = asyncio.get_running_loop()
-        if not self._queued:
-            loop.call_soon(self._flush)
         reply: asyncio.Future[Any] = loop.create_future()
         self._queued.append(_Call(script, keys, args, reply))
+        if len(self._queued) > 1:
+            return await reply  # the turn's leader sends it
+        try:
+            await asyncio.sleep(0)  # the turn's other calls queue behind this one
+        except asyncio.CancelledError:
+            reply.cancel()
+            loop.call_soon(self._flush)  # the others still go
+            raise
+        calls = self._taken()
+        if calls == [] or self._closed:  # closed meanwhile (`close` failed the queue)
+            return await reply
+        if len(calls) == 1:  # alone: a plain call (redis-py reloads a lost script)
+            return await script(keys=keys, args=args)
+        self._start(calls)
         return await reply
 
     async def close(self) -> None:
         """Fail what is queued and stop the pipelines in flight (their callers raise
         `StoreUnavailableError`); idempotent."""
         self._closed = True
-        queued, self._queued = self._queued, []
-        _fail(queued, errors.StoreUnavailableError("request store closed"))
+        _fail(self._taken(), errors.StoreUnavailableError("request store closed"))
         flushes = list(self._flushes)
         for task in flushes:
             task.cancel()
         if flushes:
             await asyncio.wait(flushes)
 
-    def _flush(self) -> None:
+    def _taken(self) -> list[_Call]:
+        """The queue's calls whose callers still wait; the queue is empty after."""
         queued, self._queued = self._queued, []
-        calls = [c for c in queued if not c.reply.done()]  # not for callers who left
+        return [c for c in queued if not c.reply.done()]
+
+    def _flush(self) -> None:
+        """Send what is queued (its leader was cancelled before it could)."""
+        calls = self._taken()
+        if calls:
+            self._start(calls)
+
+    def _start(self, calls: list[_Call]) -> None:
         for i in range(0, len(calls), MAX_PIPELINE):
             task = asyncio.create_task(
                 self._send(calls[i : i + MAX_PIPELINE]), name="pdorch-store-pipeline"

@@ -119,10 +119,10 @@ def test_a_caller_cancelled_before_the_flush_sends_nothing(server: RedisServer) 
     async def scenario() -> None:
         async with piped(server.url) as (p, client, _):
             incr = client.register_script("return redis.call('INCR', KEYS[1])")
-            gone = asyncio.create_task(p.call(incr, ["n"], []))
+            gone = asyncio.create_task(p.call(incr, ["n"], []))  # the turn's leader
             kept = asyncio.create_task(p.call(incr, ["m"], []))
-            await asyncio.sleep(0)  # both queued, the flush not run yet
-            gone.cancel()
+            await asyncio.sleep(0)  # both queued, the leader waiting for the turn's end
+            gone.cancel()  # it hands the other call on
             assert await kept == 1
             with pytest.raises(asyncio.CancelledError):
                 await gone
