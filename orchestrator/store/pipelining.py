@@ -19,7 +19,8 @@ reply raised, or — when the pipeline could not be sent or read — the outage 
 alone: each call is exactly as safe to send twice as before, see
 `orchestrator.store.outage`). Scripts the server lost (NOSCRIPT: a restart, a failover) are
 loaded and only the calls refused sent again. A call whose caller was cancelled before the
-turn's calls were taken is not sent; a leader cancelled then hands the others on.
+turn's calls were taken is not sent; a leader cancelled then hands the others on. Arguments
+are encoded to bytes as they queue (`wire`: ~15 µs less for a creation's ~60 arguments).
 
 One server (or a Sentinel primary) only: a Redis Cluster's client spreads a pipeline over its
 nodes, and `RedisStore` calls a cluster's scripts one by one.
@@ -68,6 +69,7 @@ class ScriptPipeline:
             raise errors.StoreUnavailableError("request store closed")
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Any] = loop.create_future()
+        keys, args = wire(keys), wire(args)
         self._queued.append(_Call(script, keys, args, reply))
         if len(self._queued) > 1:
             return await reply  # the turn's leader sends it
@@ -154,6 +156,19 @@ class ScriptPipeline:
             for source in {calls[i].script.script for i in todo}:
                 await self._redis.script_load(source)
         return replies
+
+
+def wire(values: list[Any]) -> list[bytes]:
+    """Script arguments as redis-py would send them — text in UTF-8, numbers as their
+    ``repr`` — in one pass here: redis-py's encoder checks every argument's type in Python
+    on its own (~1 µs an argument; a creation has ~60), and passes bytes through."""
+    return [v.encode() if type(v) is str else v if type(v) is bytes else _number(v) for v in values]
+
+
+def _number(v: Any) -> bytes:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(f"a script argument must be text, bytes or a number, not {v!r}")
+    return repr(v).encode()
 
 
 async def _replied(call: Any) -> Any:
