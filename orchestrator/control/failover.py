@@ -35,9 +35,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-
-import tenacity
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from orchestrator import errors
 from orchestrator.control.dispatch import Dispatch
@@ -48,6 +46,7 @@ from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.relay import Relay
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
+from orchestrator.core.backoff import exponential_jitter
 from orchestrator.core.records import WorkerInfo
 from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge, State
@@ -104,6 +103,15 @@ def retryable(exc: BaseException) -> bool:
     if v is Verdict.BY_STATUS:
         return isinstance(exc, errors.WorkerError) and exc.retryable_instance
     return v is Verdict.RETRY
+
+
+RETRY_JITTER_S = 1.0
+"""Spread over every pause between attempts (tenacity's default, which the drive used)."""
+
+
+def _pause(tries: int, s: ControlSettings) -> float:
+    """The pause after the ``tries``-th failed attempt (`orchestrator.core.backoff`)."""
+    return exponential_jitter(tries, s.retry_initial_s, s.retry_max_s, RETRY_JITTER_S)
 
 
 def cause(exc: errors.WorkerError) -> str:
@@ -163,25 +171,12 @@ class Failover:
         """Run the request to its end, failing over to other workers on retryable errors;
         ``booked``: the first attempt's placement, recorded by the record's creation
         (`book`), released by this drive whatever happens."""
-        s = self.settings
         self.leases.hold(run)
-        retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(s.max_attempts),
-            wait=tenacity.wait_exponential_jitter(multiplier=s.retry_initial_s, max=s.retry_max_s),
-            retry=tenacity.retry_if_exception(retryable),
-            reraise=True,
-        )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    if attempt.retry_state.attempt_number > 1:
-                        await self._reassign(run)
-                        workers = await outlasting(
-                            self.store.settings.outage_s, "list workers", self.store.workers
-                        )
-                    first, booked = booked, None
-                    async for chunk in self._attempt(run, workers, first):
-                        yield chunk
+            tries = self._tries(run, workers, booked)
+            async with contextlib.aclosing(tries):
+                async for chunk in tries:
+                    yield chunk
         except asyncio.CancelledError:
             if self.local.stopping and not run.lease_lost:
                 # Shutting down (drain): hand the request off — another replica takes it
@@ -211,8 +206,37 @@ class Failover:
             await self.relay.finish(run, Edge.FAIL, "error", str(exc))
             raise
         finally:
-            self.unbook(booked)  # ended before its first attempt started
             self.leases.drop(run)
+
+    async def _tries(
+        self, run: Run, workers: Sequence[WorkerInfo], booked: Booking | None
+    ) -> AsyncGenerator[OutChunk, None]:
+        """Attempt after attempt (the first ``booked``) until one ends the request, or one
+        fails in a way another cannot mend (`retryable`) or ``max_attempts`` are spent —
+        that one's error is raised — pausing between them (`orchestrator.core.backoff`).
+        A plain loop: a request's only attempt, nearly always, costs nothing more."""
+        s = self.settings
+        tries = 1
+        try:
+            while True:
+                try:
+                    if tries > 1:
+                        await self._reassign(run)
+                        workers = await outlasting(
+                            self.store.settings.outage_s, "list workers", self.store.workers
+                        )
+                    first, booked = booked, None
+                    async for chunk in self._attempt(run, workers, first):
+                        yield chunk
+                except BaseException as exc:
+                    if tries >= s.max_attempts or not retryable(exc):
+                        raise
+                else:
+                    return
+                await asyncio.sleep(_pause(tries, s))
+                tries += 1
+        finally:
+            self.unbook(booked)  # ended before its first attempt started
 
     async def _cancelled(self, run: Run) -> bool:
         """Whether the request's record says it was cancelled."""

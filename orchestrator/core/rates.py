@@ -51,6 +51,9 @@ class Rates:
     _by_kind: dict[str, Ewma] = field(default_factory=dict)
     _pool: Ewma = field(default_factory=Ewma)
     _transfers: deque[tuple[float, float]] = field(default_factory=deque)
+    _fitted: tuple[TransferModel | None] | None = None
+    """`transfer_model`'s answer since the last transfer (None: not fitted since): admission
+    and placement ask it for every request, a fit costs a pass over the window."""
 
     def prefill(self, worker_id: str, gpu_kind: str, tokens: int, seconds: float) -> None:
         """One prefill of ``tokens`` took ``seconds`` of engine time on ``worker_id``."""
@@ -77,17 +80,26 @@ class Rates:
         self._transfers.append((float(nbytes), seconds))
         while len(self._transfers) > self.window:
             self._transfers.popleft()
+        self._fitted = None
 
     def transfer_model(self) -> TransferModel | None:
-        """The least-squares line through the recent transfers (``None`` before enough)."""
+        """The least-squares line through the recent transfers (``None`` before enough);
+        fitted once per change of the window."""
+        if self._fitted is None:
+            self._fitted = (self._fit(),)
+        return self._fitted[0]
+
+    def _fit(self) -> TransferModel | None:
         n = len(self._transfers)
         if n < self.min_samples:
             return None
         mx = sum(x for x, _ in self._transfers) / n
         my = sum(y for _, y in self._transfers) / n
-        sxx = sum((x - mx) ** 2 for x, _ in self._transfers)
+        sxx = sxy = 0.0
+        for x, y in self._transfers:
+            sxx += (x - mx) ** 2
+            sxy += (x - mx) * (y - my)
         if sxx <= 0:  # every transfer the same size: the mean is all we know
             return TransferModel(fixed_s=my, per_byte_s=0.0)
-        slope = sum((x - mx) * (y - my) for x, y in self._transfers) / sxx
-        slope = max(slope, 0.0)  # noise can tilt it below zero; bytes never make it faster
+        slope = max(sxy / sxx, 0.0)  # noise can tilt it below zero; bytes never make it faster
         return TransferModel(fixed_s=max(0.0, my - slope * mx), per_byte_s=slope)

@@ -6,10 +6,11 @@ managed Redis's failover takes tens of seconds. The failover loop's 4 attempts w
 
 So a write to a request's record (`Store.transition`, `Store.set_fields`) retries an
 unreachable store (`StoreUnavailableError`) for ``StoreSettings.outage_s``, with exponential
-backoff and jitter, then fails with a `StoreUnavailableError` naming the window. A write can
-land and its reply be lost (the connection dropped after Redis ran the command): a transition
-carries a token, so the retry of one that landed is answered as done, never applied twice;
-field writes are idempotent. Error replies (a bug, not an outage) are never retried.
+backoff and jitter (`orchestrator.core.backoff`), then fails with a `StoreUnavailableError`
+naming the window. A write can land and its reply be lost (the connection dropped after Redis
+ran the command): a transition carries a token, so the retry of one that landed is answered
+as done, never applied twice; field writes are idempotent. Error replies (a bug, not an
+outage) are never retried.
 
 Other calls fail at once, because their callers already cope: journal appends are buffered
 (`orchestrator.control.journal`), admissions are refused with UNAVAILABLE (the client
@@ -20,14 +21,14 @@ wraps the reads its drive loop needs (`outlasting`) itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import tenacity
-
 from orchestrator import errors
+from orchestrator.core.backoff import exponential_jitter
 
 log = logging.getLogger(__name__)
 
@@ -43,31 +44,30 @@ JITTER_S = 0.1
 
 async def outlasting(outage_s: float, what: str, call: Callable[[], Awaitable[T]]) -> T:
     """``call()``, tried again while it raises `StoreUnavailableError`, for up to
-    ``outage_s`` seconds (0: once). After that, a `StoreUnavailableError` that says so."""
+    ``outage_s`` seconds (0: once). After that, a `StoreUnavailableError` that says so.
+
+    A plain loop: the first try — nearly every call's only one — costs an await, nothing
+    more (this wraps a request's transitions and its end)."""
     if outage_s <= 0:
         return await call()
     started = time.monotonic()
-    retrying = tenacity.AsyncRetrying(
-        stop=tenacity.stop_after_delay(outage_s),
-        wait=tenacity.wait_exponential_jitter(
-            multiplier=FIRST_DELAY_S, max=MAX_DELAY_S, jitter=JITTER_S
-        ),
-        retry=tenacity.retry_if_exception_type(errors.StoreUnavailableError),
-        reraise=True,
-    )
-    try:
-        async for attempt in retrying:
-            with attempt:
-                result = await call()
-                if (n := attempt.retry_state.attempt_number) > 1:
-                    log.warning(
-                        "request store back after %.1f s (%s, %d tries)",
-                        time.monotonic() - started, what, n,
-                    )  # fmt: skip
-                return result
-    except errors.StoreUnavailableError as exc:
-        raise errors.StoreUnavailableError(
-            f"request store unreachable for {time.monotonic() - started:.1f} s, longer than "
-            f"its outage window of {outage_s:g} s ({what})"
-        ) from exc
-    raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+    tries = 1
+    while True:
+        try:
+            result = await call()
+        except errors.StoreUnavailableError as exc:
+            waited = time.monotonic() - started
+            if waited >= outage_s:
+                raise errors.StoreUnavailableError(
+                    f"request store unreachable for {waited:.1f} s, longer than "
+                    f"its outage window of {outage_s:g} s ({what})"
+                ) from exc
+            await asyncio.sleep(exponential_jitter(tries, FIRST_DELAY_S, MAX_DELAY_S, JITTER_S))
+            tries += 1
+            continue
+        if tries > 1:
+            log.warning(
+                "request store back after %.1f s (%s, %d tries)",
+                time.monotonic() - started, what, tries,
+            )  # fmt: skip
+        return result

@@ -36,6 +36,7 @@ from orchestrator.store.connect import open_client
 from orchestrator.store.keys import Keys
 from orchestrator.store.lua import PRELUDE
 from orchestrator.store.outage import outlasting
+from orchestrator.store.pipelining import ScriptPipeline
 from orchestrator.store.settings import StoreSettings
 
 __all__ = ["RedisStore", "StoreSettings"]
@@ -148,6 +149,10 @@ class RedisStore:
         self._redis: Any = connected.client
         self._cluster = connected.cluster
         self._close = connected.close
+        self._pipeline = None if self._cluster else ScriptPipeline(self._redis)
+        """A request's own script calls (create, transitions, its end, a journal batch's
+        call), each loop turn's sent together (`orchestrator.store.pipelining`); a cluster's
+        are sent one by one."""
         self._acquire: Any = self._redis.register_script(PRELUDE + scripts.ACQUIRE)
         self._unindex: Any = self._redis.register_script(PRELUDE + scripts.UNINDEX)
         self._create: Any = self._redis.register_script(PRELUDE + scripts.CREATE)
@@ -170,7 +175,15 @@ class RedisStore:
         once per interval, while `workers` runs for every request (200 parses each)."""
 
     async def close(self) -> None:
+        if self._pipeline is not None:
+            await self._pipeline.close()
         await self._close()
+
+    async def _script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """``script``'s reply, sent with the loop turn's other calls on one server."""
+        if self._pipeline is None:
+            return await script(keys=keys, args=args)
+        return await self._pipeline.call(script, keys, args)
 
     async def ping(self) -> None:
         async with _translated("ping"):
@@ -189,9 +202,10 @@ class RedisStore:
         key = self._keys.request(rid)
         counted = False
         # Slot by slot (Redis Cluster: no script crosses slots): the tenant's count (atomic
-        # in its own slot), then the index of live requests with the record. What a failure
-        # in between leaves is an index entry without a record, which scans drop
-        # (`INDEX_GRACE_S`), or a record of a request not admitted (see below).
+        # in its own slot), then the index of live requests with the record (one script on
+        # one server). What a failure in between leaves is an index entry without a record,
+        # which scans drop (`INDEX_GRACE_S`), or a record of a request not admitted (see
+        # below).
         if tenant_limit > 0:
             counted = await self._acquire_tenant(record.tenant, key, tenant_limit)
         create_args = [
@@ -202,23 +216,28 @@ class RedisStore:
             *flat,
         ]
         async with _translated("create"):
-            # One round trip: on one server a pipeline runs in order (index, then record);
-            # on a cluster both nodes get theirs at once, and a failure of either fails the
-            # call: the request is not admitted, and a retry (the same id) indexes it.
-            _, res = await self._scripts(
-                [
-                    (self._acquire, [self._active], [key, 0, 0]),
-                    (self._create, [key, self._keys.lease(rid)], create_args),
-                ]
-            )
+            if self._cluster:
+                # One round trip: both nodes get theirs at once, and a failure of either
+                # fails the call: the request is not admitted, and a retry (the same id)
+                # indexes it.
+                _, res = await self._scripts(
+                    [
+                        (self._acquire, [self._active], [key, 0, 0]),
+                        (self._create, [key, self._keys.lease(rid)], create_args),
+                    ]
+                )
+            else:  # one server: the index and the record in one script (one command)
+                res = await self._script(
+                    self._create, [key, self._keys.lease(rid), self._active], create_args
+                )
         if int(res[0]) == 1:
             return None
         # The id exists: a resubmission. Undo what this call indexed that the existing
-        # record doesn't own (it ended, or it was never counted against the tenant).
-        if res[2] in _TERMINAL:
-            await self._unindexed(key, record.tenant, counted=counted, grace_s=0)
-        elif counted:
-            await self._unindexed(key, record.tenant, counted=True, grace_s=0, live=False)
+        # record doesn't own: the live index (a cluster's, added beside the script) of one
+        # that ended; the tenant's count, if this call counted it.
+        live = self._cluster and res[2] in _TERMINAL
+        if live or counted:
+            await self._unindexed(key, record.tenant, counted=counted, grace_s=0, live=live)
         existing = await self.get(record.request_id)
         if existing is None:  # expired between the two calls: treat as a fresh conflict
             raise errors.ConflictError(f"request {record.request_id!r} is being replaced")
@@ -311,7 +330,7 @@ class RedisStore:
 
         async def once() -> Any:
             async with _translated("transition"):
-                return await self._transition(keys=keys, args=args)
+                return await self._script(self._transition, keys, args)
 
         res = await outlasting(self.settings.outage_s, f"transition {edge.wire}", once)
         code = int(res[0])
@@ -363,7 +382,7 @@ class RedisStore:
 
         async def once() -> Any:
             async with _translated("end"):
-                return await self._end(keys=keys, args=args)
+                return await self._script(self._end, keys, args)
 
         res = await outlasting(self.settings.outage_s, f"end {edge.wire}", once)
         code = int(res[0])
@@ -402,7 +421,7 @@ class RedisStore:
 
         async def once() -> Any:
             async with _translated("set_fields"):
-                return await self._set(keys=[self._keys.request(request_id)], args=flat)
+                return await self._script(self._set, [self._keys.request(request_id)], flat)
 
         found = await outlasting(self.settings.outage_s, "set_fields", once)
         if not int(found):
@@ -515,7 +534,7 @@ class RedisStore:
         reply, or the outage that stopped the pipeline."""
         if len(calls) == 1:
             keys, args = calls[0]
-            return [await self._append(keys=keys, args=args)]
+            return [await self._script(self._append, keys, args)]
         script = self._append
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))

@@ -9,16 +9,22 @@ Every script touches only the keys it is given, and those of one request share a
 
 from __future__ import annotations
 
-# KEYS[1] record, KEYS[2] owner lease. ARGV[1] ttl seconds, ARGV[2] owner, ARGV[3] lease ms,
-# ARGV[4] "1" when the tenant's limit counted it (`ACQUIRE`), ARGV[5..] field/value pairs.
-# Returns {1} when created, {0, body_hash, state} when the id exists already.
+# KEYS[1] record, KEYS[2] owner lease, KEYS[3] (optional: one server only) the live index.
+# ARGV[1] ttl seconds, ARGV[2] owner, ARGV[3] lease ms, ARGV[4] "1" when the tenant's limit
+# counted it (`ACQUIRE`), ARGV[5..] field/value pairs.
+# With KEYS[3], the record key is added to the live index (stamped now) with the creation,
+# in the same step; a cluster (other slots) indexes it with `ACQUIRE` beside this call.
+# Returns {1} when created, {0, body_hash, state} when the id exists already (the index is
+# then left as it was).
 CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local got = redis.call('HMGET', KEYS[1], 'body_hash', 'state')
   return {0, got[1], got[2]}
 end
+local now = now_ms()
+if KEYS[3] then redis.call('ZADD', KEYS[3], now, KEYS[1]) end
 redis.call('HSET', KEYS[1], unpack(ARGV, 5))
-redis.call('HSET', KEYS[1], 'updated_at', now_ms(), 'counted', ARGV[4])
+redis.call('HSET', KEYS[1], 'updated_at', now, 'counted', ARGV[4])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 redis.call('SET', KEYS[2], ARGV[2], 'PX', tonumber(ARGV[3]))
 return {1}

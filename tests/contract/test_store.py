@@ -248,6 +248,41 @@ def test_duplicate_create_returns_the_existing_record(backend: Backend) -> None:
     run(scenario)
 
 
+def test_a_resubmission_leaves_the_live_index_as_it_was(backend: Backend) -> None:
+    # A live request stays listed; an ended one is not listed again by its resubmission.
+    async def scenario() -> None:
+        async with backend.open() as store:
+            for rid in ("live", "ended"):
+                assert await store.create(record(rid)) is None
+            await store.transition("ended", Edge.AGGREGATE, epoch=0)
+            await store.transition("ended", Edge.FINISH, epoch=0)
+            assert await store.active() == ["live"]
+            for rid in ("live", "ended"):
+                assert await store.create(record(rid)) is not None
+            assert await store.active() == ["live"]
+
+    run(scenario)
+
+
+# Redis only: counts the server's commands.
+def test_a_creation_is_one_script_call_on_one_server(settings: StoreSettings) -> None:
+    # A request's creation indexes it live in the record's own script: one command to
+    # pack, send and parse (it was a pipeline of two).
+    async def evalsha_calls(client: Any) -> int:
+        stats = await client.info("commandstats")
+        return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+    async def scenario() -> None:
+        async with opened(settings) as store, raw(settings.url) as client:
+            assert await store.create(record("r0")) is None  # script loaded, connected
+            before = await evalsha_calls(client)
+            assert await store.create(record("r1")) is None
+            assert await evalsha_calls(client) - before == 1
+            assert await store.active() == ["r0", "r1"]
+
+    run(scenario)
+
+
 # Redis only: reads the key's TTL (memory: test_memory_store.py, records expire).
 def test_create_sets_the_record_ttl(settings: StoreSettings) -> None:
     async def scenario() -> None:
@@ -899,9 +934,9 @@ def test_scripts_survive_a_script_cache_flush(settings: StoreSettings) -> None:
             assert got is not None
             assert got.state is State.DONE
             # Each flush really cost a NOSCRIPT and a reload (the test exercised the path);
-            # a creation runs two scripts (the live index's, then the record's), so does an
-            # end (the record's, then the index's).
-            assert await script_loads(client) - loads_before == 6
+            # an end runs two scripts (the record's, then the index's); a creation on one
+            # server runs one (the record's, which indexes it too).
+            assert await script_loads(client) - loads_before == 5
 
     run(scenario)
 

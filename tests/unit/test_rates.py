@@ -83,3 +83,19 @@ def test_the_window_keeps_only_recent_transfers() -> None:
     m = r.transfer_model()
     assert m is not None
     assert m.fixed_s == pytest.approx(0.001)
+
+
+def test_the_transfer_line_is_fitted_again_after_every_transfer() -> None:
+    # Fitted once and kept (admission and placement ask for every request), but never
+    # stale: each transfer moves the line.
+    r = Rates(min_samples=2)
+    r.transfer(1000, 0.001)
+    assert r.transfer_model() is None
+    r.transfer(2000, 0.002)
+    first = r.transfer_model()
+    assert first is r.transfer_model()  # kept
+    r.transfer(3000, 0.005)
+    moved = r.transfer_model()
+    assert moved is not None
+    assert first is not None
+    assert moved.per_byte_s > first.per_byte_s
