@@ -140,22 +140,31 @@ class ScriptPipeline:
 
     async def _pipelined(self, calls: list[_Call]) -> list[Any]:
         """Each call's reply, or its error reply as an exception (not raised)."""
-        replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for attempt in range(2):  # the second round only after a NOSCRIPT
-            pipe = self._redis.pipeline(transaction=False)
-            for i in todo:
-                c = calls[i]
-                pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
-            got = await pipe.execute(raise_on_error=False)
-            for i, reply in zip(todo, got, strict=True):
-                replies[i] = reply
-            todo = [i for i in todo if isinstance(replies[i], rexc.NoScriptError)]
-            if not todo or attempt:
-                break
-            for source in {calls[i].script.script for i in todo}:
-                await self._redis.script_load(source)
-        return replies
+        return await pipelined(self._redis, [(c.script, c.keys, c.args) for c in calls])
+
+
+async def pipelined(redis: Any, calls: list[tuple[Any, list[Any], list[Any]]]) -> list[Any]:
+    """Each (script, keys, args) call's reply, sent on ``redis`` (one server) as one
+    pipeline, or its error reply as an exception (not raised). After a NOSCRIPT (a restart,
+    a failover lost the script cache) the scripts are loaded and only the calls it refused
+    sent again: the others were applied, and sent twice a journal append would be refused
+    as a gap. An outage is raised."""
+    replies: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in range(2):  # the second round only after a NOSCRIPT
+        pipe = redis.pipeline(transaction=False)
+        for i in todo:
+            script, keys, args = calls[i]
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        got = await pipe.execute(raise_on_error=False)
+        for i, reply in zip(todo, got, strict=True):
+            replies[i] = reply
+        todo = [i for i in todo if isinstance(replies[i], rexc.NoScriptError)]
+        if not todo or attempt:
+            break
+        for source in {calls[i][0].script for i in todo}:
+            await redis.script_load(source)
+    return replies
 
 
 def wire(values: list[Any]) -> list[bytes]:

@@ -36,7 +36,7 @@ from orchestrator.store.connect import open_client
 from orchestrator.store.keys import Keys
 from orchestrator.store.lua import PRELUDE
 from orchestrator.store.outage import outlasting
-from orchestrator.store.pipelining import ScriptPipeline
+from orchestrator.store.pipelining import ScriptPipeline, pipelined
 from orchestrator.store.settings import StoreSettings
 
 __all__ = ["RedisStore", "StoreSettings"]
@@ -535,24 +535,10 @@ class RedisStore:
         if len(calls) == 1:
             keys, args = calls[0]
             return [await self._script(self._append, keys, args)]
-        script = self._append
-        replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for _ in range(2):  # the second round only after a NOSCRIPT
-            pipe = self._redis.pipeline(transaction=False)
-            for i in todo:
-                keys, args = calls[i]
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            got = await pipe.execute(raise_on_error=False)
-            for i, reply in zip(todo, got, strict=True):
-                replies[i] = reply
-            todo = [i for i in todo if isinstance(replies[i], rexc.NoScriptError)]
-            if not todo:
-                break
-            await self._redis.script_load(script.script)
+        replies = await pipelined(self._redis, [(self._append, k, a) for k, a in calls])
         for reply in replies:
             if isinstance(reply, Exception):
-                raise reply  # an error reply (or an outage): the caller translates it
+                raise reply  # an error reply: the caller translates it
         return replies
 
     def _append_keys(self, request_id: str) -> tuple[str, str]:
