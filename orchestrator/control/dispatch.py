@@ -1,8 +1,9 @@
 """One attempt on its placement: the worker legs in order, each step recorded in the store.
 
 Disaggregated: ``prefill`` (queued → prefilling), the prefill leg — which moves the KV to the
-decode worker — then ``kv_sent`` (→ transferring), the decode stream, and ``kv_adopted``
-(→ decoding) at its first chunk, taken by that chunk's journal write in the same store call
+decode worker — then ``kv_sent`` (→ transferring), written while the decode stream opens
+and awaited before its first chunk (a round trip off the first token), and ``kv_adopted``
+(→ decoding) at that first chunk, taken by the chunk's journal write in the same store call
 (`JournalBuffer.adopt`: a round trip less per request). KV the decode worker may hold but
 never adopted is released on any way out. Aggregated: ``aggregate`` (queued → decoding) and
 one worker's stream.
@@ -18,9 +19,11 @@ is `orchestrator.control.failover`'s business; this module only runs the legs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import replace
+from typing import Any
 
 from orchestrator.api import convert, worker_pb2
 from orchestrator.control.ledger import Booking, Ledger, placed
@@ -145,7 +148,11 @@ class Dispatch:
                 plan.tokens, int(resp.kv_prefix_tokens), resp.kv_prefix_refused, len(tokens)
             )
             fields["placement"] = f"{booking.placement.reason}; {note}"
-        await self.store.transition(run.rid, Edge.KV_SENT, epoch=run.epoch, fields=fields)
+        # Recorded while the decode stream opens, not before (a round trip off the first
+        # token): awaited before the first chunk, whose journal write takes kv_adopted.
+        recording = asyncio.ensure_future(
+            self.store.transition(run.rid, Edge.KV_SENT, epoch=run.epoch, fields=fields)
+        )
         stream = self.legs.decode(
             decode,
             worker_pb2.DecodeRequest(
@@ -163,13 +170,18 @@ class Dispatch:
             run.check,
         )
         first = True
-        async with contextlib.aclosing(stream):
-            async for chunk in stream:
-                if first:  # the decode worker adopted the KV: recorded by the chunk's
-                    first = False  # journal write, in the same store call (no round trip)
-                    run.journal.adopt = Edge.KV_ADOPTED
-                    _scored_by_prefill(chunk, resp)
-                yield chunk
+        try:
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    if first:  # the decode worker adopted the KV: recorded by the chunk's
+                        first = False  # journal write, in the same store call (no round trip)
+                        await recording  # kv_sent's error (a fenced epoch, an outage) wins
+                        run.journal.adopt = Edge.KV_ADOPTED
+                        _scored_by_prefill(chunk, resp)
+                    yield chunk
+            await recording  # a stream that ended without a chunk
+        finally:
+            await _settled(recording)
 
     async def _aggregated(self, run: Run, placement: Placement, recorded: bool) -> Chunks:
         worker = placement.decode
@@ -194,6 +206,17 @@ class Dispatch:
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 yield chunk
+
+
+async def _settled(recording: asyncio.Future[Any]) -> None:
+    """``recording`` over before the attempt ends, so a failover's store calls never race
+    this attempt's: cancelled if still in flight (as an awaited call is when its attempt is
+    cancelled or fails); its error is dropped when the attempt already ends on its own."""
+    if not recording.done():
+        recording.cancel()
+    await asyncio.wait({recording})  # this task's own cancellation still propagates
+    if not recording.cancelled():
+        recording.exception()  # retrieved: never logged as unhandled
 
 
 def _window_ms(run: Run, settings: ControlSettings) -> float:

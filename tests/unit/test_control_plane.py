@@ -237,6 +237,87 @@ def test_a_disaggregated_request_costs_three_store_calls_besides_its_journal() -
     run(main())
 
 
+class _GatedKvSent(MemoryStore):
+    """KV_SENT waits for ``gate``; ``in_flight`` is set while it waits."""
+
+    def __init__(self) -> None:
+        super().__init__(StoreSettings(url="memory://", outage_s=2.0))
+        self.gate = asyncio.Event()
+        self.in_flight = asyncio.Event()
+
+    async def transition(
+        self, request_id: str, edge: Edge, *, epoch: int, fields: Mapping[str, Any] | None = None
+    ) -> int:
+        if edge is Edge.KV_SENT:
+            self.in_flight.set()
+            await self.gate.wait()
+        return await super().transition(request_id, edge, epoch=epoch, fields=fields)
+
+
+def test_kv_sent_is_recorded_while_the_decode_stream_opens() -> None:
+    # A round trip off the first token (issue 21): the decode worker is asked to adopt
+    # the KV while KV_SENT is being written, and no token moves (nor KV_ADOPTED is taken)
+    # before that write is done.
+    async def main() -> None:
+        store = _GatedKvSent()
+        d0 = FakeWorker("d0", "decode")
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store)
+        chunks: list[OutChunk] = []
+
+        async def consume() -> None:
+            async for chunk in orch.generate(inp()):
+                chunks.append(chunk)
+
+        task = asyncio.create_task(consume())
+        await store.in_flight.wait()
+        await eventually(lambda: _true(d0.decoded("r1", 1) == 1))
+        await asyncio.sleep(0.05)
+        assert [c for c in chunks if c.token_ids] == []
+        record = await store.get("r1")
+        assert record is not None
+        assert record.state is State.PREFILLING
+        store.gate.set()
+        await task
+        assert_contiguous(chunks, 6)
+
+    run(main())
+
+
+def test_a_kv_sent_refused_while_the_decode_stream_opens_ends_the_attempt() -> None:
+    # The request was cancelled elsewhere while KV_SENT was in flight: the write is
+    # refused, the decode stream (already asked for) is closed and its KV released, no
+    # token reaches the client, and the request ends as the cancel left it.
+    async def main() -> None:
+        store = _GatedKvSent()
+        d0 = FakeWorker("d0", "decode", delay_s=0.2)
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store)
+        chunks: list[OutChunk] = []
+
+        async def consume() -> None:
+            async for chunk in orch.generate(inp()):
+                chunks.append(chunk)
+
+        task = asyncio.create_task(consume())
+        await store.in_flight.wait()
+        await eventually(lambda: _true(d0.decoded("r1", 1) == 1))
+        assert await orch.cancel("r1") is State.CANCELLED
+        store.gate.set()
+        await task
+        assert [t for c in chunks for t in c.token_ids] == []
+        assert chunks[-1].finish_reason == "cancelled"
+        assert ("r1", 1) in d0.released
+        record = await store.get("r1")
+        assert record is not None
+        assert record.state is State.CANCELLED
+        assert orch.ledger.booked() == {}
+
+    run(main())
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 def test_the_prefilling_phase_is_in_the_store_while_the_prefill_runs() -> None:
     # The chaos tool's phase triggers watch the record: created placed, it says
     # prefilling (and which workers) from its creation until KV_SENT moves it on.
