@@ -33,6 +33,7 @@ from orchestrator import errors
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import ENDING, Edge, State, apply
 from orchestrator.ports import free_port
+from orchestrator.store import pipelining
 from orchestrator.store.base import Store
 from orchestrator.store.connect import open_client
 from orchestrator.store.ha_servers import LocalRedisCluster
@@ -633,6 +634,7 @@ def test_append_many_is_one_script_call_on_one_server(
                 ("r2", 0, JournalEntry(2, (9,), "z")),
                 ("r1", 0, JournalEntry(3, (4,), "d")),
             ]
+            await client.script_load(store._append.script)  # no NOSCRIPT round counted
             before = await evalsha_calls(client)
             assert await store.append_many(chunks[:4]) == [1, 2, 3, 3]
             assert await evalsha_calls(client) - before == 1
@@ -756,7 +758,7 @@ def test_end_records_the_end_the_indexes_and_the_cost_once(backend: Backend) -> 
 # Redis (one server) and memory: each loses a reply its own way.
 @pytest.mark.parametrize("kind", ["redis", "memory"])
 def test_an_end_retried_after_its_reply_was_lost_counts_the_cost_once(
-    settings: StoreSettings, kind: str
+    settings: StoreSettings, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The end's write lands and its reply is lost: the retry (`orchestrator.store.outage`)
     # is answered as done — the record ended once, the tenant's cost counted once.
@@ -775,26 +777,29 @@ def test_an_end_retried_after_its_reply_was_lost_counts_the_cost_once(
             if kind == "memory":
                 memory.lose_replies(1)
             else:
-                script, lost = redis_store._end, []
+                sha, exchanged, lost = redis_store._end.sha.encode(), pipelining.exchange, []
 
-                async def reply_lost(**kwargs: Any) -> Any:
-                    got = await script(**kwargs)
-                    if not lost:
-                        lost.append(got)
+                async def reply_lost(pool: Any, commands: list[bytes]) -> list[Any]:
+                    got = await exchanged(pool, commands)
+                    if not lost and any(sha in c for c in commands):
+                        lost.append(got)  # the end ran; its reply never reaches the store
                         raise redis.exceptions.ConnectionError("reply lost")
                     return got
 
-                redis_store._end = reply_lost
+                monkeypatch.setattr(pipelining, "exchange", reply_lost)
             got = await store.end("e1", Edge.FINISH, epoch=1, tenant="t", cost={"usd": 1.0})
             assert (got.state, got.epoch) == (State.DONE, 1)
             costs = (await store.tenant_costs())["t"]
             assert (costs["requests"], costs["usd"]) == (1, 1.0)
+            assert kind == "memory" or len(lost) == 1
 
     run(scenario)
 
 
 # Redis only: counts the round trips.
-def test_a_requests_end_is_one_script_call_on_one_server(settings: StoreSettings) -> None:
+def test_a_requests_end_is_one_script_call_on_one_server(
+    settings: StoreSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The end of a request (issue 21's fixed cost): terminal transition, lease, live index,
     # the tenant's count and totals and the final record, in one call — before: a
     # transition, an index pipeline, a MULTI and a read.
@@ -803,21 +808,27 @@ def test_a_requests_end_is_one_script_call_on_one_server(settings: StoreSettings
             await store.create(replace(record("e1", epoch=1), tenant="t"), tenant_limit=5)
             await store.transition("e1", Edge.AGGREGATE, epoch=1)
             client = store._redis
-            direct, piped = [], []
-            execute, pipeline = client.execute_command, client.pipeline
+            await client.script_load(store._end.script)  # no NOSCRIPT round in the count
+            direct: list[Any] = []
+            sent: list[list[bytes]] = []
+            execute, exchanged = client.execute_command, pipelining.exchange
 
             async def counted_execute(*args: Any, **kwargs: Any) -> Any:
                 direct.append(args[0])
                 return await execute(*args, **kwargs)
 
-            def counted_pipeline(*args: Any, **kwargs: Any) -> Any:
-                piped.append(True)
-                return pipeline(*args, **kwargs)
+            async def counted_exchange(pool: Any, commands: list[bytes]) -> list[Any]:
+                sent.append(commands)
+                return await exchanged(pool, commands)
 
-            client.execute_command, client.pipeline = counted_execute, counted_pipeline
+            client.execute_command = counted_execute
+            monkeypatch.setattr(pipelining, "exchange", counted_exchange)
             got = await store.end("e1", Edge.FINISH, epoch=1, tenant="t", cost={"usd": 2.0})
-            client.execute_command, client.pipeline = execute, pipeline
-            assert (direct, piped) == (["EVALSHA"], [])
+            client.execute_command = execute
+            assert direct == []
+            assert [len(commands) for commands in sent] == [1]
+            assert b"EVALSHA" in sent[0][0]
+            assert store._end.sha.encode() in sent[0][0]
             assert got.state is State.DONE
             assert "e1" not in await store.active()
             assert (await store.tenant_costs())["t"]["usd"] == 2.0

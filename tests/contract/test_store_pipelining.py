@@ -19,8 +19,9 @@ import redis.exceptions as rexc
 from orchestrator import errors
 from orchestrator.core.records import RequestRecord
 from orchestrator.core.state import Edge, State
+from orchestrator.store import pipelining
 from orchestrator.store.connect import open_client
-from orchestrator.store.pipelining import ScriptPipeline
+from orchestrator.store.pipelining import ScriptPipeline, exchange, pack, pack_resp
 from orchestrator.store.redis_store import RedisStore, StoreSettings
 from orchestrator.store.server import RedisServer
 
@@ -52,20 +53,36 @@ def run(scenario: Callable[[], Coroutine[Any, Any, T]], limit_s: float = 10.0) -
     return asyncio.run(main())
 
 
+def count_writes(client: Any) -> list[int]:
+    """A log of the packed writes `exchange` makes on ``client``'s pool: the number of
+    commands in each (a pipeline, or one call alone). redis-py's own commands are not
+    logged."""
+    made: list[int] = []
+    exchanged = pipelining.exchange
+
+    async def counted(pool: Any, commands: list[bytes]) -> list[Any]:
+        if pool is client.connection_pool:
+            made.append(len(commands))
+        return await exchanged(pool, commands)
+
+    pipelining.exchange = counted  # type: ignore[assignment]  # restored by the fixture
+    return made
+
+
+@pytest.fixture(autouse=True)
+def _exchange_restored() -> Iterator[None]:
+    exchanged = pipelining.exchange
+    yield
+    pipelining.exchange = exchanged  # type: ignore[assignment]
+
+
 @contextlib.asynccontextmanager
-async def piped(url: str) -> AsyncIterator[tuple[ScriptPipeline, Any, list[bool]]]:
-    """A pipeline over a client of its own, the client, and a log of the client's
-    pipelines (one ``False`` per pipeline made: non-transactional)."""
+async def piped(url: str) -> AsyncIterator[tuple[ScriptPipeline, Any, list[int]]]:
+    """A pipeline over a client of its own, the client, and its packed writes
+    (`count_writes`)."""
     connected = open_client(StoreSettings(url=url, socket_timeout_s=0.5))
     client = connected.client
-    made: list[bool] = []
-    pipeline = client.pipeline
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        made.append(kwargs.get("transaction", True))
-        return pipeline(*args, **kwargs)
-
-    client.pipeline = counted
+    made = count_writes(client)
     p = ScriptPipeline(client)
     try:
         yield p, client, made
@@ -80,15 +97,15 @@ def test_a_turns_calls_go_as_one_pipeline_each_caller_getting_its_own_reply(
     async def scenario() -> None:
         async with piped(server.url) as (p, client, made):
             echo, fail = client.register_script(ECHO), client.register_script(FAIL)
-            await p.call(echo, ["k"], ["warm"])  # alone: a plain call, no pipeline
+            await p.call(echo, ["k"], ["warm"])  # alone: NOSCRIPT, loaded, sent again
             await client.script_load(fail.script)
-            assert made == []
+            assert made == [1, 1]
             got = await asyncio.gather(
                 *(p.call(echo, [f"k{i}"], [str(i)]) for i in range(5)),
                 p.call(fail, ["x"], ["this one"]),
                 return_exceptions=True,
             )
-            assert made == [False]  # one pipeline for the turn's six calls
+            assert made == [1, 1, 6]  # one pipeline for the turn's six calls
             assert got[:5] == [[f"k{i}", str(i)] for i in range(5)]
             assert isinstance(got[5], rexc.ResponseError)
             assert "refused this one" in str(got[5])
@@ -110,7 +127,7 @@ def test_scripts_the_server_lost_are_loaded_and_only_the_refused_calls_sent_agai
                 p.call(incr, ["n"], []), p.call(echo, ["a"], ["1"]), p.call(echo, ["b"], ["2"])
             )
             assert got == [1, ["a", "1"], ["b", "2"]]  # INCR ran once: not sent again
-            assert made == [False, False]
+            assert made == [3, 2]
 
     run(scenario)
 
@@ -173,16 +190,14 @@ def test_the_stores_concurrent_transitions_share_a_pipeline_and_keep_their_check
             for rid in ("r0", "r1", "r2", "r3"):
                 assert await store.create(record(rid)) is None
             await store.transition("r0", Edge.AGGREGATE, epoch=1)  # its script loaded
-            made: list[Any] = []
-            pipeline = store._redis.pipeline
-            store._redis.pipeline = lambda *a, **k: made.append(k) or pipeline(*a, **k)
+            made = count_writes(store._redis)
             got = await asyncio.gather(
                 store.transition("r1", Edge.AGGREGATE, epoch=1),
                 store.transition("r2", Edge.AGGREGATE, epoch=7),
                 store.transition("r3", Edge.PREFILL, epoch=1),
                 return_exceptions=True,
             )
-            assert len(made) == 1
+            assert made == [3]
             assert got[0] == 1
             assert isinstance(got[1], errors.StaleEpochError)
             assert got[2] == 1
@@ -196,3 +211,60 @@ def test_the_stores_concurrent_transitions_share_a_pipeline_and_keep_their_check
             await store.close()
 
     run(scenario)
+
+
+def test_a_call_alone_reloads_a_script_the_server_lost(server: RedisServer) -> None:
+    async def scenario() -> None:
+        async with piped(server.url) as (p, client, made):
+            echo = client.register_script(ECHO)
+            assert await p.call(echo, ["a"], ["1"]) == ["a", "1"]
+            assert await client.script_flush() is True
+            assert await p.call(echo, ["b"], [2]) == ["b", "2"]  # NOSCRIPT: loaded, resent
+            assert made == [1, 1, 1, 1]  # each: refused, then sent again once loaded
+            fail = client.register_script(FAIL)
+            with pytest.raises(rexc.ResponseError, match="refused alone"):
+                await p.call(fail, ["x"], ["alone"])
+
+    run(scenario)
+
+
+def test_an_exchange_cut_short_never_leaves_its_replies_to_the_next_caller(
+    server: RedisServer,
+) -> None:
+    # One pooled connection: an exchange cancelled while Redis runs a slow script drops
+    # the connection; the next exchange reads its own reply, not the slow one's.
+    async def scenario() -> None:
+        settings = StoreSettings(url=server.url, socket_timeout_s=2.0, max_connections=1)
+        connected = open_client(settings)
+        client = connected.client
+        try:
+            slow = client.register_script(
+                "local t = redis.call('TIME'); local stop = t[1] * 1e6 + t[2] + 200000 "
+                "repeat local n = redis.call('TIME') until n[1] * 1e6 + n[2] >= stop "
+                "return 'slow'"
+            )
+            echo = client.register_script(ECHO)
+            await client.script_load(slow.script)
+            await client.script_load(echo.script)
+            pool = client.connection_pool
+            cut = asyncio.create_task(exchange(pool, [pack((b"EVALSHA", slow.sha.encode(), b"0"))]))
+            await asyncio.sleep(0.05)  # written, its reply not yet read
+            cut.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cut
+            for i in range(3):
+                command = pack((b"EVALSHA", echo.sha.encode(), b"1", b"k", str(i).encode()))
+                assert await exchange(pool, [command]) == [["k", str(i)]]
+        finally:
+            await connected.close()
+
+    run(scenario)
+
+
+def test_the_pure_python_packing_is_hiredis_packing() -> None:
+    for args in [
+        (b"EVALSHA", b"0" * 40, b"2", b"req:{a}", b"", b"\xc3\xa9\r\n", b"1.5"),
+        (b"PING",),
+    ]:
+        assert pack_resp(args) == pack(args)
+    assert pack_resp((b"GET", b"k")) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
