@@ -254,23 +254,32 @@ class _GatedKvSent(MemoryStore):
         return await super().transition(request_id, edge, epoch=epoch, fields=fields)
 
 
+async def _decoding_while_kv_sent_waits(
+    d0: FakeWorker,
+) -> tuple[Orchestrator, _GatedKvSent, list[OutChunk], asyncio.Task[None]]:
+    """Request ``r1`` started on ``d0``, held where its decode call is open and KV_SENT
+    waits for the store's gate: the orchestrator, the store, the chunks the client has
+    received and the task receiving them."""
+    store = _GatedKvSent()
+    orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store)
+    chunks: list[OutChunk] = []
+
+    async def consume() -> None:
+        async for chunk in orch.generate(inp()):
+            chunks.append(chunk)
+
+    task = asyncio.create_task(consume())
+    await store.in_flight.wait()
+    await eventually(lambda: _true(d0.decoded("r1", 1) == 1))
+    return orch, store, chunks, task
+
+
 def test_kv_sent_is_recorded_while_the_decode_stream_opens() -> None:
     # A round trip off the first token (issue 21): the decode worker is asked to adopt
     # the KV while KV_SENT is being written, and no token moves (nor KV_ADOPTED is taken)
     # before that write is done.
     async def main() -> None:
-        store = _GatedKvSent()
-        d0 = FakeWorker("d0", "decode")
-        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store)
-        chunks: list[OutChunk] = []
-
-        async def consume() -> None:
-            async for chunk in orch.generate(inp()):
-                chunks.append(chunk)
-
-        task = asyncio.create_task(consume())
-        await store.in_flight.wait()
-        await eventually(lambda: _true(d0.decoded("r1", 1) == 1))
+        _, store, chunks, task = await _decoding_while_kv_sent_waits(FakeWorker("d0", "decode"))
         await asyncio.sleep(0.05)
         assert [c for c in chunks if c.token_ids] == []
         record = await store.get("r1")
@@ -288,18 +297,8 @@ def test_a_kv_sent_refused_while_the_decode_stream_opens_ends_the_attempt() -> N
     # refused, the decode stream (already asked for) is closed and its KV released, no
     # token reaches the client, and the request ends as the cancel left it.
     async def main() -> None:
-        store = _GatedKvSent()
         d0 = FakeWorker("d0", "decode", delay_s=0.2)
-        orch, _, _ = await setup(FakeWorker("p0", "prefill"), d0, store=store)
-        chunks: list[OutChunk] = []
-
-        async def consume() -> None:
-            async for chunk in orch.generate(inp()):
-                chunks.append(chunk)
-
-        task = asyncio.create_task(consume())
-        await store.in_flight.wait()
-        await eventually(lambda: _true(d0.decoded("r1", 1) == 1))
+        orch, store, chunks, task = await _decoding_while_kv_sent_waits(d0)
         assert await orch.cancel("r1") is State.CANCELLED
         store.gate.set()
         await task
@@ -312,10 +311,6 @@ def test_a_kv_sent_refused_while_the_decode_stream_opens_ends_the_attempt() -> N
         assert orch.ledger.booked() == {}
 
     run(main())
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 def test_the_prefilling_phase_is_in_the_store_while_the_prefill_runs() -> None:
