@@ -9,9 +9,10 @@ loading asyncio, the senders or UCX.
 * ``ucx``: UCX tag messages (transport v1), the default.
 * ``ucx-read``: UCX one-sided reads (transport v2, ``UcxConfig(one_sided=True)``): the
   decode worker pulls the segments from the prefill's registered memory, one message and
-  one reply per transfer. Measured side by side on a 2-core VM (README "Transport
-  performance"): 1.2–3× the tag path from 4 KiB to 16 MiB, level with it (0.9–1.1×) at
-  64–256 MiB.
+  one reply per transfer; a KV of at most 64 KiB goes inline in that message instead
+  (eager, `transport.control.EAGER_BYTES`). Measured side by side on a 2-core VM (README
+  "Transport performance"): 1.2–3× the tag path from 4 KiB to 16 MiB, level with it
+  (0.9–1.1×) at 64–256 MiB.
 * ``tcp``: payloads inline on the control connection; needs nothing installed.
 
 **Pairing.** Control always travels on a TCP link and each sender says how it moves
@@ -39,7 +40,10 @@ DEFAULT: Final[Backend] = UCX
 
 UCX_BACKENDS: Final = frozenset({UCX, UCX_READ})
 """Backends that need UCXX (the ``ucx`` extra) and move payloads outside the control link
-(a TCP proxy in front of a decode worker's KV port sees only control messages)."""
+(a TCP proxy in front of a decode worker's KV port sees only control messages — but for
+``ucx-read``'s eager KVs, at most `transport.control.EAGER_BYTES`, inline in their OPEN;
+KV faults for these backends are injected in the sender, `transport.testing.FaultInjector`,
+which reaches those too)."""
 
 
 def needs_ucx(backend: str) -> bool:

@@ -410,6 +410,12 @@ class KvReceiver:
         self.inbox.reserve(header.request_id, header.epoch, header.payload_bytes)
         return header
 
+    def _payload(self, header: wire.KvHeader, folded: Sequence[control.Message]) -> np.ndarray:
+        """The buffer a checked header's payload lands in; an inline payload folded into
+        its OPEN (eager) is checked against the header's size first (`_check_inline`)."""
+        _check_inline(header, folded)
+        return self._buffers.acquire(header.payload_bytes)
+
     async def _open(self, link: Link, msg: control.Message) -> None:
         if msg.kind is control.Kind.OPEN_READ2:
             await self._transfer(link, msg.kind, *control.parse_open_read2(msg.body))
@@ -421,6 +427,8 @@ class KvReceiver:
             self._on_keys(receive.link, msg)
         elif msg.kind in (control.Kind.READ, control.Kind.LAYERS):
             await receive._on_message(msg)
+        elif msg.kind is control.Kind.PAYLOAD:
+            receive.take_inline(msg.body)
         else:
             raise errors.WireFormatError(f"{msg.kind.name} folded into an OPEN")
 
@@ -481,7 +489,7 @@ class KvReceiver:
         started = time.monotonic()
         token = 0 if folded else self.tokens.issue()  # one-sided reads need none
         try:
-            payload = self._buffers.acquire(header.payload_bytes)
+            payload = self._payload(header, then)
             receive = _Receive(self._plane, link, header, token, payload, s, segment_bytes, read)
             if not self._plane.inline and not read:
                 receive.post_receives()
@@ -555,6 +563,18 @@ async def _listen(host: str, port: int) -> list[socket.socket]:
     if not socks:
         raise OSError(f"{host!r} resolves to no address to listen on")
     return socks
+
+
+def _check_inline(header: wire.KvHeader, folded: Sequence[control.Message]) -> None:
+    """An eager payload (PAYLOAD, at most `control.EAGER_BYTES`, `control.decode_head`)
+    is exactly the checked header's payload size, and comes once — before any memory is
+    taken for it."""
+    inline = [m for m in folded if m.kind is control.Kind.PAYLOAD]
+    if inline and (len(inline) > 1 or len(inline[0].body) != header.payload_bytes):
+        raise errors.WireFormatError(
+            f"an inline payload of {sum(len(m.body) for m in inline)} bytes in "
+            f"{len(inline)} messages; the header declares {header.payload_bytes}"
+        )
 
 
 def _learn_keys(link: Link, body: bytes) -> None:
@@ -810,6 +830,17 @@ class _Receive:
         self.reading.add(n)
         self.queued.append((n, regions))
         self._start_reads()
+
+    def take_inline(self, body: bytes) -> None:
+        """Eager: the whole payload came folded into the OPEN (its length was checked
+        against the header's before the buffer was taken, `_check_inline`): copy it in,
+        as if every segment had been read; each layer is verified once its frame is in."""
+        if not self.one_sided or self.reading or len(body) != self.flat.nbytes:
+            raise errors.WireFormatError("an inline payload besides reads, or of the wrong size")
+        self.flat[:] = body
+        self.reading.update(range(len(self.segments)))
+        for seg in self.segments:
+            self._landed(seg)
 
     def _start_reads(self) -> None:
         """Read announced segments in order, ``_MAX_READS`` at a time: all at once, a

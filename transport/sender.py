@@ -11,7 +11,9 @@ Connections and data-plane endpoints to a receiver are pooled and reused; a pool
 connection whose peer went away is noticed before reuse and replaced, so the first transfer
 after a receiver restarts connects afresh. One-sided (UCX v2), `send` of a complete KV is
 one message and one reply (`_send_folded`), over memory registered once per allocation
-(`transport.registry`) whose keys each link carries once. With `LinkTls`, links are mutual
+(`transport.registry`) whose keys each link carries once — or, for a KV of at most
+`control.EAGER_BYTES`, with its bytes inline in that message (eager: nothing registered,
+nothing read). With `LinkTls`, links are mutual
 TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
 out-of-band payload of each transfer carries the token the receiver issued in its ACCEPT.
 
@@ -196,7 +198,8 @@ class KvSender:
     async def _send_folded(self, address: str, cache: wire.KvCache) -> None:
         """One-sided, the whole KV at hand (prefill finished): OPEN_READ2 (``FOLDED``) and
         every segment's READ in one write — with KEYS for what this link's receiver does
-        not hold yet, WITHDRAW for what it holds and was freed — then the checksums
+        not hold yet, WITHDRAW for what it holds and was freed; a KV of at most
+        `control.EAGER_BYTES` goes inline instead (PAYLOAD) — then the checksums
         (LAYERS; in that same write when the KV is small), then one reply: DONE | ERROR.
         A refusal is raised here, as from `open`; a failed transfer's memory is held
         (`_quarantine`) while its receiver may still be reading."""
@@ -502,6 +505,8 @@ class _Folded:
         self.used: list[Registration] = []
         self.reads: list[tuple[int, list[control.Descriptor]]] = []
         self.frames = b""
+        self.eager = False
+        """The payload goes inline in the OPEN (`control.EAGER_BYTES`): nothing to register."""
         self.deadline = time.monotonic() + sender.settings.transfer_timeout_s
 
     @property
@@ -536,6 +541,7 @@ class _Folded:
             self.segments = [[b for i in seg for b in sent_layers[i]] for seg in spans]
         if h.payload_bytes <= _FOLD_CHECKSUM_BYTES:
             self.frames = self._frames(_checksums(self.summed))
+        self.eager = 0 < h.payload_bytes <= control.EAGER_BYTES
 
     def _frames(self, sums: list[int], first: int = 0) -> bytes:
         offsets = self.header.bounds
@@ -545,7 +551,10 @@ class _Folded:
         )
 
     def register(self) -> None:
-        """Descriptors of each segment, registering memory not registered yet."""
+        """Descriptors of each segment, registering memory not registered yet (eager:
+        none, its bytes go in the message)."""
+        if self.eager:
+            return
         registry = self.sender.registry
         try:
             for n, buffers in enumerate(self.segments):
@@ -562,7 +571,10 @@ class _Folded:
         apart, the same messages follow it instead.)"""
         sender = self.sender
         keys = sender.withdrawals(link) + sender.announce(link, self.used)
-        rest = b"".join(control.read(n, descs) for n, descs in self.reads)
+        if self.eager:  # the checksums were taken over these very bytes (`prepare`)
+            rest = control.payload([b for seg in self.segments for b in seg])
+        else:
+            rest = b"".join(control.read(n, descs) for n, descs in self.reads)
         if self.frames:
             rest += control.encode(control.Kind.LAYERS, self.frames)
         seg = sender.settings.segment_bytes

@@ -477,6 +477,33 @@ async def check_receiver_killed(backend: str) -> None:
             await sender.close()
 
 
+async def check_receiver_killed_small(backend: str) -> None:
+    """A small KV sent whole (one-sided: inline in one message, eager) to a peer receiver
+    that stopped, then was SIGKILLed before it answered: the sender errs within 2 s."""
+    settings = TransportSettings(idle_timeout_s=10.0)
+    async with peer(backend, settings) as p:
+        address = (await p.call(op="listen"))["address"]
+        sender = make_sender(backend, settings)
+        try:
+            await sender.send(address, synthetic_cache("w", 1, 4 * KIB))  # a pooled link
+            assert (await p.call(op="take", rid="w", epoch=1, timeout=5))["ok"]
+            p.signal(signal.SIGSTOP)
+            send = asyncio.create_task(sender.send(address, synthetic_cache("rs", 1, 4 * KIB)))
+            done, _ = await asyncio.wait({send}, timeout=0.2)  # stopped: it cannot answer
+            assert not done, "a stopped receiver answered"
+            p.signal(signal.SIGKILL)
+            killed = time.monotonic()
+            try:
+                await asyncio.wait_for(send, 10)
+            except errors.PeerLostError:
+                pass
+            else:
+                raise AssertionError("transfer to a killed receiver reported success")
+            assert time.monotonic() - killed < 2.0, time.monotonic() - killed
+        finally:
+            await sender.close()
+
+
 async def check_stalled_receiver(backend: str) -> None:
     """Peer receiver SIGSTOPped mid-transfer: the sender's deadline fires."""
     settings = TransportSettings(idle_timeout_s=1.0)
@@ -515,27 +542,28 @@ async def check_stalled_sender(backend: str) -> None:
 
 
 async def check_corruption(backend: str) -> None:
-    """One flipped payload byte: both ends see ChecksumMismatchError; nothing is handed over."""
+    """One flipped payload byte: both ends see ChecksumMismatchError; nothing is handed over
+    — in a large KV and in a small one (one-sided: inline in its OPEN, eager)."""
     settings = TransportSettings()
     receiver = make_receiver(backend, settings)
     address = await receiver.start()
     sender = make_sender(backend, settings)
     FaultInjector(layer=2, corrupt_offset=12345).attach(sender)
-    cache = synthetic_cache("bad", 1, 1 * MIB, n_layers=4)
     try:
-        try:
-            await sender.send(address, cache)
-        except errors.ChecksumMismatchError:
-            pass
-        else:
-            raise AssertionError("corrupted transfer reported success")
-        try:
-            await receiver.take("bad", 1, timeout_s=5)
-        except errors.ChecksumMismatchError:
-            pass
-        else:
-            raise AssertionError("a corrupted KV was handed over")
-        assert receiver.inbox.bytes_in_use == 0
+        for rid, size in (("bad", 1 * MIB), ("bad-small", 16 * KIB)):
+            try:
+                await sender.send(address, synthetic_cache(rid, 1, size, n_layers=4))
+            except errors.ChecksumMismatchError:
+                pass
+            else:
+                raise AssertionError(f"corrupted transfer of {size} bytes reported success")
+            try:
+                await receiver.take(rid, 1, timeout_s=5)
+            except errors.ChecksumMismatchError:
+                pass
+            else:
+                raise AssertionError(f"a corrupted KV of {size} bytes was handed over")
+            assert receiver.inbox.bytes_in_use == 0
         sender.payload_hook = None  # the link recovers: the next transfer goes through
         await sender.send(address, synthetic_cache("good", 1, 1 * MIB))
         assert digest(await receiver.take("good", 1, 5)) == digest(synthetic_cache("good", 1, MIB))
@@ -558,6 +586,12 @@ async def check_stale_epoch(backend: str) -> None:
                 pass
             else:
                 raise AssertionError("stale epoch accepted")
+            try:  # a small KV in one message (one-sided: inline, eager) is fenced as well
+                await sender.send(address, synthetic_cache("e", 2, 4 * KIB))
+            except errors.StaleEpochError:
+                pass
+            else:
+                raise AssertionError("stale epoch of a small KV accepted")
             assert (await p.call(op="take", rid="e", epoch=3, timeout=5))["ok"]
             assert (await p.call(op="take", rid="e", epoch=2, timeout=1))["error"] == (
                 "StaleEpochError"
@@ -807,6 +841,7 @@ CHECKS = (
     check_concurrent,
     check_sender_killed,
     check_receiver_killed,
+    check_receiver_killed_small,
     check_stalled_receiver,
     check_stalled_sender,
     check_corruption,

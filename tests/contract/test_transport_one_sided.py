@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import struct
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -28,6 +29,10 @@ from transport.ucx import ucx_available
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
 
 KEY = control.RemoteKey(7, 4096, 64 * testing.KIB, b"k")
+EAGER_SIZE = control.EAGER_BYTES
+"""The largest KV that goes inline in its OPEN (eager)."""
+READ_SIZE = 2 * control.EAGER_BYTES
+"""A KV the receiver reads from the sender's registered memory."""
 
 
 async def _message(reader: asyncio.StreamReader) -> control.Message:
@@ -240,7 +245,7 @@ def test_a_freed_buffers_key_is_withdrawn_on_the_link_before_its_next_transfer()
         from transport.sender import KvSender  # noqa: PLC0415
 
         assert isinstance(sender, KvSender)
-        first = testing.synthetic_cache("w", 1, 64 * testing.KIB, n_layers=2)
+        first = testing.synthetic_cache("w", 1, READ_SIZE, n_layers=2)
         await _send_and_take(sender, receiver, address, first)
         (old,) = sender.registry.live
         (link,) = [conn.link for conn in receiver._conns]
@@ -249,7 +254,7 @@ def test_a_freed_buffers_key_is_withdrawn_on_the_link_before_its_next_transfer()
         del first
         gc.collect()
         await _send_and_take(
-            sender, receiver, address, testing.synthetic_cache("w", 2, 64 * testing.KIB, seed=3)
+            sender, receiver, address, testing.synthetic_cache("w", 2, READ_SIZE, seed=3)
         )
         assert old not in sender.registry.live
         assert old not in link.keys  # withdrawn: a READ naming it would now be refused
@@ -283,7 +288,7 @@ def test_a_buffer_not_owned_by_numpy_is_registered_for_one_transfer() -> None:
         from transport.sender import KvSender  # noqa: PLC0415
 
         assert isinstance(sender, KvSender)
-        cache = testing.synthetic_cache("b", 1, 64 * testing.KIB, n_layers=2)
+        cache = testing.synthetic_cache("b", 1, READ_SIZE, n_layers=2)
         raw = bytearray(b"".join(bytes(t) for k, v in cache.layers for t in (k, v)))
         layers = []
         pos = 0
@@ -300,16 +305,17 @@ def test_a_buffer_not_owned_by_numpy_is_registered_for_one_transfer() -> None:
     asyncio.run(_with_pair(body))
 
 
+@pytest.mark.parametrize("size", [EAGER_SIZE, READ_SIZE], ids=["eager", "read"])
 @pytest.mark.parametrize("layout", ["wire-order", "layers-reversed", "v-before-k", "offset"])
-def test_a_folded_kv_arrives_intact_whether_or_not_it_is_one_span(layout: str) -> None:
+def test_a_folded_kv_arrives_intact_whether_or_not_it_is_one_span(layout: str, size: int) -> None:
     """In wire order in one allocation the sender describes and checksums the KV as one
     span (`transport.sender._span`); any other layout goes layer by layer. Either way the
-    receiver gets every layer's own bytes, verified."""
+    receiver gets every layer's own bytes, verified — inline (eager) or read."""
 
     async def body(sender: object, receiver: KvReceiver, address: str) -> None:
         from transport import sender as sender_module  # noqa: PLC0415
 
-        cache = testing.synthetic_cache("o", 1, 64 * testing.KIB, n_layers=4)
+        cache = testing.synthetic_cache("o", 1, size, n_layers=4)
         block = np.concatenate(
             [np.zeros(5, np.float32), *(t.ravel() for p in cache.layers for t in p)]
         )
@@ -346,6 +352,105 @@ def test_a_folded_kv_arrives_intact_whether_or_not_it_is_one_span(layout: str) -
         assert spans == [layout in ("wire-order", "offset")]
 
     asyncio.run(_with_pair(body))
+
+
+# ------------------------------------------------------------- eager: small KVs inline
+
+
+def _inline(size: int) -> bytes:
+    return control.payload([memoryview(b"\1" * size)])
+
+
+def _folded_refusal(then: bytes) -> str:
+    """Fold ``then`` into the OPEN_READ2 of a KV of `EAGER_SIZE` in 2 layers; return the
+    receiver's ERROR text, having checked nothing was adopted or kept."""
+
+    async def run() -> str:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        try:
+            reader, writer = await testing._say_hello(address)
+            cache = testing.synthetic_cache("r", 1, EAGER_SIZE, n_layers=2)
+            header = wire.encode_header(cache.header)
+            writer.write(control.open_read2(1 << 20, header, folded=True, then=then))
+            msg = await _reply(reader)
+            assert msg.kind is control.Kind.ERROR, msg.kind
+            with pytest.raises(errors.WireFormatError):
+                await receiver.take("r", 1, timeout_s=5)
+            assert receiver.inbox.bytes_in_use == 0
+            writer.close()
+            return str(control.parse_error(msg.body))
+        finally:
+            await receiver.close()
+
+    return asyncio.run(run())
+
+
+def test_a_small_kv_goes_inline_in_its_open_and_a_larger_one_is_read() -> None:
+    """Up to `control.EAGER_BYTES` the payload travels in the OPEN (PAYLOAD): no memory
+    registered, no keys, no read; past it, the receiver reads it. Both arrive verified."""
+    sent: list[list[control.Kind]] = []
+
+    async def body(sender: object, receiver: KvReceiver, address: str) -> None:
+        from transport.sender import KvSender  # noqa: PLC0415
+
+        assert isinstance(sender, KvSender)
+        await _send_and_take(sender, receiver, address, testing.synthetic_cache("s", 1, EAGER_SIZE))
+        assert sender.registry.registrations == 0
+        await _send_and_take(sender, receiver, address, testing.synthetic_cache("l", 1, READ_SIZE))
+        assert sender.registry.registrations == 1
+
+    undo = _spy(sent)
+    try:
+        asyncio.run(_with_pair(body))
+    finally:
+        undo()
+    small, large = [k for k in sent if control.Kind.OPEN_READ2 in k]
+    assert small == [control.Kind.OPEN_READ2, control.Kind.PAYLOAD, control.Kind.LAYERS]
+    assert control.Kind.PAYLOAD not in large
+    assert {control.Kind.KEYS, control.Kind.READ} <= set(large)
+
+
+def test_an_inline_payload_not_of_the_headers_size_is_refused_before_allocation() -> None:
+    assert "header declares 65536" in _folded_refusal(_inline(EAGER_SIZE - 1))
+
+
+def test_an_inline_payload_in_two_messages_is_refused() -> None:
+    half = _inline(EAGER_SIZE // 2)
+    assert "in 2 messages" in _folded_refusal(half + half)
+
+
+def test_a_read_besides_an_inline_payload_is_refused() -> None:
+    fits = control.read(0, [control.Descriptor(KEY.key_id, 0, EAGER_SIZE)])
+    assert "repeated" in _folded_refusal(control.keys([KEY]) + _inline(EAGER_SIZE) + fits)
+
+
+def test_a_payload_outside_an_open_is_refused() -> None:
+    assert "unexpected PAYLOAD" in _text(_inline(EAGER_SIZE))  # after ACCEPT, on its own
+
+
+def test_an_oversized_inline_payload_drops_the_link_and_reserves_nothing() -> None:
+    """A PAYLOAD past `control.EAGER_BYTES` folded into an OPEN is a protocol violation:
+    refused by its head before the header is decoded, and the link is closed."""
+
+    async def run() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        try:
+            reader, writer = await testing._say_hello(address)
+            cache = testing.synthetic_cache("o", 1, 2 * EAGER_SIZE, n_layers=2)
+            big = struct.pack("<BI", control.Kind.PAYLOAD, 2 * EAGER_SIZE) + b"\0" * (
+                2 * EAGER_SIZE
+            )
+            header = wire.encode_header(cache.header)
+            writer.write(control.open_read2(1 << 20, header, folded=True, then=big))
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, no answer
+            assert receiver.inbox.bytes_in_use == 0
+            writer.close()
+        finally:
+            await receiver.close()
+
+    asyncio.run(run())
 
 
 # ------------------------------------------------------------- large KVs: checksums, lock

@@ -116,6 +116,7 @@ def test_a_body_at_the_limit_is_accepted(kind: Kind) -> None:
     length = {
         Kind.LAYER: LAYER_FRAME_SIZE,
         Kind.LAYERS: MAX_BODY - MAX_BODY % LAYER_FRAME_SIZE,
+        Kind.PAYLOAD: control.EAGER_BYTES,
     }.get(kind, MAX_BODY)
     assert control.decode_head(HEAD.pack(kind, length)) == (kind, length)
 
@@ -325,6 +326,7 @@ def test_control_messages_built_by_helpers_all_decode() -> None:
         control.open_read2(1 << 20, b"header", folded=True),
         control.read(0, [control.Descriptor(1, 0, 64)]),
         control.encode(Kind.ALIVE),
+        control.payload([memoryview(b"kv")]),
     ]
     assert [split(m)[0] for m in messages] == list(Kind)
 
@@ -494,3 +496,44 @@ def test_tokens_are_one_time() -> None:
     assert tokens.wants(control.layer_tag(live[1], 7))  # a live token's segment
     assert not tokens.wants(control.layer_tag(live[0], 0))  # a spent one's
     assert not tokens.wants(control.layer_tag(control.new_token(), 0))  # never issued
+
+
+# ------------------------------------------------------------------ eager (PAYLOAD)
+
+
+@pytest.mark.parametrize("size", [1, 4096, control.EAGER_BYTES])
+def test_an_eager_payload_round_trips_its_buffers_joined(size: int) -> None:
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    kind, body = split(control.payload([memoryview(data[:7]), memoryview(data[7:])]))
+    assert (kind, body) == (Kind.PAYLOAD, data)
+
+
+@pytest.mark.parametrize("length", [0, control.EAGER_BYTES + 1, MAX_BODY])
+def test_a_payload_head_outside_the_eager_bound_is_refused_unread(length: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="PAYLOAD message of"):
+        control.decode_head(HEAD.pack(Kind.PAYLOAD, length))
+
+
+@pytest.mark.parametrize("size", [0, control.EAGER_BYTES + 1])
+def test_an_eager_payload_outside_the_bound_is_not_built(size: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="eager payload"):
+        control.payload([memoryview(b"\0" * size)])
+
+
+def test_a_maximal_eager_open_fits_the_body_limit() -> None:
+    """The largest header, a maximal eager payload and every layer's frame, in one OPEN."""
+    frames = control.encode(Kind.LAYERS, b"\0" * (MAX_LAYERS * LAYER_FRAME_SIZE))
+    then = control.withdraw([1]) + control.payload([memoryview(b"\0" * control.EAGER_BYTES)])
+    message = control.open_read2(1 << 20, b"h" * MAX_HEADER_BYTES, folded=True, then=then + frames)
+    kind, body = split(message)
+    assert kind is Kind.OPEN_READ2
+    folded = control.parse_open_read2(body)[3]
+    assert [m.kind for m in folded] == [Kind.WITHDRAW, Kind.PAYLOAD, Kind.LAYERS]
+
+
+def test_an_oversized_payload_folded_into_an_open_is_refused() -> None:
+    """A folded PAYLOAD past the bound is refused by its head, as on the link."""
+    big = HEAD.pack(Kind.PAYLOAD, control.EAGER_BYTES + 1) + b"\0" * (control.EAGER_BYTES + 1)
+    body = split(control.open_read2(1 << 20, b"header", folded=True, then=big))[1]
+    with pytest.raises(errors.WireFormatError, match="PAYLOAD message of"):
+        control.parse_open_read2(body)
