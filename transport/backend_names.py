@@ -9,11 +9,13 @@ loading asyncio, the senders or UCX.
 * ``ucx``: UCX tag messages (transport v1), the default.
 * ``ucx-read``: UCX one-sided reads (transport v2, ``UcxConfig(one_sided=True)``): the
   decode worker pulls the segments from the prefill's registered memory, one message and
-  one reply per transfer; a KV of at most 64 KiB goes inline in that message instead
-  (eager, `transport.control.EAGER_BYTES`). Measured side by side on a 2-core VM (README
+  one reply per transfer. Measured side by side on a 2-core VM (README
   "Transport performance"): 1.2–3× the tag path from 4 KiB to 16 MiB, level with it
   (0.9–1.1×) at 64–256 MiB.
 * ``tcp``: payloads inline on the control connection; needs nothing installed.
+
+On every backend a whole KV of at most 64 KiB (`transport.control.EAGER_BYTES`) goes inline
+in one message and one reply (eager: nothing registered, posted or read).
 
 **Pairing.** Control always travels on a TCP link and each sender says how it moves
 payloads when it opens a transfer, so a UCX receiver takes either UCX sender: a prefill
@@ -22,7 +24,10 @@ only a TCP sender; any other pairing fails the transfer at once (measured: withi
 millisecond on loopback, never a hang): a one-sided OPEN is refused by a TCP receiver as a
 header that does not match it (`HeaderRejectedError`), a tag sender finds no UCX worker
 address in a TCP receiver's HELLO, and a UCX receiver drops a TCP sender's inline payload
-frames with the connection (`PeerLostError`).
+frames with the connection (`PeerLostError`). An eager KV (at most
+`transport.control.EAGER_BYTES`, inline in its OPEN, on every backend) needs no data plane,
+so both ends check the other's HELLO instead (`plane_mismatch`): a pairing refused for a
+large KV is refused for a small one too.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ DEFAULT: Final[Backend] = UCX
 UCX_BACKENDS: Final = frozenset({UCX, UCX_READ})
 """Backends that need UCXX (the ``ucx`` extra) and move payloads outside the control link
 (a TCP proxy in front of a decode worker's KV port sees only control messages — but for
-``ucx-read``'s eager KVs, at most `transport.control.EAGER_BYTES`, inline in their OPEN;
+eager KVs, at most `transport.control.EAGER_BYTES`, inline in their OPEN;
 KV faults for these backends are injected in the sender, `transport.testing.FaultInjector`,
 which reaches those too)."""
 
@@ -56,3 +61,23 @@ def receiver_takes(receiver: str, sender: str) -> bool:
     if receiver == TCP:
         return sender == TCP
     return needs_ucx(receiver) and needs_ucx(sender)
+
+
+NO_UCX_PEER: Final = (
+    "cannot reach peer over UCX: it has no UCX data plane (on --transport tcp?): both "
+    "workers of a pair need a UCX --transport, or both tcp"
+)
+
+
+def plane_mismatch(ours: bytes, theirs: bytes) -> str | None:
+    """Why two ends cannot pair, by the data-plane addresses their HELLOs carry (a UCX
+    worker's address; none on tcp) — None when both move payloads the same way (both on
+    UCX, or both on tcp: `receiver_takes`'s rule)."""
+    if bool(ours) == bool(theirs):
+        return None
+    if ours:
+        return NO_UCX_PEER
+    return (
+        "the peer moves KV over UCX and this end is on tcp: both workers of a pair need a "
+        "UCX --transport, or both tcp"
+    )

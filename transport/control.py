@@ -29,16 +29,19 @@ freed. Per transfer only (key id, offset, length) descriptors travel:
                                ◀──────────   (LANDED…) DONE | ERROR
 
 — one message and one reply when the whole KV exists (`KvSender.send`; LAYERS inside it up
-to 4 MiB, after it beyond, computed while the receiver reads). **Eager**: a KV of at most
-`EAGER_BYTES` travels inside that message instead of being read —
+to 4 MiB, after it beyond, computed while the receiver reads). **Eager**, on every
+backend (the tag path's and TCP's senders too): a KV of at most `EAGER_BYTES` travels
+inside that message instead of being read or sent apart —
 
       OPEN_READ2(FOLDED, segment size, header ⊕ [WITHDRAW] PAYLOAD(bytes) LAYERS) ──▶
                                ◀──────────   DONE | ERROR
 
-— no registration, no keys, no read: as UCX's own eager protocol below its rendezvous
-threshold. The receiver checks the header (and fences the epoch, reserves the memory) as
-for any OPEN, refuses a PAYLOAD whose length is not the header's payload size, copies it
-into its buffer and verifies each layer against its frame as it would a read one.
+— no registration, no keys, no read, no posted receive: as UCX's own eager protocol below
+its rendezvous threshold. Both ends first check that they would pair for a larger KV
+(`transport.backend_names.plane_mismatch`, by their HELLOs). The receiver checks the
+header (and fences the epoch, reserves the memory) as for any OPEN, refuses a PAYLOAD
+whose length is not the header's payload size, copies it into its buffer and verifies
+each layer against its frame as it would a read one.
 
 Layer by layer (`open`), OPEN_READ2 without FOLDED is answered ACCEPT, then each
 segment's [KEYS] READ goes as soon as its layers exist, followed by its LAYERS. The
@@ -137,7 +140,7 @@ class Kind(enum.IntEnum):
     every ``keepalive_s`` while it waits for its producer, `OutgoingTransfer.hold`), so a
     forward slower than the receiver's idle deadline is not taken for a dead peer. No body."""
     PAYLOAD = 17
-    """Eager (one-sided v2): a whole KV's payload, at most `EAGER_BYTES`, in wire order.
+    """Eager (every backend): a whole KV's payload, at most `EAGER_BYTES`, in wire order.
     Taken only folded into an OPEN_READ2 (``FOLDED``), never on its own."""
 
 

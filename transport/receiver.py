@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from transport import control, errors, wire
+from transport.backend_names import plane_mismatch
 from transport.base import DataPlane, Inbox, Peer, TransferTokens, TransportSettings
 from transport.buffers import BufferPool
 from transport.link import STREAM_LIMIT, Link, wait_first
@@ -432,10 +433,14 @@ class KvReceiver:
         else:
             raise errors.WireFormatError(f"{msg.kind.name} folded into an OPEN")
 
-    def _check_open(self, kind: control.Kind, tag: int) -> None:
+    def _check_open(self, link: Link, kind: control.Kind, tag: int, *, eager: bool) -> None:
         """The protocol an OPEN asks for (its tag field: 0, or OPEN_READ2's flags less
-        ``FOLDED``), before its header is even decoded."""
-        if kind is not control.Kind.OPEN and not self._plane.can_read:
+        ``FOLDED``), before its header is even decoded. An eager one (folded, its payload
+        inline) needs no one-sided path — every backend takes it — but only from a sender
+        this receiver would take a larger KV from (`plane_mismatch`, by their HELLOs)."""
+        if eager and (why := plane_mismatch(self._data_address, link.peer.data_address)):
+            raise errors.HeaderRejectedError(why)
+        if kind is not control.Kind.OPEN and not self._plane.can_read and not eager:
             raise errors.HeaderRejectedError(f"{self._plane.name} has no one-sided path")
         if kind is control.Kind.OPEN_READ:
             raise errors.HeaderRejectedError(control.ONE_SIDED_V1_REFUSED)
@@ -472,7 +477,7 @@ class KvReceiver:
         if kind is control.Kind.OPEN_READ2:
             folded, tag = bool(tag & control.FOLDED), tag & ~control.FOLDED  # flags
         try:
-            self._check_open(kind, tag)
+            self._check_open(link, kind, tag, eager=folded and _inline(then))
             header = self._reserve(header_bytes)
         except errors.TransportError as exc:
             log.info("refused a KV transfer from %s: %s", link.who, exc)
@@ -565,6 +570,11 @@ async def _listen(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+def _inline(folded: Sequence[control.Message]) -> bool:
+    """Whether an OPEN carries its payload (eager: a PAYLOAD folded in)."""
+    return any(m.kind is control.Kind.PAYLOAD for m in folded)
+
+
 def _check_inline(header: wire.KvHeader, folded: Sequence[control.Message]) -> None:
     """An eager payload (PAYLOAD, at most `control.EAGER_BYTES`, `control.decode_head`)
     is exactly the checked header's payload size, and comes once — before any memory is
@@ -629,6 +639,8 @@ class _Receive:
     settings: TransportSettings
     segment_bytes: int
     one_sided: bool
+    """Opened by OPEN_READ2: the payload is read, or (eager, on any backend) came inline
+    in the OPEN — never on the link after a LAYER frame."""
     frames: dict[int, wire.LayerFrame] = dataclasses.field(default_factory=dict)
     landed: set[int] = dataclasses.field(default_factory=set)
     receiving: dict[asyncio.Task[None], range] = dataclasses.field(default_factory=dict)
@@ -788,7 +800,7 @@ class _Receive:
         if msg.kind is control.Kind.KEYS and self.one_sided:  # new memory, this transfer's
             _learn_keys(self.link, msg.body)
             return
-        if msg.kind is control.Kind.LAYERS and not self.plane.inline:
+        if msg.kind is control.Kind.LAYERS and (self.one_sided or not self.plane.inline):
             frames = wire.decode_layer_frames(msg.body)
             wire.check_layer_frames(self.header, frames, self.frames)
             landed = self.landed
@@ -800,7 +812,7 @@ class _Receive:
         if msg.kind is not control.Kind.LAYER:
             raise errors.WireFormatError(f"unexpected {msg.kind.name} during a transfer")
         frame = self._on_frame(wire.decode_layer_frame(msg.body))
-        if self.plane.inline:
+        if self.plane.inline and not self.one_sided:  # (eager: the payload is in)
             await self.link.read_into(self.view(frame.index), self.settings.idle_timeout_s)
             self.landed.add(frame.index)
             self._maybe_verify(frame.index)

@@ -11,9 +11,10 @@ Connections and data-plane endpoints to a receiver are pooled and reused; a pool
 connection whose peer went away is noticed before reuse and replaced, so the first transfer
 after a receiver restarts connects afresh. One-sided (UCX v2), `send` of a complete KV is
 one message and one reply (`_send_folded`), over memory registered once per allocation
-(`transport.registry`) whose keys each link carries once — or, for a KV of at most
-`control.EAGER_BYTES`, with its bytes inline in that message (eager: nothing registered,
-nothing read). With `LinkTls`, links are mutual
+(`transport.registry`) whose keys each link carries once. On every backend, `send` of a
+KV of at most `control.EAGER_BYTES` is that one message with its bytes inline (eager:
+nothing registered, posted or read; only to a receiver it would pair with for a larger KV,
+`transport.backend_names.plane_mismatch`). With `LinkTls`, links are mutual
 TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
 out-of-band payload of each transfer carries the token the receiver issued in its ACCEPT.
 
@@ -48,6 +49,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from transport import control, errors, wire
+from transport.backend_names import plane_mismatch
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.link import STREAM_LIMIT, Link
 from transport.registry import Registration, Registry
@@ -181,9 +183,10 @@ class KvSender:
             raise
 
     async def send(self, address: str, cache: wire.KvCache) -> None:
-        """Send a whole KV cache: the layer-wise API in a loop, or — one-sided — one
-        message and one reply (`_send_folded`)."""
-        if self._plane.one_sided:
+        """Send a whole KV cache: the layer-wise API in a loop, or — one-sided, or a KV of
+        at most `control.EAGER_BYTES` on any backend (inline, eager) — one message and one
+        reply (`_send_folded`)."""
+        if self._plane.one_sided or 0 < cache.header.payload_bytes <= control.EAGER_BYTES:
             await self._send_folded(address, cache)
             return
         scaled = cache.header.scales is not wire.ScaleLayout.NONE
@@ -261,6 +264,8 @@ class KvSender:
             link, reused = await self._acquire(pool, address)
             replied = False
             try:
+                if folded.eager and (why := plane_mismatch(self._address, link.peer.data_address)):
+                    raise errors.PeerLostError(why)  # as a larger KV's would fail (pairing)
                 await link.send(folded.message(link), folded.wait_s())
                 if not folded.frames:  # a large KV: checksummed while the receiver reads
                     await folded.send_checksums(link)

@@ -662,11 +662,14 @@ async def check_replay(backend: str, tls: TlsFiles | None = None) -> None:
         assert (await p.call(op="stats"))["bytes_in_use"] == 0
 
 
-async def _say_hello(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A raw control connection that says HELLO, reads the receiver's, and then nothing."""
+async def _say_hello(
+    address: str, data_address: bytes = b""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw control connection that says HELLO (with ``data_address``: none, as a tcp
+    sender's), reads the receiver's, and then nothing."""
     host, _, port = address.rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(control.hello(os.urandom(control.INSTANCE_ID_BYTES), b""))
+    writer.write(control.hello(os.urandom(control.INSTANCE_ID_BYTES), data_address))
     head = await asyncio.wait_for(reader.readexactly(control.HEAD_SIZE), 5)
     kind, length = control.decode_head(head)
     await asyncio.wait_for(reader.readexactly(length), 5)

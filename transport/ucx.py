@@ -104,6 +104,7 @@ from typing import Any
 import numpy as np
 
 from transport import errors, ucp, ucx_env
+from transport.backend_names import NO_UCX_PEER
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.completion import CompletionPoller
 from transport.control import RemoteRegion
@@ -210,10 +211,7 @@ class UcxDataPlane(DataPlane):
             ep = self._eps.get(peer.channel)
             if ep is None:
                 if not peer.data_address:  # its receiver has no UCX data plane
-                    raise errors.PeerLostError(
-                        "cannot reach peer over UCX: it has no UCX data plane (a tcp "
-                        "receiver? both workers of a pair need a UCX --transport)"
-                    )
+                    raise errors.PeerLostError(NO_UCX_PEER)
                 try:
                     address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
                     ep = await self._ucxx.create_endpoint_from_worker_address(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import logging
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -361,22 +362,23 @@ def _inline(size: int) -> bytes:
     return control.payload([memoryview(b"\1" * size)])
 
 
-def _folded_refusal(then: bytes) -> str:
-    """Fold ``then`` into the OPEN_READ2 of a KV of `EAGER_SIZE` in 2 layers; return the
+def _folded_refusal(then: bytes, data_address: bytes = b"a UCX worker address") -> str:
+    """Fold ``then`` into the OPEN_READ2 of a KV of `EAGER_SIZE` in 2 layers, from a
+    sender whose HELLO gave ``data_address`` (a UCX sender's, by default); return the
     receiver's ERROR text, having checked nothing was adopted or kept."""
 
     async def run() -> str:
         receiver = make_receiver(UCX_READ, TransportSettings())
         address = await receiver.start()
         try:
-            reader, writer = await testing._say_hello(address)
+            reader, writer = await testing._say_hello(address, data_address)
             cache = testing.synthetic_cache("r", 1, EAGER_SIZE, n_layers=2)
             header = wire.encode_header(cache.header)
             writer.write(control.open_read2(1 << 20, header, folded=True, then=then))
             msg = await _reply(reader)
             assert msg.kind is control.Kind.ERROR, msg.kind
-            with pytest.raises(errors.WireFormatError):
-                await receiver.take("r", 1, timeout_s=5)
+            with pytest.raises(errors.TransportError):  # refused: nothing ever filed
+                await receiver.take("r", 1, timeout_s=0.5)
             assert receiver.inbox.bytes_in_use == 0
             writer.close()
             return str(control.parse_error(msg.body))
@@ -413,6 +415,18 @@ def test_a_small_kv_goes_inline_in_its_open_and_a_larger_one_is_read() -> None:
 
 def test_an_inline_payload_not_of_the_headers_size_is_refused_before_allocation() -> None:
     assert "header declares 65536" in _folded_refusal(_inline(EAGER_SIZE - 1))
+
+
+def test_an_eager_kv_from_a_sender_without_a_ucx_data_plane_is_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A tcp sender (no data-plane address in its HELLO) is refused by a UCX receiver for a
+    # small KV as for a large one (`backend_names.plane_mismatch`), before any allocation;
+    # an unauthenticated peer is told only the refusal's class, the log says why.
+    caplog.set_level(logging.INFO, logger="transport.receiver")
+    told = _folded_refusal(_inline(EAGER_SIZE), data_address=b"")
+    assert "does not match this receiver" in told
+    assert "no UCX data plane" in caplog.text
 
 
 def test_an_inline_payload_in_two_messages_is_refused() -> None:
