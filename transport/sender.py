@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 PayloadHook = Callable[[int, memoryview, memoryview], tuple[memoryview, memoryview]]
 DelayHook = Callable[[int], float]
 ExposedHook = Callable[[int], None]
+LayeredHook = Callable[[], bool]
 Pieces = Sequence[memoryview]
 """K or V of a layer as pieces of memory, in wire order (`OutgoingTransfer.send_layer`)."""
 Parts = list[tuple[int, list[memoryview], list[memoryview]]]
@@ -124,6 +125,10 @@ class KvSender:
         self.delay_hook: DelayHook | None = None
         """Fault injection: seconds the link holds a layer back before it goes out (awaited,
         so the sender's event loop keeps running — a slow link, not a stalled process)."""
+        self.layered_hook: LayeredHook | None = None
+        """Fault injection: true while transfers must go layer by layer — a timing fault
+        (a delay, a pace, a drop, a gate) acts between layers, and an eager KV, one
+        message, has none; a corruption alone keeps eager."""
         self.exposed_hook: ExposedHook | None = None
         """Fault injection for layers given in pieces (one-sided): called with a segment's
         index after its layers' checksums were taken, before the receiver learns where to
@@ -186,8 +191,9 @@ class KvSender:
         """Send a whole KV cache: the layer-wise API in a loop, or — one-sided, or a KV of
         at most `control.EAGER_BYTES` on any backend (inline, eager) — one message and one
         reply (`_send_folded`)."""
-        if self._plane.one_sided or 0 < cache.header.payload_bytes <= control.EAGER_BYTES:
-            await self._send_folded(address, cache)
+        eager = self._eager(cache)
+        if self._plane.one_sided or eager:
+            await self._send_folded(address, cache, eager=eager)
             return
         scaled = cache.header.scales is not wire.ScaleLayout.NONE
         async with await self.open(address, cache.header) as transfer:
@@ -198,7 +204,14 @@ class KvSender:
                     await transfer.send_layer(i, k, v, cache.scales[i] if scaled else None)
             await transfer.finish()
 
-    async def _send_folded(self, address: str, cache: wire.KvCache) -> None:
+    def _eager(self, cache: wire.KvCache) -> bool:
+        """Whether ``cache`` goes inline (`control.EAGER_BYTES`; not while a fault injector
+        times layers, `layered_hook`)."""
+        if not 0 < cache.header.payload_bytes <= control.EAGER_BYTES:
+            return False
+        return self.layered_hook is None or not self.layered_hook()
+
+    async def _send_folded(self, address: str, cache: wire.KvCache, *, eager: bool) -> None:
         """One-sided, the whole KV at hand (prefill finished): OPEN_READ2 (``FOLDED``) and
         every segment's READ in one write — with KEYS for what this link's receiver does
         not hold yet, WITHDRAW for what it holds and was freed; a KV of at most
@@ -209,7 +222,7 @@ class KvSender:
         if self._closed:
             raise errors.TransportClosedError("sender is closed")
         await self.start()
-        folded = _Folded(self, cache)
+        folded = _Folded(self, cache, eager=eager)
         await folded.prepare()
         pool = await self._slot(address)
         try:
@@ -499,7 +512,7 @@ class _Folded:
     on this 2-core VM at load 11). Anything else (layers
     apart, scales, fault-injection hooks) goes layer by layer, as it always did."""
 
-    def __init__(self, sender: KvSender, cache: wire.KvCache) -> None:
+    def __init__(self, sender: KvSender, cache: wire.KvCache, *, eager: bool) -> None:
         self.sender = sender
         self.cache = cache
         self.header = cache.header
@@ -510,8 +523,8 @@ class _Folded:
         self.used: list[Registration] = []
         self.reads: list[tuple[int, list[control.Descriptor]]] = []
         self.frames = b""
-        self.eager = False
-        """The payload goes inline in the OPEN (`control.EAGER_BYTES`): nothing to register."""
+        self.eager = eager
+        """The payload goes inline in the OPEN (`KvSender._eager`): nothing to register."""
         self.deadline = time.monotonic() + sender.settings.transfer_timeout_s
 
     @property
@@ -546,7 +559,6 @@ class _Folded:
             self.segments = [[b for i in seg for b in sent_layers[i]] for seg in spans]
         if h.payload_bytes <= _FOLD_CHECKSUM_BYTES:
             self.frames = self._frames(_checksums(self.summed))
-        self.eager = 0 < h.payload_bytes <= control.EAGER_BYTES
 
     def _frames(self, sums: list[int], first: int = 0) -> bytes:
         offsets = self.header.bounds

@@ -189,6 +189,16 @@ class FaultInjector:
     def attach(self, sender: KvSender) -> None:
         sender.payload_hook = self._hook
         sender.delay_hook = self._delay
+        sender.layered_hook = self._layered
+
+    def _layered(self) -> bool:
+        """Whether a timing fault is on (stall, delay, lag, pace, drop, gate): they act
+        between layers, so the sender sends layer by layer (no eager KV); a corruption
+        alone reaches an eager KV's bytes too."""
+        if not self.armed:
+            return False
+        timing = (self.delay_s, self.link_delay_s, self.lag_s, self.bytes_per_s, self.hold_s)
+        return self.drop or any(t > 0 for t in timing)
 
     def _hits(self, index: int) -> bool:
         if index != self.layer or not self.armed:

@@ -13,9 +13,10 @@ import pytest
 from transport import errors
 from transport.backends import make_receiver, make_sender
 from transport.base import TransportSettings
+from transport.control import EAGER_BYTES
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
-from transport.testing import MIB, FaultInjector, digest, synthetic_cache
+from transport.testing import KIB, MIB, FaultInjector, digest, synthetic_cache
 from transport.ucx import ucx_available
 
 BACKENDS = [
@@ -106,3 +107,25 @@ async def _the_gate_holds_a_layer_and_announces_it(pair: Pair) -> None:
     injector.attach(sender)
     assert await _timed_send(sender, receiver, address, "gated") >= 0.29
     assert [index for index, _ in held] == [2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_small_kv_under_a_gate_is_in_flight_when_held(backend: str) -> None:
+    # A KV small enough to go eager (one message) goes layer by layer while a timing fault
+    # is on, so phase-triggered chaos ("sending") still hits a transfer whose header the
+    # receiver accepted (memory reserved) and whose later layers are not sent yet.
+    _run(backend, _a_small_kv_under_a_gate_is_in_flight_when_held)
+
+
+async def _a_small_kv_under_a_gate_is_in_flight_when_held(pair: Pair) -> None:
+    sender, receiver, address = pair
+    reserved: list[int] = []
+    injector = FaultInjector.parse("hold_layer=1,hold=0.2")
+    injector.on_hold = lambda _index: reserved.append(receiver.inbox.bytes_in_use)
+    injector.attach(sender)
+    cache = synthetic_cache("small", 1, 8 * KIB, n_layers=4)
+    assert cache.header.payload_bytes <= EAGER_BYTES
+    await sender.send(address, cache)
+    assert digest(await receiver.take("small", 1, 5)) == digest(cache)
+    assert len(reserved) == 1
+    assert reserved[0] >= cache.header.payload_bytes
