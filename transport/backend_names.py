@@ -26,8 +26,10 @@ header that does not match it (`HeaderRejectedError`), a tag sender finds no UCX
 address in a TCP receiver's HELLO, and a UCX receiver drops a TCP sender's inline payload
 frames with the connection (`PeerLostError`). An eager KV (at most
 `transport.control.EAGER_BYTES`, inline in its OPEN, on every backend) needs no data plane,
-so both ends check the other's HELLO instead (`plane_mismatch`): a pairing refused for a
-large KV is refused for a small one too.
+so its pairing is checked by the HELLOs' data-plane addresses instead, with the same
+outcome as for a large KV: a tag sender finds none in a TCP receiver's HELLO (`NO_UCX_PEER`),
+a TCP receiver refuses a UCX sender's OPEN as having no one-sided path, and a UCX receiver
+refuses a TCP sender's (`TCP_SENDER_REFUSED`).
 """
 
 from __future__ import annotations
@@ -69,15 +71,7 @@ NO_UCX_PEER: Final = (
 )
 
 
-def plane_mismatch(ours: bytes, theirs: bytes) -> str | None:
-    """Why two ends cannot pair, by the data-plane addresses their HELLOs carry (a UCX
-    worker's address; none on tcp) — None when both move payloads the same way (both on
-    UCX, or both on tcp: `receiver_takes`'s rule)."""
-    if bool(ours) == bool(theirs):
-        return None
-    if ours:
-        return NO_UCX_PEER
-    return (
-        "the peer moves KV over UCX and this end is on tcp: both workers of a pair need a "
-        "UCX --transport, or both tcp"
-    )
+TCP_SENDER_REFUSED: Final = (
+    "the sender has no UCX data plane (on --transport tcp?): a UCX receiver takes KV from "
+    "UCX senders only; both workers of a pair need a UCX --transport, or both tcp"
+)

@@ -38,7 +38,7 @@ inside that message instead of being read or sent apart —
 
 — no registration, no keys, no read, no posted receive: as UCX's own eager protocol below
 its rendezvous threshold. Both ends first check that they would pair for a larger KV
-(`transport.backend_names.plane_mismatch`, by their HELLOs). The receiver checks the
+(`transport.backend_names`: by their HELLOs' data-plane addresses). The receiver checks the
 header (and fences the epoch, reserves the memory) as for any OPEN, refuses a PAYLOAD
 whose length is not the header's payload size, copies it into its buffer and verifies
 each layer against its frame as it would a read one.

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from transport import control, errors, wire
-from transport.backend_names import plane_mismatch
+from transport.backend_names import TCP_SENDER_REFUSED
 from transport.base import DataPlane, Inbox, Peer, TransferTokens, TransportSettings
 from transport.buffers import BufferPool
 from transport.link import STREAM_LIMIT, Link, wait_first
@@ -436,12 +436,15 @@ class KvReceiver:
     def _check_open(self, link: Link, kind: control.Kind, tag: int, *, eager: bool) -> None:
         """The protocol an OPEN asks for (its tag field: 0, or OPEN_READ2's flags less
         ``FOLDED``), before its header is even decoded. An eager one (folded, its payload
-        inline) needs no one-sided path — every backend takes it — but only from a sender
-        this receiver would take a larger KV from (`plane_mismatch`, by their HELLOs)."""
-        if eager and (why := plane_mismatch(self._data_address, link.peer.data_address)):
-            raise errors.HeaderRejectedError(why)
-        if kind is not control.Kind.OPEN and not self._plane.can_read and not eager:
+        inline) needs no one-sided path, but is taken only from a sender this receiver
+        would take a larger KV from (`backend_names.receiver_takes`, by the data-plane
+        address in the sender's HELLO: a UCX worker's, or none on tcp)."""
+        ucx_sender = bool(link.peer.data_address)
+        tcp_pair = eager and not ucx_sender  # a tcp sender's eager KV: no read needed
+        if kind is not control.Kind.OPEN and not self._plane.can_read and not tcp_pair:
             raise errors.HeaderRejectedError(f"{self._plane.name} has no one-sided path")
+        if tcp_pair and self._data_address:
+            raise errors.HeaderRejectedError(TCP_SENDER_REFUSED)
         if kind is control.Kind.OPEN_READ:
             raise errors.HeaderRejectedError(control.ONE_SIDED_V1_REFUSED)
         if tag and kind is control.Kind.OPEN_READ2:

@@ -14,7 +14,7 @@ one message and one reply (`_send_folded`), over memory registered once per allo
 (`transport.registry`) whose keys each link carries once. On every backend, `send` of a
 KV of at most `control.EAGER_BYTES` is that one message with its bytes inline (eager:
 nothing registered, posted or read; only to a receiver it would pair with for a larger KV,
-`transport.backend_names.plane_mismatch`). With `LinkTls`, links are mutual
+`transport.backend_names`). With `LinkTls`, links are mutual
 TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
 out-of-band payload of each transfer carries the token the receiver issued in its ACCEPT.
 
@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from transport import control, errors, wire
-from transport.backend_names import plane_mismatch
+from transport.backend_names import NO_UCX_PEER
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.link import STREAM_LIMIT, Link
 from transport.registry import Registration, Registry
@@ -204,6 +204,13 @@ class KvSender:
                     await transfer.send_layer(i, k, v, cache.scales[i] if scaled else None)
             await transfer.finish()
 
+    @property
+    def _needs_ucx_peer(self) -> bool:
+        """A tag (v1) sender: its eager KV goes only to a receiver its tag path could reach
+        (one with a UCX data plane). A one-sided sender's is refused by a tcp receiver
+        itself, as its reads would be; a tcp sender's by a UCX receiver."""
+        return not self._plane.inline and not self._plane.one_sided
+
     def _eager(self, cache: wire.KvCache) -> bool:
         """Whether ``cache`` goes inline (`control.EAGER_BYTES`; not while a fault injector
         times layers, `layered_hook`)."""
@@ -277,8 +284,8 @@ class KvSender:
             link, reused = await self._acquire(pool, address)
             replied = False
             try:
-                if folded.eager and (why := plane_mismatch(self._address, link.peer.data_address)):
-                    raise errors.PeerLostError(why)  # as a larger KV's would fail (pairing)
+                if folded.eager and self._needs_ucx_peer and not link.peer.data_address:
+                    raise errors.PeerLostError(NO_UCX_PEER)  # as its tag path would fail
                 await link.send(folded.message(link), folded.wait_s())
                 if not folded.frames:  # a large KV: checksummed while the receiver reads
                     await folded.send_checksums(link)

@@ -421,7 +421,7 @@ def test_an_eager_kv_from_a_sender_without_a_ucx_data_plane_is_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A tcp sender (no data-plane address in its HELLO) is refused by a UCX receiver for a
-    # small KV as for a large one (`backend_names.plane_mismatch`), before any allocation;
+    # small KV as for a large one (`backend_names.TCP_SENDER_REFUSED`), before any allocation;
     # an unauthenticated peer is told only the refusal's class, the log says why.
     caplog.set_level(logging.INFO, logger="transport.receiver")
     told = _folded_refusal(_inline(EAGER_SIZE), data_address=b"")

@@ -17,10 +17,8 @@ from orchestrator.cli import build_parser, chaos, main, worker
 from transport.backend_names import (
     BACKENDS,
     DEFAULT,
-    NO_UCX_PEER,
     UCX_READ,
     needs_ucx,
-    plane_mismatch,
     receiver_takes,
 )
 from transport.backends import make_data_plane, make_receiver, make_sender
@@ -149,20 +147,6 @@ def test_which_receiver_takes_which_sender() -> None:
         ("tcp", "tcp"): True,
     }
     assert [b for b in BACKENDS if needs_ucx(b)] == ["ucx", "ucx-read"]
-
-
-def test_an_eager_transfer_pairs_as_the_table_says() -> None:
-    # An eager KV needs no data plane: the ends compare their HELLOs' data-plane addresses
-    # (a UCX worker's address, none on tcp) and agree with `receiver_takes`.
-    ucx_address, tcp_address = b"\x01ucx-worker-address", b""
-    ours = {"ucx": ucx_address, "ucx-read": ucx_address, "tcp": tcp_address}
-    for r in BACKENDS:
-        for s in BACKENDS:
-            assert (plane_mismatch(ours[r], ours[s]) is None) == receiver_takes(r, s)
-    assert plane_mismatch(ucx_address, tcp_address) == NO_UCX_PEER
-    why = plane_mismatch(tcp_address, ucx_address)
-    assert why is not None
-    assert "both tcp" in why
 
 
 def test_a_chaos_scenario_runs_on_another_transport() -> None:
