@@ -583,11 +583,16 @@ def _check_inline(header: wire.KvHeader, folded: Sequence[control.Message]) -> N
     is exactly the checked header's payload size, and comes once — before any memory is
     taken for it."""
     inline = [m for m in folded if m.kind is control.Kind.PAYLOAD]
-    if inline and (len(inline) > 1 or len(inline[0].body) != header.payload_bytes):
+    if not inline:
+        return
+    if len(inline) > 1 or len(inline[0].body) != header.payload_bytes:
         raise errors.WireFormatError(
             f"an inline payload of {sum(len(m.body) for m in inline)} bytes in "
             f"{len(inline)} messages; the header declares {header.payload_bytes}"
         )
+    if any(m.kind in (control.Kind.READ, control.Kind.KEYS) for m in folded):
+        # (on a receiver without a one-sided path too: nothing is ever read for it)
+        raise errors.WireFormatError("an eager OPEN carries its payload: no READ or KEYS")
 
 
 def _learn_keys(link: Link, body: bytes) -> None:

@@ -362,13 +362,15 @@ def _inline(size: int) -> bytes:
     return control.payload([memoryview(b"\1" * size)])
 
 
-def _folded_refusal(then: bytes, data_address: bytes = b"a UCX worker address") -> str:
+def _folded_refusal(
+    then: bytes, data_address: bytes = b"a UCX worker address", backend: str = UCX_READ
+) -> str:
     """Fold ``then`` into the OPEN_READ2 of a KV of `EAGER_SIZE` in 2 layers, from a
-    sender whose HELLO gave ``data_address`` (a UCX sender's, by default); return the
-    receiver's ERROR text, having checked nothing was adopted or kept."""
+    sender whose HELLO gave ``data_address`` (a UCX sender's, by default), to a receiver on
+    ``backend``; return its ERROR text, having checked nothing was adopted or kept."""
 
     async def run() -> str:
-        receiver = make_receiver(UCX_READ, TransportSettings())
+        receiver = make_receiver(backend, TransportSettings())
         address = await receiver.start()
         try:
             reader, writer = await testing._say_hello(address, data_address)
@@ -436,7 +438,16 @@ def test_an_inline_payload_in_two_messages_is_refused() -> None:
 
 def test_a_read_besides_an_inline_payload_is_refused() -> None:
     fits = control.read(0, [control.Descriptor(KEY.key_id, 0, EAGER_SIZE)])
-    assert "repeated" in _folded_refusal(control.keys([KEY]) + _inline(EAGER_SIZE) + fits)
+    assert "no READ or KEYS" in _folded_refusal(control.keys([KEY]) + _inline(EAGER_SIZE) + fits)
+
+
+def test_a_tcp_receiver_refuses_a_read_beside_an_eager_payload() -> None:
+    # A tcp receiver takes a tcp sender's eager OPEN (no one-sided path needed), but never
+    # one that also asks it to read: refused before anything is reserved or read.
+    fits = control.read(0, [control.Descriptor(KEY.key_id, 0, EAGER_SIZE)])
+    then = control.keys([KEY]) + fits + _inline(EAGER_SIZE)  # keys and a read before it
+    told = _folded_refusal(then, data_address=b"", backend="tcp")
+    assert "no READ or KEYS" in told
 
 
 def test_a_payload_outside_an_open_is_refused() -> None:
