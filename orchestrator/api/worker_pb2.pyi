@@ -497,6 +497,134 @@ class ReleaseResponse(_message.Message):
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
 
 @_typing.final
+class CallCommands(_message.Message):
+    """The commands the orchestrator had for the worker at one moment, in one message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallCommand]: ...
+    def __init__(
+        self,
+        *,
+        commands: _abc.Iterable[Global___CallCommand] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallCommands: _TypeAlias = CallCommands  # noqa: Y015
+
+@_typing.final
+class CallCommand(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_FIELD_NUMBER: _builtins.int
+    TOKENIZE_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    call: _builtins.int
+    """The orchestrator's name for the call, unique on this CallMany; its reply carries it."""
+    @_builtins.property
+    def tokenize(self) -> Global___TokenizeRequest: ...
+    @_builtins.property
+    def prefill(self) -> Global___PrefillRequest: ...
+    @_builtins.property
+    def cancel(self) -> Global___CallCancel:
+        """Stop the call (its deadline passed, its request moved or ended): no reply follows."""
+
+    def __init__(
+        self,
+        *,
+        call: _builtins.int = ...,
+        tokenize: Global___TokenizeRequest | None = ...,
+        prefill: Global___PrefillRequest | None = ...,
+        cancel: Global___CallCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "command", b"command", "prefill", b"prefill", "tokenize", b"tokenize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "cancel", b"cancel", "command", b"command", "prefill", b"prefill", "tokenize", b"tokenize"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["tokenize", "prefill", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
+
+Global___CallCommand: _TypeAlias = CallCommand  # noqa: Y015
+
+@_typing.final
+class CallCancel(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallCancel: _TypeAlias = CallCancel  # noqa: Y015
+
+@_typing.final
+class CallBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replies(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallReply]: ...
+    def __init__(
+        self,
+        *,
+        replies: _abc.Iterable[Global___CallReply] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replies", b"replies"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallBatch: _TypeAlias = CallBatch  # noqa: Y015
+
+@_typing.final
+class CallReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_FIELD_NUMBER: _builtins.int
+    TOKENIZE_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    call: _builtins.int
+    @_builtins.property
+    def tokenize(self) -> Global___TokenizeResponse: ...
+    @_builtins.property
+    def prefill(self) -> Global___PrefillResponse: ...
+    @_builtins.property
+    def failure(self) -> Global___DecodeFailure:
+        """The call failed as the unary call would have (DecodeFailure: a status, not a decode's)."""
+
+    def __init__(
+        self,
+        *,
+        call: _builtins.int = ...,
+        tokenize: Global___TokenizeResponse | None = ...,
+        prefill: Global___PrefillResponse | None = ...,
+        failure: Global___DecodeFailure | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "prefill", b"prefill", "reply", b"reply", "tokenize", b"tokenize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "failure", b"failure", "prefill", b"prefill", "reply", b"reply", "tokenize", b"tokenize"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["tokenize", "prefill", "failure"]  # noqa: Y015
+    _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
+
+Global___CallReply: _TypeAlias = CallReply  # noqa: Y015
+
+@_typing.final
 class AggregatedRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -294,6 +294,11 @@ class WorkerServiceStub:
                 request_serializer=pdorch_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pdorch_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.CallMany = channel.stream_stream(
+                '/pdorch.v1.WorkerService/CallMany',
+                request_serializer=pdorch_dot_v1_dot_worker__pb2.CallCommands.SerializeToString,
+                response_deserializer=pdorch_dot_v1_dot_worker__pb2.CallBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -315,6 +320,20 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CallMany(self, request_iterator, context):
+        """Many Tokenize and Prefill calls on one call: the orchestrator sends each as a command
+        that names it, the worker answers each with one reply — what that unary call would
+        have answered, or its failure (status code, details, trailing metadata) — the replies
+        ready at one moment in one batch. A cancel command stops one call (no reply follows);
+        the call ending stops every call on it. The orchestrator enforces each call's deadline.
+        Both sides send what they have at one moment in one message.
+        A message on an open call costs both sides less than a unary call.
+        orchestrator/control/calls.py, orchestrator/workers/calls.py.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -327,6 +346,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=pdorch_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
                     response_serializer=pdorch_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'CallMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.CallMany,
+                    request_deserializer=pdorch_dot_v1_dot_worker__pb2.CallCommands.FromString,
+                    response_serializer=pdorch_dot_v1_dot_worker__pb2.CallBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -384,6 +408,33 @@ class WorkerService:
             '/pdorch.v1.WorkerService/Tokenize',
             pdorch_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
             pdorch_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CallMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdorch.v1.WorkerService/CallMany',
+            pdorch_dot_v1_dot_worker__pb2.CallCommands.SerializeToString,
+            pdorch_dot_v1_dot_worker__pb2.CallBatch.FromString,
             options,
             channel_credentials,
             insecure,

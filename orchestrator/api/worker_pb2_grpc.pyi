@@ -163,6 +163,16 @@ class WorkerServiceStub:
     """The model's tokenizer (and chat template), so the orchestrator can count and place
     prompt tokens without loading a model.
     """
+    CallMany: _grpc.StreamStreamMultiCallable[_worker_pb2.CallCommands, _worker_pb2.CallBatch]
+    """Many Tokenize and Prefill calls on one call: the orchestrator sends each as a command
+    that names it, the worker answers each with one reply — what that unary call would
+    have answered, or its failure (status code, details, trailing metadata) — the replies
+    ready at one moment in one batch. A cancel command stops one call (no reply follows);
+    the call ending stops every call on it. The orchestrator enforces each call's deadline.
+    Both sides send what they have at one moment in one message.
+    A message on an open call costs both sides less than a unary call.
+    orchestrator/control/calls.py, orchestrator/workers/calls.py.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -174,6 +184,16 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     Tokenize: _aio.UnaryUnaryMultiCallable[_worker_pb2.TokenizeRequest, _worker_pb2.TokenizeResponse]  # type: ignore[assignment]
     """The model's tokenizer (and chat template), so the orchestrator can count and place
     prompt tokens without loading a model.
+    """
+    CallMany: _aio.StreamStreamMultiCallable[_worker_pb2.CallCommands, _worker_pb2.CallBatch]  # type: ignore[assignment]
+    """Many Tokenize and Prefill calls on one call: the orchestrator sends each as a command
+    that names it, the worker answers each with one reply — what that unary call would
+    have answered, or its failure (status code, details, trailing metadata) — the replies
+    ready at one moment in one batch. A cancel command stops one call (no reply follows);
+    the call ending stops every call on it. The orchestrator enforces each call's deadline.
+    Both sides send what they have at one moment in one message.
+    A message on an open call costs both sides less than a unary call.
+    orchestrator/control/calls.py, orchestrator/workers/calls.py.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -195,6 +215,22 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.TokenizeResponse, _abc.Awaitable[_worker_pb2.TokenizeResponse]]:
         """The model's tokenizer (and chat template), so the orchestrator can count and place
         prompt tokens without loading a model.
+        """
+
+    @_abc_1.abstractmethod
+    def CallMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.CallCommands],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.CallBatch], _abc.AsyncIterator[_worker_pb2.CallBatch]]:
+        """Many Tokenize and Prefill calls on one call: the orchestrator sends each as a command
+        that names it, the worker answers each with one reply — what that unary call would
+        have answered, or its failure (status code, details, trailing metadata) — the replies
+        ready at one moment in one batch. A cancel command stops one call (no reply follows);
+        the call ending stops every call on it. The orchestrator enforces each call's deadline.
+        Both sides send what they have at one moment in one message.
+        A message on an open call costs both sides less than a unary call.
+        orchestrator/control/calls.py, orchestrator/workers/calls.py.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

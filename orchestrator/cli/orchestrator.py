@@ -174,6 +174,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help=field_doc(ControlSettings, "decode_mux"),
     )
     o.add_argument(
+        "--call-mux",
+        action=argparse.BooleanOptionalAction,
+        default=default(ControlSettings, "call_mux"),
+        help=field_doc(ControlSettings, "call_mux"),
+    )
+    o.add_argument(
         "--journal-gather-ms",
         type=non_negative_float,
         default=default(ControlSettings, "journal_gather_ms"),
@@ -347,6 +353,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         stream_flush_ms=args.stream_flush_ms,
         journal_gather_ms=args.journal_gather_ms,
         decode_mux=args.decode_mux,
+        call_mux=args.call_mux,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),

@@ -19,6 +19,7 @@ from orchestrator.api.protocol import (
     link_broke,
 )
 from orchestrator.api.tls import Tls, secure_channel
+from orchestrator.control.calls import CallMux
 from orchestrator.control.mux import DecodeMux
 from orchestrator.core.peers import WORKER_SERVER_NAME
 
@@ -45,6 +46,8 @@ class WorkerStubs:
         self.general = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.mux = DecodeMux(self.decode)
         """The decode streams this replica runs there, on one ``DecodeMany`` call."""
+        self.calls = CallMux(self.general)
+        """The ``Tokenize`` and ``Prefill`` calls it makes there, on one ``CallMany`` call."""
 
 
 class WorkerClients:
@@ -64,6 +67,7 @@ class WorkerClients:
     async def close(self) -> None:
         for stubs in self._stubs.values():
             await stubs.mux.close()
+            await stubs.calls.close()
             await stubs.channel.close(None)
         self._stubs.clear()
 

@@ -23,6 +23,7 @@ import grpc
 
 from orchestrator import errors
 from orchestrator.api import worker_pb2
+from orchestrator.control.calls import Pending
 from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.control.mux import Unsupported
 from orchestrator.control.settings import ControlSettings
@@ -58,8 +59,7 @@ class WorkerLegs:
         for worker in sorted(workers, key=lambda w: (w.active, w.worker_id)):
             try:
                 async with translated(worker.worker_id, "tokenize"):
-                    stub = self.clients.get(worker.address).general
-                    return await stub.Tokenize(req, timeout=TOKENIZE_TIMEOUT_S)
+                    return await self._tokenize(worker, req)
             except errors.WorkerError as exc:
                 if not exc.retryable_instance:
                     raise
@@ -74,12 +74,34 @@ class WorkerLegs:
         check: Checkpoint,
     ) -> worker_pb2.PrefillResponse:
         """Prefill on ``prefill``, which sends the KV to ``decode`` (blamed for its failures)."""
-        call = self.clients.get(prefill.address).prefill.Prefill(
-            req, timeout=self.settings.prefill_timeout_s
-        )
+        stubs = self.clients.get(prefill.address)
+        timeout_s = self.settings.prefill_timeout_s
         async with translated(prefill.worker_id, "prefill", kv_target=decode.worker_id):
+            if self.settings.call_mux and stubs.calls.supported:
+                try:
+                    shared: worker_pb2.PrefillResponse = await self._watch(
+                        stubs.calls.prefill(req, timeout_s), prefill, check
+                    )
+                except Unsupported:
+                    pass  # refused before it ran: a call of its own, below
+                else:
+                    return shared
+            call = stubs.prefill.Prefill(req, timeout=timeout_s)
             resp: worker_pb2.PrefillResponse = await self._watch(call, prefill, check)
         return resp
+
+    async def _tokenize(
+        self, worker: WorkerInfo, req: worker_pb2.TokenizeRequest
+    ) -> worker_pb2.TokenizeResponse:
+        """On the call this replica shares with the worker's other calls (`calls`), or on a
+        call of its own (``call_mux`` off, or a worker without ``CallMany``)."""
+        stubs = self.clients.get(worker.address)
+        if self.settings.call_mux and stubs.calls.supported:
+            try:
+                return await stubs.calls.tokenize(req, TOKENIZE_TIMEOUT_S)
+            except Unsupported:
+                pass  # refused before it ran: a call of its own, below
+        return await stubs.general.Tokenize(req, timeout=TOKENIZE_TIMEOUT_S)
 
     async def decode(
         self, decode: WorkerInfo, req: worker_pb2.DecodeRequest, check: Checkpoint
@@ -141,8 +163,9 @@ class WorkerLegs:
             )
 
     async def _watch(self, call: Any, worker: WorkerInfo, check: Checkpoint) -> Any:
-        """Await a unary call, failing fast when the worker's heartbeat disappears."""
-        task = asyncio.ensure_future(call)
+        """Await a unary call (its own, or a `calls.Pending`), failing fast when the worker's
+        heartbeat disappears."""
+        task = call.future if isinstance(call, Pending) else asyncio.ensure_future(call)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.settings.watch_interval_s)

@@ -11,7 +11,7 @@ A `MuxStream` reads as a ``Decode`` call does: its chunks, then its end. A failu
 raises the `grpc.aio.AioRpcError` that stream's own call would have raised (its code,
 details and trailing metadata), so `clients.translated` and failover see no difference.
 The call failing fails every stream on it, always with an error failover retries (a killed
-worker: UNAVAILABLE; `_call_failed`); the next stream opens a new call. Handing events out
+worker: UNAVAILABLE; `call_failed`); the next stream opens a new call. Handing events out
 never waits for a reader: each stream keeps its chunks until read (at most one per window,
 and no more than its ``max_tokens``). A stream closed early (`MuxStream.close`: a stop
 string, a failover, a client gone) sends its cancel and the worker stops that decode. A
@@ -33,7 +33,16 @@ import grpc
 from orchestrator.api import worker_pb2, worker_pb2_grpc
 from orchestrator.api.protocol import RETRYABLE_CODES, link_broke
 
-__all__ = ["RETRY_UNSUPPORTED_S", "DecodeMux", "MuxStream", "Unsupported"]
+__all__ = [
+    "RETRY_UNSUPPORTED_S",
+    "DecodeMux",
+    "MuxStream",
+    "Unsupported",
+    "call_failed",
+    "copy_error",
+    "failure_error",
+    "status_error",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +58,7 @@ class Unsupported(Exception):
 _STATUS = {status.value[0]: status for status in grpc.StatusCode}
 
 
-def _error(
+def status_error(
     code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
 ) -> grpc.aio.AioRpcError:
     """The error a ``Decode`` call ending with this status raises."""
@@ -58,24 +67,31 @@ def _error(
     )
 
 
-def _call_failed(exc: grpc.aio.AioRpcError) -> BaseException:
+def failure_error(failure: worker_pb2.DecodeFailure) -> grpc.aio.AioRpcError:
+    """The error the call a worker reports failed (`DecodeFailure`) would have raised."""
+    code = _STATUS.get(failure.code, grpc.StatusCode.UNKNOWN)
+    return status_error(code, failure.details, tuple(failure.trailing.items()))
+
+
+def call_failed(exc: grpc.aio.AioRpcError, method: str = "DecodeMany") -> BaseException:
     """What the call's failure means for its streams. Unlike one stream's failure event, it
     says nothing of their requests — the worker or the link failed — so a code failover
     would not retry (an INTERNAL from gRPC's core, say) is read as UNAVAILABLE: the
     requests move to another worker instead of failing."""
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        return Unsupported(f"the worker does not serve DecodeMany: {details}")
+        return Unsupported(f"the worker does not serve {method}: {details}")
     if code in RETRYABLE_CODES or link_broke(code, details):
         return exc
-    return _error(grpc.StatusCode.UNAVAILABLE, f"the decode call failed: {code.name}: {details}")
+    failed = f"the worker's {method} call failed: {code.name}: {details}"
+    return status_error(grpc.StatusCode.UNAVAILABLE, failed)
 
 
-def _copy(error: BaseException) -> BaseException:
+def copy_error(error: BaseException) -> BaseException:
     """One exception per stream (a raised exception collects its raiser's traceback)."""
     if isinstance(error, grpc.aio.AioRpcError):
         trailing = tuple(error.trailing_metadata() or ())
-        return _error(error.code(), error.details() or "", trailing)  # type: ignore[arg-type]
+        return status_error(error.code(), error.details() or "", trailing)  # type: ignore[arg-type]
     return Unsupported(str(error)) if isinstance(error, Unsupported) else error
 
 
@@ -164,7 +180,7 @@ class _Call:
             yield command
 
     async def _read(self) -> None:
-        error: BaseException = _error(
+        error: BaseException = status_error(
             grpc.StatusCode.UNAVAILABLE, "the worker ended its decode call"
         )
         try:
@@ -172,20 +188,20 @@ class _Call:
                 self.last_batch = time.monotonic()
                 self._hand_out(batch)
         except grpc.aio.AioRpcError as exc:
-            error = _call_failed(exc)
+            error = call_failed(exc)
         except asyncio.CancelledError:
-            error = _error(grpc.StatusCode.CANCELLED, "the orchestrator closed the call")
+            error = status_error(grpc.StatusCode.CANCELLED, "the orchestrator closed the call")
             raise
         except Exception as exc:  # noqa: BLE001 - a batch we cannot read: the call is done
             log.warning("decode call to a worker failed: %r", exc)
-            error = _error(grpc.StatusCode.UNAVAILABLE, f"the decode call failed: {exc!r}")
+            error = status_error(grpc.StatusCode.UNAVAILABLE, f"the decode call failed: {exc!r}")
         finally:
             self._rpc.cancel()  # ended already, or the worker must stop decoding for it
             self.closed = True
             self._mux._ended(self, error)
             streams, self.streams = list(self.streams.values()), {}
             for stream in streams:
-                stream._finish(_copy(error))
+                stream._finish(copy_error(error))
             self._commands.put_nowait(None)
 
     def _hand_out(self, batch: worker_pb2.DecodeBatch) -> None:
@@ -200,10 +216,7 @@ class _Call:
                 stream._deliver(chunk)
             if event.HasField("failure"):
                 del self.streams[event.stream]
-                failure = event.failure
-                trailing = tuple(failure.trailing.items())
-                code = _STATUS.get(failure.code, grpc.StatusCode.UNKNOWN)
-                stream._finish(_error(code, failure.details, trailing))
+                stream._finish(failure_error(event.failure))
             elif event.ended:
                 del self.streams[event.stream]
                 stream._finish(None)

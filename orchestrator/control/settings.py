@@ -33,6 +33,10 @@ class ControlSettings:
     """Read the decode streams of the requests on one decode worker from one ``DecodeMany``
     call (one message per batch of streams, `orchestrator.control.mux`) rather than one
     ``Decode`` call each. A worker without it is read the old way."""
+    call_mux: bool = True
+    """Send a worker this replica's ``Tokenize`` and ``Prefill`` calls as messages on one
+    ``CallMany`` call (`orchestrator.control.calls`) rather than as unary calls: a message on
+    an open call costs less than a call. A worker without it gets unary calls."""
     journal_gather_ms: float = 10.0
     """Under load, the least time between two journal writes (each one round trip for the
     chunks of every stream on this replica, `orchestrator.control.journal`): a chunk may

@@ -7,7 +7,8 @@ sender/receiver (`reference_host`), or vLLM's async engine (`vllm.engine`). The 
 here validate a call, delegate it to the host, coalesce its token stream to the window the
 request asks (`coalesce`) and count what it produced; the worker owns
 the gRPC server, heartbeats and drain. ``DecodeMany`` runs many decode streams on one call
-(`mux`), each as its own ``Decode`` would. An undecodable request (a string field that is not
+(`mux`), each as its own ``Decode`` would; ``CallMany`` many ``Tokenize`` and ``Prefill``
+calls (`calls`), each as its unary call would. An undecodable request (a string field that is not
 UTF-8) is answered INVALID_ARGUMENT with one log line (`api.undecodable`), as the
 orchestrator's own server does. With TLS credentials the gRPC port is mutual TLS and only
 orchestrator identities are served (`api.peers.RequirePeer`): a client's or another
@@ -39,11 +40,12 @@ from orchestrator.api.undecodable import RefuseUndecodable, Undecodable, refuse
 from orchestrator.core.peers import Surface
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.batcher import EngineRunner
+from orchestrator.workers.calls import CallMany, Unary
 from orchestrator.workers.coalesce import coalesced, window_of
 from orchestrator.workers.engine import Engine
-from orchestrator.workers.host import EngineHost
+from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
-from orchestrator.workers.mux import BadCommand, DecodeMany
+from orchestrator.workers.mux import BadCommand, DecodeMany, Many
 from orchestrator.workers.reference_host import ReferenceHost
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
@@ -116,8 +118,8 @@ class Worker:
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self._heartbeat: asyncio.Task[None] | None = None
-        self._calls: set[DecodeMany] = set()
-        """The open ``DecodeMany`` calls (drained on stop)."""
+        self._calls: set[Many[Any, Any, Any]] = set()
+        """The open ``DecodeMany`` and ``CallMany`` calls (drained on stop)."""
         self._draining = False
         self.address = ""
         self.kv_address = ""
@@ -146,6 +148,50 @@ class Worker:
         self._heartbeat = asyncio.create_task(self._beat(), name="pdorch-heartbeat")
         log.info("worker %s (%s) serving on %s", self.worker_id, self.settings.role, self.address)
         return self.address
+
+    async def tokenize(
+        self, request: worker_pb2.TokenizeRequest, context: Context
+    ) -> worker_pb2.TokenizeResponse:
+        """``Tokenize``'s body (its own call, or one on a ``CallMany``)."""
+        if request.WhichOneof("input") == "chat":
+            messages = [(m.role, m.content) for m in request.chat.messages]
+            ids = await self.host.chat_tokens(messages)
+        else:
+            ids = await self.host.tokenize(request.text)
+        return worker_pb2.TokenizeResponse(ids=ids)
+
+    async def prefill(
+        self, request: worker_pb2.PrefillRequest, context: Context
+    ) -> worker_pb2.PrefillResponse:
+        """``Prefill``'s body (its own call, or one on a ``CallMany``)."""
+        if (problem := _check_tokens(self, list(request.token_ids), "token_ids")) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return await self.host.prefill(request, context)
+
+    async def _serve_many(
+        self,
+        method: str,
+        many: Many[Any, Any, Any],
+        commands: AsyncIterator[Any],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[Any]:
+        """A ``DecodeMany`` or ``CallMany`` call's batches; drained with the worker."""
+        self._calls.add(many)
+        if self._draining:  # stopping since the call arrived
+            many.drain()
+
+        def abandon(_context: object) -> None:
+            many.abandon()
+
+        done: Any = abandon  # the stubs want their DoneCallback class; any callable does
+        context.add_done_callback(done)
+        try:
+            async for batch in many.serve(commands):
+                yield batch
+        except BadCommand as exc:
+            await refuse(method, exc.request, context)
+        finally:
+            self._calls.discard(many)
 
     def _count(self, chunk: worker_pb2.TokenChunk) -> worker_pb2.TokenChunk:
         if self.metrics is not None:
@@ -225,9 +271,7 @@ class _Prefill(worker_pb2_grpc.PrefillServiceServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> worker_pb2.PrefillResponse:
-        if (problem := _check_tokens(self.w, list(request.token_ids), "token_ids")) is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        return await self.w.host.prefill(request, context)
+        return await self.w.prefill(request, context)
 
 
 class _Decode(worker_pb2_grpc.DecodeServiceServicer):
@@ -247,22 +291,9 @@ class _Decode(worker_pb2_grpc.DecodeServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[worker_pb2.DecodeBatch]:
         many = DecodeMany(self.w.host.decode, self.w._count)
-        self.w._calls.add(many)
-        if self.w._draining:  # stopping since the call arrived
-            many.drain()
-
-        def abandon(_context: object) -> None:
-            many.abandon()
-
-        done: Any = abandon  # the stubs want their DoneCallback class; any callable does
-        context.add_done_callback(done)
-        try:
-            async for batch in many.serve(request_iterator):
-                yield batch
-        except BadCommand as exc:
-            await refuse("/pdorch.v1.DecodeService/DecodeMany", exc.request, context)
-        finally:
-            self.w._calls.discard(many)
+        method = "/pdorch.v1.DecodeService/DecodeMany"
+        async for batch in self.w._serve_many(method, many, request_iterator, context):
+            yield batch
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -286,9 +317,14 @@ class _General(worker_pb2_grpc.WorkerServiceServicer):
     async def Tokenize(
         self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> worker_pb2.TokenizeResponse:
-        if request.WhichOneof("input") == "chat":
-            messages = [(m.role, m.content) for m in request.chat.messages]
-            ids = await self.w.host.chat_tokens(messages)
-        else:
-            ids = await self.w.host.tokenize(request.text)
-        return worker_pb2.TokenizeResponse(ids=ids)
+        return await self.w.tokenize(request, context)
+
+    async def CallMany(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.CallCommands | Undecodable],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[worker_pb2.CallBatch]:
+        many = CallMany(Unary(self.w.tokenize, self.w.prefill))
+        method = "/pdorch.v1.WorkerService/CallMany"
+        async for batch in self.w._serve_many(method, many, request_iterator, context):
+            yield batch

@@ -23,7 +23,7 @@ from orchestrator.api import common_pb2, worker_pb2, worker_pb2_grpc
 from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
 from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.control.legs import WorkerLegs
-from orchestrator.control.mux import DecodeMux, MuxStream, Unsupported, _call_failed
+from orchestrator.control.mux import DecodeMux, MuxStream, Unsupported, call_failed
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.engine import ModelInfo
@@ -386,13 +386,13 @@ def test_a_call_failure_is_always_one_failover_retries() -> None:
     def fails(code: grpc.StatusCode, details: str = "x") -> grpc.aio.AioRpcError:
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
-    internal = _call_failed(fails(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    internal = call_failed(fails(grpc.StatusCode.INTERNAL, "Internal error from Core"))
     assert isinstance(internal, grpc.aio.AioRpcError)
     assert internal.code() == grpc.StatusCode.UNAVAILABLE
     assert "INTERNAL: Internal error from Core" in (internal.details() or "")
     unavailable = fails(grpc.StatusCode.UNAVAILABLE)
-    assert _call_failed(unavailable) is unavailable
-    assert isinstance(_call_failed(fails(grpc.StatusCode.UNIMPLEMENTED)), Unsupported)
+    assert call_failed(unavailable) is unavailable
+    assert isinstance(call_failed(fails(grpc.StatusCode.UNIMPLEMENTED)), Unsupported)
 
 
 def test_a_silent_call_is_closed_when_a_stream_on_it_is_given_up_for_silence() -> None:

@@ -107,8 +107,8 @@ def generate(address: str, tls: Tls | None, rid: str) -> grpc.aio.AioRpcError:
 
 
 def call_worker(address: str, ch_factory: object) -> dict[str, grpc.StatusCode]:
-    """Prefill, Decode, DecodeMany and Generate on a worker through ``ch_factory()``: each's
-    code."""
+    """Prefill, Decode, DecodeMany, CallMany and Generate on a worker through
+    ``ch_factory()``: each's code."""
 
     async def main() -> dict[str, grpc.StatusCode]:
         codes: dict[str, grpc.StatusCode] = {}
@@ -145,6 +145,7 @@ def call_worker(address: str, ch_factory: object) -> dict[str, grpc.StatusCode]:
                 # and the refusal comes before any command is read. A worker that served it
                 # would leave the call open until its deadline (DEADLINE_EXCEEDED).
                 ("DecodeMany", lambda: decode.DecodeMany(timeout=20)),
+                ("CallMany", lambda: general.CallMany(timeout=20)),
                 (
                     "Generate",
                     lambda: general.Generate(

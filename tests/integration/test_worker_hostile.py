@@ -68,6 +68,19 @@ async def _scenario() -> None:
             code, details = await _code_of(many(iter([raw]), timeout=5))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
             assert "undecodable" in details
+            # Many unary calls on one call: an undecodable command refuses the call.
+            calls = channel.stream_stream("/pdorch.v1.WorkerService/CallMany")
+            prefill = worker_pb2.CallCommands(
+                commands=[
+                    worker_pb2.CallCommand(
+                        call=1, prefill=worker_pb2.PrefillRequest(request_id="rid", epoch=1)
+                    )
+                ]
+            )
+            raw = prefill.SerializeToString().replace(b"rid", b"r\xc3(")
+            code, details = await _code_of(calls(iter([raw]), timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "undecodable" in details
             # Still serving well-formed calls.
             ok = tokenize(
                 worker_pb2.TokenizeRequest(text="two words").SerializeToString(), timeout=5
@@ -83,6 +96,6 @@ def test_worker_answers_invalid_argument_to_undecodable_requests(
     with caplog.at_level(logging.INFO):
         asyncio.run(_scenario())
     refused = [r for r in caplog.records if "undecodable" in r.getMessage()]
-    assert len(refused) == 3  # Tokenize, Generate, DecodeMany: one line each
+    assert len(refused) == 4  # Tokenize, Generate, DecodeMany, CallMany: one line each
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -156,6 +156,13 @@ def _call(coro: Coroutine[Any, Any, Any]) -> Awaitable[Any]:
     return asyncio.ensure_future(coro)
 
 
+class _UnaryOnly:
+    supported = False
+
+    async def close(self) -> None:
+        return None
+
+
 class _Stubs:
     def __init__(self, worker: FakeWorker) -> None:
         self.prefill = self
@@ -163,6 +170,9 @@ class _Stubs:
         self.general = self
         self.mux = self
         """`control.mux.DecodeMux`: each stream as the worker's Decode call streams it."""
+        self.calls = _UnaryOnly()
+        """`control.calls.CallMux`: this fake worker takes unary calls only (the shared
+        call is tested against a real worker server: tests/integration/test_call_mux.py)."""
         self.w = worker
 
     supported = True

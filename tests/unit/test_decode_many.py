@@ -11,8 +11,9 @@ import pytest
 
 from orchestrator.api import common_pb2, worker_pb2
 from orchestrator.api.undecodable import Undecodable
+from orchestrator.workers import mux
 from orchestrator.workers.host import Context
-from orchestrator.workers.mux import MAX_BATCH_BYTES, BadCommand, DecodeMany, _batches
+from orchestrator.workers.mux import MAX_BATCH_BYTES, BadCommand, DecodeMany
 
 LIMIT_S = 10.0
 
@@ -80,11 +81,11 @@ def test_a_large_backlog_is_cut_into_batches_under_the_message_limit() -> None:
         worker_pb2.DecodeEvent(stream=i, chunk=worker_pb2.TokenChunk(index=0, text="x" * 100_000))
         for i in range(25)
     ]
-    batches = list(_batches(events))
+    batches = list(mux.batches(events, mux._decode_batch))
     assert len(batches) >= 3
     assert all(b.ByteSize() <= MAX_BATCH_BYTES for b in batches)
     assert [e.stream for b in batches for e in b.events] == list(range(25))  # order kept
-    small = list(_batches(events[:2]))
+    small = list(mux.batches(events[:2], mux._decode_batch))
     assert len(small) == 1
 
 
@@ -101,5 +102,26 @@ def test_an_undecodable_command_refuses_the_call_and_stops_its_streams() -> None
         with pytest.raises(BadCommand, match="bad UTF-8"):
             await drain()
         assert not many._tasks  # the stream it had started is cancelled
+
+    run(main())
+
+
+def test_an_empty_or_repeated_command_is_refused_and_touches_no_other() -> None:
+    """A command that starts nothing, or starts a stream already running, is answered with
+    that stream's failure (INVALID_ARGUMENT); the running one goes on."""
+
+    async def main() -> None:
+        many = DecodeMany(decode, lambda chunk: chunk)
+        empty = worker_pb2.DecodeCommand(stream=7)
+        batches = many.serve(commands(start(1, 30), empty, start(1, 30)))
+        events: list[worker_pb2.DecodeEvent] = []
+        while not any(e.stream == 1 and e.ended for e in events):
+            events += (await anext(batches)).events
+        refused = {(e.stream, e.failure.details) for e in events if e.HasField("failure")}
+        assert refused == {(7, "an empty command"), (1, "stream 1 is already running")}
+        assert all(e.failure.code == 3 for e in events if e.HasField("failure"))  # INVALID_ARGUMENT
+        tokens = [t for e in events if e.stream == 1 for t in e.chunk.token_ids]
+        assert tokens == list(range(1, 30))
+        await batches.aclose()
 
     run(main())
