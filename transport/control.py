@@ -81,7 +81,9 @@ from __future__ import annotations
 import enum
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from transport import errors
 from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES
@@ -222,7 +224,10 @@ def encode(kind: Kind, body: bytes = b"") -> bytes:
 
 
 def decode_head(head: bytes) -> tuple[Kind, int]:
-    kind_code, length = _HEAD.unpack(head)
+    return _check_head(*_HEAD.unpack(head))
+
+
+def _check_head(kind_code: int, length: int) -> tuple[Kind, int]:
     try:
         kind = Kind(kind_code)
     except ValueError:
@@ -376,8 +381,9 @@ def open_read2(segment_bytes: int, header: bytes, *, folded: bool, then: bytes =
     return encode(Kind.OPEN_READ2, body)
 
 
-def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Message]]:
-    """Flags, segment size, KV header and the messages folded in after it."""
+def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Folded]]:
+    """Flags, segment size, KV header and the messages folded in after it (views of
+    ``body``, not copies, for an eager payload: `Inline`)."""
     if len(body) < _OPEN2.size:
         raise errors.WireFormatError("OPEN_READ2 too short")
     flags, segment_bytes, header_len = _OPEN2.unpack_from(body)
@@ -386,30 +392,70 @@ def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Message]]:
     end = _OPEN2.size + header_len
     if end > len(body):
         raise errors.WireFormatError("OPEN_READ2 header truncated")
-    return flags, segment_bytes, body[_OPEN2.size : end], split(body[end:])
+    return flags, segment_bytes, body[_OPEN2.size : end], split(memoryview(body)[end:])
 
 
-def split(data: bytes) -> list[Message]:
-    """Whole control messages laid end to end (each head checked as on the link)."""
-    out, pos = [], 0
-    while pos < len(data):
-        if pos + HEAD_SIZE > len(data):
+@dataclass(frozen=True, slots=True)
+class Inline:
+    """A PAYLOAD folded into an OPEN_READ2, as a view of that OPEN's body: an eager KV's
+    bytes are copied once on the way in, into the receiver's buffer, never sliced out
+    of the message first (`split`)."""
+
+    body: memoryview
+    kind: ClassVar[Kind] = Kind.PAYLOAD
+
+
+Folded = Message | Inline
+"""A message folded into an OPEN_READ2 (`parse_open_read2`)."""
+
+
+def split(data: bytes | memoryview) -> list[Folded]:
+    """Whole control messages laid end to end (each head checked as on the link). A
+    PAYLOAD comes back as a view of ``data`` (`Inline`), the rest as bytes (small)."""
+    view = memoryview(data)
+    out: list[Folded] = []
+    pos = 0
+    while pos < len(view):
+        if pos + HEAD_SIZE > len(view):
             raise errors.WireFormatError("a folded message is truncated")
-        kind, length = decode_head(data[pos : pos + HEAD_SIZE])
+        kind, length = _check_head(*_HEAD.unpack_from(view, pos))
         pos += HEAD_SIZE
-        if pos + length > len(data):
+        if pos + length > len(view):
             raise errors.WireFormatError("a folded message is truncated")
-        out.append(Message(kind, data[pos : pos + length]))
+        body = view[pos : pos + length]
+        out.append(Inline(body) if kind is Kind.PAYLOAD else Message(kind, bytes(body)))
         pos += length
     return out
 
 
-def payload(buffers: list[memoryview]) -> bytes:
+def payload_head(buffers: Sequence[memoryview]) -> bytes:
+    """The head of PAYLOAD for an eager KV's buffers, which follow it on the link as they
+    lie in memory, in wire order (`open_read2_parts`): never joined into one object."""
+    n = sum(b.nbytes for b in buffers)
+    if not 0 < n <= EAGER_BYTES:
+        raise errors.WireFormatError(f"an eager payload of {n} bytes")
+    return _HEAD.pack(Kind.PAYLOAD, n)
+
+
+def payload(buffers: Sequence[memoryview]) -> bytes:
     """PAYLOAD: an eager KV's bytes, its buffers joined in wire order."""
-    body = b"".join(buffers)
-    if not 0 < len(body) <= EAGER_BYTES:
-        raise errors.WireFormatError(f"an eager payload of {len(body)} bytes")
-    return encode(Kind.PAYLOAD, body)
+    return payload_head(buffers) + b"".join(buffers)
+
+
+def open_read2_parts(
+    segment_bytes: int, header: bytes, then: Sequence[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    """OPEN_READ2 (``FOLDED``) in pieces, as `open_read2` lays it out: its head, fields
+    and KV header in the first, then ``then`` — the folded messages, an eager payload's
+    buffers among them (after `payload_head`) — as they are, for one gathered write
+    (`transport.link.Link.send_parts`): no copy of the payload on the sender's side."""
+    size = (
+        _OPEN2.size + len(header) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in then)
+    )
+    first = (
+        _HEAD.pack(Kind.OPEN_READ2, size) + _OPEN2.pack(FOLDED, segment_bytes, len(header)) + header
+    )
+    return [first, *then]
 
 
 def read(index: int, descriptors: list[Descriptor]) -> bytes:

@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import logging
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import numpy as np
 import pytest
@@ -169,20 +169,22 @@ def test_a_one_sided_open_to_a_receiver_without_that_path_is_refused() -> None:
 
 
 def _spy(sent: list[list[control.Kind]]) -> Callable[[], None]:
-    """Record the kinds of the control messages each `Link.send` writes; returns an undo."""
-    original = Link.send
+    """Record the kinds of the control messages each write of a `Link` carries (`send`,
+    or `send_parts`: an eager OPEN in pieces); returns an undo."""
+    original = Link._write
 
-    async def send(self: Link, data: bytes, timeout_s: float) -> None:
+    async def write(self: Link, chunks: Iterable[bytes | memoryview], timeout_s: float) -> None:
+        chunks = list(chunks)
         kinds = []
-        for msg in control.split(data):
+        for msg in control.split(b"".join(chunks)):
             kinds.append(msg.kind)
-            if msg.kind is control.Kind.OPEN_READ2:  # and what is folded into it
+            if isinstance(msg, control.Message) and msg.kind is control.Kind.OPEN_READ2:
                 kinds.extend(m.kind for m in control.parse_open_read2(msg.body)[3])
         sent.append(kinds)
-        await original(self, data, timeout_s)
+        await original(self, chunks, timeout_s)
 
-    Link.send = send  # type: ignore[method-assign]
-    return lambda: setattr(Link, "send", original)
+    Link._write = write  # type: ignore[method-assign]
+    return lambda: setattr(Link, "_write", original)
 
 
 async def _with_pair(body: Callable[..., Awaitable[None]]) -> None:
