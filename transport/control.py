@@ -90,18 +90,26 @@ from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES
 
 _HEAD = struct.Struct("<BI")
 HEAD_SIZE = _HEAD.size
-EAGER_BYTES = 64 * 1024
+EAGER_BYTES = 128 * 1024
 """Eager: a KV of at most this many payload bytes, whole at hand, goes inline in its
 OPEN_READ2 (PAYLOAD) rather than read from registered memory; the receiver refuses a
-PAYLOAD longer than this (its head is checked before its body is taken). Measured on this
-2-core VM, 32 layers, eager and read alternated transfer by transfer between the same two
-processes (medians of 1,500 each, load 5–6.5): 4 KiB 591 vs 664 µs, 64 KiB 484 vs 509,
-96 KiB 553 vs 558, 112 KiB 540 vs 540, 128 KiB 611 vs 597; at 256 KiB–1 MiB eager cost
-2–4× (the payload crosses the control link's stream, then one more copy). It stops paying
-at ~100 KiB: 64 KiB keeps a clear margin, and the control link's largest message small."""
-# The largest body: an OPEN (tag + a maximal KV header, with an eager KV's payload and
-# frames) or a HELLO carrying a UCX worker address (a few KiB at most). Anything longer is
-# a protocol violation, refused unread.
+PAYLOAD longer than this (its head is checked before its body is taken). The payload is
+written from the KV's own memory (`open_read2_parts`) and copied out of the OPEN once,
+into the receiver's buffer (`Inline`); before, ~6 copies on the way out and 3 on the way
+in made eager stop paying at ~100 KiB on ucx-read (2–4× the read at 256 KiB–1 MiB).
+Measured on this 2-core VM (`pdorch bench transport`, 32 layers, 100 transfers × 2
+rounds, this code against the one before alternated, 3 pairs, load 2.5–5; medians of the
+pairs' medians, µs): ucx-read eager vs read 128 KiB 468 vs 564, 192 KiB 497 vs 583,
+256 KiB 662 vs 498, 512 KiB ~1,000 vs ~640; the tag path and tcp, where a large KV is
+~1.2–2 ms at these sizes, ~2× faster eager to 256 KiB. 128 KiB: ucx-read no worse, the
+others ~2× better; past it the read wins on ucx-read (the rest of an eager payload's cost
+is the stream reader's own copies, module notes of `transport.link`)."""
+# The largest body: an OPEN (a maximal KV header, an eager KV's payload, every layer's
+# frame — 1,024 × 24 bytes — and a WITHDRAW of every key a link holds — 4,096 × 4 bytes —
+# within the last 64 KiB) or a HELLO carrying a UCX worker address (a few KiB at most).
+# Anything longer is a protocol violation, refused unread. 256 KiB: one such message is
+# read whole from the link's stream (`link.read_message`), far inside its buffer bound
+# (`link.STREAM_LIMIT`, 4 MiB); a receiver holds at most one per connection.
 MAX_BODY = MAX_HEADER_BYTES + EAGER_BYTES + 64 * 1024
 _U64 = struct.Struct("<Q")
 _ERR = struct.Struct("<B")

@@ -9,6 +9,18 @@ stalls (SIGSTOP) is caught by the idle deadline instead.
 OSError, IncompleteReadError and TimeoutError are translated into the transport's tree here;
 a TLS error (`ssl.SSLError`, e.g. the peer's alert that our certificate is refused, which
 TLS 1.3 delivers after the client's handshake) becomes `PeerRejectedError`.
+
+**Copies of an eager payload** (`control.EAGER_BYTES`, inline in its OPEN). Out: none of
+ours past 64 KiB — `send_parts` hands the KV's buffers to the transport as they lie, and
+only what the socket does not take at once is buffered (asyncio copies that rest; uvloop
+holds the buffers) — and one join up to it. In: the stream reader's own — each ``recv``
+into a new bytes object, appended to its buffer, the message sliced out of that buffer by
+``readexactly`` — and ours, the one copy from that message into the receiver's buffer
+(`control.Inline`). Fresh allocations of a few hundred KiB fault their pages in, so
+those three copies are most of what an eager payload still costs past ~128 KiB (a
+profile at 512 KiB, tcp: ``readexactly`` and ``bytearray.extend`` ahead of everything
+else). Reading straight into the receiver's buffer would need a `asyncio.BufferedProtocol`
+in place of the stream reader for the payload's span: not done.
 """
 
 from __future__ import annotations

@@ -418,7 +418,7 @@ def test_a_small_kv_goes_inline_in_its_open_and_a_larger_one_is_read() -> None:
 
 
 def test_an_inline_payload_not_of_the_headers_size_is_refused_before_allocation() -> None:
-    assert "header declares 65536" in _folded_refusal(_inline(EAGER_SIZE - 1))
+    assert f"header declares {EAGER_SIZE}" in _folded_refusal(_inline(EAGER_SIZE - 1))
 
 
 def test_an_eager_kv_from_a_sender_without_a_ucx_data_plane_is_refused(
@@ -466,8 +466,9 @@ def test_an_oversized_inline_payload_drops_the_link_and_reserves_nothing() -> No
         try:
             reader, writer = await testing._say_hello(address)
             cache = testing.synthetic_cache("o", 1, 2 * EAGER_SIZE, n_layers=2)
-            big = struct.pack("<BI", control.Kind.PAYLOAD, 2 * EAGER_SIZE) + b"\0" * (
-                2 * EAGER_SIZE
+            # One byte past the bound (the whole OPEN within `control.MAX_BODY`: read).
+            big = struct.pack("<BI", control.Kind.PAYLOAD, EAGER_SIZE + 1) + b"\0" * (
+                EAGER_SIZE + 1
             )
             header = wire.encode_header(cache.header)
             writer.write(control.open_read2(1 << 20, header, folded=True, then=big))
