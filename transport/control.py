@@ -95,15 +95,18 @@ EAGER_BYTES = 128 * 1024
 OPEN_READ2 (PAYLOAD) rather than read from registered memory; the receiver refuses a
 PAYLOAD longer than this (its head is checked before its body is taken). The payload is
 written from the KV's own memory (`open_read2_parts`) and copied out of the OPEN once,
-into the receiver's buffer (`Inline`); before, ~6 copies on the way out and 3 on the way
-in made eager stop paying at ~100 KiB on ucx-read (2–4× the read at 256 KiB–1 MiB).
-Measured on this 2-core VM (`pdorch bench transport`, 32 layers, 100 transfers × 2
-rounds, this code against the one before alternated, 3 pairs, load 2.5–5; medians of the
-pairs' medians, µs): ucx-read eager vs read 128 KiB 468 vs 564, 192 KiB 497 vs 583,
-256 KiB 662 vs 498, 512 KiB ~1,000 vs ~640; the tag path and tcp, where a large KV is
-~1.2–2 ms at these sizes, ~2× faster eager to 256 KiB. 128 KiB: ucx-read no worse, the
-others ~2× better; past it the read wins on ucx-read (the rest of an eager payload's cost
-is the stream reader's own copies, module notes of `transport.link`)."""
+into the receiver's buffer (`Inline`); before, ~6 copies out and 3 in (each a fresh
+allocation whose pages fault in) made eager cost 2–4× a ucx-read at 256 KiB–1 MiB.
+Measured on this 2-core VM, `pdorch bench transport`, 32 layers, 100 transfers × 2
+rounds, medians in µs, before/after alternated in separate runs (load 1–6, noisy): at
+128 KiB, now eager, v1 1,431 / 2,405 / 1,372 → 743 / 527 / 845, tcp 1,510 / 2,081 /
+1,638 → 542 / 664 / 606, ucx-read 495 / 681 / 562 → 571 / 777 / 591 (level with its
+read); 4 KiB unchanged (v1 639 / 498 / 636 / 693 → 478 / 470 / 484 / 495). Eager past
+128 KiB (the bound raised in a scratch copy): ucx-read 256 KiB 555 / 728 / 662 against a
+read's 456 / 498 / 591, 512 KiB ~1,000 against ~650 (the old copies: ~2,300) — while v1
+and tcp, whose large-KV path costs 1.5–2.5 ms here, stay ~2.5× faster eager at 256 KiB.
+One bound for every backend: 128 KiB, where ucx-read is level and the others gain most.
+What an eager payload still costs is the stream reader's copies (`transport.link`)."""
 # The largest body: an OPEN (a maximal KV header, an eager KV's payload, every layer's
 # frame — 1,024 × 24 bytes — and a WITHDRAW of every key a link holds — 4,096 × 4 bytes —
 # within the last 64 KiB) or a HELLO carrying a UCX worker address (a few KiB at most).

@@ -854,8 +854,9 @@ class _Receive:
     def take_inline(self, body: memoryview) -> None:
         """Eager: the whole payload came folded into the OPEN (its length was checked
         against the header's before the buffer was taken, `_check_inline`): copy it in
-        from the OPEN's body (a view, `control.Inline`: the one copy the receiver makes),
-        as if every segment had been read; each layer is verified once its frame is in."""
+        from the OPEN's body (a view, `control.Inline`: past the stream reader's, the one
+        copy made of it here), as if every segment had been read; each layer is verified
+        once its frame is in."""
         if not self.one_sided or self.reading or body.nbytes != self.flat.nbytes:
             raise errors.WireFormatError("an inline payload besides reads, or of the wrong size")
         self.flat[:] = body
