@@ -14,7 +14,7 @@ loading asyncio, the senders or UCX.
   (0.9–1.1×) at 64–256 MiB.
 * ``tcp``: payloads inline on the control connection; needs nothing installed.
 
-On every backend a whole KV of at most 64 KiB (`transport.control.EAGER_BYTES`) goes inline
+On every backend a whole KV of at most 128 KiB (`transport.control.EAGER_BYTES`) goes inline
 in one message and one reply (eager: nothing registered, posted or read).
 
 **Pairing.** Control always travels on a TCP link and each sender says how it moves

@@ -81,25 +81,38 @@ from __future__ import annotations
 import enum
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from transport import errors
 from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES
 
 _HEAD = struct.Struct("<BI")
 HEAD_SIZE = _HEAD.size
-EAGER_BYTES = 64 * 1024
+EAGER_BYTES = 128 * 1024
 """Eager: a KV of at most this many payload bytes, whole at hand, goes inline in its
 OPEN_READ2 (PAYLOAD) rather than read from registered memory; the receiver refuses a
-PAYLOAD longer than this (its head is checked before its body is taken). Measured on this
-2-core VM, 32 layers, eager and read alternated transfer by transfer between the same two
-processes (medians of 1,500 each, load 5–6.5): 4 KiB 591 vs 664 µs, 64 KiB 484 vs 509,
-96 KiB 553 vs 558, 112 KiB 540 vs 540, 128 KiB 611 vs 597; at 256 KiB–1 MiB eager cost
-2–4× (the payload crosses the control link's stream, then one more copy). It stops paying
-at ~100 KiB: 64 KiB keeps a clear margin, and the control link's largest message small."""
-# The largest body: an OPEN (tag + a maximal KV header, with an eager KV's payload and
-# frames) or a HELLO carrying a UCX worker address (a few KiB at most). Anything longer is
-# a protocol violation, refused unread.
+PAYLOAD longer than this (its head is checked before its body is taken). The payload is
+written from the KV's own memory (`open_read2_parts`) and copied out of the OPEN once,
+into the receiver's buffer (`Inline`); before, ~6 copies out and 3 in (each a fresh
+allocation whose pages fault in) made eager cost 2–4× a ucx-read at 256 KiB–1 MiB.
+Measured on this 2-core VM, `pdorch bench transport`, 32 layers, 100 transfers × 2
+rounds, medians in µs, before/after alternated in separate runs (load 1–6, noisy): at
+128 KiB, now eager, v1 1,431 / 2,405 / 1,372 → 743 / 527 / 845, tcp 1,510 / 2,081 /
+1,638 → 542 / 664 / 606, ucx-read 495 / 681 / 562 → 571 / 777 / 591 (level with its
+read); 4 KiB unchanged (v1 639 / 498 / 636 / 693 → 478 / 470 / 484 / 495). Eager past
+128 KiB (the bound raised in a scratch copy): ucx-read 256 KiB 555 / 728 / 662 against a
+read's 456 / 498 / 591, 512 KiB ~1,000 against ~650 (the old copies: ~2,300) — while v1
+and tcp, whose large-KV path costs 1.5–2.5 ms here, stay ~2.5× faster eager at 256 KiB.
+One bound for every backend: 128 KiB, where ucx-read is level and the others gain most.
+What an eager payload still costs is the stream reader's copies (`transport.link`)."""
+# The largest body: an OPEN (a maximal KV header, an eager KV's payload, every layer's
+# frame — 1,024 × 24 bytes — and a WITHDRAW of every key a link holds — 4,096 × 4 bytes —
+# within the last 64 KiB) or a HELLO carrying a UCX worker address (a few KiB at most).
+# Anything longer is a protocol violation, refused unread. 256 KiB: one such message is
+# read whole from the link's stream (`link.read_message`), far inside its buffer bound
+# (`link.STREAM_LIMIT`, 4 MiB); a receiver holds at most one per connection.
 MAX_BODY = MAX_HEADER_BYTES + EAGER_BYTES + 64 * 1024
 _U64 = struct.Struct("<Q")
 _ERR = struct.Struct("<B")
@@ -222,7 +235,10 @@ def encode(kind: Kind, body: bytes = b"") -> bytes:
 
 
 def decode_head(head: bytes) -> tuple[Kind, int]:
-    kind_code, length = _HEAD.unpack(head)
+    return _check_head(*_HEAD.unpack(head))
+
+
+def _check_head(kind_code: int, length: int) -> tuple[Kind, int]:
     try:
         kind = Kind(kind_code)
     except ValueError:
@@ -376,8 +392,9 @@ def open_read2(segment_bytes: int, header: bytes, *, folded: bool, then: bytes =
     return encode(Kind.OPEN_READ2, body)
 
 
-def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Message]]:
-    """Flags, segment size, KV header and the messages folded in after it."""
+def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Folded]]:
+    """Flags, segment size, KV header and the messages folded in after it (views of
+    ``body``, not copies, for an eager payload: `Inline`)."""
     if len(body) < _OPEN2.size:
         raise errors.WireFormatError("OPEN_READ2 too short")
     flags, segment_bytes, header_len = _OPEN2.unpack_from(body)
@@ -386,30 +403,70 @@ def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Message]]:
     end = _OPEN2.size + header_len
     if end > len(body):
         raise errors.WireFormatError("OPEN_READ2 header truncated")
-    return flags, segment_bytes, body[_OPEN2.size : end], split(body[end:])
+    return flags, segment_bytes, body[_OPEN2.size : end], split(memoryview(body)[end:])
 
 
-def split(data: bytes) -> list[Message]:
-    """Whole control messages laid end to end (each head checked as on the link)."""
-    out, pos = [], 0
-    while pos < len(data):
-        if pos + HEAD_SIZE > len(data):
+@dataclass(frozen=True, slots=True)
+class Inline:
+    """A PAYLOAD folded into an OPEN_READ2, as a view of that OPEN's body: an eager KV's
+    bytes are copied once on the way in, into the receiver's buffer, never sliced out
+    of the message first (`split`)."""
+
+    body: memoryview
+    kind: ClassVar[Kind] = Kind.PAYLOAD
+
+
+Folded = Message | Inline
+"""A message folded into an OPEN_READ2 (`parse_open_read2`)."""
+
+
+def split(data: bytes | memoryview) -> list[Folded]:
+    """Whole control messages laid end to end (each head checked as on the link). A
+    PAYLOAD comes back as a view of ``data`` (`Inline`), the rest as bytes (small)."""
+    view = memoryview(data)
+    out: list[Folded] = []
+    pos = 0
+    while pos < len(view):
+        if pos + HEAD_SIZE > len(view):
             raise errors.WireFormatError("a folded message is truncated")
-        kind, length = decode_head(data[pos : pos + HEAD_SIZE])
+        kind, length = _check_head(*_HEAD.unpack_from(view, pos))
         pos += HEAD_SIZE
-        if pos + length > len(data):
+        if pos + length > len(view):
             raise errors.WireFormatError("a folded message is truncated")
-        out.append(Message(kind, data[pos : pos + length]))
+        body = view[pos : pos + length]
+        out.append(Inline(body) if kind is Kind.PAYLOAD else Message(kind, bytes(body)))
         pos += length
     return out
 
 
-def payload(buffers: list[memoryview]) -> bytes:
+def payload_head(buffers: Sequence[memoryview]) -> bytes:
+    """The head of PAYLOAD for an eager KV's buffers, which follow it on the link as they
+    lie in memory, in wire order (`open_read2_parts`): never joined into one object."""
+    n = sum(b.nbytes for b in buffers)
+    if not 0 < n <= EAGER_BYTES:
+        raise errors.WireFormatError(f"an eager payload of {n} bytes")
+    return _HEAD.pack(Kind.PAYLOAD, n)
+
+
+def payload(buffers: Sequence[memoryview]) -> bytes:
     """PAYLOAD: an eager KV's bytes, its buffers joined in wire order."""
-    body = b"".join(buffers)
-    if not 0 < len(body) <= EAGER_BYTES:
-        raise errors.WireFormatError(f"an eager payload of {len(body)} bytes")
-    return encode(Kind.PAYLOAD, body)
+    return payload_head(buffers) + b"".join(buffers)
+
+
+def open_read2_parts(
+    segment_bytes: int, header: bytes, then: Sequence[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    """OPEN_READ2 (``FOLDED``) in pieces, as `open_read2` lays it out: its head, fields
+    and KV header in the first, then ``then`` — the folded messages, an eager payload's
+    buffers among them (after `payload_head`) — as they are, for one gathered write
+    (`transport.link.Link.send_parts`): no copy of the payload on the sender's side."""
+    size = (
+        _OPEN2.size + len(header) + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in then)
+    )
+    first = (
+        _HEAD.pack(Kind.OPEN_READ2, size) + _OPEN2.pack(FOLDED, segment_bytes, len(header)) + header
+    )
+    return [first, *then]
 
 
 def read(index: int, descriptors: list[Descriptor]) -> bytes:

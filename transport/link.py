@@ -9,6 +9,18 @@ stalls (SIGSTOP) is caught by the idle deadline instead.
 OSError, IncompleteReadError and TimeoutError are translated into the transport's tree here;
 a TLS error (`ssl.SSLError`, e.g. the peer's alert that our certificate is refused, which
 TLS 1.3 delivers after the client's handshake) becomes `PeerRejectedError`.
+
+**Copies of an eager payload** (`control.EAGER_BYTES`, inline in its OPEN). Out: none of
+ours past 64 KiB — `send_parts` hands the KV's buffers to the transport as they lie, and
+only what the socket does not take at once is buffered (asyncio copies that rest; uvloop
+holds the buffers) — and one join up to it. In: the stream reader's own — each ``recv``
+into a new bytes object, appended to its buffer, the message sliced out of that buffer by
+``readexactly`` — and ours, the one copy from that message into the receiver's buffer
+(`control.Inline`). Fresh allocations of a few hundred KiB fault their pages in, so
+those three copies are most of what an eager payload still costs past ~128 KiB (a
+profile at 512 KiB, tcp: ``readexactly`` and ``bytearray.extend`` ahead of everything
+else). Reading straight into the receiver's buffer would need a `asyncio.BufferedProtocol`
+in place of the stream reader for the payload's span: not done.
 """
 
 from __future__ import annotations
@@ -32,6 +44,10 @@ _JOIN_BYTES = 256 << 10
 """`Link.send_batch` joins chunks up to this into one write (one send syscall)."""
 _HELD_BYTES = 512 << 10
 """`Link.send_batch` drains once the transport holds more than this unsent."""
+_GATHER_BYTES = 64 << 10
+"""`Link.send_parts` joins a message up to this into one write (one send syscall)."""
+_PIECE_BYTES = 16 << 10
+"""`Link.send_parts`, past `_GATHER_BYTES`: a buffer this large is written as it lies."""
 
 
 class Link:
@@ -128,9 +144,27 @@ class Link:
             raise errors.PeerLostError("connection to peer lost: it is closed")
 
     async def send(self, data: bytes, timeout_s: float) -> None:
+        await self._write((data,), timeout_s)
+
+    async def send_parts(self, parts: Sequence[bytes | memoryview], timeout_s: float) -> None:
+        """Write one message given in pieces (an eager KV's OPEN: its head, the KV's own
+        buffers, its checksums). Up to `_GATHER_BYTES` joined, as `send` writes it; past
+        it each buffer of at least `_PIECE_BYTES` is written as it lies (the socket takes
+        it straight from the KV's memory when it can; only what it leaves is buffered),
+        smaller neighbours joined between them."""
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        if size > _GATHER_BYTES:
+            await self._write(_coalesce(parts, _PIECE_BYTES), timeout_s)
+        elif len(parts) == 1 and isinstance(parts[0], bytes):
+            await self.send(parts[0], timeout_s)
+        else:
+            await self.send(b"".join(parts), timeout_s)
+
+    async def _write(self, chunks: Iterable[bytes | memoryview], timeout_s: float) -> None:
         self._check_writable()
         try:
-            self.writer.write(data)
+            for chunk in chunks:
+                self.writer.write(chunk)
             transport = self.writer.transport
             if not transport.get_write_buffer_size() and not transport.is_closing():
                 return  # all of it went to the socket: nothing to drain (saves loop turns)
@@ -284,6 +318,21 @@ class Link:
         self.writer.close()
         with contextlib.suppress(OSError, TimeoutError):
             await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+
+
+def _coalesce(parts: Sequence[bytes | memoryview], piece: int) -> Iterable[bytes | memoryview]:
+    """``parts`` in order, runs of those under ``piece`` bytes joined into one."""
+    run: list[bytes | memoryview] = []
+    for p in parts:
+        if (len(p) if isinstance(p, bytes) else p.nbytes) >= piece:
+            if run:
+                yield b"".join(run)
+                run = []
+            yield p
+        else:
+            run.append(p)
+    if run:
+        yield b"".join(run)
 
 
 async def read_message(reader: asyncio.StreamReader) -> control.Message:

@@ -411,7 +411,7 @@ class KvReceiver:
         self.inbox.reserve(header.request_id, header.epoch, header.payload_bytes)
         return header
 
-    def _payload(self, header: wire.KvHeader, folded: Sequence[control.Message]) -> np.ndarray:
+    def _payload(self, header: wire.KvHeader, folded: Sequence[control.Folded]) -> np.ndarray:
         """The buffer a checked header's payload lands in; an inline payload folded into
         its OPEN (eager) is checked against the header's size first (`_check_inline`)."""
         _check_inline(header, folded)
@@ -423,13 +423,13 @@ class KvReceiver:
         else:
             await self._transfer(link, msg.kind, *control.parse_open(msg.body))
 
-    async def _folded(self, receive: _Receive, msg: control.Message) -> None:
-        if msg.kind in (control.Kind.KEYS, control.Kind.WITHDRAW):
+    async def _folded(self, receive: _Receive, msg: control.Folded) -> None:
+        if isinstance(msg, control.Inline):  # PAYLOAD: a view of the OPEN's body
+            receive.take_inline(msg.body)
+        elif msg.kind in (control.Kind.KEYS, control.Kind.WITHDRAW):
             self._on_keys(receive.link, msg)
         elif msg.kind in (control.Kind.READ, control.Kind.LAYERS):
             await receive._on_message(msg)
-        elif msg.kind is control.Kind.PAYLOAD:
-            receive.take_inline(msg.body)
         else:
             raise errors.WireFormatError(f"{msg.kind.name} folded into an OPEN")
 
@@ -472,7 +472,7 @@ class KvReceiver:
         tag: int,
         segment_bytes: int,
         header_bytes: bytes,
-        then: Sequence[control.Message] = (),
+        then: Sequence[control.Folded] = (),
     ) -> None:
         s = self.settings
         read = kind is not control.Kind.OPEN
@@ -573,21 +573,21 @@ async def _listen(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-def _inline(folded: Sequence[control.Message]) -> bool:
+def _inline(folded: Sequence[control.Folded]) -> bool:
     """Whether an OPEN carries its payload (eager: a PAYLOAD folded in)."""
-    return any(m.kind is control.Kind.PAYLOAD for m in folded)
+    return any(isinstance(m, control.Inline) for m in folded)
 
 
-def _check_inline(header: wire.KvHeader, folded: Sequence[control.Message]) -> None:
+def _check_inline(header: wire.KvHeader, folded: Sequence[control.Folded]) -> None:
     """An eager payload (PAYLOAD, at most `control.EAGER_BYTES`, `control.decode_head`)
     is exactly the checked header's payload size, and comes once — before any memory is
     taken for it."""
-    inline = [m for m in folded if m.kind is control.Kind.PAYLOAD]
+    inline = [m.body for m in folded if isinstance(m, control.Inline)]
     if not inline:
         return
-    if len(inline) > 1 or len(inline[0].body) != header.payload_bytes:
+    if len(inline) > 1 or inline[0].nbytes != header.payload_bytes:
         raise errors.WireFormatError(
-            f"an inline payload of {sum(len(m.body) for m in inline)} bytes in "
+            f"an inline payload of {sum(v.nbytes for v in inline)} bytes in "
             f"{len(inline)} messages; the header declares {header.payload_bytes}"
         )
     if any(m.kind in (control.Kind.READ, control.Kind.KEYS) for m in folded):
@@ -851,11 +851,13 @@ class _Receive:
         self.queued.append((n, regions))
         self._start_reads()
 
-    def take_inline(self, body: bytes) -> None:
+    def take_inline(self, body: memoryview) -> None:
         """Eager: the whole payload came folded into the OPEN (its length was checked
-        against the header's before the buffer was taken, `_check_inline`): copy it in,
-        as if every segment had been read; each layer is verified once its frame is in."""
-        if not self.one_sided or self.reading or len(body) != self.flat.nbytes:
+        against the header's before the buffer was taken, `_check_inline`): copy it in
+        from the OPEN's body (a view, `control.Inline`: past the stream reader's, the one
+        copy made of it here), as if every segment had been read; each layer is verified
+        once its frame is in."""
+        if not self.one_sided or self.reading or body.nbytes != self.flat.nbytes:
             raise errors.WireFormatError("an inline payload besides reads, or of the wrong size")
         self.flat[:] = body
         self.reading.update(range(len(self.segments)))

@@ -286,7 +286,7 @@ class KvSender:
             try:
                 if folded.eager and self._needs_ucx_peer and not link.peer.data_address:
                     raise errors.PeerLostError(NO_UCX_PEER)  # as its tag path would fail
-                await link.send(folded.message(link), folded.wait_s())
+                await link.send_parts(folded.message(link), folded.wait_s())
                 if not folded.frames:  # a large KV: checksummed while the receiver reads
                     await folded.send_checksums(link)
                 msg = await link.read_next(folded.wait_s())  # in place: no task to wake
@@ -589,23 +589,24 @@ class _Folded:
             self.sender._release_registrations(self.used)
             raise
 
-    def message(self, link: Link) -> bytes:
+    def message(self, link: Link) -> list[bytes | memoryview]:
         """OPEN_READ2 with [WITHDRAW] [KEYS] READ… [LAYERS] folded in: one message, which
-        the receiver reads in one go. (Past `control.MAX_BODY`, e.g. hundreds of blocks
-        apart, the same messages follow it instead.)"""
+        the receiver reads in one go, in pieces for one gathered write (`Link.send_parts`):
+        an eager KV's buffers go as they lie, after its PAYLOAD head, never joined. (Past
+        `control.MAX_BODY`, e.g. hundreds of blocks apart, the same messages follow it.)"""
         sender = self.sender
         keys = sender.withdrawals(link) + sender.announce(link, self.used)
-        if self.eager:  # the checksums were taken over these very bytes (`prepare`)
-            rest = control.payload([b for seg in self.segments for b in seg])
-        else:
-            rest = b"".join(control.read(n, descs) for n, descs in self.reads)
-        if self.frames:
-            rest += control.encode(control.Kind.LAYERS, self.frames)
         seg = sender.settings.segment_bytes
+        layers = control.encode(control.Kind.LAYERS, self.frames) if self.frames else b""
+        if self.eager:  # the checksums were taken over these very bytes (`prepare`)
+            buffers = [b for segment in self.segments for b in segment]
+            head = keys + control.payload_head(buffers)
+            return control.open_read2_parts(seg, self.encoded, [head, *buffers, layers])
+        rest = b"".join(control.read(n, descs) for n, descs in self.reads) + layers
         then = keys + rest
         if len(self.encoded) + len(then) + 32 <= control.MAX_BODY:
-            return control.open_read2(seg, self.encoded, folded=True, then=then)
-        return keys + control.open_read2(seg, self.encoded, folded=True) + rest
+            return [control.open_read2(seg, self.encoded, folded=True, then=then)]
+        return [keys + control.open_read2(seg, self.encoded, folded=True) + rest]
 
     async def send_checksums(self, link: Link) -> None:
         """LAYERS per segment, in order, each sent as soon as its layers' checksums are

@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import logging
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import numpy as np
 import pytest
@@ -169,20 +169,22 @@ def test_a_one_sided_open_to_a_receiver_without_that_path_is_refused() -> None:
 
 
 def _spy(sent: list[list[control.Kind]]) -> Callable[[], None]:
-    """Record the kinds of the control messages each `Link.send` writes; returns an undo."""
-    original = Link.send
+    """Record the kinds of the control messages each write of a `Link` carries (`send`,
+    or `send_parts`: an eager OPEN in pieces); returns an undo."""
+    original = Link._write
 
-    async def send(self: Link, data: bytes, timeout_s: float) -> None:
+    async def write(self: Link, chunks: Iterable[bytes | memoryview], timeout_s: float) -> None:
+        chunks = list(chunks)
         kinds = []
-        for msg in control.split(data):
+        for msg in control.split(b"".join(chunks)):
             kinds.append(msg.kind)
-            if msg.kind is control.Kind.OPEN_READ2:  # and what is folded into it
+            if isinstance(msg, control.Message) and msg.kind is control.Kind.OPEN_READ2:
                 kinds.extend(m.kind for m in control.parse_open_read2(msg.body)[3])
         sent.append(kinds)
-        await original(self, data, timeout_s)
+        await original(self, chunks, timeout_s)
 
-    Link.send = send  # type: ignore[method-assign]
-    return lambda: setattr(Link, "send", original)
+    Link._write = write  # type: ignore[method-assign]
+    return lambda: setattr(Link, "_write", original)
 
 
 async def _with_pair(body: Callable[..., Awaitable[None]]) -> None:
@@ -416,7 +418,7 @@ def test_a_small_kv_goes_inline_in_its_open_and_a_larger_one_is_read() -> None:
 
 
 def test_an_inline_payload_not_of_the_headers_size_is_refused_before_allocation() -> None:
-    assert "header declares 65536" in _folded_refusal(_inline(EAGER_SIZE - 1))
+    assert f"header declares {EAGER_SIZE}" in _folded_refusal(_inline(EAGER_SIZE - 1))
 
 
 def test_an_eager_kv_from_a_sender_without_a_ucx_data_plane_is_refused(
@@ -464,8 +466,9 @@ def test_an_oversized_inline_payload_drops_the_link_and_reserves_nothing() -> No
         try:
             reader, writer = await testing._say_hello(address)
             cache = testing.synthetic_cache("o", 1, 2 * EAGER_SIZE, n_layers=2)
-            big = struct.pack("<BI", control.Kind.PAYLOAD, 2 * EAGER_SIZE) + b"\0" * (
-                2 * EAGER_SIZE
+            # One byte past the bound (the whole OPEN within `control.MAX_BODY`: read).
+            big = struct.pack("<BI", control.Kind.PAYLOAD, EAGER_SIZE + 1) + b"\0" * (
+                EAGER_SIZE + 1
             )
             header = wire.encode_header(cache.header)
             writer.write(control.open_read2(1 << 20, header, folded=True, then=big))

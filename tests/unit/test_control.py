@@ -18,6 +18,8 @@ from transport.control import (
     ErrorCode,
     Kind,
 )
+from transport.link import STREAM_LIMIT
+from transport.receiver import _MAX_KEYS_PER_LINK
 from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES, MAX_LAYERS
 
 FUZZ = settings(
@@ -537,3 +539,74 @@ def test_an_oversized_payload_folded_into_an_open_is_refused() -> None:
     body = split(control.open_read2(1 << 20, b"header", folded=True, then=big))[1]
     with pytest.raises(errors.WireFormatError, match="PAYLOAD message of"):
         control.parse_open_read2(body)
+
+
+def test_a_maximal_eager_open_with_every_key_withdrawn_fits_the_body_limit() -> None:
+    """`MAX_BODY` leaves room beside the largest header and payload for every layer's frame
+    and a withdrawal of every key a link may hold (`receiver._MAX_KEYS_PER_LINK`): an
+    eager OPEN is never too long for its receiver, whatever the link carried before."""
+    withdraw = control.withdraw(list(range(1, _MAX_KEYS_PER_LINK + 1)))
+    frames = control.encode(Kind.LAYERS, b"\0" * (MAX_LAYERS * LAYER_FRAME_SIZE))
+    buffers = [memoryview(b"\1" * control.EAGER_BYTES)]
+    parts = control.open_read2_parts(
+        1 << 20,
+        b"h" * MAX_HEADER_BYTES,
+        [withdraw + control.payload_head(buffers), *buffers, frames],
+    )
+    kind, body = split(b"".join(parts))
+    assert kind is Kind.OPEN_READ2
+    assert [m.kind for m in control.parse_open_read2(body)[3]] == [
+        Kind.WITHDRAW,
+        Kind.PAYLOAD,
+        Kind.LAYERS,
+    ]
+
+
+def test_the_largest_control_message_fits_the_stream_buffer() -> None:
+    """An OPEN of `MAX_BODY` is read whole from the link's stream (`link.read_message`):
+    its bound stays well inside the stream's buffer limit, so raising `EAGER_BYTES` never
+    makes a reader wait on a buffer that pauses before the message is in."""
+    assert HEAD_SIZE + MAX_BODY <= STREAM_LIMIT // 4
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 7])
+def test_an_open_in_pieces_is_the_open_its_pieces_join_into(pieces: int) -> None:
+    """`open_read2_parts` lays out the message `open_read2` builds, the KV's buffers passed
+    through as they are (not copied)."""
+    data = bytes(range(256)) * 64
+    step = len(data) // pieces
+    buffers = [
+        memoryview(data)[i * step : (i + 1) * step if i < pieces - 1 else None]
+        for i in range(pieces)
+    ]
+    then = [
+        control.withdraw([3]) + control.payload_head(buffers),
+        *buffers,
+        control.encode(Kind.DONE),
+    ]
+    parts = control.open_read2_parts(1 << 20, b"header", then)
+    assert all(any(p is b for p in parts) for b in buffers)
+    assert b"".join(parts) == control.open_read2(
+        1 << 20, b"header", folded=True, then=b"".join(then)
+    )
+
+
+@pytest.mark.parametrize("size", [0, control.EAGER_BYTES + 1])
+def test_a_payload_head_outside_the_bound_is_not_built(size: int) -> None:
+    with pytest.raises(errors.WireFormatError, match="eager payload"):
+        control.payload_head([memoryview(b"\0" * size)])
+
+
+def test_a_folded_payload_is_a_view_of_the_open_not_a_copy() -> None:
+    """The receiver copies an eager payload once, from the OPEN it read into its buffer:
+    `parse_open_read2` hands it over as a view of that OPEN's body (`control.Inline`)."""
+    payload = bytes(range(256)) * 200
+    then = control.withdraw([1]) + control.payload([memoryview(payload)])
+    body = split(control.open_read2(1 << 20, b"h", folded=True, then=then))[1]
+    withdraw, inline = control.parse_open_read2(body)[3]
+    assert isinstance(withdraw, control.Message)
+    assert withdraw.body == control.withdraw([1])[5:]
+    assert isinstance(inline, control.Inline)
+    assert inline.kind is Kind.PAYLOAD
+    assert inline.body.obj is body  # a view into the OPEN, no slice copied out
+    assert inline.body == payload

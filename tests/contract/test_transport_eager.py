@@ -1,0 +1,164 @@
+"""Eager KVs up to `control.EAGER_BYTES` (128 KiB; 64 before the copies were cut), on every
+backend and both event loops: the KV goes folded into its OPEN, written from its own memory
+(no joined copy of the payload), nothing registered; it arrives verified layer by layer, and
+a byte flipped after the checksum is caught on both ends. One payload byte past the bound,
+the KV goes the way a large one goes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+
+from transport import control, errors, testing, wire
+from transport.backends import UCX_READ, make_receiver, make_sender
+from transport.base import TransportSettings
+from transport.link import Link
+from transport.sender import KvSender
+from transport.ucx import ucx_available
+
+_UCX = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="ucxx not installed")]
+BACKENDS = [
+    pytest.param("ucx", "asyncio", marks=_UCX),
+    pytest.param(UCX_READ, "asyncio", marks=_UCX),
+    ("tcp", "asyncio"),
+    ("tcp", "uvloop"),
+]
+LAYERS = 32
+OLD_EAGER_BYTES = 64 * testing.KIB
+
+
+@dataclasses.dataclass
+class Writes:
+    """What each write of a `Link` carried: its control messages' kinds (folded ones
+    included) and its pieces."""
+
+    kinds: list[list[control.Kind]] = dataclasses.field(default_factory=list)
+    pieces: list[list[bytes | memoryview]] = dataclasses.field(default_factory=list)
+
+    def opens(self) -> list[tuple[list[control.Kind], list[bytes | memoryview]]]:
+        return [
+            (k, p)
+            for k, p in zip(self.kinds, self.pieces, strict=True)
+            if k[:1] == [control.Kind.OPEN_READ2]
+        ]
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> Writes:
+    seen = Writes()
+    original = Link._write
+
+    async def write(self: Link, chunks: Iterable[bytes | memoryview], timeout_s: float) -> None:
+        chunks = list(chunks)
+        kinds = []
+        for msg in control.split(b"".join(chunks)):
+            kinds.append(msg.kind)
+            if isinstance(msg, control.Message) and msg.kind is control.Kind.OPEN_READ2:
+                kinds.extend(m.kind for m in control.parse_open_read2(msg.body)[3])
+        seen.kinds.append(kinds)
+        seen.pieces.append(chunks)
+        await original(self, chunks, timeout_s)
+
+    monkeypatch.setattr(Link, "_write", write)
+    return seen
+
+
+def _apart(cache: wire.KvCache) -> wire.KvCache:
+    """The same KV with each layer's K and V in an allocation of its own (a block list)."""
+    layers = []
+    for k, v in cache.layers:
+        block = np.empty(k.nbytes + v.nbytes, dtype=np.uint8)
+        kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
+        vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
+        kk[...], vv[...] = k, v
+        layers.append((kk, vv))
+    return wire.KvCache(cache.header, tuple(layers))
+
+
+def _shares(piece: bytes | memoryview, cache: wire.KvCache) -> bool:
+    if not isinstance(piece, memoryview):
+        return False
+    view = np.frombuffer(piece, dtype=np.uint8)
+    return any(np.shares_memory(view, t) for k, v in cache.layers for t in (k, v))
+
+
+def _run(backend: str, body: object) -> None:
+    async def main() -> None:
+        settings = TransportSettings()
+        receiver = make_receiver(backend, settings)
+        address = await receiver.start()
+        sender = make_sender(backend, settings)
+        try:
+            await body(sender, receiver, address)  # type: ignore[operator]
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
+def test_a_kv_past_the_old_bound_goes_eager_from_its_own_memory(
+    backend: str, event_loop_kind: str, writes: Writes
+) -> None:
+    contiguous = testing.synthetic_cache("c", 1, control.EAGER_BYTES, n_layers=LAYERS)
+    apart = _apart(testing.synthetic_cache("a", 1, control.EAGER_BYTES, n_layers=LAYERS, seed=3))
+    assert OLD_EAGER_BYTES < contiguous.header.payload_bytes == control.EAGER_BYTES
+
+    async def body(sender: KvSender, receiver: object, address: str) -> None:
+        for cache in (contiguous, apart):
+            await sender.send(address, cache)
+            got = await receiver.take(cache.header.request_id, 1, 5)  # type: ignore[attr-defined]
+            assert testing.digest(got) == testing.digest(cache)
+            got.release()
+        assert sender.registry.registrations == 0  # nothing registered, nothing read
+
+    _run(backend, body)
+    opens = writes.opens()
+    assert [k for k, _ in opens] == [
+        [control.Kind.OPEN_READ2, control.Kind.PAYLOAD, control.Kind.LAYERS]
+    ] * 2
+    # Written from the KV's memory: the payload is not joined into the message first.
+    # (Layers apart, 4 KiB each here, are joined: a write each would cost more.)
+    (_, pieces), _ = opens
+    assert sum(p.nbytes for p in pieces if _shares(p, contiguous)) == control.EAGER_BYTES
+
+
+@pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
+def test_one_byte_past_the_bound_goes_as_a_large_kv(
+    backend: str, event_loop_kind: str, writes: Writes
+) -> None:
+    # 32 layers of float32 K and V: the next size up is 256 bytes more.
+    cache = testing.synthetic_cache("p", 1, control.EAGER_BYTES + 256, n_layers=LAYERS)
+    assert cache.header.payload_bytes > control.EAGER_BYTES
+
+    async def body(sender: KvSender, receiver: object, address: str) -> None:
+        await sender.send(address, cache)
+        got = await receiver.take("p", 1, 5)  # type: ignore[attr-defined]
+        assert testing.digest(got) == testing.digest(cache)
+        got.release()
+
+    _run(backend, body)
+    assert not any(control.Kind.PAYLOAD in k for k in writes.kinds)
+
+
+@pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
+def test_a_corrupted_eager_kv_past_the_old_bound_is_caught(
+    backend: str, event_loop_kind: str, writes: Writes
+) -> None:
+    async def body(sender: KvSender, receiver: object, address: str) -> None:
+        # Layer 20 lies past the old bound's 64 KiB: a byte flipped after its checksum.
+        testing.FaultInjector(layer=20, corrupt_offset=100).attach(sender)
+        cache = testing.synthetic_cache("x", 1, control.EAGER_BYTES, n_layers=LAYERS)
+        with pytest.raises(errors.ChecksumMismatchError):
+            await sender.send(address, cache)
+        with pytest.raises(errors.ChecksumMismatchError):
+            await receiver.take("x", 1, 5)  # type: ignore[attr-defined]
+        assert receiver.inbox.bytes_in_use == 0  # type: ignore[attr-defined]
+
+    _run(backend, body)
+    assert control.Kind.PAYLOAD in writes.opens()[0][0]  # it went eager
