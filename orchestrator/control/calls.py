@@ -31,8 +31,8 @@ import grpc
 from orchestrator.api import worker_pb2, worker_pb2_grpc
 from orchestrator.control.mux import (
     RETRY_UNSUPPORTED_S,
+    SharedCall,
     Unsupported,
-    call_failed,
     copy_error,
     failure_error,
     status_error,
@@ -95,34 +95,29 @@ class Pending(Generic[ResponseT]):
             self.future.set_exception(error)
 
 
-class _Call:
+class _Call(SharedCall[worker_pb2.CallCommand, worker_pb2.CallBatch]):
     """One ``CallMany`` call: the commands it sends, the calls its replies settle."""
+
+    method = "CallMany"
 
     def __init__(self, mux: CallMux, stub: worker_pb2_grpc.WorkerServiceAsyncStub) -> None:
         self._mux = mux
-        self._commands: asyncio.Queue[worker_pb2.CallCommand | None] = asyncio.Queue()
         self.pending: dict[int, Pending[Any]] = {}
         self._next = 0
-        self.closed = False
-        self._rpc = stub.CallMany(self._outgoing())
-        self._reader = asyncio.create_task(self._read(), name="pdorch-call-many")
+        super().__init__(stub.CallMany)
 
     def send(self, kind: str, command: worker_pb2.CallCommand, timeout_s: float) -> Pending[Any]:
         cid, self._next = self._next, self._next + 1
         command.call = cid
         pending: Pending[Any] = Pending(self, cid, kind, timeout_s)
         self.pending[cid] = pending
-        self._commands.put_nowait(command)
+        self._send(command)
         return pending
 
     def cancel(self, cid: int) -> None:
         if self.pending.pop(cid, None) is not None and not self.closed:
             cancel = worker_pb2.CallCancel()
-            self._commands.put_nowait(worker_pb2.CallCommand(call=cid, cancel=cancel))
-
-    async def close(self) -> None:
-        self._rpc.cancel()
-        await asyncio.wait({self._reader})  # its end, whatever it was: never re-raised here
+            self._send(worker_pb2.CallCommand(call=cid, cancel=cancel))
 
     async def _outgoing(self) -> AsyncIterator[worker_pb2.CallCommands]:
         """Every command queued at one moment in one message (a burst's calls share it)."""
@@ -139,33 +134,18 @@ class _Call:
             if last:
                 return
 
-    async def _read(self) -> None:
-        error: BaseException = status_error(
-            grpc.StatusCode.UNAVAILABLE, "the worker ended its CallMany call"
-        )
-        try:
-            async for batch in self._rpc:
-                self._mux.batches += 1
-                for reply in batch.replies:
-                    pending = self.pending.pop(reply.call, None)
-                    if pending is not None:  # else: cancelled or expired meanwhile
-                        pending._reply(reply)
-        except grpc.aio.AioRpcError as exc:
-            error = call_failed(exc, "CallMany")
-        except asyncio.CancelledError:
-            error = status_error(grpc.StatusCode.CANCELLED, "the orchestrator closed the call")
-            raise
-        except Exception as exc:  # noqa: BLE001 - a batch we cannot read: the call is done
-            log.warning("a CallMany call to a worker failed: %r", exc)
-            error = status_error(grpc.StatusCode.UNAVAILABLE, f"the CallMany call failed: {exc!r}")
-        finally:
-            self._rpc.cancel()  # ended already, or the worker must stop its calls
-            self.closed = True
-            self._mux._ended(self, error)
-            left, self.pending = list(self.pending.values()), {}
-            for call in left:
-                call._fail(copy_error(error))
-            self._commands.put_nowait(None)
+    def _take(self, batch: worker_pb2.CallBatch) -> None:
+        self._mux.batches += 1
+        for reply in batch.replies:
+            pending = self.pending.pop(reply.call, None)
+            if pending is not None:  # else: cancelled or expired meanwhile
+                pending._reply(reply)
+
+    def _ended(self, error: BaseException) -> None:
+        self._mux._ended(self, error)
+        left, self.pending = list(self.pending.values()), {}
+        for call in left:
+            call._fail(copy_error(error))
 
 
 class CallMux:

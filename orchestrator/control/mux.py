@@ -26,7 +26,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -37,6 +38,7 @@ __all__ = [
     "RETRY_UNSUPPORTED_S",
     "DecodeMux",
     "MuxStream",
+    "SharedCall",
     "Unsupported",
     "call_failed",
     "copy_error",
@@ -54,6 +56,9 @@ be upgraded in place)."""
 class Unsupported(Exception):
     """The worker does not serve ``DecodeMany``: nothing was streamed; use ``Decode``."""
 
+
+CommandT = TypeVar("CommandT")
+BatchT = TypeVar("BatchT")
 
 _STATUS = {status.value[0]: status for status in grpc.StatusCode}
 
@@ -146,63 +151,92 @@ class MuxStream:
             self._waiter.set_result(None)
 
 
-class _Call:
-    """One ``DecodeMany`` call: the commands it sends, the streams its batches feed."""
+class SharedCall(Generic[CommandT, BatchT]):
+    """One long-lived bidirectional call to a worker (``DecodeMany``, ``CallMany``): its
+    commands queued and handed to gRPC's writer as they come (`_outgoing`), its batches
+    read by a task of its own (`_take`); its end, whatever it was, is given to `_ended`
+    with the error that fails what was left on it."""
 
-    def __init__(self, mux: DecodeMux, stub: worker_pb2_grpc.DecodeServiceAsyncStub) -> None:
-        self._mux = mux
-        self._commands: asyncio.Queue[worker_pb2.DecodeCommand | None] = asyncio.Queue()
-        self.streams: dict[int, MuxStream] = {}
-        self._next = 0
+    method = "DecodeMany"
+
+    def __init__(self, open_call: Callable[[AsyncIterator[Any]], Any]) -> None:
+        self._commands: asyncio.Queue[CommandT | None] = asyncio.Queue()
         self.closed = False
         self.last_batch = time.monotonic()
         """When the last batch arrived (or the call opened)."""
-        self._rpc = stub.DecodeMany(self._outgoing())
-        self._reader = asyncio.create_task(self._read(), name="pdorch-decode-many")
-
-    def open(self, request: worker_pb2.DecodeRequest) -> MuxStream:
-        sid, self._next = self._next, self._next + 1
-        stream = self.streams[sid] = MuxStream(self, sid)
-        self._commands.put_nowait(worker_pb2.DecodeCommand(stream=sid, start=request))
-        return stream
-
-    def cancel(self, sid: int) -> None:
-        if self.streams.pop(sid, None) is not None and not self.closed:
-            cancel = worker_pb2.DecodeCancel()
-            self._commands.put_nowait(worker_pb2.DecodeCommand(stream=sid, cancel=cancel))
+        self._rpc = open_call(self._outgoing())
+        self._reader = asyncio.create_task(self._read(), name=f"pdorch-{self.method}")
 
     async def close(self) -> None:
         self._rpc.cancel()
         await asyncio.wait({self._reader})  # its end, whatever it was: never re-raised here
 
-    async def _outgoing(self) -> AsyncIterator[worker_pb2.DecodeCommand]:
+    def _send(self, command: CommandT) -> None:
+        self._commands.put_nowait(command)
+
+    async def _outgoing(self) -> AsyncIterator[Any]:
+        """One message per command (a subclass may pack what is queued together)."""
         while (command := await self._commands.get()) is not None:
             yield command
 
+    def _take(self, batch: BatchT) -> None:
+        raise NotImplementedError
+
+    def _ended(self, error: BaseException) -> None:
+        raise NotImplementedError
+
     async def _read(self) -> None:
         error: BaseException = status_error(
-            grpc.StatusCode.UNAVAILABLE, "the worker ended its decode call"
+            grpc.StatusCode.UNAVAILABLE, f"the worker ended its {self.method} call"
         )
         try:
             async for batch in self._rpc:
                 self.last_batch = time.monotonic()
-                self._hand_out(batch)
+                self._take(batch)
         except grpc.aio.AioRpcError as exc:
-            error = call_failed(exc)
+            error = call_failed(exc, self.method)
         except asyncio.CancelledError:
             error = status_error(grpc.StatusCode.CANCELLED, "the orchestrator closed the call")
             raise
         except Exception as exc:  # noqa: BLE001 - a batch we cannot read: the call is done
-            log.warning("decode call to a worker failed: %r", exc)
-            error = status_error(grpc.StatusCode.UNAVAILABLE, f"the decode call failed: {exc!r}")
+            log.warning("a %s call to a worker failed: %r", self.method, exc)
+            failed = f"the {self.method} call failed: {exc!r}"
+            error = status_error(grpc.StatusCode.UNAVAILABLE, failed)
         finally:
-            self._rpc.cancel()  # ended already, or the worker must stop decoding for it
+            self._rpc.cancel()  # ended already, or the worker must stop what it runs for it
             self.closed = True
-            self._mux._ended(self, error)
-            streams, self.streams = list(self.streams.values()), {}
-            for stream in streams:
-                stream._finish(copy_error(error))
+            self._ended(error)
             self._commands.put_nowait(None)
+
+
+class _Call(SharedCall[worker_pb2.DecodeCommand, worker_pb2.DecodeBatch]):
+    """One ``DecodeMany`` call: the commands it sends, the streams its batches feed."""
+
+    def __init__(self, mux: DecodeMux, stub: worker_pb2_grpc.DecodeServiceAsyncStub) -> None:
+        self._mux = mux
+        self.streams: dict[int, MuxStream] = {}
+        self._next = 0
+        super().__init__(stub.DecodeMany)
+
+    def open(self, request: worker_pb2.DecodeRequest) -> MuxStream:
+        sid, self._next = self._next, self._next + 1
+        stream = self.streams[sid] = MuxStream(self, sid)
+        self._send(worker_pb2.DecodeCommand(stream=sid, start=request))
+        return stream
+
+    def cancel(self, sid: int) -> None:
+        if self.streams.pop(sid, None) is not None and not self.closed:
+            cancel = worker_pb2.DecodeCancel()
+            self._send(worker_pb2.DecodeCommand(stream=sid, cancel=cancel))
+
+    def _ended(self, error: BaseException) -> None:
+        self._mux._ended(self, error)
+        streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            stream._finish(copy_error(error))
+
+    def _take(self, batch: worker_pb2.DecodeBatch) -> None:
+        self._hand_out(batch)
 
     def _hand_out(self, batch: worker_pb2.DecodeBatch) -> None:
         self._mux.batches += 1
