@@ -129,7 +129,9 @@ class Ledger:
         while others are left, workers whose breakers hold them back
         (`orchestrator.core.scheduler.place` says how)."""
         held = self.breakers.held_back(now)
-        held_back = {w.worker_id: held[k] for w in workers if (k := breaker_key(w)) in held}
+        held_back = (
+            {w.worker_id: held[k] for w in workers if (k := breaker_key(w)) in held} if held else {}
+        )  # (none held back, as most of the time: no key built per worker)
         queue = {wid: queued for wid, (_, queued) in self._queue.items()}
         rates: dict[str, float] = {}
         for w in workers:

@@ -95,12 +95,23 @@ _UNPAIRED = "no prefill worker's KV transport reaches a decode worker (check --t
 _Pool = list[tuple[WorkerInfo, int, int]]
 
 
+def _takes(receiver: str, senders: set[str]) -> bool:
+    """Whether a decode worker whose receiver is ``receiver`` takes KV from some prefill
+    worker whose sender is in ``senders`` (`reaches`, asked once per transport rather than
+    per pair of workers: this runs per request over every worker)."""
+    if not receiver or "" in senders:
+        return True
+    return any(receiver_takes(receiver, sender) for sender in senders)
+
+
 def _pair(prefills: _Pool, decodes: _Pool) -> tuple[_Pool, _Pool, str]:
     """The decode workers some prefill worker can send KV to; none: no prefill worker
     (aggregated) and why."""
     if not prefills or not decodes:
         return prefills, decodes, ""
-    paired = [d for d in decodes if any(reaches(p[0], d[0]) for p in prefills)]
+    senders = {p[0].transport for p in prefills}
+    takes = {t: _takes(t, senders) for t in {d[0].transport for d in decodes}}
+    paired = [d for d in decodes if takes[d[0].transport]]
     if not paired:
         return [], decodes, _UNPAIRED
     return prefills, paired, ""
@@ -225,7 +236,8 @@ def place(
             raise UnavailableError(f"{unpaired or 'prefill pool is down'} and fallback is 'fail'")
         reason = why(f"{unpaired or _down('prefill', workers, banned)}: aggregated", dnote)
         return Placement(Mode.AGGREGATED, None, decode, reason)
-    prefills = [p for p in prefills if reaches(p[0], chosen)]  # not empty: chosen is paired
+    senders = {t: _takes(chosen.transport, {t}) for t in {p[0].transport for p in prefills}}
+    prefills = [p for p in prefills if senders[p[0].transport]]  # not empty: chosen is paired
     picked, pnote = best_prefill()
     prefill = with_local_load(picked, known)
     d_state, p_state = breaker(decode), breaker(prefill)

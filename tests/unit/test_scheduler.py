@@ -6,6 +6,7 @@ KV need is ``total_tokens * kv_bytes_per_token`` of the candidate worker; headro
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from orchestrator.core.admission import Decision
 from orchestrator.core.breaker import BreakerState
 from orchestrator.core.records import WorkerInfo
-from orchestrator.core.scheduler import Mode, place, with_local_load
+from orchestrator.core.scheduler import Mode, place, reaches, with_local_load
 from orchestrator.errors import OverloadedError, UnavailableError
 
 
@@ -387,3 +388,31 @@ def test_no_pair_can_move_kv_runs_aggregated_with_the_reason(fallback: str) -> N
 def test_a_worker_publishing_no_transport_is_assumed_to_match() -> None:
     p, d = on(prefill("p1"), ""), on(decode("d1"), "tcp")
     assert place([p, d], 100).mode is Mode.DISAGGREGATED
+
+
+def test_pairing_by_transport_is_pairing_worker_by_worker() -> None:
+    """Placement asks `reaches` once per transport, not per pair of workers: for every mix
+    of transports (published or not), the decode workers it keeps and the prefill workers
+    it pairs with the chosen one are exactly those some pair of workers reaches."""
+    kinds = ["", "ucx", "ucx-read", "tcp"]
+    rng = random.Random(7)
+    outcomes = {"placed": 0, "unpaired": 0}
+    for _ in range(300):
+        prefills = [on(prefill(f"p{i}"), rng.choice(kinds)) for i in range(rng.randint(1, 4))]
+        decodes = [
+            on(decode(f"d{i}", active=i), rng.choice(kinds)) for i in range(rng.randint(1, 4))
+        ]
+        paired = [d for d in decodes if any(reaches(p, d) for p in prefills)]
+        try:
+            got = place([*prefills, *decodes], 100, fallback="fail")
+        except UnavailableError:
+            assert not paired
+            outcomes["unpaired"] += 1
+            continue
+        outcomes["placed"] += 1
+        assert got.mode is Mode.DISAGGREGATED
+        assert got.decode.worker_id == min(paired, key=lambda d: d.active).worker_id
+        assert got.prefill is not None
+        senders = [p for p in prefills if reaches(p, got.decode)]
+        assert got.prefill.worker_id == min(p.worker_id for p in senders)
+    assert min(outcomes.values()) >= 10, outcomes  # both ways drawn often
