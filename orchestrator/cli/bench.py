@@ -89,6 +89,14 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "computed, KV bytes moved, TTFT p50/p99, prefill GPU time and cost per request side "
         "by side. See README 'Admission and placement'.",
     ))  # fmt: skip
+    _placement(add_command(
+        bsub, "placement", parents, parents.json,
+        help="admission and placement's CPU per request, by fleet size (in this process)",
+        description="Runs the orchestrator's Ledger (admission's TTFT estimate and the "
+        "placement of a prefill/decode pair) over synthetic fleets of each --workers size "
+        "and reports CPU per request: the part of a request's fixed cost that grows with the "
+        "fleet. No Redis, no gRPC. See README 'The token path'.",
+    ))  # fmt: skip
     _load(add_command(
         bsub, "load", parents, parents.json, parents.client_tls,
         help="drive concurrent requests at running orchestrators",
@@ -218,6 +226,33 @@ def _kv_routing(bk: argparse.ArgumentParser) -> None:
             help=field_doc(ChatBench, field, field.replace("_", " ")),
         )
     bk.set_defaults(call=_run_kv_routing)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of worker counts: {text!r}") from None
+    if not sizes or min(sizes) < 2 or max(sizes) > 100_000:
+        raise argparse.ArgumentTypeError(f"worker counts must be 2-100000: {text!r}")
+    return sizes
+
+
+def _placement(bp: argparse.ArgumentParser) -> None:
+    bp.add_argument(
+        "--workers", type=_sizes, default=[20, 80, 320],
+        help="fleet sizes, comma-separated (half prefill, half decode)",
+    )  # fmt: skip
+    bp.add_argument("--requests", type=positive_int, default=2000, help="requests per size")
+    bp.set_defaults(call=_run_placement)
+
+
+def _run_placement(args: argparse.Namespace) -> int:
+    from orchestrator.bench.placement import format_result, run_bench  # noqa: PLC0415
+
+    result = run_bench(args.workers, args.requests)
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
 
 
 def _run_kv_routing(args: argparse.Namespace) -> int:
