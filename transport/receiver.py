@@ -649,7 +649,9 @@ class _Receive:
     one_sided: bool
     """Opened by OPEN_READ2: the payload is read, or (eager, on any backend) came inline
     in the OPEN — never on the link after a LAYER frame."""
-    frames: dict[int, wire.LayerFrame] = dataclasses.field(default_factory=dict)
+    sums: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Layer index → checksum, from the frames received so far (each checked against the
+    header: declared, not repeated, of the declared length)."""
     landed: set[int] = dataclasses.field(default_factory=set)
     receiving: dict[asyncio.Task[None], range] = dataclasses.field(default_factory=dict)
     verifying: dict[asyncio.Task[None], int] = dataclasses.field(default_factory=dict)
@@ -703,7 +705,7 @@ class _Receive:
                     )
                 watch: list[asyncio.Future[Any]] = [*self.receiving, *self.verifying]
                 # Keep a read outstanding even when all frames are in: it sees the peer's EOF.
-                reading = len(self.frames) < len(h.layers) or not self.plane.inline
+                reading = len(self.sums) < len(h.layers) or not self.plane.inline
                 if reading:
                     watch.append(link.pending())
                 await wait_first(
@@ -734,14 +736,14 @@ class _Receive:
         (a failed checksum ends the read there). Returns the layers verified."""
         h, s = self.header, self.settings
         verified = 0
-        while len(self.frames) < len(h.layers):
+        while len(self.sums) < len(h.layers):
             for task in [t for t in self.verifying if t.done()]:
                 verified += self.verifying.pop(task)
                 task.result()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise errors.TransferTimeoutError(
-                    f"transfer exceeded {s.transfer_timeout_s}s ({len(self.frames)} layers)"
+                    f"transfer exceeded {s.transfer_timeout_s}s ({len(self.sums)} layers)"
                 )
             await self._on_message(await self.link.read_next(min(remaining, s.idle_timeout_s)))
             verified += self._start_verifying()
@@ -764,7 +766,7 @@ class _Receive:
                 await self.link.send(msg, self.settings.idle_timeout_s)
 
     def _maybe_verify(self, index: int) -> None:
-        if index in self.frames and index in self.landed:
+        if index in self.sums and index in self.landed:
             self.ready.append(index)
 
     def _start_verifying(self) -> int:
@@ -774,13 +776,13 @@ class _Receive:
         if not self.ready:
             return 0
         finite = self.header.dtype if self.settings.check_finite else None
-        frames, flat, offsets = self.frames, self.flat, self.header.bounds
+        sums, flat, offsets = self.sums, self.flat, self.header.bounds
         batch = [  # the value bytes only matter to the finite check
-            (frames[i], flat[offsets[i] : offsets[i + 1]], self.values(i) if finite else 0)
+            (i, sums[i], flat[offsets[i] : offsets[i + 1]], self.values(i) if finite else 0)
             for i in self.ready
         ]
         self.ready = []
-        tail = not self.receiving and len(self.frames) == len(self.header.layers)
+        tail = not self.receiving and len(sums) == len(self.header.layers)
         limit = _TAIL_VERIFY_BYTES if tail else _THREAD_VERIFY_BYTES
         nbytes = _nbytes(batch)
         if nbytes < limit:  # a task or thread costs more than this
@@ -809,13 +811,10 @@ class _Receive:
             _learn_keys(self.link, msg.body)
             return
         if msg.kind is control.Kind.LAYERS and (self.one_sided or not self.plane.inline):
-            frames = wire.decode_layer_frames(msg.body)
-            wire.check_layer_frames(self.header, frames, self.frames)
+            indices, sums = wire.frame_sums(self.header, msg.body, self.sums.keys())
+            self.sums.update(zip(indices, sums, strict=True))
             landed = self.landed
-            for frame in frames:
-                self.frames[frame.index] = frame
-                if frame.index in landed:
-                    self.ready.append(frame.index)
+            self.ready.extend([i for i in indices if i in landed])
             return
         if msg.kind is not control.Kind.LAYER:
             raise errors.WireFormatError(f"unexpected {msg.kind.name} during a transfer")
@@ -883,13 +882,13 @@ class _Receive:
             self.receiving[task] = self.segments[n]
 
     def _landed(self, seg: range) -> None:
-        for index in seg:
-            self.landed.add(index)
-            self._maybe_verify(index)
+        self.landed.update(seg)
+        sums = self.sums
+        self.ready.extend([i for i in seg if i in sums])
 
     def _on_frame(self, frame: wire.LayerFrame) -> wire.LayerFrame:
-        wire.check_layer_frame(self.header, frame, self.frames)  # no per-frame set copy
-        self.frames[frame.index] = frame
+        wire.check_layer_frame(self.header, frame, self.sums)  # no per-frame set copy
+        self.sums[frame.index] = frame.checksum
         self._maybe_verify(frame.index)
         return frame
 
@@ -907,12 +906,13 @@ _SPLIT_TAIL_BYTES = 4 << 20
 """A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""
 
 
-Batch = list[tuple[wire.LayerFrame, memoryview, int]]
-"""Layers to verify: frame, payload, bytes of K and V values at the payload's start."""
+Batch = list[tuple[int, int, memoryview, int]]
+"""Layers to verify: index, checksum (from its frame), payload, bytes of K and V values at
+the payload's start (`wire.verify_layers`)."""
 
 
 def _nbytes(batch: Batch) -> int:
-    return sum(frame.nbytes for frame, _, _ in batch)
+    return sum(view.nbytes for _, _, view, _ in batch)
 
 
 _THREAD_VERIFY_BYTES = 1 << 20
@@ -927,5 +927,4 @@ async def _verify(batch: Batch, finite: wire.DType | None) -> None:
 
 
 def _verify_all(batch: Batch, finite: wire.DType | None) -> None:
-    for frame, view, values in batch:
-        wire.verify_layer(frame, view, finite, values)
+    wire.verify_layers(batch, finite)

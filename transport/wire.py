@@ -66,7 +66,9 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Callable, Container, Iterator, Sequence
+import sys
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -701,6 +703,40 @@ def decode_layer_frames(buf: bytes | memoryview) -> list[LayerFrame]:
     return frames
 
 
+def frame_sums(
+    h: KvHeader, buf: bytes | memoryview, seen: AbstractSet[int]
+) -> tuple[list[int], list[int]]:
+    """The layer indices and checksums of frames back to back (a LAYERS message), checked
+    as `decode_layer_frames` then `check_layer_frames` check them (against ``h``, and none
+    in ``seen``) — column by column, as strided views of the frames' 64-bit words (a frame
+    is three: magic, index and flags; length; checksum), with no `LayerFrame` or tuple per
+    frame: 32 frames in ~4 µs instead of ~25. Anything amiss is refused by those two, with
+    their messages (and a big-endian host takes them always)."""
+    n = len(buf) // LAYER_FRAME_SIZE
+    if _LITTLE_ENDIAN and n and len(buf) == n * LAYER_FRAME_SIZE:
+        view = memoryview(buf).cast("B")
+        words, halves = view.cast("Q"), view.cast("H")
+        index: list[int] = halves[2::12].tolist()
+        offsets = h.bounds
+        if (
+            view.cast("I")[0::6].tolist().count(_LAYER_MAGIC_U32) == n
+            and not any(halves[3::12].tolist())
+            and max(index) < len(h.layers)
+            and len(set(index)) == n
+            and (not seen or seen.isdisjoint(index))
+            and words[1::3].tolist() == [offsets[i + 1] - offsets[i] for i in index]
+        ):
+            return index, words[2::3].tolist()
+    frames = decode_layer_frames(buf)
+    check_layer_frames(h, frames, seen)
+    return [f.index for f in frames], [f.checksum for f in frames]
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+"""`frame_sums` reads the little-endian frames as native words only where they are."""
+_LAYER_MAGIC_U32 = int.from_bytes(LAYER_MAGIC, "little")
+
+
 def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> None:
     """A frame must name a declared, not yet received layer, with the declared length."""
     if frame.index >= len(h.layers):
@@ -768,6 +804,17 @@ def verify_layer(
         raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
     if bad:
         raise NonFiniteError(f"layer {frame.index}: KV values hold a NaN or an infinity")
+
+
+def verify_layers(batch: Iterable[tuple[int, int, memoryview, int]], finite: DType | None) -> None:
+    """`verify_layer` for many layers, each given as (index, checksum, payload, value
+    bytes): without ``finite``, one hash call per layer and no `LayerFrame`."""
+    for index, want, view, values in batch:
+        if finite is None or values <= 0:
+            if xxhash.xxh3_64_intdigest(view) != want:
+                raise ChecksumMismatchError(f"layer {index}: payload checksum mismatch")
+        else:
+            verify_layer(LayerFrame(index, view.nbytes, want), view, finite, values)
 
 
 _CHUNK_BYTES = 512 << 10
@@ -866,7 +913,8 @@ def _uniform_layers(
     h: KvHeader, payload: np.ndarray
 ) -> tuple[tuple[np.ndarray, np.ndarray], ...] | None:
     """`layer_views` of the common case — unscaled, every K and V of one shape — from one
-    reshape (~15 µs for 32 layers instead of ~75); None otherwise."""
+    reshape (~15 µs for 32 layers instead of ~75; iterating its K and V columns rather than
+    indexing each layer, ~7); None otherwise."""
     first = h.layers[0]
     if h.scales is not ScaleLayout.NONE or first.k != first.v or not h.payload_bytes:
         return None
@@ -874,7 +922,7 @@ def _uniform_layers(
         return None
     shape = (len(h.layers), 2, *first.k)
     arr = payload[: h.payload_bytes].view(h.dtype.numpy_dtype).reshape(shape)
-    return tuple((arr[i, 0], arr[i, 1]) for i in range(len(h.layers)))
+    return tuple(zip(arr[:, 0], arr[:, 1], strict=True))
 
 
 def assemble(
