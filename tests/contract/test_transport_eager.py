@@ -162,3 +162,47 @@ def test_a_corrupted_eager_kv_past_the_old_bound_is_caught(
 
     _run(backend, body)
     assert control.Kind.PAYLOAD in writes.opens()[0][0]  # it went eager
+
+
+@pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
+def test_a_small_kv_is_joined_from_any_layout_and_checked_against_its_header(
+    backend: str, event_loop_kind: str, writes: Writes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to 64 KiB an eager KV is joined from its tensors in one call (`sender._joined`)
+    rather than checked address by address as one span: from one block or apart, each
+    layer arrives as its own bytes, verified; a tensor unlike the header is still refused
+    before anything is sent, by the layer-by-layer checks."""
+    from transport import sender as sender_module  # noqa: PLC0415
+
+    joins: list[bool] = []
+    original = sender_module._joined
+
+    def spy(h: wire.KvHeader, c: wire.KvCache) -> memoryview | None:
+        got = original(h, c)
+        joins.append(got is not None)
+        return got
+
+    monkeypatch.setattr(sender_module, "_joined", spy)
+    contiguous = testing.synthetic_cache("c", 1, 4 * testing.KIB, n_layers=LAYERS)
+    apart = _apart(testing.synthetic_cache("a", 1, 64 * testing.KIB, n_layers=LAYERS, seed=3))
+    k0, v0 = contiguous.layers[0]
+    wrong = wire.KvCache(
+        dataclasses.replace(contiguous.header, request_id="w"),
+        ((k0.reshape(-1), v0), *contiguous.layers[1:]),
+    )
+
+    async def body(sender: KvSender, receiver: object, address: str) -> None:
+        for cache in (contiguous, apart):
+            await sender.send(address, cache)
+            got = await receiver.take(cache.header.request_id, 1, 5)  # type: ignore[attr-defined]
+            assert testing.digest(got) == testing.digest(cache)
+            got.release()
+        with pytest.raises(errors.WireFormatError, match="layer 0 shapes"):
+            await sender.send(address, wrong)
+        assert receiver.inbox.bytes_in_use == 0  # type: ignore[attr-defined]
+
+    _run(backend, body)
+    assert joins == [True, True, False]
+    assert [k for k, _ in writes.opens()] == [
+        [control.Kind.OPEN_READ2, control.Kind.PAYLOAD, control.Kind.LAYERS]
+    ] * 2
