@@ -777,10 +777,12 @@ class _Receive:
             return 0
         finite = self.header.dtype if self.settings.check_finite else None
         sums, flat, offsets = self.sums, self.flat, self.header.bounds
-        batch = [  # the value bytes only matter to the finite check
-            (i, sums[i], flat[offsets[i] : offsets[i + 1]], self.values(i) if finite else 0)
-            for i in self.ready
-        ]
+        if finite is None:  # the value bytes only matter to the finite check
+            batch = [(i, sums[i], flat[offsets[i] : offsets[i + 1]], 0) for i in self.ready]
+        else:
+            batch = [
+                (i, sums[i], flat[offsets[i] : offsets[i + 1]], self.values(i)) for i in self.ready
+            ]
         self.ready = []
         tail = not self.receiving and len(sums) == len(self.header.layers)
         limit = _TAIL_VERIFY_BYTES if tail else _THREAD_VERIFY_BYTES
@@ -912,7 +914,7 @@ the payload's start (`wire.verify_layers`)."""
 
 
 def _nbytes(batch: Batch) -> int:
-    return sum(view.nbytes for _, _, view, _ in batch)
+    return sum([view.nbytes for _, _, view, _ in batch])
 
 
 _THREAD_VERIFY_BYTES = 1 << 20

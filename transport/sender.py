@@ -653,8 +653,8 @@ def _joined(h: wire.KvHeader, cache: wire.KvCache) -> memoryview | None:
     if h.scales is not wire.ScaleLayout.NONE or not h.payload_bytes:
         return None
     tensors = [t for pair in cache.layers for t in pair]
-    shapes = [shape for layer in h.layers for shape in (layer.k, layer.v)]
-    if list(map(_SHAPE, tensors)) != shapes or set(map(_ITEMSIZE, tensors)) != {h.dtype.itemsize}:
+    shapes = wire.tensor_shapes(h)
+    if tuple(map(_SHAPE, tensors)) != shapes or set(map(_ITEMSIZE, tensors)) != {h.dtype.itemsize}:
         return None
     try:
         joined = b"".join(cast(Any, tensors))  # numpy's stubs lack Buffer

@@ -98,6 +98,11 @@ _LAYER = struct.Struct("<4sHHQQ")
 _SUM = struct.Struct("<Q")
 _PREFIX_EXT = struct.Struct(f"<I{PREFIX_HASH_BYTES}s")
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
+"""`frame_sums` reads frames as native 64-bit words only where those are little-endian,
+as the wire is."""
+_LAYER_MAGIC_U32 = int.from_bytes(LAYER_MAGIC, "little")
+
 HEADER_PREFIX = _PREFIX.size
 LAYER_FRAME_SIZE = _LAYER.size
 # A header describes at most MAX_LAYERS layers of at most MAX_NDIM dims each, plus two short
@@ -125,6 +130,8 @@ _SEGMENTS = {}
 """(id of a layers tuple, dtype, scales, target bytes) → (the tuple, `segments`)."""
 _SHAPE_SECTIONS: dict[int, tuple[tuple[LayerShape, ...], bytes]] = {}
 """id of a layers tuple → (the tuple, its encoded shape section)."""
+_TENSOR_SHAPES: dict[int, tuple[tuple[LayerShape, ...], tuple[tuple[int, ...], ...]]] = {}
+"""id of a layers tuple → (the tuple, `tensor_shapes`)."""
 _DECODED_SHAPES: dict[tuple[int, DType, bytes], tuple[LayerShape, ...]] = {}
 """(layer count, dtype, a header's shape section) → the shapes it decodes to (checked:
 only sections that decoded without error are kept; decoding is a pure function of these)."""
@@ -372,6 +379,17 @@ def encode_header(h: KvHeader) -> bytes:
     if len(out) > MAX_HEADER_BYTES:
         raise WireFormatError(f"header of {len(out)} bytes exceeds {MAX_HEADER_BYTES}")
     return out
+
+
+def tensor_shapes(h: KvHeader) -> tuple[tuple[int, ...], ...]:
+    """Every tensor's shape in wire order (layer 0's K, its V, layer 1's K, …), derived
+    once per layers tuple (a sender checks a small KV's tensors against it in bulk)."""
+    known = _TENSOR_SHAPES.get(id(h.layers))
+    if known is not None and known[0] is h.layers:
+        return known[1]
+    shapes = tuple(shape for layer in h.layers for shape in (layer.k, layer.v))
+    _remember(_TENSOR_SHAPES, id(h.layers), (h.layers, shapes))
+    return shapes
 
 
 def _shape_section(layers: tuple[LayerShape, ...]) -> bytes:
@@ -730,11 +748,6 @@ def frame_sums(
     frames = decode_layer_frames(buf)
     check_layer_frames(h, frames, seen)
     return [f.index for f in frames], [f.checksum for f in frames]
-
-
-_LITTLE_ENDIAN = sys.byteorder == "little"
-"""`frame_sums` reads the little-endian frames as native words only where they are."""
-_LAYER_MAGIC_U32 = int.from_bytes(LAYER_MAGIC, "little")
 
 
 def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> None:

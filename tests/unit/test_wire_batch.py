@@ -180,3 +180,14 @@ def test_segments_are_memoized_per_target_and_returned_as_a_fresh_list() -> None
         range(0, 2),
         range(2, 4),
     ]
+
+
+def test_tensor_shapes_follow_their_layers_tuple() -> None:
+    one = header((LayerShape((1, 2), (1, 3)), LayerShape((2, 2), (2, 3))))
+    assert wire.tensor_shapes(one) == ((1, 2), (1, 3), (2, 2), (2, 3))
+    assert wire.tensor_shapes(one) is wire.tensor_shapes(one)  # derived once
+    two = header((LayerShape((5,), (6,)),))
+    assert wire.tensor_shapes(two) == ((5,), (6,))
+    for _ in range(40):  # bounded, and never another tuple's
+        assert wire.tensor_shapes(header((LayerShape((7,), (7,)),))) == ((7,), (7,))
+    assert len(wire._TENSOR_SHAPES) <= wire._CACHED_LAYOUTS
