@@ -580,11 +580,7 @@ class _Folded:
             self.frames = self._frames(_checksums(self.summed))
 
     def _frames(self, sums: list[int], first: int = 0) -> bytes:
-        offsets = self.header.bounds
-        indices = range(first, first + len(sums))
-        return wire.encode_layer_frames(
-            indices, [offsets[i + 1] - offsets[i] for i in indices], sums
-        )
+        return wire.layer_frames(self.header, first, sums)
 
     def register(self) -> None:
         """Descriptors of each segment, registering memory not registered yet (eager:

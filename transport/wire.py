@@ -63,6 +63,7 @@ receivers in `link.py` use `header_length`/`decode_header`/`decode_layer_frame` 
 
 from __future__ import annotations
 
+import array
 import enum
 import math
 import struct
@@ -130,6 +131,9 @@ _SEGMENTS = {}
 """(id of a layers tuple, dtype, scales, target bytes) → (the tuple, `segments`)."""
 _SHAPE_SECTIONS: dict[int, tuple[tuple[LayerShape, ...], bytes]] = {}
 """id of a layers tuple → (the tuple, its encoded shape section)."""
+_FRAME_TEMPLATES: dict[tuple[int, DType, ScaleLayout], tuple[tuple[LayerShape, ...], bytes]]
+_FRAME_TEMPLATES = {}
+"""(id of a layers tuple, dtype, scales) → (the tuple, every layer's frame with checksum 0)."""
 _TENSOR_SHAPES: dict[int, tuple[tuple[LayerShape, ...], tuple[tuple[int, ...], ...]]] = {}
 """id of a layers tuple → (the tuple, `tensor_shapes`)."""
 _DECODED_SHAPES: dict[tuple[int, DType, bytes], tuple[LayerShape, ...]] = {}
@@ -422,6 +426,33 @@ def encode_layer_frames(
     return b"".join(
         [pack(LAYER_MAGIC, i, 0, n, c) for i, n, c in zip(indices, nbytes, checksums, strict=True)]
     )
+
+
+def layer_frames(h: KvHeader, first: int, checksums: Sequence[int]) -> bytes:
+    """The frames of layers ``first`` to ``first + len(checksums) - 1`` of ``h``, each
+    with the header's length and its checksum: what `encode_layer_frames` writes for them.
+    Where the host is little-endian, the checksums are written as 64-bit words into the
+    layout's frames, encoded once (32 frames ~1.3 µs, packed one by one ~8)."""
+    n = len(checksums)
+    if first < 0 or first + n > len(h.layers):
+        raise WireFormatError(f"layers {first} to {first + n - 1} of {len(h.layers)}")
+    offsets = h.bounds
+    if not _LITTLE_ENDIAN:
+        indices = range(first, first + n)
+        sizes = [offsets[i + 1] - offsets[i] for i in indices]
+        return encode_layer_frames(indices, sizes, checksums)
+    key = (id(h.layers), h.dtype, h.scales)
+    known = _FRAME_TEMPLATES.get(key)
+    if known is not None and known[0] is h.layers:
+        template = known[1]
+    else:
+        every = range(len(h.layers))
+        sizes = [offsets[i + 1] - offsets[i] for i in every]
+        template = encode_layer_frames(every, sizes, [0] * len(h.layers))
+        _remember(_FRAME_TEMPLATES, key, (h.layers, template))
+    frames = bytearray(template[first * LAYER_FRAME_SIZE : (first + n) * LAYER_FRAME_SIZE])
+    memoryview(frames).cast("Q")[2::3] = array.array("Q", checksums)
+    return bytes(frames)
 
 
 def layer_frame_for(

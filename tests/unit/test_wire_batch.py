@@ -191,3 +191,20 @@ def test_tensor_shapes_follow_their_layers_tuple() -> None:
     for _ in range(40):  # bounded, and never another tuple's
         assert wire.tensor_shapes(header((LayerShape((7,), (7,)),))) == ((7,), (7,))
     assert len(wire._TENSOR_SHAPES) <= wire._CACHED_LAYOUTS
+
+
+@pytest.mark.parametrize("little_endian", [True, False])
+def test_layer_frames_are_the_frames_encoded_one_by_one(
+    little_endian: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "_LITTLE_ENDIAN", little_endian)
+    h = header((LayerShape((1, 2), (1, 2)), LayerShape((1, 4), (1, 4)), LayerShape((1, 1), (1, 1))))
+    sums = [(1 << 64) - 1, 0, 1 << 63]
+    assert wire.layer_frames(h, 0, sums) == wire.encode_layer_frames(range(3), [16, 32, 8], sums)
+    assert wire.layer_frames(h, 1, sums[1:]) == wire.encode_layer_frames([1, 2], [32, 8], sums[1:])
+    assert wire.layer_frames(h, 2, [7]) == wire.encode_layer_frames([2], [8], [7])
+    half = dataclasses.replace(h, dtype=DType.FLOAT16)  # the same tuple, other lengths
+    assert wire.layer_frames(half, 0, sums) == wire.encode_layer_frames(range(3), [8, 16, 4], sums)
+    assert wire.layer_frames(h, 0, sums) == wire.encode_layer_frames(range(3), [16, 32, 8], sums)
+    with pytest.raises(WireFormatError):
+        wire.layer_frames(h, 2, [1, 2])
