@@ -498,14 +498,13 @@ class KvReceiver:
         token = 0 if folded else self.tokens.issue()  # one-sided reads need none
         try:
             payload = self._payload(header, then)
-            receive = _Receive(self._plane, link, header, token, payload, s, segment_bytes, read)
-            if not self._plane.inline and not read:
-                receive.post_receives()
-            if not folded:
-                await link.send(control.accept(token), s.idle_timeout_s)
-            for msg in then:  # folded into the OPEN: taken as if they followed it
-                await self._folded(receive, msg)
-            await receive.run()
+            if folded and _whole(header, then):  # eager, as a sender writes it: no loop
+                _take_whole(header, payload, then, s.check_finite)
+            else:
+                receive = _Receive(
+                    self._plane, link, header, token, payload, s, segment_bytes, read
+                )
+                await self._receive(receive, then, accept=not folded)
             self.inbox.complete(
                 rid, epoch, wire.assemble(header, payload, partial(self._buffers.release, payload))
             )
@@ -538,6 +537,19 @@ class KvReceiver:
             await link.send(control.encode(control.Kind.DONE), s.idle_timeout_s)
         except errors.TransportError:
             link.broken = True  # the KV is complete and filed; only the ack was lost
+
+    async def _receive(
+        self, receive: _Receive, then: Sequence[control.Folded], *, accept: bool
+    ) -> None:
+        """The layer loop of an accepted transfer: its receives posted (tagged), ACCEPT
+        with its token (unless folded), what was folded into the OPEN, then the rest."""
+        if not self._plane.inline and not receive.one_sided:
+            receive.post_receives()
+        if accept:
+            await receive.link.send(control.accept(receive.tag), self.settings.idle_timeout_s)
+        for msg in then:  # folded into the OPEN: taken as if they followed it
+            await self._folded(receive, msg)
+        await receive.run()
 
 
 _OPENS = (control.Kind.OPEN, control.Kind.OPEN_READ, control.Kind.OPEN_READ2)
@@ -593,6 +605,56 @@ def _check_inline(header: wire.KvHeader, folded: Sequence[control.Folded]) -> No
     if any(m.kind in (control.Kind.READ, control.Kind.KEYS) for m in folded):
         # (on a receiver without a one-sided path too: nothing is ever read for it)
         raise errors.WireFormatError("an eager OPEN carries its payload: no READ or KEYS")
+
+
+def _whole(header: wire.KvHeader, folded: Sequence[control.Folded]) -> bool:
+    """Whether an eager OPEN holds the whole transfer as a sender writes it: its payload
+    (checked against the header's size, `_check_inline`), then one LAYERS message with as
+    many frames as the header has layers (`_take_whole`). Anything else — frames in more
+    messages, some on the link after it — takes the layer loop (`_Receive`)."""
+    if len(folded) != 2:
+        return False
+    inline, layers = folded
+    return (
+        isinstance(inline, control.Inline)
+        and isinstance(layers, control.Message)
+        and layers.kind is control.Kind.LAYERS
+        and len(layers.body) == len(header.layers) * wire.LAYER_FRAME_SIZE
+    )
+
+
+def _take_whole(
+    header: wire.KvHeader,
+    payload: np.ndarray,
+    folded: Sequence[control.Folded],
+    check_finite: bool,
+) -> None:
+    """An eager KV whole in its OPEN (`_whole`): every frame checked against the header
+    (declared, each layer once, of its length: with as many frames as layers, every layer
+    has one), the payload copied in once and each layer verified against its frame — what
+    the layer loop does with it, in one pass, without its bookkeeping, a coroutine or a
+    loop turn (~10 µs of ~22 for 32 layers)."""
+    inline, layers = folded
+    assert isinstance(inline, control.Inline)
+    assert isinstance(layers, control.Message)
+    indices, sums = wire.frame_sums(header, layers.body, frozenset())
+    flat = payload.data.cast("B")
+    if inline.body.nbytes != flat.nbytes:  # `_check_inline` refused it already
+        raise errors.WireFormatError("an inline payload of the wrong size")
+    flat[:] = inline.body
+    bounds = header.bounds
+    if not check_finite:
+        batch = [
+            (i, c, flat[bounds[i] : bounds[i + 1]], 0) for i, c in zip(indices, sums, strict=True)
+        ]
+        wire.verify_layers(batch, None)
+        return
+    dtype = header.dtype
+    batch = [
+        (i, c, flat[bounds[i] : bounds[i + 1]], header.layers[i].nbytes(dtype))
+        for i, c in zip(indices, sums, strict=True)
+    ]
+    wire.verify_layers(batch, dtype)
 
 
 def _learn_keys(link: Link, body: bytes) -> None:
