@@ -261,7 +261,9 @@ class KvSender:
 
     async def _slot(self, address: str) -> _Pool:
         """The receiver's pool, with one of its transfer slots taken."""
-        pool = self._pools.setdefault(address, _Pool(self.settings.max_connections_per_peer))
+        pool = self._pools.get(address)
+        if pool is None:  # (not `setdefault`: a semaphore built per transfer, then dropped)
+            pool = self._pools[address] = _Pool(self.settings.max_connections_per_peer)
         if not pool.slots.locked():  # free: taken without a task or a loop turn
             await pool.slots.acquire()
             return pool

@@ -188,6 +188,8 @@ class ScaleLayout(enum.IntEnum):
     """One float32 per slice of the first axis (KV head) of K, then of V, after V's codes."""
 
 
+_EVERY_DTYPE = frozenset(DType)
+
 SCALE_ITEMSIZE = 4
 SCALED_DTYPES = frozenset({DType.FLOAT8_E4M3})
 """Dtypes that may carry scales (scales on a 16-bit or 32-bit payload are refused)."""
@@ -322,7 +324,8 @@ class Expectation:
     model: ModelSpec | None = None
     request_id: str | None = None
     min_epoch: int = 0
-    dtypes: frozenset[DType] = field(default_factory=lambda: frozenset(DType))
+    dtypes: frozenset[DType] = _EVERY_DTYPE
+    """Accepted dtypes (default: every one; the set built once, not per header checked)."""
 
 
 @dataclass(frozen=True, slots=True)

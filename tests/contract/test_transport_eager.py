@@ -307,3 +307,28 @@ def test_a_whole_eager_kv_with_a_bad_frame_is_refused_and_nothing_held(
             await receiver.close()  # type: ignore[attr-defined]
 
     asyncio.run(body())
+
+
+def test_transfers_to_one_receiver_share_its_pool_and_its_cap() -> None:
+    """One pool per receiver address (`KvSender._slot`): with one connection allowed per
+    peer, concurrent small transfers take turns on one link, which each leaves for the next."""
+
+    async def main() -> None:
+        settings = TransportSettings(max_connections_per_peer=1)
+        receiver = make_receiver("tcp", settings)
+        address = await receiver.start()
+        sender = make_sender("tcp", settings)
+        try:
+            caches = [testing.synthetic_cache(f"q{i}", 1, 4 * testing.KIB) for i in range(4)]
+            await asyncio.gather(*(sender.send(address, c) for c in caches))
+            for cache in caches:
+                got = await receiver.take(cache.header.request_id, 1, 5)
+                assert testing.digest(got) == testing.digest(cache)
+                got.release()
+            assert receiver.connections == 1
+            assert [len(p.idle) for p in sender._pools.values()] == [1]
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
