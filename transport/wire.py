@@ -63,10 +63,13 @@ receivers in `link.py` use `header_length`/`decode_header`/`decode_layer_frame` 
 
 from __future__ import annotations
 
+import array
 import enum
 import math
 import struct
-from collections.abc import Callable, Container, Iterator, Sequence
+import sys
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -96,6 +99,11 @@ _LAYER = struct.Struct("<4sHHQQ")
 _SUM = struct.Struct("<Q")
 _PREFIX_EXT = struct.Struct(f"<I{PREFIX_HASH_BYTES}s")
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
+"""`frame_sums` reads frames as native 64-bit words only where those are little-endian,
+as the wire is."""
+_LAYER_MAGIC_U32 = int.from_bytes(LAYER_MAGIC, "little")
+
 HEADER_PREFIX = _PREFIX.size
 LAYER_FRAME_SIZE = _LAYER.size
 # A header describes at most MAX_LAYERS layers of at most MAX_NDIM dims each, plus two short
@@ -123,6 +131,11 @@ _SEGMENTS = {}
 """(id of a layers tuple, dtype, scales, target bytes) → (the tuple, `segments`)."""
 _SHAPE_SECTIONS: dict[int, tuple[tuple[LayerShape, ...], bytes]] = {}
 """id of a layers tuple → (the tuple, its encoded shape section)."""
+_FRAME_TEMPLATES: dict[tuple[int, DType, ScaleLayout], tuple[tuple[LayerShape, ...], bytes]]
+_FRAME_TEMPLATES = {}
+"""(id of a layers tuple, dtype, scales) → (the tuple, every layer's frame with checksum 0)."""
+_TENSOR_SHAPES: dict[int, tuple[tuple[LayerShape, ...], tuple[tuple[int, ...], ...]]] = {}
+"""id of a layers tuple → (the tuple, `tensor_shapes`)."""
 _DECODED_SHAPES: dict[tuple[int, DType, bytes], tuple[LayerShape, ...]] = {}
 """(layer count, dtype, a header's shape section) → the shapes it decodes to (checked:
 only sections that decoded without error are kept; decoding is a pure function of these)."""
@@ -174,6 +187,8 @@ class ScaleLayout(enum.IntEnum):
     PER_HEAD_F32 = 1
     """One float32 per slice of the first axis (KV head) of K, then of V, after V's codes."""
 
+
+_EVERY_DTYPE = frozenset(DType)
 
 SCALE_ITEMSIZE = 4
 SCALED_DTYPES = frozenset({DType.FLOAT8_E4M3})
@@ -309,7 +324,8 @@ class Expectation:
     model: ModelSpec | None = None
     request_id: str | None = None
     min_epoch: int = 0
-    dtypes: frozenset[DType] = field(default_factory=lambda: frozenset(DType))
+    dtypes: frozenset[DType] = _EVERY_DTYPE
+    """Accepted dtypes (default: every one; the set built once, not per header checked)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +388,17 @@ def encode_header(h: KvHeader) -> bytes:
     return out
 
 
+def tensor_shapes(h: KvHeader) -> tuple[tuple[int, ...], ...]:
+    """Every tensor's shape in wire order (layer 0's K, its V, layer 1's K, …), derived
+    once per layers tuple (a sender checks a small KV's tensors against it in bulk)."""
+    known = _TENSOR_SHAPES.get(id(h.layers))
+    if known is not None and known[0] is h.layers:
+        return known[1]
+    shapes = tuple(shape for layer in h.layers for shape in (layer.k, layer.v))
+    _remember(_TENSOR_SHAPES, id(h.layers), (h.layers, shapes))
+    return shapes
+
+
 def _shape_section(layers: tuple[LayerShape, ...]) -> bytes:
     """The header's (K, V) shapes, encoded once per layers tuple."""
     known = _SHAPE_SECTIONS.get(id(layers))
@@ -402,6 +429,33 @@ def encode_layer_frames(
     return b"".join(
         [pack(LAYER_MAGIC, i, 0, n, c) for i, n, c in zip(indices, nbytes, checksums, strict=True)]
     )
+
+
+def layer_frames(h: KvHeader, first: int, checksums: Sequence[int]) -> bytes:
+    """The frames of layers ``first`` to ``first + len(checksums) - 1`` of ``h``, each
+    with the header's length and its checksum: what `encode_layer_frames` writes for them.
+    Where the host is little-endian, the checksums are written as 64-bit words into the
+    layout's frames, encoded once (32 frames ~1.3 µs, packed one by one ~8)."""
+    n = len(checksums)
+    if first < 0 or first + n > len(h.layers):
+        raise WireFormatError(f"layers {first} to {first + n - 1} of {len(h.layers)}")
+    offsets = h.bounds
+    if not _LITTLE_ENDIAN:
+        indices = range(first, first + n)
+        sizes = [offsets[i + 1] - offsets[i] for i in indices]
+        return encode_layer_frames(indices, sizes, checksums)
+    key = (id(h.layers), h.dtype, h.scales)
+    known = _FRAME_TEMPLATES.get(key)
+    if known is not None and known[0] is h.layers:
+        template = known[1]
+    else:
+        every = range(len(h.layers))
+        sizes = [offsets[i + 1] - offsets[i] for i in every]
+        template = encode_layer_frames(every, sizes, [0] * len(h.layers))
+        _remember(_FRAME_TEMPLATES, key, (h.layers, template))
+    frames = bytearray(template[first * LAYER_FRAME_SIZE : (first + n) * LAYER_FRAME_SIZE])
+    memoryview(frames).cast("Q")[2::3] = array.array("Q", checksums)
+    return bytes(frames)
 
 
 def layer_frame_for(
@@ -701,6 +755,35 @@ def decode_layer_frames(buf: bytes | memoryview) -> list[LayerFrame]:
     return frames
 
 
+def frame_sums(
+    h: KvHeader, buf: bytes | memoryview, seen: AbstractSet[int]
+) -> tuple[list[int], list[int]]:
+    """The layer indices and checksums of frames back to back (a LAYERS message), checked
+    as `decode_layer_frames` then `check_layer_frames` check them (against ``h``, and none
+    in ``seen``) — column by column, as strided views of the frames' 64-bit words (a frame
+    is three: magic, index and flags; length; checksum), with no `LayerFrame` or tuple per
+    frame: 32 frames in ~4 µs instead of ~25. Anything amiss is refused by those two, with
+    their messages (and a big-endian host takes them always)."""
+    n = len(buf) // LAYER_FRAME_SIZE
+    if _LITTLE_ENDIAN and n and len(buf) == n * LAYER_FRAME_SIZE:
+        view = memoryview(buf).cast("B")
+        words, halves = view.cast("Q"), view.cast("H")
+        index: list[int] = halves[2::12].tolist()
+        offsets = h.bounds
+        if (
+            view.cast("I")[0::6].tolist().count(_LAYER_MAGIC_U32) == n
+            and not any(halves[3::12].tolist())
+            and max(index) < len(h.layers)
+            and len(set(index)) == n
+            and (not seen or seen.isdisjoint(index))
+            and words[1::3].tolist() == [offsets[i + 1] - offsets[i] for i in index]
+        ):
+            return index, words[2::3].tolist()
+    frames = decode_layer_frames(buf)
+    check_layer_frames(h, frames, seen)
+    return [f.index for f in frames], [f.checksum for f in frames]
+
+
 def check_layer_frame(h: KvHeader, frame: LayerFrame, seen: Container[int]) -> None:
     """A frame must name a declared, not yet received layer, with the declared length."""
     if frame.index >= len(h.layers):
@@ -768,6 +851,17 @@ def verify_layer(
         raise ChecksumMismatchError(f"layer {frame.index}: payload checksum mismatch")
     if bad:
         raise NonFiniteError(f"layer {frame.index}: KV values hold a NaN or an infinity")
+
+
+def verify_layers(batch: Iterable[tuple[int, int, memoryview, int]], finite: DType | None) -> None:
+    """`verify_layer` for many layers, each given as (index, checksum, payload, value
+    bytes): without ``finite``, one hash call per layer and no `LayerFrame`."""
+    for index, want, view, values in batch:
+        if finite is None or values <= 0:
+            if xxhash.xxh3_64_intdigest(view) != want:
+                raise ChecksumMismatchError(f"layer {index}: payload checksum mismatch")
+        else:
+            verify_layer(LayerFrame(index, view.nbytes, want), view, finite, values)
 
 
 _CHUNK_BYTES = 512 << 10
@@ -866,7 +960,8 @@ def _uniform_layers(
     h: KvHeader, payload: np.ndarray
 ) -> tuple[tuple[np.ndarray, np.ndarray], ...] | None:
     """`layer_views` of the common case — unscaled, every K and V of one shape — from one
-    reshape (~15 µs for 32 layers instead of ~75); None otherwise."""
+    reshape (~15 µs for 32 layers instead of ~75; iterating its K and V columns rather than
+    indexing each layer, ~7); None otherwise."""
     first = h.layers[0]
     if h.scales is not ScaleLayout.NONE or first.k != first.v or not h.payload_bytes:
         return None
@@ -874,7 +969,7 @@ def _uniform_layers(
         return None
     shape = (len(h.layers), 2, *first.k)
     arr = payload[: h.payload_bytes].view(h.dtype.numpy_dtype).reshape(shape)
-    return tuple((arr[i, 0], arr[i, 1]) for i in range(len(h.layers)))
+    return tuple(zip(arr[:, 0], arr[:, 1], strict=True))
 
 
 def assemble(

@@ -162,3 +162,173 @@ def test_a_corrupted_eager_kv_past_the_old_bound_is_caught(
 
     _run(backend, body)
     assert control.Kind.PAYLOAD in writes.opens()[0][0]  # it went eager
+
+
+@pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
+def test_a_small_kv_is_joined_from_any_layout_and_checked_against_its_header(
+    backend: str, event_loop_kind: str, writes: Writes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to 64 KiB an eager KV is joined from its tensors in one call (`sender._joined`)
+    rather than checked address by address as one span: from one block or apart, each
+    layer arrives as its own bytes, verified; a tensor unlike the header is still refused
+    before anything is sent, by the layer-by-layer checks."""
+    from transport import sender as sender_module  # noqa: PLC0415
+
+    joins: list[bool] = []
+    original = sender_module._joined
+
+    def spy(h: wire.KvHeader, c: wire.KvCache) -> memoryview | None:
+        got = original(h, c)
+        joins.append(got is not None)
+        return got
+
+    monkeypatch.setattr(sender_module, "_joined", spy)
+    contiguous = testing.synthetic_cache("c", 1, 4 * testing.KIB, n_layers=LAYERS)
+    apart = _apart(testing.synthetic_cache("a", 1, 64 * testing.KIB, n_layers=LAYERS, seed=3))
+    k0, v0 = contiguous.layers[0]
+    wrong = wire.KvCache(
+        dataclasses.replace(contiguous.header, request_id="w"),
+        ((k0.reshape(-1), v0), *contiguous.layers[1:]),
+    )
+
+    async def body(sender: KvSender, receiver: object, address: str) -> None:
+        for cache in (contiguous, apart):
+            await sender.send(address, cache)
+            got = await receiver.take(cache.header.request_id, 1, 5)  # type: ignore[attr-defined]
+            assert testing.digest(got) == testing.digest(cache)
+            got.release()
+        with pytest.raises(errors.WireFormatError, match="layer 0 shapes"):
+            await sender.send(address, wrong)
+        assert receiver.inbox.bytes_in_use == 0  # type: ignore[attr-defined]
+
+    _run(backend, body)
+    assert joins == [True, True, False]
+    assert [k for k, _ in writes.opens()] == [
+        [control.Kind.OPEN_READ2, control.Kind.PAYLOAD, control.Kind.LAYERS]
+    ] * 2
+
+
+# An eager OPEN written by hand: its payload, then its frames — whole in one LAYERS message
+# (taken in one pass, `receiver._take_whole`), or split (the layer loop takes the rest).
+RECEIVERS = [pytest.param("ucx", marks=_UCX), "tcp"]
+
+
+async def _raw_eager(
+    backend: str, cache: wire.KvCache, folded: bytes, after: bytes = b""
+) -> tuple[control.Message, object]:
+    """Send ``cache``'s header in an OPEN_READ2 (``FOLDED``) with ``folded`` in it and
+    ``after`` behind it, from a sender of the receiver's kind; the reply, and the receiver."""
+    receiver = make_receiver(backend, TransportSettings())
+    address = await receiver.start()
+    data_address = b"" if backend == "tcp" else b"a UCX worker address"
+    reader, writer = await testing._say_hello(address, data_address)
+    header = wire.encode_header(cache.header)
+    writer.write(control.open_read2(1 << 20, header, folded=True, then=folded) + after)
+    head = await asyncio.wait_for(reader.readexactly(control.HEAD_SIZE), 5)
+    kind, length = control.decode_head(head)
+    reply = control.Message(kind, await asyncio.wait_for(reader.readexactly(length), 5))
+    writer.close()
+    return reply, receiver
+
+
+def _eager_parts(cache: wire.KvCache) -> tuple[bytes, list[int], list[int]]:
+    payload = b"".join(bytes(t.data) for k, v in cache.layers for t in (k, v))
+    bounds = cache.header.bounds
+    sizes = [bounds[i + 1] - bounds[i] for i in range(len(cache.layers))]
+    sums = [wire.checksum(payload[bounds[i] : bounds[i + 1]]) for i in range(len(sizes))]
+    return control.payload([memoryview(payload)]), sizes, sums
+
+
+def _layers(indices: list[int], sizes: list[int], sums: list[int]) -> bytes:
+    frames = wire.encode_layer_frames(indices, [sizes[i] for i in indices], sums)
+    return control.encode(control.Kind.LAYERS, frames)
+
+
+@pytest.mark.parametrize("backend", RECEIVERS)
+def test_an_eager_kv_whose_frames_follow_in_two_messages_is_taken_by_the_layer_loop(
+    backend: str,
+) -> None:
+    cache = testing.synthetic_cache("h", 1, 4 * testing.KIB, n_layers=4)
+    payload, sizes, sums = _eager_parts(cache)
+
+    async def body() -> None:
+        folded = payload + _layers([0, 1], sizes, sums[:2])  # two frames folded, two after
+        reply, receiver = await _raw_eager(backend, cache, folded, _layers([2, 3], sizes, sums[2:]))
+        try:
+            assert reply.kind is control.Kind.DONE, control.parse_error(reply.body)
+            got = await receiver.take("h", 1, 5)  # type: ignore[attr-defined]
+            assert testing.digest(got) == testing.digest(cache)
+            got.release()
+        finally:
+            await receiver.close()  # type: ignore[attr-defined]
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("backend", RECEIVERS)
+@pytest.mark.parametrize(
+    ("fault", "error", "match"),
+    [
+        ("repeated", errors.WireFormatError, "duplicate layer 1"),
+        ("length", errors.WireFormatError, "declares"),
+        ("beyond", errors.WireFormatError, "beyond 4 layers"),
+        ("checksum", errors.ChecksumMismatchError, "layer 2: payload checksum mismatch"),
+    ],
+)
+def test_a_whole_eager_kv_with_a_bad_frame_is_refused_and_nothing_held(
+    backend: str, fault: str, error: type[errors.TransportError], match: str
+) -> None:
+    """Every frame of a whole eager KV is checked against the header and every layer
+    against its frame, as the layer loop checks them: the sender gets the ERROR, the
+    decode side's `take` the same failure, and the receiver holds no memory for it."""
+    cache = testing.synthetic_cache("b", 1, 4 * testing.KIB, n_layers=4)
+    payload, sizes, sums = _eager_parts(cache)
+    indices = [0, 1, 2, 3]
+    if fault == "repeated":
+        indices = [0, 1, 1, 3]
+    elif fault == "length":
+        sizes = [*sizes[:3], sizes[3] + 4]
+    elif fault == "beyond":
+        indices = [0, 1, 2, 4]
+        sizes = [*sizes, sizes[3]]
+    elif fault == "checksum":
+        sums = [*sums[:2], sums[2] ^ 1, sums[3]]
+
+    async def body() -> None:
+        reply, receiver = await _raw_eager(backend, cache, payload + _layers(indices, sizes, sums))
+        try:
+            assert reply.kind is control.Kind.ERROR
+            assert isinstance(control.parse_error(reply.body), error)
+            assert match in reply.body.decode(errors="replace")
+            with pytest.raises(error, match=match):
+                await receiver.take("b", 1, 5)  # type: ignore[attr-defined]
+            assert receiver.inbox.bytes_in_use == 0  # type: ignore[attr-defined]
+        finally:
+            await receiver.close()  # type: ignore[attr-defined]
+
+    asyncio.run(body())
+
+
+def test_transfers_to_one_receiver_share_its_pool_and_its_cap() -> None:
+    """One pool per receiver address (`KvSender._slot`): with one connection allowed per
+    peer, concurrent small transfers take turns on one link, which each leaves for the next."""
+
+    async def main() -> None:
+        settings = TransportSettings(max_connections_per_peer=1)
+        receiver = make_receiver("tcp", settings)
+        address = await receiver.start()
+        sender = make_sender("tcp", settings)
+        try:
+            caches = [testing.synthetic_cache(f"q{i}", 1, 4 * testing.KIB) for i in range(4)]
+            await asyncio.gather(*(sender.send(address, c) for c in caches))
+            for cache in caches:
+                got = await receiver.take(cache.header.request_id, 1, 5)
+                assert testing.digest(got) == testing.digest(cache)
+                got.release()
+            assert receiver.connections == 1
+            assert [len(p.idle) for p in sender._pools.values()] == [1]
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())

@@ -1,6 +1,8 @@
 """The folded one-sided sender takes a KV laid out as on the wire as one span
 (`transport.sender._span`), and anything else layer by layer: the span must cover exactly
-the layers' bytes, in wire order, inside the allocation that owns them."""
+the layers' bytes, in wire order, inside the allocation that owns them. A small eager KV
+is joined instead (`transport.sender._joined`), in wire order whatever its layout, only
+when every tensor has the header's shape and item size."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 from transport import testing, wire
-from transport.sender import _span
+from transport.sender import _joined, _span
 
 
 def _cache(layers: list[tuple[np.ndarray, np.ndarray]]) -> wire.KvCache:
@@ -72,3 +74,40 @@ def test_scaled_or_empty_kvs_go_layer_by_layer() -> None:
     assert _span(scaled.header, scaled) is None
     empty = _cache([(np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32))])
     assert _span(empty.header, empty) is None
+
+
+@pytest.mark.parametrize("layout", ["wire-order", "layers-reversed", "v-before-k", "apart"])
+def test_a_small_kv_is_joined_in_wire_order_whatever_its_layout(layout: str) -> None:
+    block = np.arange(80, dtype=np.float32)
+    pairs = [(block[32 * i : 32 * i + 16], block[32 * i + 16 : 32 * i + 32]) for i in range(2)]
+    if layout == "layers-reversed":
+        pairs = pairs[::-1]
+    elif layout == "v-before-k":
+        pairs = [(v, k) for k, v in pairs]
+    elif layout == "apart":
+        pairs = [(k.copy(), v.copy()) for k, v in pairs]
+    cache = _cache(pairs)
+    joined = _joined(cache.header, cache)
+    assert joined is not None
+    assert bytes(joined) == _wire_bytes(cache)
+    assert not np.shares_memory(np.frombuffer(joined, np.uint8), block)  # a copy
+
+
+@pytest.mark.parametrize("fault", ["shapes", "itemsize", "not-contiguous", "scaled", "empty"])
+def test_a_kv_unlike_its_header_is_not_joined(fault: str) -> None:
+    block = np.arange(64, dtype=np.float32)
+    pairs = [(block[32 * i : 32 * i + 16], block[32 * i + 16 : 32 * i + 32]) for i in range(2)]
+    cache = _cache(pairs)
+    if fault == "shapes":  # as many bytes, another shape
+        other = _cache([(k.reshape(4, 4), v.reshape(4, 4)) for k, v in pairs])
+        cache = wire.KvCache(other.header, cache.layers)
+    elif fault == "itemsize":  # the same shapes, half the bytes
+        cache = wire.KvCache(cache.header, tuple((k.astype(np.float16), v) for k, v in pairs))
+    elif fault == "not-contiguous":
+        wide = np.arange(32, dtype=np.float32)
+        cache = wire.KvCache(cache.header, ((wide[::2], pairs[0][1]), pairs[1]))
+    elif fault == "scaled":
+        cache = testing.scaled_cache("s", 1, 4096, n_layers=2)
+    elif fault == "empty":
+        cache = _cache([(np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32))])
+    assert _joined(cache.header, cache) is None

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import struct
 
+import numpy as np
 import pytest
 
 from tests.unit.test_wire import BIG_LIMIT, raw_frame, raw_header
 from transport import wire
-from transport.errors import WireFormatError
+from transport.errors import ChecksumMismatchError, NonFiniteError, WireFormatError
 from transport.wire import DType, KvHeader, LayerFrame, LayerShape
 
 
@@ -61,6 +62,69 @@ def test_checking_many_frames_refuses_what_checking_one_refuses() -> None:
         wire.check_layer_frames(h, [LayerFrame(3, 16, 0)], set())
     with pytest.raises(WireFormatError, match="declares 16"):
         wire.check_layer_frames(h, [LayerFrame(0, 17, 0)], set())
+
+
+def test_frame_sums_take_what_decoding_and_checking_frames_take() -> None:
+    h = header((LayerShape((1, 2), (1, 2)),) * 3)
+    batch = wire.encode_layer_frames([2, 0], [16, 16], [5, 1 << 63])
+    assert wire.frame_sums(h, batch, set()) == ([2, 0], [5, 1 << 63])
+    assert wire.frame_sums(h, batch, {1}) == ([2, 0], [5, 1 << 63])
+    assert wire.frame_sums(h, memoryview(b"\0" + batch)[1:], set()) == ([2, 0], [5, 1 << 63])
+
+
+def _frames(*rows: tuple[int, int]) -> bytes:
+    return b"".join(struct.pack("<4sHHQQ", wire.LAYER_MAGIC, i, 0, n, 0) for i, n in rows)
+
+
+def _decode_and_check(h: KvHeader, frames: bytes, seen: set[int]) -> None:
+    wire.check_layer_frames(h, wire.decode_layer_frames(frames), seen)
+
+
+@pytest.mark.parametrize(
+    ("frames", "seen", "match"),
+    [
+        pytest.param(raw_frame(0, b"ab" * 8)[:-1], set(), "multiple", id="truncated"),
+        pytest.param(b"", set(), "", id="empty"),
+        pytest.param(
+            raw_frame(0, b"a" * 16) + raw_frame(1, b"b" * 16, magic=b"XXXX"),
+            set(),
+            "magic",
+            id="magic",
+        ),
+        pytest.param(
+            struct.pack("<4sHHQQ", wire.LAYER_MAGIC, 0, 1, 16, 3), set(), "flags", id="flags"
+        ),
+        pytest.param(_frames((1, 16), (1, 16)), set(), "duplicate", id="repeated"),
+        pytest.param(_frames((0, 16), (2, 16)), {2}, "duplicate", id="seen"),
+        pytest.param(_frames((0, 16), (3, 16)), set(), "beyond", id="beyond"),
+        pytest.param(_frames((0, 16), (1, 17)), set(), "declares 16", id="length"),
+    ],
+)
+def test_frame_sums_refuse_what_decoding_and_checking_frames_refuse(
+    frames: bytes, seen: set[int], match: str
+) -> None:
+    h = header((LayerShape((1, 2), (1, 2)),) * 3)
+    if not frames:  # nothing to refuse: no frames (a LAYERS message is never empty)
+        assert wire.frame_sums(h, frames, seen) == ([], [])
+        return
+    with pytest.raises(WireFormatError, match=match):
+        _decode_and_check(h, frames, seen)
+    with pytest.raises(WireFormatError, match=match):
+        wire.frame_sums(h, frames, seen)
+
+
+def test_verify_layers_names_the_first_layer_that_does_not_match() -> None:
+    data = [memoryview(bytes([i]) * 16) for i in range(3)]
+    batch = [(i, wire.checksum(d), d, 0) for i, d in enumerate(data)]
+    wire.verify_layers(batch, None)
+    wire.verify_layers(batch, DType.FLOAT32)  # finite values, checked in the same pass
+    bad = [*batch[:1], (1, batch[1][1] ^ 1, data[1], 0), (2, 0, data[2], 0)]
+    with pytest.raises(ChecksumMismatchError, match="layer 1:"):
+        wire.verify_layers(bad, None)
+    nan = memoryview(np.full(4, np.nan, np.float32).tobytes())
+    with pytest.raises(NonFiniteError, match="layer 7"):
+        wire.verify_layers([(7, wire.checksum(nan), nan, 16)], DType.FLOAT32)
+    wire.verify_layers([(7, wire.checksum(nan), nan, 16)], None)  # no finite check asked
 
 
 def test_a_decoded_shape_section_is_reused_and_equal() -> None:
@@ -116,3 +180,31 @@ def test_segments_are_memoized_per_target_and_returned_as_a_fresh_list() -> None
         range(0, 2),
         range(2, 4),
     ]
+
+
+def test_tensor_shapes_follow_their_layers_tuple() -> None:
+    one = header((LayerShape((1, 2), (1, 3)), LayerShape((2, 2), (2, 3))))
+    assert wire.tensor_shapes(one) == ((1, 2), (1, 3), (2, 2), (2, 3))
+    assert wire.tensor_shapes(one) is wire.tensor_shapes(one)  # derived once
+    two = header((LayerShape((5,), (6,)),))
+    assert wire.tensor_shapes(two) == ((5,), (6,))
+    for _ in range(40):  # bounded, and never another tuple's
+        assert wire.tensor_shapes(header((LayerShape((7,), (7,)),))) == ((7,), (7,))
+    assert len(wire._TENSOR_SHAPES) <= wire._CACHED_LAYOUTS
+
+
+@pytest.mark.parametrize("little_endian", [True, False])
+def test_layer_frames_are_the_frames_encoded_one_by_one(
+    little_endian: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "_LITTLE_ENDIAN", little_endian)
+    h = header((LayerShape((1, 2), (1, 2)), LayerShape((1, 4), (1, 4)), LayerShape((1, 1), (1, 1))))
+    sums = [(1 << 64) - 1, 0, 1 << 63]
+    assert wire.layer_frames(h, 0, sums) == wire.encode_layer_frames(range(3), [16, 32, 8], sums)
+    assert wire.layer_frames(h, 1, sums[1:]) == wire.encode_layer_frames([1, 2], [32, 8], sums[1:])
+    assert wire.layer_frames(h, 2, [7]) == wire.encode_layer_frames([2], [8], [7])
+    half = dataclasses.replace(h, dtype=DType.FLOAT16)  # the same tuple, other lengths
+    assert wire.layer_frames(half, 0, sums) == wire.encode_layer_frames(range(3), [8, 16, 4], sums)
+    assert wire.layer_frames(h, 0, sums) == wire.encode_layer_frames(range(3), [16, 32, 8], sums)
+    with pytest.raises(WireFormatError):
+        wire.layer_frames(h, 2, [1, 2])
