@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Generator
 from typing import Any, Generic, TypeVar
 
@@ -30,9 +29,8 @@ import grpc
 
 from orchestrator.api import worker_pb2, worker_pb2_grpc
 from orchestrator.control.mux import (
-    RETRY_UNSUPPORTED_S,
     SharedCall,
-    Unsupported,
+    SharedCalls,
     copy_error,
     failure_error,
     status_error,
@@ -148,48 +146,24 @@ class _Call(SharedCall[worker_pb2.CallCommand, worker_pb2.CallBatch]):
             call._fail(copy_error(error))
 
 
-class CallMux:
+class CallMux(SharedCalls[_Call]):
     """The unary calls this replica makes to one worker, on one ``CallMany`` at a time."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerServiceAsyncStub) -> None:
-        self._stub = stub
-        self._call: _Call | None = None
-        self._unsupported_until = 0.0
+        super().__init__(lambda: _Call(self, stub), "unary calls")
         self.messages_sent = 0
         """Messages of commands sent (each carrying every command queued at that moment)."""
         self.batches = 0
         """Batches of replies read."""
 
-    @property
-    def supported(self) -> bool:
-        """False for `RETRY_UNSUPPORTED_S` after the worker answered UNIMPLEMENTED."""
-        return time.monotonic() >= self._unsupported_until
-
     def tokenize(
         self, request: worker_pb2.TokenizeRequest, timeout_s: float
     ) -> Pending[worker_pb2.TokenizeResponse]:
         command = worker_pb2.CallCommand(tokenize=request)
-        return self._open().send("tokenize", command, timeout_s)
+        return self._current().send("tokenize", command, timeout_s)
 
     def prefill(
         self, request: worker_pb2.PrefillRequest, timeout_s: float
     ) -> Pending[worker_pb2.PrefillResponse]:
         command = worker_pb2.CallCommand(prefill=request)
-        return self._open().send("prefill", command, timeout_s)
-
-    async def close(self) -> None:
-        """Cancel the call: every call still on it fails (CANCELLED)."""
-        if self._call is not None:
-            await self._call.close()
-
-    def _open(self) -> _Call:
-        if self._call is None:
-            self._call = _Call(self, self._stub)
-        return self._call
-
-    def _ended(self, call: _Call, error: BaseException) -> None:
-        if self._call is call:
-            self._call = None
-        if isinstance(error, Unsupported):
-            self._unsupported_until = time.monotonic() + RETRY_UNSUPPORTED_S
-            log.info("a worker does not serve CallMany: unary calls there")
+        return self._current().send("prefill", command, timeout_s)

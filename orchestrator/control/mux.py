@@ -39,6 +39,7 @@ __all__ = [
     "DecodeMux",
     "MuxStream",
     "SharedCall",
+    "SharedCalls",
     "Unsupported",
     "call_failed",
     "copy_error",
@@ -256,31 +257,54 @@ class _Call(SharedCall[worker_pb2.DecodeCommand, worker_pb2.DecodeBatch]):
                 stream._finish(None)
 
 
-class DecodeMux:
-    """The decode streams this replica runs on one worker, on one call at a time."""
+CallT = TypeVar("CallT", bound=SharedCall[Any, Any])
 
-    def __init__(self, stub: worker_pb2_grpc.DecodeServiceAsyncStub) -> None:
-        self._stub = stub
-        self._call: _Call | None = None
+
+class SharedCalls(Generic[CallT]):
+    """A worker's shared call as one replica holds it: opened when first needed, forgotten
+    when it ends (the next use opens another), and not tried for `RETRY_UNSUPPORTED_S`
+    after the worker answered UNIMPLEMENTED (``fallback`` says what is used instead)."""
+
+    def __init__(self, open_call: Callable[[], CallT], fallback: str) -> None:
+        self._open_call = open_call
+        self._fallback = fallback
+        self._call: CallT | None = None
         self._unsupported_until = 0.0
-        self.batches = 0
-        """Batches read (each one message, whatever the number of streams it fed)."""
 
     @property
     def supported(self) -> bool:
         """False for `RETRY_UNSUPPORTED_S` after the worker answered UNIMPLEMENTED."""
         return time.monotonic() >= self._unsupported_until
 
-    def open(self, request: worker_pb2.DecodeRequest) -> MuxStream:
-        """Start ``request``'s decode on the worker's call (opened if none is)."""
-        if self._call is None:
-            self._call = _Call(self, self._stub)
-        return self._call.open(request)
-
     async def close(self) -> None:
-        """Cancel the call: every stream still on it fails (CANCELLED)."""
+        """Cancel the call: everything still on it fails (CANCELLED)."""
         if self._call is not None:
             await self._call.close()
+
+    def _current(self) -> CallT:
+        if self._call is None:
+            self._call = self._open_call()
+        return self._call
+
+    def _ended(self, call: CallT, error: BaseException) -> None:
+        if self._call is call:
+            self._call = None
+        if isinstance(error, Unsupported):
+            self._unsupported_until = time.monotonic() + RETRY_UNSUPPORTED_S
+            log.info("a worker does not serve %s: %s there", call.method, self._fallback)
+
+
+class DecodeMux(SharedCalls[_Call]):
+    """The decode streams this replica runs on one worker, on one call at a time."""
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeServiceAsyncStub) -> None:
+        super().__init__(lambda: _Call(self, stub), "one Decode call per stream")
+        self.batches = 0
+        """Batches read (each one message, whatever the number of streams it fed)."""
+
+    def open(self, request: worker_pb2.DecodeRequest) -> MuxStream:
+        """Start ``request``'s decode on the worker's call (opened if none is)."""
+        return self._current().open(request)
 
     async def stalled(self, silence_s: float) -> None:
         """A stream on this worker was given up for silence: if its call has brought no
@@ -291,10 +315,3 @@ class DecodeMux:
         if call is not None and time.monotonic() - call.last_batch >= silence_s:
             log.warning("a decode call brought nothing for %.0fs: closing it", silence_s)
             await call.close()
-
-    def _ended(self, call: _Call, error: BaseException) -> None:
-        if self._call is call:
-            self._call = None
-        if isinstance(error, Unsupported):
-            self._unsupported_until = time.monotonic() + RETRY_UNSUPPORTED_S
-            log.info("a worker does not serve DecodeMany: one Decode call per stream there")
