@@ -78,6 +78,16 @@ class TransportSettings:
     each chunk is in cache. Off by default: it cost 13–18 % of UCX throughput here, and
     NaN KV comes from the sender's own computation (README "KV transport": the trade-off)."""
 
+    @property
+    def accept_timeout_s(self) -> float:
+        """Receiver: a new connection's TLS handshake, then its HELLO, each within this —
+        twice the sender's ``connect_timeout_s``. A TLS 1.3 sender is done with the
+        handshake a flight before its receiver, and its deadline is the one that bounds
+        the wait; a receiver held to the same deadline, counted from its own accept, cut
+        handshakes its sender had seen succeed whenever its loop ran late (a vLLM decode
+        worker on a loaded CPU), and the sender's next write found the link closed."""
+        return 2 * self.connect_timeout_s
+
 
 _channels = itertools.count(1)
 

@@ -8,7 +8,9 @@ stalls (SIGSTOP) is caught by the idle deadline instead.
 
 OSError, IncompleteReadError and TimeoutError are translated into the transport's tree here;
 a TLS error (`ssl.SSLError`, e.g. the peer's alert that our certificate is refused, which
-TLS 1.3 delivers after the client's handshake) becomes `PeerRejectedError`.
+TLS 1.3 delivers after the client's handshake) becomes `PeerRejectedError` (`tls_error`),
+also when it is what closed the link before a write; the TLS stream ending early
+(`ssl.SSLEOFError`) is a lost peer, as a TCP reset is.
 
 **Copies of an eager payload** (`control.EAGER_BYTES`, inline in its OPEN). Out: none of
 ours past 64 KiB — `send_parts` hands the KV's buffers to the transport as they lie, and
@@ -141,6 +143,9 @@ class Link:
         if self.writer.transport.is_closing():
             self.broken = True
             self._raise_if_refused()
+            why = self.reader.exception()  # e.g. the peer's TLS alert closed it
+            if isinstance(why, ssl.SSLError):
+                raise tls_error(why) from why
             raise errors.PeerLostError("connection to peer lost: it is closed")
 
     async def send(self, data: bytes, timeout_s: float) -> None:
@@ -174,7 +179,7 @@ class Link:
             raise errors.TransferTimeoutError(f"peer did not read for {timeout_s}s") from None
         except ssl.SSLError as exc:
             self.broken = True
-            raise errors.PeerRejectedError(f"TLS: {exc.reason or exc}") from exc
+            raise tls_error(exc) from exc
         except OSError as exc:
             self.broken = True
             self._raise_if_refused()
@@ -335,6 +340,15 @@ def _coalesce(parts: Sequence[bytes | memoryview], piece: int) -> Iterable[bytes
         yield b"".join(run)
 
 
+def tls_error(exc: ssl.SSLError) -> errors.TransportError:
+    """A TLS failure in the transport's tree: the stream cut short (no close_notify) is a
+    lost peer (retryable); anything else — an alert, a certificate not verified — a
+    refusal (`PeerRejectedError`, permanent)."""
+    if isinstance(exc, ssl.SSLEOFError):
+        return errors.PeerLostError(f"connection to peer lost: TLS {exc.reason or exc}")
+    return errors.PeerRejectedError(f"TLS: {exc.reason or exc}")
+
+
 async def read_message(reader: asyncio.StreamReader) -> control.Message:
     """Read one control message. EOF and resets become PeerLostError."""
     try:
@@ -344,7 +358,7 @@ async def read_message(reader: asyncio.StreamReader) -> control.Message:
     except asyncio.IncompleteReadError as exc:
         raise errors.PeerLostError("peer closed the connection") from exc
     except ssl.SSLError as exc:
-        raise errors.PeerRejectedError(f"TLS: {exc.reason or exc}") from exc
+        raise tls_error(exc) from exc
     except OSError as exc:
         raise errors.PeerLostError(f"connection lost: {exc}") from exc
     return control.Message(kind, body)

@@ -19,9 +19,9 @@ runs at loads of 8–15 on this 2-core VM; the README's "KV transport" has the f
 Per connection: at most ``max_connections_per_host`` per remote IP and ``max_connections``
 in all, counted from the accept (a handshake in progress counts), a new connection at a cap
 closing the longest-idle one (a connection moving KV is never closed for room; if all are,
-the newcomer gets an ERROR); with `LinkTls`, the TLS handshake within ``connect_timeout_s``
+the newcomer gets an ERROR); with `LinkTls`, the TLS handshake within ``accept_timeout_s``
 and the sender's identity (a refusal is logged once, with the peer's identity and address,
-and tells the peer nothing more than that); HELLO within ``connect_timeout_s``; between
+and tells the peer nothing more than that); HELLO within ``accept_timeout_s``; between
 transfers, at most ``connection_idle_s`` of silence.
 
 TLS starts at accept: the receiver accepts sockets itself and hands each to the loop with
@@ -261,7 +261,7 @@ class KvReceiver:
     async def _converse(self, link: Link, conn: _Conn) -> None:
         """HELLO both ways, then transfers one after another until the link ends."""
         s = self.settings
-        msg = await link.next_message(s.connect_timeout_s)
+        msg = await link.next_message(s.accept_timeout_s)
         if msg.kind is not control.Kind.HELLO:
             raise errors.WireFormatError(f"expected HELLO, got {msg.kind.name}")
         link.peer = Peer(*control.parse_hello(msg.body))
@@ -286,7 +286,7 @@ class KvReceiver:
 
     async def _connect(self, sock: socket.socket, who: str) -> Link | None:
         """The accepted socket as a `Link`, TLS from its first byte when this receiver has a
-        server context: the handshake within ``connect_timeout_s``, or one refusal line and
+        server context: the handshake within ``accept_timeout_s``, or one refusal line and
         None (the socket closed). The sender's identity is `_admit`'s."""
         s = self.settings
         server = self.tls.server if self.tls is not None else None
@@ -296,7 +296,7 @@ class KvReceiver:
         try:
             # The handshake's own timeout, and the same deadline around the call (a loop
             # whose SSL layer would not time out still cannot hold the handler).
-            async with asyncio.timeout(s.connect_timeout_s):
+            async with asyncio.timeout(s.accept_timeout_s):
                 if server is None:
                     transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
                 else:
@@ -304,7 +304,7 @@ class KvReceiver:
                         lambda: protocol,
                         sock,
                         ssl=server,
-                        ssl_handshake_timeout=s.connect_timeout_s,
+                        ssl_handshake_timeout=s.accept_timeout_s,
                     )
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             # The loop closed the socket (it is the transport's from the call on).
@@ -313,7 +313,7 @@ class KvReceiver:
                 return None
             reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
             if isinstance(exc, TimeoutError):
-                reason = f"none within {s.connect_timeout_s}s"
+                reason = f"none within {s.accept_timeout_s}s"
             log.warning(
                 "refused a KV connection from %s (no verified certificate): TLS handshake "
                 "failed: %s",

@@ -54,7 +54,7 @@ import xxhash
 from transport import control, errors, wire
 from transport.backend_names import NO_UCX_PEER
 from transport.base import DataPlane, Peer, TransportSettings
-from transport.link import STREAM_LIMIT, Link
+from transport.link import STREAM_LIMIT, Link, tls_error
 from transport.registry import Registration, Registry
 from transport.security import LinkTls, describe
 
@@ -357,6 +357,12 @@ class KvSender:
         return [kb, vb, *sb], [out_k, out_v, *sb]
 
     async def _acquire(self, pool: _Pool, address: str) -> tuple[Link, bool]:
+        """A pooled link (True) or a new one (False).
+
+        A new connection lost while it is set up (connect, TLS handshake, HELLO) is made
+        once more: nothing was offered on it, so nothing can be received twice, and a
+        receiver on a starved loop may drop a newcomer (a handshake it finished late) that
+        the next try gets through. A timeout, a refusal or a second loss is the caller's."""
         # The receiver closes links idle for connection_idle_s: leave those it may be
         # closing (idle for half of that) rather than race it.
         fresh_after = time.monotonic() - self.settings.connection_idle_s / 2
@@ -365,6 +371,10 @@ class KvSender:
             if since > fresh_after and not link.is_stale():
                 return link, True
             await link.close()
+        try:
+            return await self._connect(address), False
+        except errors.PeerLostError as exc:
+            log.info("KV connection to %s lost while set up (%s): connecting again", address, exc)
         return await self._connect(address), False
 
     async def _connect(self, address: str) -> Link:
@@ -380,10 +390,9 @@ class KvSender:
             )
         except TimeoutError:
             raise errors.TransferTimeoutError(f"connect to {address} timed out") from None
-        except ssl.SSLError as exc:
-            raise errors.PeerRejectedError(
-                f"TLS handshake with {address} failed: {exc.reason or exc}"
-            ) from exc
+        except ssl.SSLError as exc:  # cut short: lost (retryable); else refused
+            why = tls_error(exc)
+            raise type(why)(f"TLS handshake with {address} failed: {exc.reason or exc}") from exc
         except OSError as exc:
             raise errors.PeerLostError(f"cannot connect to {address}: {exc}") from exc
         link = Link(reader, writer, Peer(b"", b""))

@@ -18,6 +18,7 @@ import contextlib
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -114,16 +115,23 @@ class _EarlyHello:
         got = b""
         while len(got) < n:
             try:
-                got += tls.read(n - len(got))
+                more = tls.read(n - len(got))
             except ssl.SSLWantReadError:
                 self._feed(sock, incoming, "before its HELLO")
+                continue
+            if not more:  # the receiver's close_notify
+                raise ConnectionError("the receiver closed the connection before its HELLO")
+            got += more
         return got
+
+
+def _prefill_context(pki: Path) -> ssl.SSLContext:
+    return client_context(pki / "ca.pem", pki / "pdorch-prefill.pem", pki / "pdorch-prefill.key")
 
 
 @contextlib.contextmanager
 def _clients(address: str, pki: Path, n: int) -> Iterator[list[_EarlyHello]]:
-    ctx = client_context(pki / "ca.pem", pki / "pdorch-prefill.pem", pki / "pdorch-prefill.key")
-    clients = [_EarlyHello(address, ctx) for _ in range(n)]
+    clients = [_EarlyHello(address, _prefill_context(pki)) for _ in range(n)]
     try:
         yield clients
     finally:
@@ -198,6 +206,71 @@ def test_kv_senders_on_a_busy_receiver_loop_deliver(pki: Path, loop_name: str) -
             for cache in caches:
                 got = await receiver.take(cache.header.request_id, 1, 5)
                 assert testing.digest(got) == testing.digest(cache)
+        finally:
+            await receiver.close()
+
+    _run(loop_name, main)
+
+
+class _LateFinish(_EarlyHello):
+    """A TLS client that completes its side of the handshake (TLS 1.3: its last flight is
+    then ready to go) and holds that flight, with its HELLO, until ``go`` is set — a
+    receiver whose loop runs late sees the sender's finish arrive late."""
+
+    def __init__(self, address: str, ctx: ssl.SSLContext) -> None:
+        super().__init__(address, ctx)
+        self.done_here = threading.Event()
+        self.go = threading.Event()
+
+    def _talk(self) -> control.Kind:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = self.ctx.wrap_bio(incoming, outgoing, server_side=False)
+        with socket.create_connection(self.addr, timeout=10) as sock:
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    sock.sendall(outgoing.read())
+                    self._feed(sock, incoming, "during the TLS handshake")
+            tls.write(control.hello(b"l" * control.INSTANCE_ID_BYTES, b""))
+            self.done_here.set()
+            self.go.wait(10)
+            sock.sendall(outgoing.read())  # the client's finish and its HELLO
+            head = self._read(sock, tls, incoming, control.HEAD_SIZE)
+            kind, length = control.decode_head(head)
+            self._read(sock, tls, incoming, length)
+            return kind
+
+
+@pytest.mark.parametrize("loop_name", list(LOOPS))
+def test_a_handshake_the_sender_finished_in_time_is_not_cut_by_a_late_receiver(
+    pki: Path, loop_name: str
+) -> None:
+    """The sender's side of the handshake is done within its ``connect_timeout_s``; the
+    receiver's loop then stalls past that long since its accept before it reads the
+    sender's finish. The receiver still completes the handshake and answers HELLO: its own
+    deadline for a newcomer (``accept_timeout_s``) is longer than the sender's. A receiver
+    held to the sender's deadline closed the link (seen in CI: a vLLM decode worker's loop
+    on a loaded CPU, and the prefill's next write found the link closed)."""
+    settings = TransportSettings(connect_timeout_s=1.0, idle_timeout_s=2.0)
+    assert settings.accept_timeout_s > settings.connect_timeout_s
+
+    async def main() -> None:
+        receiver = make_receiver("tcp", settings, tls=load_dir(pki, "decode"))
+        address = await receiver.start()
+        try:
+            client = _LateFinish(address, _prefill_context(pki))
+            started = time.monotonic()  # the receiver's accept follows
+            client.thread.start()
+            assert await asyncio.to_thread(client.done_here.wait, 10)
+            client.go.set()
+            # The receiver's loop runs late: the finish arrives while it is busy, and it
+            # gets to it past the sender's deadline, counted from its accept.
+            threading.Event().wait(1.3 * settings.connect_timeout_s - (time.monotonic() - started))
+            await asyncio.to_thread(client.thread.join, 15)
+            assert client.error is None, repr(client.error)
+            assert client.answer is control.Kind.HELLO
         finally:
             await receiver.close()
 
