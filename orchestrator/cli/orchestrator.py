@@ -180,6 +180,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         help=field_doc(ControlSettings, "call_mux"),
     )
     o.add_argument(
+        "--placement-sample",
+        type=non_negative_int,
+        default=default(ControlSettings, "placement_sample"),
+        help=field_doc(ControlSettings, "placement_sample"),
+    )
+    o.add_argument(
         "--journal-gather-ms",
         type=non_negative_float,
         default=default(ControlSettings, "journal_gather_ms"),
@@ -354,6 +360,7 @@ def control_settings(args: argparse.Namespace) -> ControlSettings:
         journal_gather_ms=args.journal_gather_ms,
         decode_mux=args.decode_mux,
         call_mux=args.call_mux,
+        placement_sample=args.placement_sample,
         prices=prices,
         transfer_usd_per_gb=args.transfer_usd_per_gb,
         kv_dtype=KvPolicy(args.kv_dtype),

@@ -89,7 +89,7 @@ class Intake:
             workers = await self.directory.listing()
             if not workers:
                 raise errors.UnavailableError("no workers registered")
-            fingerprints = {w.fingerprint for w in workers}
+            fingerprints = self.ledger.fleet(workers).fingerprints
             if len(fingerprints) > 1:
                 log.warning("workers serve different models: %s", sorted(fingerprints))
             ids = await self._tokens(inp, workers)

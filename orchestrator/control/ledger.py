@@ -8,6 +8,12 @@ core decides: admit this prompt now (`estimate`, `orchestrator.core.admission.ad
 where it runs — disaggregated or not (`place`, `orchestrator.core.scheduler.place` with the
 conditional-disaggregation rule `disaggregate_or_not`).
 
+Both run per request over a listing of the live workers that serves many requests: what
+depends only on the listing (its pools, what the prefix caches hold) is derived once per
+listing (`orchestrator.core.fleet.Fleet`), and placement over a pool larger than
+``placement_sample`` chooses among that many of its workers drawn at random (plus the
+holders of the request's prefix; the whole listing again if none of them has room).
+
 A placement is *booked* (`Booking`) for the length of one attempt and released after it,
 whatever its end. The first attempt's is booked before the request's record is created, so
 that the record is created placed (`placed`: one store call less per request).
@@ -15,6 +21,7 @@ that the record is created placed (`placed`: one store call less per request).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,11 +29,12 @@ from orchestrator import errors
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.admission import Decision, PrefillQueue, admit, disaggregate_or_not
 from orchestrator.core.breaker import Breakers
+from orchestrator.core.fleet import Fleet
 from orchestrator.core.hardware import get_gpu
 from orchestrator.core.prefix import PrefixIndex
 from orchestrator.core.rates import Rates
 from orchestrator.core.records import WorkerInfo
-from orchestrator.core.routing import hint_for
+from orchestrator.core.routing import Hint, hint_from
 from orchestrator.core.scheduler import Mode, Placement, place
 from orchestrator.core.state import Edge
 
@@ -85,6 +93,20 @@ class Ledger:
         prefilled: the bounded queues admission checks."""
         self.prefixes = PrefixIndex()
         """What the workers' prefix caches hold, as their last heartbeats said."""
+        self._fleet: Fleet | None = None
+        """The last listing, split (`fleet`)."""
+        self.rng = random.Random()  # noqa: S311 - spreads load, not secrets
+        """Draws sampled placement's candidates (seeded by tests)."""
+
+    def fleet(self, workers: Sequence[WorkerInfo]) -> Fleet:
+        """``workers`` split once per listing (the directory hands out one list object per
+        listing); a new listing also brings the prefix index up to its heartbeats."""
+        fleet = self._fleet
+        if fleet is None or fleet.workers is not workers:
+            fleet = self._fleet = Fleet.of(workers)
+            if self.settings.routing.enabled:
+                self.prefixes.sync(fleet.prefixes)
+        return fleet
 
     def booked(self) -> dict[str, tuple[int, int]]:
         """Worker id -> (sequences, KV bytes) booked here and not released (a copy): empty
@@ -97,15 +119,34 @@ class Ledger:
         self, workers: Sequence[WorkerInfo], prompt_tokens: int, driving: int
     ) -> float | None:
         """The estimated TTFT of a new prompt (None before rates are measured); raises
-        OverloadedError (with a retry-after) for what would only queue to time out."""
+        OverloadedError (with a retry-after) for what would only queue to time out.
+
+        Over a prefill pool larger than ``placement_sample``, estimated from that many
+        queues drawn at random (never below the estimate over all of them); a refusal is
+        confirmed over every queue, so a draw refuses nothing a scan would admit."""
+        fleet = self.fleet(workers)
+        prefills, sample = fleet.prefill, self.settings.placement_sample
+        if sample and len(prefills) > sample:
+            drawn = self.rng.sample(prefills, sample)
+            try:
+                return self._estimate(drawn, fleet.decode, prompt_tokens, driving)
+            except errors.OverloadedError:
+                pass  # confirmed over every queue: a draw never refuses what a scan admits
+        return self._estimate(prefills, fleet.decode, prompt_tokens, driving)
+
+    def _estimate(
+        self,
+        prefills: Sequence[WorkerInfo],
+        decodes: Sequence[WorkerInfo],
+        prompt_tokens: int,
+        driving: int,
+    ) -> float | None:
         queues = []
-        for w in workers:
-            if w.role == "prefill":
-                requests, tokens = self._queue.get(w.worker_id, (0, 0))
-                rate = self.rates.prefill_rate(w.worker_id, w.gpu_kind)
-                queues.append(PrefillQueue(w.worker_id, requests, tokens, rate))
+        for w in prefills:
+            requests, tokens = self._queue.get(w.worker_id, (0, 0))
+            rate = self.rates.prefill_rate(w.worker_id, w.gpu_kind)
+            queues.append(PrefillQueue(w.worker_id, requests, tokens, rate))
         transfer = self.rates.transfer_model()
-        decodes = [w for w in workers if w.role == "decode"]
         kv_bytes = prompt_tokens * (decodes[0].kv_bytes_per_token if decodes else 0)
         transfer_s = transfer.seconds(kv_bytes) if transfer is not None and decodes else 0.0
         return admit(
@@ -128,26 +169,17 @@ class Ledger:
         computes, ``tokens`` those tokens for KV-aware routing) avoiding ``excluded`` and,
         while others are left, workers whose breakers hold them back
         (`orchestrator.core.scheduler.place` says how)."""
-        held = self.breakers.held_back(now)
-        held_back = (
-            {w.worker_id: held[k] for w in workers if (k := breaker_key(w)) in held} if held else {}
-        )  # (none held back, as most of the time: no key built per worker)
-        queue = {wid: queued for wid, (_, queued) in self._queue.items()}
-        rates: dict[str, float] = {}
-        for w in workers:
-            if w.role == "prefill" and (r := self.rates.prefill_rate(w.worker_id, w.gpu_kind)):
-                rates[w.worker_id] = r
-
-        hint = hint_for(self.prefixes, workers, tokens, self.settings.routing)
-
-        def decide(prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
-            return self.decide(prefill_tokens, prefill, decode)
-
-        placement = place(
-            workers, need, fallback=self.settings.fallback, exclude=excluded,
-            held_back=held_back, load=self._load, queue=queue, rates=rates, decide=decide,
-            hint=hint,
-        )  # fmt: skip
+        fleet = self.fleet(workers)
+        hint = hint_from(self.prefixes, tokens, self.settings.routing)
+        sample = self.settings.placement_sample
+        if fleet.sampled(sample):
+            candidates = fleet.candidates(sample, self.rng, hint.cached if hint else ())
+            try:
+                placement = self._place(candidates, need, prefill_tokens, excluded, now, hint)
+            except errors.OverloadedError:  # none drawn has room: the whole listing
+                placement = self._place(workers, need, prefill_tokens, excluded, now, hint)
+        else:
+            placement = self._place(workers, need, prefill_tokens, excluded, now, hint)
         chosen = {w.worker_id: w for w in (placement.prefill, placement.decode) if w}
         booking = Booking(placement, need * placement.decode.kv_bytes_per_token, chosen)
         self._count(placement.decode.worker_id, 1, booking.kv_need)
@@ -165,6 +197,34 @@ class Ledger:
         for key in booking.used:
             self.breakers.placed(key, now)
         return booking
+
+    def _place(
+        self,
+        workers: Sequence[WorkerInfo],
+        need: int,
+        prefill_tokens: int,
+        excluded: set[str],
+        now: float,
+        hint: Hint | None,
+    ) -> Placement:
+        held = self.breakers.held_back(now)
+        held_back = (
+            {w.worker_id: held[k] for w in workers if (k := breaker_key(w)) in held} if held else {}
+        )  # (none held back, as most of the time: no key built per worker)
+        queue = {wid: queued for wid, (_, queued) in self._queue.items()}
+        rates: dict[str, float] = {}
+        for w in workers:
+            if w.role == "prefill" and (r := self.rates.prefill_rate(w.worker_id, w.gpu_kind)):
+                rates[w.worker_id] = r
+
+        def decide(prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
+            return self.decide(prefill_tokens, prefill, decode)
+
+        return place(
+            workers, need, fallback=self.settings.fallback, exclude=excluded,
+            held_back=held_back, load=self._load, queue=queue, rates=rates, decide=decide,
+            hint=hint,
+        )  # fmt: skip
 
     def decide(self, tokens: int, prefill: WorkerInfo, decode: WorkerInfo) -> Decision:
         """Conditional disaggregation for a prompt of ``tokens`` (see `disaggregate_or_not`)."""

@@ -49,6 +49,11 @@ class ControlSettings:
     listing this young and asks the store only about a worker missing from it
     (`orchestrator.control.directory`). Heartbeats change once a second; an attempt's own
     failures are not cached."""
+    placement_sample: int = 64
+    """Placement over a pool of more workers than this chooses among this many of them,
+    drawn at random per request (and the holders of its prefix): its cost stops growing
+    with the fleet (`orchestrator.core.fleet`). Pools of at most this many are scanned
+    whole. 0: always scan every worker."""
     follow_poll_s: float = 0.05
     """How often a follower (resubmission, resume) polls the journal of a request."""
     watch_interval_s: float = 0.5

@@ -122,7 +122,13 @@ def hint_for(
     if not policy.enabled or not tokens:
         return None
     index.sync({w.worker_id: (w.kv_block_size, w.kv_prefix) for w in workers if w.kv_block_size})
-    if not len(index):
+    return hint_from(index, tokens, policy)
+
+
+def hint_from(index: PrefixIndex, tokens: Sequence[int], policy: RoutingPolicy) -> Hint | None:
+    """`hint_for` with ``index`` already up to the live heartbeats (synced once per listing,
+    `orchestrator.core.fleet.Fleet`)."""
+    if not policy.enabled or not tokens or not len(index):
         return None
     matches = index.match({size: iter_block_keys(tokens, size) for size in index.sizes()})
     if not matches:

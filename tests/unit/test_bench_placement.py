@@ -24,12 +24,15 @@ def test_the_fleet_is_half_prefill_half_decode_and_every_pair_moves_kv() -> None
     assert booking.placement.mode is Mode.DISAGGREGATED  # what the bench times is a P/D pair
 
 
-def test_the_cost_is_reported_per_size_and_grows_with_the_fleet() -> None:
+def test_the_cost_is_reported_per_size_scanned_and_sampled() -> None:
     result = run_bench([4, 400], requests=100)
     assert [r["workers"] for r in result["rows"]] == [4, 400]
     small, large = (r["us_per_request"] for r in result["rows"])
     assert 0 < small < large  # a pass over every worker: 100x the fleet costs more
     assert result["us_per_worker"] > 0
+    # Pools of 200 are sampled (64 of each): a fraction of the scan's pass.
+    assert result["sample"] == ControlSettings().placement_sample == 64
+    assert 0 < result["rows"][1]["us_per_request_sampled"] < large
     assert "400 workers" in format_result(result)
 
 
