@@ -12,7 +12,8 @@ Both run per request over a listing of the live workers that serves many request
 depends only on the listing (its pools, what the prefix caches hold) is derived once per
 listing (`orchestrator.core.fleet.Fleet`), and placement over a pool larger than
 ``placement_sample`` chooses among that many of its workers drawn at random (plus the
-holders of the request's prefix; the whole listing again if none of them has room).
+holders of the request's prefix; the whole listing again if none of them has room, or if
+the draw would run the request aggregated where it need not).
 
 A placement is *booked* (`Booking`) for the length of one attempt and released after it,
 whatever its end. The first attempt's is booked before the request's record is created, so
@@ -172,13 +173,17 @@ class Ledger:
         fleet = self.fleet(workers)
         hint = hint_from(self.prefixes, tokens, self.settings.routing)
         sample = self.settings.placement_sample
+        placement: Placement | None = None
         if fleet.sampled(sample):
             candidates = fleet.candidates(sample, self.rng, hint.cached if hint else ())
             try:
                 placement = self._place(candidates, need, prefill_tokens, excluded, now, hint)
-            except errors.OverloadedError:  # none drawn has room: the whole listing
-                placement = self._place(workers, need, prefill_tokens, excluded, now, hint)
-        else:
+            except (errors.OverloadedError, errors.UnavailableError):
+                placement = None  # none drawn has room (or can be used): the whole listing
+            aggregated = placement is not None and placement.mode is Mode.AGGREGATED
+            if aggregated and placement is not None and not placement.by_choice:
+                placement = None  # no pair among those drawn (transports, breakers): all
+        if placement is None:
             placement = self._place(workers, need, prefill_tokens, excluded, now, hint)
         chosen = {w.worker_id: w for w in (placement.prefill, placement.decode) if w}
         booking = Booking(placement, need * placement.decode.kv_bytes_per_token, chosen)

@@ -13,8 +13,10 @@ request at 1,000 workers. A pool larger than ``sample`` workers is represented b
 a few dozen the chosen worker's load is within a small step of the pool's least-loaded,
 and the random draw keeps every replica from piling onto the same worker — plus every
 worker the request must consider whatever the draw: those holding a prefix of its tokens
-(KV-aware routing). Pools of at most ``sample`` workers are taken whole, so placement over
-a small fleet is exactly the scan it was. 0: never sampled.
+(KV-aware routing). The ledger places over the whole listing after all when the draw has no
+room or no usable pair (`orchestrator.control.ledger`). Pools of at most ``sample`` workers
+are taken whole, so placement over a small fleet is exactly the scan it was. 0: never
+sampled.
 """
 
 from __future__ import annotations

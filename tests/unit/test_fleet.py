@@ -140,3 +140,16 @@ def test_admission_over_a_draw_refuses_only_what_every_queue_refuses() -> None:
         ledger._queue["p99"] = (1, 100)
         with pytest.raises(OverloadedError, match="every prefill queue is full"):
             ledger.estimate(workers, 50, driving=0)
+
+
+def test_a_draw_with_no_pair_places_over_the_whole_listing() -> None:
+    """Only one prefill worker (tcp) can send to the tcp decode pool: a draw that misses it
+    would run the request aggregated; the whole listing pairs it, as a scan does."""
+    ucx = [dataclasses.replace(prefill(f"p{i}"), transport="ucx") for i in range(100)]
+    workers = [*ucx, prefill("p-tcp"), *(decode(f"d{i}") for i in range(20))]
+    for seed in range(10):
+        booking = _ledger(SAMPLE, seed).place(
+            workers, need=100, prefill_tokens=50, excluded=set(), now=0.0
+        )
+        assert booking.placement.prefill is not None
+        assert booking.placement.prefill.worker_id == "p-tcp"
