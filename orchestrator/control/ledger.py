@@ -22,6 +22,7 @@ that the record is created placed (`placed`: one store call less per request).
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -175,7 +176,10 @@ class Ledger:
         sample = self.settings.placement_sample
         placement: Placement | None = None
         if fleet.sampled(sample):
-            candidates = fleet.candidates(sample, self.rng, hint.cached if hint else ())
+            # The holders of the longest prefixes (a prefix every worker holds, e.g. a
+            # shared system prompt, would otherwise bring the whole pool back).
+            keep = heapq.nlargest(sample, hint.cached, key=hint.cached.__getitem__) if hint else ()
+            candidates = fleet.candidates(sample, self.rng, keep)
             try:
                 placement = self._place(candidates, need, prefill_tokens, excluded, now, hint)
             except (errors.OverloadedError, errors.UnavailableError):

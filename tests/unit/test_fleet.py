@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Collection, Sequence
 
 import pytest
 
@@ -153,3 +154,32 @@ def test_a_draw_with_no_pair_places_over_the_whole_listing() -> None:
         )
         assert booking.placement.prefill is not None
         assert booking.placement.prefill.worker_id == "p-tcp"
+
+
+def test_a_prefix_every_worker_holds_keeps_the_draw_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shared system prompt in every decode worker's cache: the draw adds at most
+    ``sample`` holders (the longest prefixes first), not the whole pool."""
+    system = list(range(100, 164))
+    longer = [*system, *range(500, 564)]
+    decodes = [_reporting(decode(f"d{i}"), system) for i in range(100)]
+    decodes.append(_reporting(decode("d-long"), longer))
+    workers = [prefill("p0"), *decodes]
+    sizes: list[int] = []
+    original = Fleet.candidates
+
+    def counted(
+        self: Fleet, sample: int, rng: random.Random, keep: Collection[str] = ()
+    ) -> Sequence[WorkerInfo]:
+        out = original(self, sample, rng, keep)
+        sizes.append(len(out))
+        return out
+
+    monkeypatch.setattr(Fleet, "candidates", counted)
+    booking = _ledger(SAMPLE, 1).place(
+        workers, need=200, prefill_tokens=140, excluded=set(), now=0.0, tokens=[*longer, 1, 2]
+    )
+    assert sizes
+    assert sizes[0] <= 1 + 2 * SAMPLE  # the prefill pool, the draw, the longest holders
+    assert booking.placement.decode.worker_id == "d-long"
