@@ -21,7 +21,10 @@ A request's first attempt may come placed (`book`, before the record was created
 record is created with its placement edge taken, a store call less); every later attempt,
 and a first one whose placement had to wait, places itself.
 
-After ``max_attempts`` or a non-retryable error the request fails (``fail``). A request
+After ``max_attempts`` in a row that made no progress (more than the one token a prefill
+samples) over at least ``STREAK_SPAN`` × ``retry_max_s``, ``ATTEMPTS_IN_ALL`` ×
+``max_attempts`` in all, or a non-retryable error, the request fails (``fail``); a request
+every live worker has failed tries them all again (`Failover._place`). A request
 this replica lost to a peer (lease lost, or its writes fenced with a stale epoch) is not a
 failure: the new owner continues it. A cancelled run records ``cancel`` — or, when the
 replica is shutting down, hands the request off to a peer; a run whose record was cancelled
@@ -105,6 +108,13 @@ def retryable(exc: BaseException) -> bool:
     return v is Verdict.RETRY
 
 
+ATTEMPTS_IN_ALL = 4
+"""A request's attempts in all, in units of ``max_attempts``: attempts that moved the
+request on (`_tries`) do not count against ``max_attempts``, and this bounds them."""
+STREAK_SPAN = 2.0
+"""A run of attempts that made no progress ends the request only once it has lasted this
+many ``retry_max_s`` (its pauses are short at first): a fault that breaks every link for
+a second is outlasted, not met by every retry at once."""
 RETRY_JITTER_S = 1.0
 """Spread over every pause between attempts (tenacity's default, which the drive used)."""
 
@@ -212,13 +222,22 @@ class Failover:
         self, run: Run, workers: Sequence[WorkerInfo], booked: Booking | None
     ) -> AsyncGenerator[OutChunk, None]:
         """Attempt after attempt (the first ``booked``) until one ends the request, or one
-        fails in a way another cannot mend (`retryable`) or ``max_attempts`` are spent —
-        that one's error is raised — pausing between them (`orchestrator.core.backoff`).
-        A plain loop: a request's only attempt, nearly always, costs nothing more."""
+        fails in a way another cannot mend (`retryable`), or ``max_attempts`` in a row,
+        over at least ``STREAK_SPAN`` × ``retry_max_s``, have moved the request on by no
+        token of their own, or ``ATTEMPTS_IN_ALL`` times that were made — that one's error
+        is raised — pausing between them (`orchestrator.core.backoff`). An attempt that
+        relayed more than the one token its prefill samples (its decode worked) starts the
+        count again: a fault that breaks
+        every link for a moment (the `grpc-link-faults` chaos scenario) no longer spends
+        the budget of requests that keep making progress between its hits. A plain loop: a
+        request's only attempt, nearly always, costs nothing more."""
         s = self.settings
-        tries = 1
+        tries = 1  # attempts in a row that moved the request on by at most one token
+        made = 1
+        streak_since = time.monotonic()
         try:
             while True:
+                relayed = len(run.output)
                 try:
                     if tries > 1:
                         await self._reassign(run)
@@ -229,12 +248,20 @@ class Failover:
                     async for chunk in self._attempt(run, workers, first):
                         yield chunk
                 except BaseException as exc:
-                    if tries >= s.max_attempts or not retryable(exc):
+                    now = time.monotonic()
+                    if len(run.output) - relayed > 1:
+                        tries, streak_since = 1, now  # it moved the request on: afresh
+                    lasted = now - streak_since >= STREAK_SPAN * s.retry_max_s
+                    spent = (tries >= s.max_attempts and lasted) or (
+                        made >= ATTEMPTS_IN_ALL * s.max_attempts
+                    )
+                    if spent or not retryable(exc):
                         raise
                 else:
                     return
                 await asyncio.sleep(_pause(tries, s))
                 tries += 1
+                made += 1
         finally:
             self.unbook(booked)  # ended before its first attempt started
 
@@ -266,6 +293,33 @@ class Failover:
         )  # fmt: skip
         run.epoch = new_epoch
 
+    def _place(self, run: Run, workers: Sequence[WorkerInfo]) -> Booking:
+        """Place an attempt away from the workers that failed this request. When every
+        live worker has (a fault that hit every link at once — the `grpc-link-faults`
+        chaos scenario — not every worker's death: the dead are not listed), it starts
+        over with all of them; their breakers still place the ones that failed last, and
+        the attempt budget (`_tries`) bounds it."""
+        spec, tried = run.spec, run.attempts
+        for _ in range(2):
+            try:
+                return self.ledger.place(
+                    workers,
+                    need=len(spec.prompt) + spec.max_tokens,
+                    prefill_tokens=len(spec.prompt) + len(run.output),
+                    excluded=tried.excluded,
+                    now=time.monotonic(),
+                    tokens=[*spec.prompt, *run.output],
+                )
+            except errors.UnavailableError:
+                if not tried.excluded:
+                    raise
+                log.info(
+                    "request %s: every live worker failed it (%s): trying them again",
+                    run.rid, ", ".join(sorted(tried.excluded)),
+                )  # fmt: skip
+                tried.excluded.clear()
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def _attempt(
         self, run: Run, workers: Sequence[WorkerInfo], booked: Booking | None
     ) -> AsyncIterator[OutChunk]:
@@ -282,14 +336,7 @@ class Failover:
                 # Every token is out: what failed after the last one only cost the finish.
                 yield await self.relay.complete(run, "length")
                 return
-            booking = self.ledger.place(
-                workers,
-                need=len(spec.prompt) + spec.max_tokens,
-                prefill_tokens=len(spec.prompt) + len(run.output),
-                excluded=run.attempts.excluded,
-                now=time.monotonic(),
-                tokens=[*spec.prompt, *run.output],
-            )
+            booking = self._place(run, workers)
         if self.metrics is not None:
             self.metrics.placements.labels(str(booking.placement.mode)).inc()
         try:

@@ -59,7 +59,10 @@ class ControlSettings:
     watch_interval_s: float = 0.5
     """How often a wait on a worker checks that its heartbeat is still alive."""
     max_attempts: int = 4
-    """Attempts per request (the first plus failovers) before it fails."""
+    """Attempts in a row (the first plus failovers) that move a request on by no more than
+    the one token a prefill samples, lasting at least 2 × ``retry_max_s``, before it fails;
+    attempts that relay more start the count again, up to 4 × this in all
+    (`orchestrator.control.failover`)."""
     retry_initial_s: float = 0.05
     retry_max_s: float = 1.0
     breaker_cooldown_s: float = 2.0

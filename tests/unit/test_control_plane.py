@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from orchestrator import errors
+from orchestrator.control.failover import ATTEMPTS_IN_ALL, STREAK_SPAN
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.orchestrator import ControlSettings, GenerateInput, Orchestrator, OutChunk
 from orchestrator.core.breaker import BreakerState
@@ -569,9 +570,12 @@ def test_a_non_retryable_worker_error_fails_the_request_at_once() -> None:
 
 
 def test_failover_gives_up_after_max_attempts() -> None:
+    """Decode workers that fail before their first token: each attempt relays only the
+    prefill's token, no progress; the request fails after ``max_attempts`` of them."""
+
     async def main() -> None:
-        settings = replace(FAST, max_attempts=2)
-        workers = [FakeWorker(f"d{i}", "decode", fail_after=1) for i in range(3)]
+        settings = replace(FAST, max_attempts=2, retry_max_s=0.0)  # no span to outlast
+        workers = [FakeWorker(f"d{i}", "decode", fail_after=0) for i in range(3)]
         orch, _, _ = await setup(FakeWorker("p0", "prefill"), *workers, settings=settings)
         with pytest.raises(errors.WorkerError):
             await collect(orch.generate(inp()))
@@ -579,6 +583,82 @@ def test_failover_gives_up_after_max_attempts() -> None:
         assert record.state is State.FAILED
         assert record.epoch == 2
         assert workers[2].calls == []
+
+    run(main())
+
+
+def test_failed_attempts_in_a_row_end_a_request_only_once_they_span_the_window() -> None:
+    """``max_attempts`` failed attempts in a row within a blink do not end the request: the
+    run must also last ``STREAK_SPAN`` × ``retry_max_s`` (a fault on every link for a
+    moment is outlasted); the attempts in all still bound it."""
+
+    async def main() -> None:
+        settings = replace(FAST, max_attempts=2, retry_initial_s=0.0, retry_max_s=0.2)
+        workers = [FakeWorker(f"d{i}", "decode", fail_after=0) for i in range(12)]
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), *workers, settings=settings)
+        started = time.monotonic()
+        with pytest.raises(errors.WorkerError):
+            await collect(orch.generate(inp()))
+        assert time.monotonic() - started >= STREAK_SPAN * settings.retry_max_s
+        record = await orch.get("r1")
+        assert record.state is State.FAILED
+        assert 2 < record.epoch <= ATTEMPTS_IN_ALL * 2
+
+    run(main())
+
+
+def test_attempts_that_move_the_request_on_do_not_spend_the_budget() -> None:
+    """Four decode workers each relay three tokens, then break (a link fault hitting every
+    worker in turn): with ``max_attempts=2`` the request still completes on the fifth,
+    contiguous, since every failed attempt made progress."""
+
+    async def main() -> None:
+        settings = replace(FAST, max_attempts=2)
+        breaking = [FakeWorker(f"d{i}", "decode", fail_after=3) for i in range(4)]
+        healthy = FakeWorker("d9", "decode")
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), *breaking, healthy, settings=settings)
+        assert_contiguous(await collect(orch.generate(inp(max_tokens=30))), 30)
+        record = await orch.get("r1")
+        assert (record.state, record.epoch, record.decode_worker) == (State.DONE, 5, "d9")
+
+    run(main())
+
+
+def test_a_request_every_worker_failed_tries_them_again() -> None:
+    """Every worker breaks after a few tokens (a fault on every link at once): once each
+    has failed the request it is placed on them again rather than failed with "no workers
+    available", and completes, contiguous, moving on at every attempt."""
+
+    async def main() -> None:
+        settings = replace(FAST, max_attempts=2)
+        workers = [
+            FakeWorker("p0", "prefill", fail_after=3),
+            FakeWorker("d0", "decode", fail_after=3),
+            FakeWorker("d1", "decode", fail_after=3),
+        ]
+        orch, _, _ = await setup(*workers, settings=settings)
+        assert_contiguous(await collect(orch.generate(inp(max_tokens=24))), 24)
+        record = await orch.get("r1")
+        assert record.state is State.DONE
+        assert record.epoch > len(workers)  # past the point where all had failed it
+
+    run(main())
+
+
+def test_attempts_that_move_the_request_on_are_bounded_in_all() -> None:
+    """Every attempt makes progress and then breaks: the request fails after
+    ``ATTEMPTS_IN_ALL`` × ``max_attempts`` attempts, not at its last token."""
+
+    async def main() -> None:
+        settings = replace(FAST, max_attempts=2)
+        breaking = [FakeWorker(f"d{i}", "decode", fail_after=2) for i in range(12)]
+        orch, _, _ = await setup(FakeWorker("p0", "prefill"), *breaking, settings=settings)
+        with pytest.raises(errors.WorkerError):
+            await collect(orch.generate(inp(max_tokens=100)))
+        record = await orch.get("r1")
+        assert record.state is State.FAILED
+        assert record.epoch == ATTEMPTS_IN_ALL * 2
+        assert sum(1 for w in breaking if w.calls) == ATTEMPTS_IN_ALL * 2
 
     run(main())
 
