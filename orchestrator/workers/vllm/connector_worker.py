@@ -102,6 +102,12 @@ _TORCH_DTYPES = {
 }
 _SAVE_GRACE_S = 5.0
 """wait_for_save waits this much past the transfer's own deadline before giving up on it."""
+CONNECT_TIMEOUT_S = 10.0
+"""The KV link's connect deadline (TCP, TLS, HELLO) in a vLLM worker, where the transport's
+thread shares the process and the CPU with the engine: with two CPU engines on this 2-core
+machine a decode worker's KV thread went unanswered for ~2.6-3 s while both computed (CI:
+a prefill's connect timed out at the transport's 2 s and the request failed over). A dead
+decode worker refuses the connection at once; only a hung one is found later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +305,9 @@ class WorkerSide:
         layout = self._views.layout
         self._fingerprint = layout.fingerprint(self.config.fingerprint)
         settings = TransportSettings(
-            transfer_timeout_s=self.config.timeout_s, kv_hold_s=self.config.hold_s
+            connect_timeout_s=CONNECT_TIMEOUT_S,
+            transfer_timeout_s=self.config.timeout_s,
+            kv_hold_s=self.config.hold_s,
         )
         if self.config.memory_budget_bytes:
             settings = dataclasses.replace(
