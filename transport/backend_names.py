@@ -14,8 +14,10 @@ loading asyncio, the senders or UCX.
   (0.9–1.1×) at 64–256 MiB.
 * ``tcp``: payloads inline on the control connection; needs nothing installed.
 
-On every backend a whole KV of at most 128 KiB (`transport.control.EAGER_BYTES`) goes inline
-in one message and one reply (eager: nothing registered, posted or read).
+On every backend a whole KV of at most the sender's bound (`transport.control.eager_bytes`:
+128 KiB on ``ucx-read``, 512 KiB on ``ucx``, 1 MiB on ``tcp``, where each backend's own path
+starts to win) goes inline in one message and one reply (eager: nothing registered, posted
+or read).
 
 **Pairing.** Control always travels on a TCP link and each sender says how it moves
 payloads when it opens a transfer, so a UCX receiver takes either UCX sender: a prefill
@@ -25,7 +27,7 @@ millisecond on loopback, never a hang): a one-sided OPEN is refused by a TCP rec
 header that does not match it (`HeaderRejectedError`), a tag sender finds no UCX worker
 address in a TCP receiver's HELLO, and a UCX receiver drops a TCP sender's inline payload
 frames with the connection (`PeerLostError`). An eager KV (at most
-`transport.control.EAGER_BYTES`, inline in its OPEN, on every backend) needs no data plane,
+`transport.control.eager_bytes`, inline in its OPEN, on every backend) needs no data plane,
 so its pairing is checked by the HELLOs' data-plane addresses instead, with the same
 outcome as for a large KV: a tag sender finds none in a TCP receiver's HELLO (`NO_UCX_PEER`),
 a TCP receiver refuses a UCX sender's OPEN as having no one-sided path, and a UCX receiver
@@ -48,7 +50,7 @@ DEFAULT: Final[Backend] = UCX
 UCX_BACKENDS: Final = frozenset({UCX, UCX_READ})
 """Backends that need UCXX (the ``ucx`` extra) and move payloads outside the control link
 (a TCP proxy in front of a decode worker's KV port sees only control messages — but for
-eager KVs, at most `transport.control.EAGER_BYTES`, inline in their OPEN;
+eager KVs, at most `transport.control.eager_bytes`, inline in their OPEN;
 KV faults for these backends are injected in the sender, `transport.testing.FaultInjector`,
 which reaches those too)."""
 

@@ -30,8 +30,9 @@ freed. Per transfer only (key id, offset, length) descriptors travel:
 
 — one message and one reply when the whole KV exists (`KvSender.send`; LAYERS inside it up
 to 4 MiB, after it beyond, computed while the receiver reads). **Eager**, on every
-backend (the tag path's and TCP's senders too): a KV of at most `EAGER_BYTES` travels
-inside that message instead of being read or sent apart —
+backend (the tag path's and TCP's senders too): a KV of at most its sender's bound
+(`eager_bytes`: 128 KiB one-sided, 512 KiB on the tag path, 1 MiB on TCP) travels inside
+that message instead of being read or sent apart —
 
       OPEN_READ2(FOLDED, segment size, header ⊕ [WITHDRAW] PAYLOAD(bytes) LAYERS) ──▶
                                ◀──────────   DONE | ERROR
@@ -90,29 +91,45 @@ from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES
 
 _HEAD = struct.Struct("<BI")
 HEAD_SIZE = _HEAD.size
-EAGER_BYTES = 128 * 1024
-"""Eager: a KV of at most this many payload bytes, whole at hand, goes inline in its
-OPEN_READ2 (PAYLOAD) rather than read from registered memory; the receiver refuses a
-PAYLOAD longer than this (its head is checked before its body is taken). The payload is
-written from the KV's own memory (`open_read2_parts`) and copied out of the OPEN once,
-into the receiver's buffer (`Inline`); before, ~6 copies out and 3 in (each a fresh
-allocation whose pages fault in) made eager cost 2–4× a ucx-read at 256 KiB–1 MiB.
-Measured on this 2-core VM, `pdorch bench transport`, 32 layers, 100 transfers × 2
-rounds, medians in µs, before/after alternated in separate runs (load 1–6, noisy): at
-128 KiB, now eager, v1 1,431 / 2,405 / 1,372 → 743 / 527 / 845, tcp 1,510 / 2,081 /
-1,638 → 542 / 664 / 606, ucx-read 495 / 681 / 562 → 571 / 777 / 591 (level with its
-read); 4 KiB unchanged (v1 639 / 498 / 636 / 693 → 478 / 470 / 484 / 495). Eager past
-128 KiB (the bound raised in a scratch copy): ucx-read 256 KiB 555 / 728 / 662 against a
-read's 456 / 498 / 591, 512 KiB ~1,000 against ~650 (the old copies: ~2,300) — while v1
-and tcp, whose large-KV path costs 1.5–2.5 ms here, stay ~2.5× faster eager at 256 KiB.
-One bound for every backend: 128 KiB, where ucx-read is level and the others gain most.
-What an eager payload still costs is the stream reader's copies (`transport.link`)."""
+EAGER_BYTES = 1024 * 1024
+"""Eager: a KV of at most its sender's bound (`eager_bytes`), whole at hand, goes inline in
+its OPEN_READ2 (PAYLOAD) rather than read from registered memory or sent layer by layer.
+This is the largest bound, the receiver's: it refuses a PAYLOAD longer than this (its head
+is checked before its body is taken). The payload is written from the KV's own memory
+(`open_read2_parts`) and copied out of the OPEN once, into the receiver's buffer (`Inline`);
+before, ~6 copies out and 3 in (each a fresh allocation whose pages fault in) made eager
+cost 2–4× a ucx-read at 256 KiB–1 MiB. Measured on this 2-core VM, `pdorch bench
+transport`, 32 layers, 100 transfers × 2 rounds, medians in µs, before/after alternated in
+separate runs (load 1–6, noisy): at 128 KiB, now eager, v1 1,431 / 2,405 / 1,372 → 743 /
+527 / 845, tcp 1,510 / 2,081 / 1,638 → 542 / 664 / 606, ucx-read 495 / 681 / 562 → 571 /
+777 / 591 (level with its read); 4 KiB unchanged (v1 639 / 498 / 636 / 693 → 478 / 470 /
+484 / 495). Past its bound each backend's own path wins."""
+EAGER_TAG_BYTES = 512 * 1024
+"""The tag path's (UCX v1) bound. Eager and layered alternated in one pair of processes
+(30 transfers × 6 rounds, 32 layers, load ~2): 256 KiB 723 against 1,713 µs, 512 KiB
+1,501 / 2,468, 768 KiB 2,123 / 2,818, 1 MiB 2,931 / 3,049 — level by 1 MiB."""
+EAGER_ONE_SIDED_BYTES = 128 * 1024
+"""The one-sided path's (UCX v2) bound: past it a read wins (256 KiB eager 555 / 728 / 662
+against a read's 456 / 498 / 591 µs, 512 KiB ~1,000 against ~650)."""
+
+
+def eager_bytes(*, inline: bool, one_sided: bool) -> int:
+    """The largest KV a sender of this data plane sends eager: TCP's (inline) whole bound
+    — its layered path costs ~2.3 ms more than eager at 256 KiB–1 MiB (eager and layered
+    alternated as for `EAGER_TAG_BYTES`: 256 KiB 1,013 / 2,789, 512 KiB 1,045 / 2,403,
+    1 MiB 1,556 / 3,164, 2 MiB 3,868 / 5,625 µs) — the tag path's, or the one-sided
+    path's."""
+    if one_sided:
+        return EAGER_ONE_SIDED_BYTES
+    return EAGER_BYTES if inline else EAGER_TAG_BYTES
+
+
 # The largest body: an OPEN (a maximal KV header, an eager KV's payload, every layer's
 # frame — 1,024 × 24 bytes — and a WITHDRAW of every key a link holds — 4,096 × 4 bytes —
 # within the last 64 KiB) or a HELLO carrying a UCX worker address (a few KiB at most).
-# Anything longer is a protocol violation, refused unread. 256 KiB: one such message is
-# read whole from the link's stream (`link.read_message`), far inside its buffer bound
-# (`link.STREAM_LIMIT`, 4 MiB); a receiver holds at most one per connection.
+# Anything longer is a protocol violation, refused unread. ~1.1 MiB: one such message is
+# read whole from the link (`link.read_message`), inside the stream's buffer bound
+# (`stream.STREAM_LIMIT`, 4 MiB); a receiver holds at most one per connection.
 MAX_BODY = MAX_HEADER_BYTES + EAGER_BYTES + 64 * 1024
 _U64 = struct.Struct("<Q")
 _ERR = struct.Struct("<B")

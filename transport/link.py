@@ -12,7 +12,7 @@ TLS 1.3 delivers after the client's handshake) becomes `PeerRejectedError` (`tls
 also when it is what closed the link before a write; the TLS stream ending early
 (`ssl.SSLEOFError`) is a lost peer, as a TCP reset is.
 
-**Copies of an eager payload** (`control.EAGER_BYTES`, inline in its OPEN). Out: none of
+**Copies of an eager payload** (`control.eager_bytes`, inline in its OPEN). Out: none of
 ours past 64 KiB — `send_parts` hands the KV's buffers to the transport as they lie, and
 only what the socket does not take at once is buffered (asyncio copies that rest; uvloop
 holds the buffers) — and one join up to it. In: the stream reader's own — each ``recv``
@@ -32,16 +32,19 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from transport import control, errors
 from transport.base import Peer
+from transport.stream import STREAM_LIMIT, LinkReader
 
 log = logging.getLogger(__name__)
 
-STREAM_LIMIT = 4 << 20
-"""asyncio stream buffer: large, so inline payloads move in few wakeups."""
+__all__ = ["STREAM_LIMIT", "Link", "read_message", "tls_error", "wait_first"]
+
 _CHUNK = 4 << 20
+_IN_PLACE_BYTES = 64 << 10
+"""`read_message`: a body this large is read into its own buffer, not the stream's."""
 _JOIN_BYTES = 256 << 10
 """`Link.send_batch` joins chunks up to this into one write (one send syscall)."""
 _HELD_BYTES = 512 << 10
@@ -57,7 +60,7 @@ class Link:
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
+        reader: LinkReader,
         writer: asyncio.StreamWriter,
         peer: Peer,
     ) -> None:
@@ -131,8 +134,7 @@ class Link:
         if self._pending is not None:
             return self._pending.done()
         reader = self.reader
-        unread = getattr(reader, "_buffer", b"")  # asyncio has no public "bytes buffered"
-        return reader.at_eof() or reader.exception() is not None or bool(unread)
+        return reader.at_eof() or reader.exception() is not None or reader.buffered() > 0
 
     # -------------------------------------------------------------------------- writing
 
@@ -264,24 +266,26 @@ class Link:
             raise
 
     async def read_into(self, view: memoryview, timeout_s: float) -> None:
-        """Read exactly len(view) payload bytes from the connection (TCP backend)."""
-        pos, n = 0, len(view)
+        """Read exactly len(view) payload bytes from the connection (TCP backend), in place
+        (`LinkReader.read_into`: what the stream holds, then straight from the socket)."""
+        n = len(view)
         try:
-            while pos < n:
-                async with asyncio.timeout(timeout_s):  # no task, unlike wait_for (3.11)
-                    chunk = await self.reader.read(min(n - pos, _CHUNK))
-                if not chunk:
-                    raise errors.PeerLostError(f"peer closed after {pos} of {n} payload bytes")
-                view[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
+            await self.reader.read_into(view, timeout_s)
         except TimeoutError:
             self.broken = True
             raise errors.TransferTimeoutError(
-                f"no payload progress for {timeout_s}s ({pos} of {n} bytes)"
+                f"no payload progress for {timeout_s}s (a payload of {n} bytes)"
             ) from None
+        except asyncio.IncompleteReadError as exc:
+            self.broken = True
+            got = len(exc.partial)
+            raise errors.PeerLostError(f"peer closed after {got} of {n} payload bytes") from None
+        except ssl.SSLError as exc:
+            self.broken = True
+            raise tls_error(exc) from exc
         except OSError as exc:
             self.broken = True
-            raise errors.PeerLostError(f"connection lost after {pos} of {n} bytes") from exc
+            raise errors.PeerLostError(f"connection lost after part of {n} bytes") from exc
 
     async def linger(self, timeout_s: float) -> None:
         """After refusing mid-transfer: half-close and discard what the peer still sends.
@@ -349,12 +353,19 @@ def tls_error(exc: ssl.SSLError) -> errors.TransportError:
     return errors.PeerRejectedError(f"TLS: {exc.reason or exc}")
 
 
-async def read_message(reader: asyncio.StreamReader) -> control.Message:
-    """Read one control message. EOF and resets become PeerLostError."""
+async def read_message(reader: LinkReader) -> control.Message:
+    """Read one control message. EOF and resets become PeerLostError. A body of at least
+    `_IN_PLACE_BYTES` (an eager KV's OPEN) is read in place into its own buffer
+    (`LinkReader.read_into`), not through the stream's."""
     try:
         head = await reader.readexactly(control.HEAD_SIZE)
         kind, length = control.decode_head(head)
-        body = await reader.readexactly(length) if length else b""
+        if length < _IN_PLACE_BYTES:
+            body = await reader.readexactly(length) if length else b""
+        else:
+            into = bytearray(length)
+            await reader.read_into(memoryview(into), None)  # the caller bounds the wait
+            body = cast(bytes, into)  # every parser reads a body through buffer views
     except asyncio.IncompleteReadError as exc:
         raise errors.PeerLostError("peer closed the connection") from exc
     except ssl.SSLError as exc:

@@ -51,11 +51,11 @@ from typing import Any
 
 import numpy as np
 
-from transport import control, errors, wire
+from transport import control, errors, stream, wire
 from transport.backend_names import TCP_SENDER_REFUSED
 from transport.base import DataPlane, Inbox, Peer, TransferTokens, TransportSettings
 from transport.buffers import BufferPool
-from transport.link import STREAM_LIMIT, Link, wait_first
+from transport.link import Link, wait_first
 from transport.security import LinkTls, describe
 
 log = logging.getLogger(__name__)
@@ -291,8 +291,7 @@ class KvReceiver:
         s = self.settings
         server = self.tls.server if self.tls is not None else None
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=STREAM_LIMIT, loop=loop)
-        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        reader, protocol = stream.pair(loop)
         try:
             # The handshake's own timeout, and the same deadline around the call (a loop
             # whose SSL layer would not time out still cannot hold the handler).
@@ -591,9 +590,9 @@ def _inline(folded: Sequence[control.Folded]) -> bool:
 
 
 def _check_inline(header: wire.KvHeader, folded: Sequence[control.Folded]) -> None:
-    """An eager payload (PAYLOAD, at most `control.EAGER_BYTES`, `control.decode_head`)
-    is exactly the checked header's payload size, and comes once — before any memory is
-    taken for it."""
+    """An eager payload (PAYLOAD, at most `control.EAGER_BYTES` whatever the sender's own
+    bound, `control.decode_head`) is exactly the checked header's payload size, and comes
+    once — before any memory is taken for it."""
     inline = [m.body for m in folded if isinstance(m, control.Inline)]
     if not inline:
         return

@@ -12,7 +12,8 @@ connection whose peer went away is noticed before reuse and replaced, so the fir
 after a receiver restarts connects afresh. One-sided (UCX v2), `send` of a complete KV is
 one message and one reply (`_send_folded`), over memory registered once per allocation
 (`transport.registry`) whose keys each link carries once. On every backend, `send` of a
-KV of at most `control.EAGER_BYTES` is that one message with its bytes inline (eager:
+KV of at most its data plane's bound (`control.eager_bytes`: 128 KiB one-sided, 512 KiB
+tag, 1 MiB TCP) is that one message with its bytes inline (eager:
 nothing registered, posted or read; only to a receiver it would pair with for a larger KV,
 `transport.backend_names`). With `LinkTls`, links are mutual
 TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
@@ -51,10 +52,10 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import xxhash
 
-from transport import control, errors, wire
+from transport import control, errors, stream, wire
 from transport.backend_names import NO_UCX_PEER
 from transport.base import DataPlane, Peer, TransportSettings
-from transport.link import STREAM_LIMIT, Link, tls_error
+from transport.link import Link, tls_error
 from transport.registry import Registration, Registry
 from transport.security import LinkTls, describe
 
@@ -192,7 +193,7 @@ class KvSender:
 
     async def send(self, address: str, cache: wire.KvCache) -> None:
         """Send a whole KV cache: the layer-wise API in a loop, or — one-sided, or a KV of
-        at most `control.EAGER_BYTES` on any backend (inline, eager) — one message and one
+        at most `eager_bytes` on any backend (inline, eager) — one message and one
         reply (`_send_folded`)."""
         eager = self._eager(cache)
         if self._plane.one_sided or eager:
@@ -214,10 +215,15 @@ class KvSender:
         itself, as its reads would be; a tcp sender's by a UCX receiver."""
         return not self._plane.inline and not self._plane.one_sided
 
+    @property
+    def eager_bytes(self) -> int:
+        """The largest KV this sender sends inline (`control.eager_bytes`: its data plane's)."""
+        return control.eager_bytes(inline=self._plane.inline, one_sided=self._plane.one_sided)
+
     def _eager(self, cache: wire.KvCache) -> bool:
-        """Whether ``cache`` goes inline (`control.EAGER_BYTES`; not while a fault injector
-        times layers, `layered_hook`)."""
-        if not 0 < cache.header.payload_bytes <= control.EAGER_BYTES:
+        """Whether ``cache`` goes inline (`eager_bytes`; not while a fault injector times
+        layers, `layered_hook`)."""
+        if not 0 < cache.header.payload_bytes <= self.eager_bytes:
             return False
         return self.layered_hook is None or not self.layered_hook()
 
@@ -225,7 +231,7 @@ class KvSender:
         """One-sided, the whole KV at hand (prefill finished): OPEN_READ2 (``FOLDED``) and
         every segment's READ in one write — with KEYS for what this link's receiver does
         not hold yet, WITHDRAW for what it holds and was freed; a KV of at most
-        `control.EAGER_BYTES` goes inline instead (PAYLOAD) — then the checksums
+        `eager_bytes` goes inline instead (PAYLOAD) — then the checksums
         (LAYERS; in that same write when the KV is small), then one reply: DONE | ERROR.
         A refusal is raised here, as from `open`; a failed transfer's memory is held
         (`_quarantine`) while its receiver may still be reading."""
@@ -381,12 +387,9 @@ class KvSender:
         host, port = split_address(address)
         timeout = self.settings.connect_timeout_s
         context = self.tls.client if self.tls is not None else None
-        tls: dict[str, Any] = {}
-        if context is not None:  # the handshake is inside the connect timeout
-            tls = {"ssl": context, "server_hostname": host, "ssl_handshake_timeout": timeout}
-        try:
+        try:  # the TLS handshake is inside the connect timeout
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=STREAM_LIMIT, **tls), timeout
+                stream.connect(host, port, context, timeout), timeout
             )
         except TimeoutError:
             raise errors.TransferTimeoutError(f"connect to {address} timed out") from None

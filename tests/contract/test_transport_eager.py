@@ -1,8 +1,9 @@
-"""Eager KVs up to `control.EAGER_BYTES` (128 KiB; 64 before the copies were cut), on every
-backend and both event loops: the KV goes folded into its OPEN, written from its own memory
-(no joined copy of the payload), nothing registered; it arrives verified layer by layer, and
-a byte flipped after the checksum is caught on both ends. One payload byte past the bound,
-the KV goes the way a large one goes."""
+"""Eager KVs up to the sender's bound (`control.eager_bytes`: 128 KiB one-sided, 512 KiB on
+the tag path, 1 MiB on TCP; 128 KiB everywhere before, 64 before the copies were cut), on
+every backend and both event loops: the KV goes folded into its OPEN, written from its own
+memory (no joined copy of the payload), nothing registered; it arrives verified layer by
+layer, and a byte flipped after the checksum is caught on both ends. One payload byte past
+the bound, the KV goes the way a large one goes."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ BACKENDS = [
 ]
 LAYERS = 32
 OLD_EAGER_BYTES = 64 * testing.KIB
+BOUNDS = {"ucx": 512 * testing.KIB, UCX_READ: 128 * testing.KIB, "tcp": 1024 * testing.KIB}
+"""Each backend's eager bound (`control.eager_bytes`), as the README states them."""
 
 
 @dataclasses.dataclass
@@ -102,12 +105,13 @@ def _run(backend: str, body: object) -> None:
 
 
 @pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
-def test_a_kv_past_the_old_bound_goes_eager_from_its_own_memory(
+def test_a_kv_at_its_senders_bound_goes_eager_from_its_own_memory(
     backend: str, event_loop_kind: str, writes: Writes
 ) -> None:
-    contiguous = testing.synthetic_cache("c", 1, control.EAGER_BYTES, n_layers=LAYERS)
-    apart = _apart(testing.synthetic_cache("a", 1, control.EAGER_BYTES, n_layers=LAYERS, seed=3))
-    assert OLD_EAGER_BYTES < contiguous.header.payload_bytes == control.EAGER_BYTES
+    bound = BOUNDS[backend]
+    contiguous = testing.synthetic_cache("c", 1, bound, n_layers=LAYERS)
+    apart = _apart(testing.synthetic_cache("a", 1, bound, n_layers=LAYERS, seed=3))
+    assert OLD_EAGER_BYTES < contiguous.header.payload_bytes == bound
 
     async def body(sender: KvSender, receiver: object, address: str) -> None:
         for cache in (contiguous, apart):
@@ -116,6 +120,7 @@ def test_a_kv_past_the_old_bound_goes_eager_from_its_own_memory(
             assert testing.digest(got) == testing.digest(cache)
             got.release()
         assert sender.registry.registrations == 0  # nothing registered, nothing read
+        assert sender.eager_bytes == bound
 
     _run(backend, body)
     opens = writes.opens()
@@ -125,7 +130,7 @@ def test_a_kv_past_the_old_bound_goes_eager_from_its_own_memory(
     # Written from the KV's memory: the payload is not joined into the message first.
     # (Layers apart, 4 KiB each here, are joined: a write each would cost more.)
     (_, pieces), _ = opens
-    assert sum(p.nbytes for p in pieces if _shares(p, contiguous)) == control.EAGER_BYTES
+    assert sum(p.nbytes for p in pieces if _shares(p, contiguous)) == bound
 
 
 @pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
@@ -133,8 +138,8 @@ def test_one_byte_past_the_bound_goes_as_a_large_kv(
     backend: str, event_loop_kind: str, writes: Writes
 ) -> None:
     # 32 layers of float32 K and V: the next size up is 256 bytes more.
-    cache = testing.synthetic_cache("p", 1, control.EAGER_BYTES + 256, n_layers=LAYERS)
-    assert cache.header.payload_bytes > control.EAGER_BYTES
+    cache = testing.synthetic_cache("p", 1, BOUNDS[backend] + 256, n_layers=LAYERS)
+    assert cache.header.payload_bytes > BOUNDS[backend]
 
     async def body(sender: KvSender, receiver: object, address: str) -> None:
         await sender.send(address, cache)
@@ -147,13 +152,13 @@ def test_one_byte_past_the_bound_goes_as_a_large_kv(
 
 
 @pytest.mark.parametrize(("backend", "event_loop_kind"), BACKENDS, indirect=["event_loop_kind"])
-def test_a_corrupted_eager_kv_past_the_old_bound_is_caught(
+def test_a_corrupted_eager_kv_at_its_senders_bound_is_caught(
     backend: str, event_loop_kind: str, writes: Writes
 ) -> None:
     async def body(sender: KvSender, receiver: object, address: str) -> None:
         # Layer 20 lies past the old bound's 64 KiB: a byte flipped after its checksum.
         testing.FaultInjector(layer=20, corrupt_offset=100).attach(sender)
-        cache = testing.synthetic_cache("x", 1, control.EAGER_BYTES, n_layers=LAYERS)
+        cache = testing.synthetic_cache("x", 1, BOUNDS[backend], n_layers=LAYERS)
         with pytest.raises(errors.ChecksumMismatchError):
             await sender.send(address, cache)
         with pytest.raises(errors.ChecksumMismatchError):
@@ -242,6 +247,42 @@ def _eager_parts(cache: wire.KvCache) -> tuple[bytes, list[int], list[int]]:
 def _layers(indices: list[int], sizes: list[int], sums: list[int]) -> bytes:
     frames = wire.encode_layer_frames(indices, [sizes[i] for i in indices], sums)
     return control.encode(control.Kind.LAYERS, frames)
+
+
+def test_the_receivers_bound_is_the_largest_senders_and_one_byte_more_is_refused() -> None:
+    """Every receiver takes an eager KV up to `control.EAGER_BYTES`, whichever sender's
+    bound it came under; a PAYLOAD one byte longer is refused from its head."""
+    assert control.eager_bytes(inline=True, one_sided=False) == BOUNDS["tcp"]
+    assert control.eager_bytes(inline=False, one_sided=False) == BOUNDS["ucx"]
+    assert control.eager_bytes(inline=False, one_sided=True) == BOUNDS[UCX_READ]
+    assert max(BOUNDS.values()) == control.EAGER_BYTES
+    assert control.MAX_BODY > control.EAGER_BYTES + wire.MAX_HEADER_BYTES
+    largest = control.payload_head([memoryview(bytes(control.EAGER_BYTES))])
+    assert control.decode_head(largest) == (control.Kind.PAYLOAD, control.EAGER_BYTES)
+    longer = bytes([control.Kind.PAYLOAD]) + (control.EAGER_BYTES + 1).to_bytes(4, "little")
+    with pytest.raises(errors.WireFormatError, match="an eager KV is 1 to"):
+        control.decode_head(longer)
+
+
+@pytest.mark.parametrize("backend", RECEIVERS)
+def test_a_tcp_senders_largest_eager_kv_is_taken(backend: str) -> None:
+    """A 1 MiB eager OPEN, hand-written (a TCP sender's bound, past the UCX senders'), is
+    taken whole by a receiver of the sender's kind."""
+    cache = testing.synthetic_cache("m", 1, control.EAGER_BYTES, n_layers=LAYERS)
+    payload, sizes, sums = _eager_parts(cache)
+
+    async def body() -> None:
+        folded = payload + _layers(list(range(LAYERS)), sizes, sums)
+        reply, receiver = await _raw_eager(backend, cache, folded)
+        try:
+            assert reply.kind is control.Kind.DONE, control.parse_error(reply.body)
+            got = await receiver.take("m", 1, 5)  # type: ignore[attr-defined]
+            assert testing.digest(got) == testing.digest(cache)
+            got.release()
+        finally:
+            await receiver.close()  # type: ignore[attr-defined]
+
+    asyncio.run(body())
 
 
 @pytest.mark.parametrize("backend", RECEIVERS)

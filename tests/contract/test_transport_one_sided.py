@@ -30,9 +30,9 @@ from transport.ucx import ucx_available
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
 
 KEY = control.RemoteKey(7, 4096, 64 * testing.KIB, b"k")
-EAGER_SIZE = control.EAGER_BYTES
-"""The largest KV that goes inline in its OPEN (eager)."""
-READ_SIZE = 2 * control.EAGER_BYTES
+EAGER_SIZE = control.EAGER_ONE_SIDED_BYTES
+"""The largest KV a one-sided sender sends inline in its OPEN (eager)."""
+READ_SIZE = 2 * control.EAGER_ONE_SIDED_BYTES
 """A KV the receiver reads from the sender's registered memory."""
 
 
@@ -393,7 +393,7 @@ def _folded_refusal(
 
 
 def test_a_small_kv_goes_inline_in_its_open_and_a_larger_one_is_read() -> None:
-    """Up to `control.EAGER_BYTES` the payload travels in the OPEN (PAYLOAD): no memory
+    """Up to `control.EAGER_ONE_SIDED_BYTES` the payload travels in the OPEN (PAYLOAD): no memory
     registered, no keys, no read; past it, the receiver reads it. Both arrive verified."""
     sent: list[list[control.Kind]] = []
 
@@ -465,11 +465,10 @@ def test_an_oversized_inline_payload_drops_the_link_and_reserves_nothing() -> No
         address = await receiver.start()
         try:
             reader, writer = await testing._say_hello(address)
-            cache = testing.synthetic_cache("o", 1, 2 * EAGER_SIZE, n_layers=2)
+            bound = control.EAGER_BYTES  # the receiver's, whatever the sender's own
+            cache = testing.synthetic_cache("o", 1, 2 * bound, n_layers=2)
             # One byte past the bound (the whole OPEN within `control.MAX_BODY`: read).
-            big = struct.pack("<BI", control.Kind.PAYLOAD, EAGER_SIZE + 1) + b"\0" * (
-                EAGER_SIZE + 1
-            )
+            big = struct.pack("<BI", control.Kind.PAYLOAD, bound + 1) + b"\0" * (bound + 1)
             header = wire.encode_header(cache.header)
             writer.write(control.open_read2(1 << 20, header, folded=True, then=big))
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, no answer

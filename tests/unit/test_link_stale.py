@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from transport import control
+from transport import control, stream
 from transport.base import Peer
 from transport.link import Link
 
@@ -29,7 +29,7 @@ async def _idle_link(peer: Peer_) -> bool:
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await stream.connect("127.0.0.1", port, None, 5)
     link = Link(reader, writer, Peer(b"", b""))
     try:
         await asyncio.wait_for(done.wait(), 5)
@@ -97,7 +97,7 @@ def test_a_write_to_a_link_the_peer_reset_is_peer_lost(loop_name: str, how: str)
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await stream.connect("127.0.0.1", port, None, 5)
         link = Link(reader, writer, Peer(b"", b""))
         try:
             await asyncio.wait_for(reset.wait(), 5)
