@@ -15,8 +15,8 @@ loading asyncio, the senders or UCX.
 * ``tcp``: payloads inline on the control connection; needs nothing installed.
 
 On every backend a whole KV of at most the sender's bound (`transport.control.eager_bytes`:
-128 KiB on ``ucx-read``, 512 KiB on ``ucx``, 1 MiB on ``tcp``, where each backend's own path
-starts to win) goes inline in one message and one reply (eager: nothing registered, posted
+128 KiB on ``ucx-read``, 1 MiB on ``ucx`` and ``tcp``, where each backend's own path starts
+to win) goes inline in one message and one reply (eager: nothing registered, posted
 or read).
 
 **Pairing.** Control always travels on a TCP link and each sender says how it moves

@@ -31,7 +31,7 @@ freed. Per transfer only (key id, offset, length) descriptors travel:
 — one message and one reply when the whole KV exists (`KvSender.send`; LAYERS inside it up
 to 4 MiB, after it beyond, computed while the receiver reads). **Eager**, on every
 backend (the tag path's and TCP's senders too): a KV of at most its sender's bound
-(`eager_bytes`: 128 KiB one-sided, 512 KiB on the tag path, 1 MiB on TCP) travels inside
+(`eager_bytes`: 128 KiB one-sided, 1 MiB on the tag path and TCP) travels inside
 that message instead of being read or sent apart —
 
       OPEN_READ2(FOLDED, segment size, header ⊕ [WITHDRAW] PAYLOAD(bytes) LAYERS) ──▶
@@ -92,36 +92,34 @@ from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES
 _HEAD = struct.Struct("<BI")
 HEAD_SIZE = _HEAD.size
 EAGER_BYTES = 1024 * 1024
-"""Eager: a KV of at most its sender's bound (`eager_bytes`), whole at hand, goes inline in
-its OPEN_READ2 (PAYLOAD) rather than read from registered memory or sent layer by layer.
-This is the largest bound, the receiver's: it refuses a PAYLOAD longer than this (its head
-is checked before its body is taken). The payload is written from the KV's own memory
-(`open_read2_parts`) and copied out of the OPEN once, into the receiver's buffer (`Inline`);
-before, ~6 copies out and 3 in (each a fresh allocation whose pages fault in) made eager
-cost 2–4× a ucx-read at 256 KiB–1 MiB. Measured on this 2-core VM, `pdorch bench
-transport`, 32 layers, 100 transfers × 2 rounds, medians in µs, before/after alternated in
-separate runs (load 1–6, noisy): at 128 KiB, now eager, v1 1,431 / 2,405 / 1,372 → 743 /
-527 / 845, tcp 1,510 / 2,081 / 1,638 → 542 / 664 / 606, ucx-read 495 / 681 / 562 → 571 /
-777 / 591 (level with its read); 4 KiB unchanged (v1 639 / 498 / 636 / 693 → 478 / 470 /
-484 / 495). Past its bound each backend's own path wins."""
-EAGER_TAG_BYTES = 512 * 1024
-"""The tag path's (UCX v1) bound. Eager and layered alternated in one pair of processes
-(30 transfers × 6 rounds, 32 layers, load ~2): 256 KiB 723 against 1,713 µs, 512 KiB
-1,501 / 2,468, 768 KiB 2,123 / 2,818, 1 MiB 2,931 / 3,049 — level by 1 MiB."""
+"""Eager: a KV of at most its sender's bound (`eager_bytes`), whole at hand, goes inline in its
+OPEN_READ2 (PAYLOAD) rather than read from registered memory or sent layer by layer. This is
+the largest bound (the tag path's and TCP's), the receiver's: it refuses a PAYLOAD longer
+than this (its head is checked before its body is taken). The payload is written from the
+KV's own memory (`open_read2_parts`) and copied out of the OPEN once, into the receiver's
+buffer (`Inline`); before, ~6 copies out and 3 in (each a fresh allocation whose pages fault
+in) made eager cost 2–4× a ucx-read at 256 KiB–1 MiB. Measured on this 2-core VM, `pdorch
+bench transport`, 32 layers, 100 transfers × 2 rounds, medians in µs, before/after
+alternated in separate runs (load 1–6, noisy): at 128 KiB, now eager, v1 1,431 / 2,405 /
+1,372 → 743 / 527 / 845, tcp 1,510 / 2,081 / 1,638 → 542 / 664 / 606, ucx-read 495 / 681 /
+562 → 571 / 777 / 591 (level with its read); 4 KiB unchanged (v1 639 / 498 / 636 / 693 → 478
+/ 470 / 484 / 495). Past its bound each backend's own path wins; from 64 KiB the receiver
+reads the OPEN's body in place (`link.read_message`), which made 1 MiB pay on the tag path
+too."""
 EAGER_ONE_SIDED_BYTES = 128 * 1024
 """The one-sided path's (UCX v2) bound: past it a read wins (256 KiB eager 555 / 728 / 662
 against a read's 456 / 498 / 591 µs, 512 KiB ~1,000 against ~650)."""
 
 
-def eager_bytes(*, inline: bool, one_sided: bool) -> int:
-    """The largest KV a sender of this data plane sends eager: TCP's (inline) whole bound
-    — its layered path costs ~2.3 ms more than eager at 256 KiB–1 MiB (eager and layered
-    alternated as for `EAGER_TAG_BYTES`: 256 KiB 1,013 / 2,789, 512 KiB 1,045 / 2,403,
-    1 MiB 1,556 / 3,164, 2 MiB 3,868 / 5,625 µs) — the tag path's, or the one-sided
-    path's."""
-    if one_sided:
-        return EAGER_ONE_SIDED_BYTES
-    return EAGER_BYTES if inline else EAGER_TAG_BYTES
+def eager_bytes(*, one_sided: bool) -> int:
+    """The largest KV a sender sends eager: `EAGER_BYTES` on the tag path (UCX v1) and TCP,
+    whose layered paths cost ~1–2 ms more per transfer up to it, or the one-sided path's
+    bound. Eager against layered, alternated in one pair of processes (20 transfers × 4–8
+    rounds, 32 layers, load ~1.5; bodies read in place, `transport.stream`), medians in µs:
+    tcp 256 KiB 912 / 2,639, 1 MiB 1,686 / 2,908, 2 MiB 2,467 / 3,005, 4 MiB 5,035 / 4,542;
+    ucx 256 KiB 900 / 1,962, 512 KiB 940 / 2,112, 768 KiB 1,751 / 2,685, 1 MiB 1,813 /
+    2,430, 2 MiB 1,988 / 1,908 — level by 2 MiB."""
+    return EAGER_ONE_SIDED_BYTES if one_sided else EAGER_BYTES
 
 
 # The largest body: an OPEN (a maximal KV header, an eager KV's payload, every layer's

@@ -12,8 +12,8 @@ connection whose peer went away is noticed before reuse and replaced, so the fir
 after a receiver restarts connects afresh. One-sided (UCX v2), `send` of a complete KV is
 one message and one reply (`_send_folded`), over memory registered once per allocation
 (`transport.registry`) whose keys each link carries once. On every backend, `send` of a
-KV of at most its data plane's bound (`control.eager_bytes`: 128 KiB one-sided, 512 KiB
-tag, 1 MiB TCP) is that one message with its bytes inline (eager:
+KV of at most its data plane's bound (`control.eager_bytes`: 128 KiB one-sided, 1 MiB on
+the tag path and TCP) is that one message with its bytes inline (eager:
 nothing registered, posted or read; only to a receiver it would pair with for a larger KV,
 `transport.backend_names`). With `LinkTls`, links are mutual
 TLS and KV goes only to a receiver whose identity `LinkTls.receivers` allows; the
@@ -218,7 +218,7 @@ class KvSender:
     @property
     def eager_bytes(self) -> int:
         """The largest KV this sender sends inline (`control.eager_bytes`: its data plane's)."""
-        return control.eager_bytes(inline=self._plane.inline, one_sided=self._plane.one_sided)
+        return control.eager_bytes(one_sided=self._plane.one_sided)
 
     def _eager(self, cache: wire.KvCache) -> bool:
         """Whether ``cache`` goes inline (`eager_bytes`; not while a fault injector times

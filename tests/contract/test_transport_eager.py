@@ -1,5 +1,5 @@
-"""Eager KVs up to the sender's bound (`control.eager_bytes`: 128 KiB one-sided, 512 KiB on
-the tag path, 1 MiB on TCP; 128 KiB everywhere before, 64 before the copies were cut), on
+"""Eager KVs up to the sender's bound (`control.eager_bytes`: 128 KiB one-sided, 1 MiB on the
+tag path and TCP; 128 KiB everywhere before, 64 before the copies were cut), on
 every backend and both event loops: the KV goes folded into its OPEN, written from its own
 memory (no joined copy of the payload), nothing registered; it arrives verified layer by
 layer, and a byte flipped after the checksum is caught on both ends. One payload byte past
@@ -30,7 +30,7 @@ BACKENDS = [
 ]
 LAYERS = 32
 OLD_EAGER_BYTES = 64 * testing.KIB
-BOUNDS = {"ucx": 512 * testing.KIB, UCX_READ: 128 * testing.KIB, "tcp": 1024 * testing.KIB}
+BOUNDS = {"ucx": 1024 * testing.KIB, UCX_READ: 128 * testing.KIB, "tcp": 1024 * testing.KIB}
 """Each backend's eager bound (`control.eager_bytes`), as the README states them."""
 
 
@@ -252,9 +252,8 @@ def _layers(indices: list[int], sizes: list[int], sums: list[int]) -> bytes:
 def test_the_receivers_bound_is_the_largest_senders_and_one_byte_more_is_refused() -> None:
     """Every receiver takes an eager KV up to `control.EAGER_BYTES`, whichever sender's
     bound it came under; a PAYLOAD one byte longer is refused from its head."""
-    assert control.eager_bytes(inline=True, one_sided=False) == BOUNDS["tcp"]
-    assert control.eager_bytes(inline=False, one_sided=False) == BOUNDS["ucx"]
-    assert control.eager_bytes(inline=False, one_sided=True) == BOUNDS[UCX_READ]
+    assert control.eager_bytes(one_sided=False) == BOUNDS["tcp"] == BOUNDS["ucx"]
+    assert control.eager_bytes(one_sided=True) == BOUNDS[UCX_READ]
     assert max(BOUNDS.values()) == control.EAGER_BYTES
     assert control.MAX_BODY > control.EAGER_BYTES + wire.MAX_HEADER_BYTES
     largest = control.payload_head([memoryview(bytes(control.EAGER_BYTES))])
@@ -266,8 +265,8 @@ def test_the_receivers_bound_is_the_largest_senders_and_one_byte_more_is_refused
 
 @pytest.mark.parametrize("backend", RECEIVERS)
 def test_a_tcp_senders_largest_eager_kv_is_taken(backend: str) -> None:
-    """A 1 MiB eager OPEN, hand-written (a TCP sender's bound, past the UCX senders'), is
-    taken whole by a receiver of the sender's kind."""
+    """A 1 MiB eager OPEN, hand-written (the tag path's and TCP's bound, past the one-sided
+    path's), is taken whole by a receiver of the sender's kind."""
     cache = testing.synthetic_cache("m", 1, control.EAGER_BYTES, n_layers=LAYERS)
     payload, sizes, sums = _eager_parts(cache)
 
