@@ -6,10 +6,21 @@ failure in a cluster test is usually explained there (a refused transfer, a fail
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Generator
 
 import pytest
+
+from orchestrator.ports import SLICE_ENV
+
+# Each xdist worker (and every process its tests start) hands out its own slice of the
+# ports (`orchestrator.ports.free_port`): two workers never pick the same port, even one
+# the other's killed orchestrator is about to be restarted on.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    _COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault(SLICE_ENV, f"{int(_WORKER[2:]) % _COUNT}/{_COUNT}")
 
 
 @pytest.hookimpl(wrapper=True)

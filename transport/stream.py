@@ -23,12 +23,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+import threading
 from typing import Any
 
 STREAM_LIMIT = 4 << 20
 """asyncio stream buffer: large, so inline payloads move in few wakeups."""
 _SCRATCH_BYTES = 256 << 10
 """What the transport may read at once outside a payload (asyncio's own read size)."""
+_scratch = threading.local()
+"""One scratch buffer per thread (each runs one event loop at a time), shared by its links:
+a transport asks `get_buffer` and reports `buffer_updated` in one synchronous step (asyncio,
+uvloop, TLS alike), and the bytes are copied out before anything else reads — so hundreds
+of pooled links hold no buffer of their own."""
+
+
+def _scratch_buffer() -> memoryview:
+    buffer: memoryview | None = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = memoryview(bytearray(_SCRATCH_BYTES))
+    return buffer
 
 
 class LinkReader(asyncio.StreamReader):
@@ -131,14 +144,14 @@ class LinkReader(asyncio.StreamReader):
 class LinkProtocol(asyncio.BufferedProtocol):
     """A stream reader's protocol (what `asyncio.StreamReaderProtocol` does for a client's
     stream, with its flow control for `asyncio.StreamWriter.drain`) that lets the
-    transport write into a payload in place (`LinkReader.sink`), and otherwise into one
-    reused scratch buffer. Not an `asyncio.Protocol`: uvloop reads into the buffers only
+    transport write into a payload in place (`LinkReader.sink`), and otherwise into its
+    thread's scratch buffer. Not an `asyncio.Protocol`: uvloop reads into the buffers only
     of a protocol that is not one."""
 
     def __init__(self, reader: LinkReader, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._reader = reader
-        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._scratch = _scratch_buffer()
         self._into_sink = False
         self._over_ssl = False
         self._paused = False
@@ -155,7 +168,10 @@ class LinkProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         sink = self._reader.sink()
         self._into_sink = sink is not None
-        return sink if sink is not None else self._scratch
+        if sink is not None:
+            return sink
+        self._scratch = _scratch_buffer()  # this thread's (a link may move between loops)
+        return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._into_sink:
