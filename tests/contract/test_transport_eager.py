@@ -263,25 +263,29 @@ def test_the_receivers_bound_is_the_largest_senders_and_one_byte_more_is_refused
         control.decode_head(longer)
 
 
-@pytest.mark.parametrize("backend", RECEIVERS)
-def test_a_tcp_senders_largest_eager_kv_is_taken(backend: str) -> None:
-    """A 1 MiB eager OPEN, hand-written (the tag path's and TCP's bound, past the one-sided
-    path's), is taken whole by a receiver of the sender's kind."""
-    cache = testing.synthetic_cache("m", 1, control.EAGER_BYTES, n_layers=LAYERS)
-    payload, sizes, sums = _eager_parts(cache)
+def _taken_whole(backend: str, cache: wire.KvCache, folded: bytes, after: bytes = b"") -> None:
+    """A hand-written eager OPEN (`_raw_eager`) is answered DONE and its KV taken intact."""
 
     async def body() -> None:
-        folded = payload + _layers(list(range(LAYERS)), sizes, sums)
-        reply, receiver = await _raw_eager(backend, cache, folded)
+        reply, receiver = await _raw_eager(backend, cache, folded, after)
         try:
             assert reply.kind is control.Kind.DONE, control.parse_error(reply.body)
-            got = await receiver.take("m", 1, 5)  # type: ignore[attr-defined]
+            got = await receiver.take(cache.header.request_id, 1, 5)  # type: ignore[attr-defined]
             assert testing.digest(got) == testing.digest(cache)
             got.release()
         finally:
             await receiver.close()  # type: ignore[attr-defined]
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("backend", RECEIVERS)
+def test_a_tcp_senders_largest_eager_kv_is_taken(backend: str) -> None:
+    """A 1 MiB eager OPEN, hand-written (the tag path's and TCP's bound, past the one-sided
+    path's), is taken whole by a receiver of the sender's kind."""
+    cache = testing.synthetic_cache("m", 1, control.EAGER_BYTES, n_layers=LAYERS)
+    payload, sizes, sums = _eager_parts(cache)
+    _taken_whole(backend, cache, payload + _layers(list(range(LAYERS)), sizes, sums))
 
 
 @pytest.mark.parametrize("backend", RECEIVERS)
@@ -290,19 +294,8 @@ def test_an_eager_kv_whose_frames_follow_in_two_messages_is_taken_by_the_layer_l
 ) -> None:
     cache = testing.synthetic_cache("h", 1, 4 * testing.KIB, n_layers=4)
     payload, sizes, sums = _eager_parts(cache)
-
-    async def body() -> None:
-        folded = payload + _layers([0, 1], sizes, sums[:2])  # two frames folded, two after
-        reply, receiver = await _raw_eager(backend, cache, folded, _layers([2, 3], sizes, sums[2:]))
-        try:
-            assert reply.kind is control.Kind.DONE, control.parse_error(reply.body)
-            got = await receiver.take("h", 1, 5)  # type: ignore[attr-defined]
-            assert testing.digest(got) == testing.digest(cache)
-            got.release()
-        finally:
-            await receiver.close()  # type: ignore[attr-defined]
-
-    asyncio.run(body())
+    folded = payload + _layers([0, 1], sizes, sums[:2])  # two frames folded, two after
+    _taken_whole(backend, cache, folded, _layers([2, 3], sizes, sums[2:]))
 
 
 @pytest.mark.parametrize("backend", RECEIVERS)
