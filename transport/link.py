@@ -15,14 +15,14 @@ also when it is what closed the link before a write; the TLS stream ending early
 **Copies of an eager payload** (`control.eager_bytes`, inline in its OPEN). Out: none of
 ours past 64 KiB — `send_parts` hands the KV's buffers to the transport as they lie, and
 only what the socket does not take at once is buffered (asyncio copies that rest; uvloop
-holds the buffers) — and one join up to it. In: the stream reader's own — each ``recv``
-into a new bytes object, appended to its buffer, the message sliced out of that buffer by
-``readexactly`` — and ours, the one copy from that message into the receiver's buffer
-(`control.Inline`). Fresh allocations of a few hundred KiB fault their pages in, so
-those three copies are most of what an eager payload still costs past ~128 KiB (a
-profile at 512 KiB, tcp: ``readexactly`` and ``bytearray.extend`` ahead of everything
-else). Reading straight into the receiver's buffer would need a `asyncio.BufferedProtocol`
-in place of the stream reader for the payload's span: not done.
+holds the buffers) — and one join up to it. In: the socket (or TLS) layer writes the
+OPEN's body straight into a buffer of its own (`read_message`, bodies of 64 KiB or more:
+`transport.stream` reads in place), then ours, the one copy from that body into the
+receiver's buffer (`control.Inline`). Through asyncio's stream reader it was three more —
+each ``recv`` into a new bytes object, appended to its buffer, sliced out by
+``readexactly`` — and fresh allocations of a few hundred KiB fault their pages in: those
+were most of what an eager payload cost past ~128 KiB (a profile at 512 KiB, tcp:
+``readexactly`` and ``bytearray.extend`` ahead of everything else).
 """
 
 from __future__ import annotations
