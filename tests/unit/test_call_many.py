@@ -55,10 +55,16 @@ def prefill(cid: int, epoch: int, n: int = 3) -> worker_pb2.CallCommand:
     return worker_pb2.CallCommand(call=cid, prefill=request)
 
 
-async def messages(*items: list[worker_pb2.CallCommand]) -> AsyncIterator[worker_pb2.CallCommands]:
-    for item in items:
-        yield worker_pb2.CallCommands(commands=item)
-        await asyncio.sleep(0.05)
+async def messages(
+    first: list[worker_pb2.CallCommand],
+    later: list[worker_pb2.CallCommand],
+    when: asyncio.Event,
+) -> AsyncIterator[worker_pb2.CallCommands]:
+    """``first``, then ``later`` once ``when`` is set (not after a sleep: a loaded machine
+    may not have run the first message's calls by then)."""
+    yield worker_pb2.CallCommands(commands=first)
+    await when.wait()
+    yield worker_pb2.CallCommands(commands=later)
     await asyncio.Event().wait()  # the orchestrator keeps its side open
 
 
@@ -77,13 +83,16 @@ def test_calls_run_apart_and_each_gets_one_reply() -> None:
             prefill(7, 1000),  # 7 is done by now: a new call of the same name
             prefill(7, 1000),  # ... and now it is running
         ]
-        batches = many.serve(messages(first, later))
+        seen_7 = asyncio.Event()  # the first call 7 answered: it is done
+        batches = many.serve(messages(first, later, seen_7))
         replies: dict[int, list[worker_pb2.CallReply]] = {}
         count = 0
         while count < 7:
             for reply in (await anext(batches)).replies:
                 replies.setdefault(reply.call, []).append(reply)
                 count += 1
+            if 7 in replies:
+                seen_7.set()
         assert replies[1] == [worker_pb2.CallReply(call=1, prefill={"first_token": 4})]
         assert replies[5] == [worker_pb2.CallReply(call=5, tokenize={"ids": [1, 3]})]
         failed = {c: (r[0].failure.code, r[0].failure.details) for c, r in replies.items()
