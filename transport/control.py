@@ -409,7 +409,8 @@ def open_read2(segment_bytes: int, header: bytes, *, folded: bool, then: bytes =
 
 def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Folded]]:
     """Flags, segment size, KV header and the messages folded in after it (views of
-    ``body``, not copies, for an eager payload: `Inline`)."""
+    ``body``, not copies, for an eager payload: `Inline`). ``body`` may be a memoryview
+    (`transport.link.read_message` reads a large one into a recycled buffer)."""
     if len(body) < _OPEN2.size:
         raise errors.WireFormatError("OPEN_READ2 too short")
     flags, segment_bytes, header_len = _OPEN2.unpack_from(body)
@@ -418,7 +419,8 @@ def parse_open_read2(body: bytes) -> tuple[int, int, bytes, list[Folded]]:
     end = _OPEN2.size + header_len
     if end > len(body):
         raise errors.WireFormatError("OPEN_READ2 header truncated")
-    return flags, segment_bytes, body[_OPEN2.size : end], split(memoryview(body)[end:])
+    header = bytes(body[_OPEN2.size : end])  # small; ``body`` may be a recycled buffer's view
+    return flags, segment_bytes, header, split(memoryview(body)[end:])
 
 
 @dataclass(frozen=True, slots=True)

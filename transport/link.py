@@ -16,13 +16,17 @@ also when it is what closed the link before a write; the TLS stream ending early
 ours past 64 KiB — `send_parts` hands the KV's buffers to the transport as they lie, and
 only what the socket does not take at once is buffered (asyncio copies that rest; uvloop
 holds the buffers) — and one join up to it. In: the socket (or TLS) layer writes the
-OPEN's body straight into a buffer of its own (`read_message`, bodies of 64 KiB or more:
-`transport.stream` reads in place), then ours, the one copy from that body into the
-receiver's buffer (`control.Inline`). Through asyncio's stream reader it was three more —
+OPEN's body straight into a buffer of its own (`read_message`, bodies of 64 KiB or
+more: `transport.stream` reads in place; on a receiver's link a recycled one,
+`Link.bodies`), then ours, the one copy from that body into the receiver's buffer
+(`control.Inline`). Through asyncio's stream reader it was three more —
 each ``recv`` into a new bytes object, appended to its buffer, sliced out by
 ``readexactly`` — and fresh allocations of a few hundred KiB fault their pages in: those
 were most of what an eager payload cost past ~128 KiB (a profile at 512 KiB, tcp:
-``readexactly`` and ``bytearray.extend`` ahead of everything else).
+``readexactly`` and ``bytearray.extend`` ahead of everything else). The body's buffer and
+the receiver's are both recycled (`transport.buffers`): a fresh 1 MiB buffer faults its
+pages in on first touch, ~250 µs here, and two of them were half of a 1 MiB eager
+transfer's time.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any, cast
 
 from transport import control, errors
 from transport.base import Peer
+from transport.buffers import BufferPool
 from transport.stream import STREAM_LIMIT, LinkReader
 
 log = logging.getLogger(__name__)
@@ -81,13 +86,19 @@ class Link:
         """One-sided, sender: key ids this link's receiver holds (KEYS sent, not withdrawn)."""
         self.keys: dict[int, control.RemoteKey] = {}
         """One-sided, receiver: the keys the sender announced on this link, by id."""
+        self.bodies: BufferPool | None = None
+        """Receiver: where an OPEN_READ2 body of `_IN_PLACE_BYTES` or more is read into (a
+        numpy buffer; its reader gives it back once it copied the payload out, or drops
+        it); None: a bytearray of its own."""
 
     # -------------------------------------------------------------------------- reading
 
     def pending(self) -> asyncio.Task[control.Message]:
         """The outstanding read of the next message (started if none is)."""
         if self._pending is None:
-            self._pending = asyncio.create_task(read_message(self.reader), name="pdorch-kv-read")
+            self._pending = asyncio.create_task(
+                read_message(self.reader, self.bodies), name="pdorch-kv-read"
+            )
         return self._pending
 
     def take_pending(self) -> control.Message:
@@ -114,7 +125,7 @@ class Link:
             return await self.next_message(timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
-                return await read_message(self.reader)
+                return await read_message(self.reader, self.bodies)
         except TimeoutError:
             self.broken = True
             raise errors.TransferTimeoutError(
@@ -353,15 +364,21 @@ def tls_error(exc: ssl.SSLError) -> errors.TransportError:
     return errors.PeerRejectedError(f"TLS: {exc.reason or exc}")
 
 
-async def read_message(reader: LinkReader) -> control.Message:
+async def read_message(reader: LinkReader, bodies: BufferPool | None = None) -> control.Message:
     """Read one control message. EOF and resets become PeerLostError. A body of at least
     `_IN_PLACE_BYTES` (an eager KV's OPEN) is read in place into its own buffer
-    (`LinkReader.read_into`), not through the stream's."""
+    (`LinkReader.read_into`), not through the stream's: an OPEN_READ2's from ``bodies``
+    when given (a memoryview of a recycled numpy buffer, `Link.bodies`), any other a
+    bytearray."""
     try:
         head = await reader.readexactly(control.HEAD_SIZE)
         kind, length = control.decode_head(head)
         if length < _IN_PLACE_BYTES:
             body = await reader.readexactly(length) if length else b""
+        elif bodies is not None and kind is control.Kind.OPEN_READ2:
+            view = bodies.acquire(length).data
+            await reader.read_into(view, None)  # the caller bounds the wait
+            body = cast(bytes, view)  # `control.parse_open_read2` takes views
         else:
             into = bytearray(length)
             await reader.read_into(memoryview(into), None)  # the caller bounds the wait

@@ -94,7 +94,8 @@ class KvReceiver:
         self.tokens = _TOKENS
         """Transfer tokens, one registry per process: UCX tags match worker-wide (one
         worker per process), so every receiver here must know every live token."""
-        self._buffers = BufferPool(settings.pooled_buffer_bytes)
+        self.buffers = BufferPool(settings.pooled_buffer_bytes)
+        """Payload buffers and eager OPENs' bodies, recycled (`transport.buffers`)."""
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._data_address = b""
         self._listeners: list[socket.socket] = []
@@ -323,6 +324,7 @@ class KvReceiver:
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         link = Link(reader, writer, Peer(b"", b""))
         link.who = who
+        link.bodies = self.buffers  # an eager OPEN's body, recycled (`_give_back`)
         return link
 
     async def _refuse_room(
@@ -414,7 +416,7 @@ class KvReceiver:
         """The buffer a checked header's payload lands in; an inline payload folded into
         its OPEN (eager) is checked against the header's size first (`_check_inline`)."""
         _check_inline(header, folded)
-        return self._buffers.acquire(header.payload_bytes)
+        return self.buffers.acquire(header.payload_bytes)
 
     async def _open(self, link: Link, msg: control.Message) -> None:
         if msg.kind is control.Kind.OPEN_READ2:
@@ -498,14 +500,14 @@ class KvReceiver:
         try:
             payload = self._payload(header, then)
             if folded and _whole(header, then):  # eager, as a sender writes it: no loop
-                _take_whole(header, payload, then, s.check_finite)
+                self._take_eager(header, payload, then)
             else:
                 receive = _Receive(
                     self._plane, link, header, token, payload, s, segment_bytes, read
                 )
                 await self._receive(receive, then, accept=not folded)
             self.inbox.complete(
-                rid, epoch, wire.assemble(header, payload, partial(self._buffers.release, payload))
+                rid, epoch, wire.assemble(header, payload, partial(self.buffers.release, payload))
             )
         except errors.TransportError as exc:
             self.inbox.fail(rid, epoch, exc)
@@ -536,6 +538,25 @@ class KvReceiver:
             await link.send(control.encode(control.Kind.DONE), s.idle_timeout_s)
         except errors.TransportError:
             link.broken = True  # the KV is complete and filed; only the ack was lost
+
+    def _take_eager(
+        self, header: wire.KvHeader, payload: np.ndarray, folded: Sequence[control.Folded]
+    ) -> None:
+        """An eager KV whole in its OPEN (`_take_whole`), then the OPEN's body back to the
+        pool it was read into (`Link.bodies`): the payload was copied out synchronously,
+        nothing reads the body after, verified or not. A body read elsewhere (a
+        bytearray) is left to the collector."""
+        try:
+            _take_whole(header, payload, folded, self.settings.check_finite)
+        finally:
+            self._give_back(folded)
+
+    def _give_back(self, folded: Sequence[control.Folded]) -> None:
+        for m in folded:
+            if isinstance(m, control.Inline):
+                if isinstance(owner := m.body.obj, np.ndarray):
+                    self.buffers.release(owner)
+                return
 
     async def _receive(
         self, receive: _Receive, then: Sequence[control.Folded], *, accept: bool
