@@ -15,7 +15,10 @@ also when it is what closed the link before a write; the TLS stream ending early
 **Copies of an eager payload** (`control.eager_bytes`, inline in its OPEN). Out: none of
 ours past 64 KiB — `send_parts` hands the KV's buffers to the transport as they lie, and
 only what the socket does not take at once is buffered (asyncio copies that rest; uvloop
-holds the buffers) — and one join up to it. In: the socket (or TLS) layer writes the
+holds the buffers) — and one join up to it. On asyncio's transport in plaintext the
+pieces after the message's head go to the socket in one ``writev`` (`Link._gathered`),
+where the transport made a system call, and a TCP segment, per piece: 64 for a 1 MiB KV
+of 32 layers apart (~1,000 → ~720 µs, `tcp`). In: the socket (or TLS) layer writes the
 OPEN's body straight into a buffer of its own (`read_message`, bodies of 64 KiB or
 more: `transport.stream` reads in place; on a receiver's link a recycled one,
 `Link.bodies`), then ours, the one copy from that body into the receiver's buffer
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, cast
@@ -56,6 +60,8 @@ _HELD_BYTES = 512 << 10
 """`Link.send_batch` drains once the transport holds more than this unsent."""
 _GATHER_BYTES = 64 << 10
 """`Link.send_parts` joins a message up to this into one write (one send syscall)."""
+_IOV_MAX = 1024
+"""Pieces one `os.writev` may take (Linux's ``IOV_MAX``)."""
 _PIECE_BYTES = 16 << 10
 """`Link.send_parts`, past `_GATHER_BYTES`: a buffer this large is written as it lies."""
 
@@ -86,6 +92,8 @@ class Link:
         """One-sided, sender: key ids this link's receiver holds (KEYS sent, not withdrawn)."""
         self.keys: dict[int, control.RemoteKey] = {}
         """One-sided, receiver: the keys the sender announced on this link, by id."""
+        self._fd = _plain_fd(writer)
+        """The socket, when pieces may be written in one `os.writev` (`_gathered`)."""
         self.bodies: BufferPool | None = None
         """Receiver: where an OPEN_READ2 body of `_IN_PLACE_BYTES` or more is read into (a
         numpy buffer; its reader gives it back once it copied the payload out, or drops
@@ -178,10 +186,45 @@ class Link:
         else:
             await self.send(b"".join(parts), timeout_s)
 
+    def _gathered(self, chunks: list[bytes | memoryview]) -> list[bytes | memoryview]:
+        """Write as much of ``chunks`` as the socket takes now in one system call per
+        `_IOV_MAX` pieces, when nothing is queued before them (asyncio's selector transport
+        in plaintext writes each piece with a call of its own, a segment each: 64 for a
+        KV of 32 layers apart); what is left, for the transport. OSError is the caller's.
+        A small first piece (a message's head) goes ahead on its own, as before: the
+        receiver then reads the body's head and sets up its in-place read before the
+        body arrives, instead of finding most of it in its stream's buffer (a 256 KiB
+        eager KV measured 20–50 µs slower, 6 pairs of 6, with the head gathered)."""
+        transport = self.writer.transport
+        if self._fd is None or len(chunks) < 3:
+            return chunks
+        if transport.get_write_buffer_size() or transport.is_closing():
+            return chunks
+        first = chunks[0]
+        if (len(first) if isinstance(first, bytes) else first.nbytes) < _PIECE_BYTES:
+            self.writer.write(first)
+            if transport.get_write_buffer_size():
+                return chunks[1:]
+            chunks = chunks[1:]
+        while chunks:
+            batch = chunks[:_IOV_MAX]
+            try:
+                sent = os.writev(self._fd, batch)
+            except (BlockingIOError, InterruptedError):
+                return chunks
+            for i, c in enumerate(batch):
+                n = len(c) if isinstance(c, bytes) else c.nbytes
+                if sent < n:  # the socket is full: this piece's rest and the others wait
+                    rest = memoryview(c).cast("B")[sent:] if sent else c
+                    return [rest, *chunks[i + 1 :]]
+                sent -= n
+            chunks = chunks[len(batch) :]
+        return chunks
+
     async def _write(self, chunks: Iterable[bytes | memoryview], timeout_s: float) -> None:
         self._check_writable()
         try:
-            for chunk in chunks:
+            for chunk in self._gathered(list(chunks)):
                 self.writer.write(chunk)
             transport = self.writer.transport
             if not transport.get_write_buffer_size() and not transport.is_closing():
@@ -222,6 +265,13 @@ class Link:
         if sum(c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks) <= _JOIN_BYTES:
             chunks = [b"".join(chunks)]
         transport = self.writer.transport
+        self._check_writable()
+        try:
+            chunks = self._gathered(list(chunks))
+        except OSError as exc:
+            self.broken = True
+            self._raise_if_refused()
+            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
         for c in chunks:
             self._check_writable()
             try:
@@ -338,6 +388,20 @@ class Link:
         self.writer.close()
         with contextlib.suppress(OSError, TimeoutError):
             await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+
+
+def _plain_fd(writer: asyncio.StreamWriter) -> int | None:
+    """The socket's descriptor when the link writes through asyncio's own selector
+    transport in plaintext, where `Link._gathered` may write pieces with one `os.writev`;
+    None under TLS (the TLS layer encrypts piece by piece anyway) and on uvloop (whose
+    transport gathers pieces itself)."""
+    transport = writer.transport
+    if type(transport).__module__ != "asyncio.selector_events":
+        return None
+    if transport.get_extra_info("ssl_object") is not None:
+        return None
+    sock = transport.get_extra_info("socket")
+    return None if sock is None else int(sock.fileno())
 
 
 def _coalesce(parts: Sequence[bytes | memoryview], piece: int) -> Iterable[bytes | memoryview]:
