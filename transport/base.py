@@ -47,6 +47,10 @@ class TransportSettings:
     """Receiver: total bytes of KV held at once (in flight plus waiting in the inbox)."""
     pooled_buffer_bytes: int = 1 << 30
     """Receiver: released KV buffers kept for reuse (fresh pages are slow to fill)."""
+    body_reading_bytes: int = 256 << 20
+    """Receiver: bytes of eager KVs' messages being read at once, over all its links (each
+    message's buffer is taken as its head arrives, before anything in it can be checked);
+    past it a read waits for room, its link unread, within the read's deadline."""
     max_connections_per_peer: int = 64
     """Sender: concurrent transfers to one receiver; more wait for a free slot."""
     connection_idle_s: float = 60.0

@@ -9,7 +9,10 @@ buffer. A cache never released is simply garbage-collected; the pool only loses 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -71,3 +74,42 @@ class BufferPool:
         with self._lock:
             self._idle.clear()
             self._idle_bytes = 0
+
+
+class Bodies:
+    """Where a receiver's links read large message bodies in place (`link.read_message`:
+    an eager KV's OPEN): buffers from the receiver's pool, at most ``max_bytes`` of them
+    being read at once. A body's buffer is taken when its message's head arrives, before
+    its bytes — or the KV header inside — can be checked, so without a bound peers that
+    send heads and stall would hold connections × `control.MAX_BODY`. Past the bound a
+    read waits for room (its link is not read meanwhile: TCP pushes back on its sender),
+    within its caller's deadline; a body alone always fits. One event loop's."""
+
+    def __init__(self, pool: BufferPool, max_bytes: int) -> None:
+        self.pool = pool
+        self.max_bytes = max_bytes
+        self.reading = 0
+        """Bytes of the bodies being read now."""
+        self._room: list[asyncio.Future[None]] = []
+
+    @contextlib.asynccontextmanager
+    async def read(self, nbytes: int) -> AsyncIterator[np.ndarray]:
+        """A buffer of ``nbytes`` to read a body into, counted until the block ends (the
+        buffer itself is the caller's: it gives it back to `pool` once done with it)."""
+        while self.reading and self.reading + nbytes > self.max_bytes:
+            room = asyncio.get_running_loop().create_future()
+            self._room.append(room)
+            try:
+                await room
+            finally:
+                if room in self._room:  # cancelled (its deadline): no longer waiting
+                    self._room.remove(room)
+        self.reading += nbytes
+        try:
+            yield self.pool.acquire(nbytes)
+        finally:
+            self.reading -= nbytes
+            waiting, self._room = self._room, []
+            for room in waiting:  # each looks again; those that still do not fit wait on
+                if not room.done():
+                    room.set_result(None)

@@ -44,7 +44,7 @@ from typing import Any, cast
 
 from transport import control, errors
 from transport.base import Peer
-from transport.buffers import BufferPool
+from transport.buffers import Bodies
 from transport.stream import STREAM_LIMIT, LinkReader
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,10 @@ class Link:
         """One-sided, receiver: the keys the sender announced on this link, by id."""
         self._fd = _plain_fd(writer)
         """The socket, when pieces may be written in one `os.writev` (`_gathered`)."""
-        self.bodies: BufferPool | None = None
+        self.bodies: Bodies | None = None
         """Receiver: where an OPEN_READ2 body of `_IN_PLACE_BYTES` or more is read into (a
-        numpy buffer; its reader gives it back once it copied the payload out, or drops
-        it); None: a bytearray of its own."""
+        numpy buffer of its pool, bodies being read bounded in all; its reader gives it
+        back once it copied the payload out, or drops it); None: a bytearray of its own."""
 
     # -------------------------------------------------------------------------- reading
 
@@ -428,20 +428,21 @@ def tls_error(exc: ssl.SSLError) -> errors.TransportError:
     return errors.PeerRejectedError(f"TLS: {exc.reason or exc}")
 
 
-async def read_message(reader: LinkReader, bodies: BufferPool | None = None) -> control.Message:
+async def read_message(reader: LinkReader, bodies: Bodies | None = None) -> control.Message:
     """Read one control message. EOF and resets become PeerLostError. A body of at least
     `_IN_PLACE_BYTES` (an eager KV's OPEN) is read in place into its own buffer
     (`LinkReader.read_into`), not through the stream's: an OPEN_READ2's from ``bodies``
-    when given (a memoryview of a recycled numpy buffer, `Link.bodies`), any other a
-    bytearray."""
+    when given (a memoryview of a recycled numpy buffer, `Link.bodies`; past their bound
+    the read waits for room), any other a bytearray."""
     try:
         head = await reader.readexactly(control.HEAD_SIZE)
         kind, length = control.decode_head(head)
         if length < _IN_PLACE_BYTES:
             body = await reader.readexactly(length) if length else b""
         elif bodies is not None and kind is control.Kind.OPEN_READ2:
-            view = bodies.acquire(length).data
-            await reader.read_into(view, None)  # the caller bounds the wait
+            async with bodies.read(length) as buffer:  # may wait: the caller's deadline
+                view = buffer.data
+                await reader.read_into(view, None)  # the caller bounds the wait
             body = cast(bytes, view)  # `control.parse_open_read2` takes views
         else:
             into = bytearray(length)

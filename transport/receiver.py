@@ -54,7 +54,7 @@ import numpy as np
 from transport import control, errors, stream, wire
 from transport.backend_names import TCP_SENDER_REFUSED
 from transport.base import DataPlane, Inbox, Peer, TransferTokens, TransportSettings
-from transport.buffers import BufferPool
+from transport.buffers import Bodies, BufferPool
 from transport.link import Link, wait_first
 from transport.security import LinkTls, describe
 
@@ -96,6 +96,8 @@ class KvReceiver:
         worker per process), so every receiver here must know every live token."""
         self.buffers = BufferPool(settings.pooled_buffer_bytes)
         """Payload buffers and eager OPENs' bodies, recycled (`transport.buffers`)."""
+        self.bodies = Bodies(self.buffers, settings.body_reading_bytes)
+        """Eager OPENs' bodies being read, bounded in all (`Link.bodies`)."""
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._data_address = b""
         self._listeners: list[socket.socket] = []
@@ -324,7 +326,7 @@ class KvReceiver:
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         link = Link(reader, writer, Peer(b"", b""))
         link.who = who
-        link.bodies = self.buffers  # an eager OPEN's body, recycled (`_give_back`)
+        link.bodies = self.bodies  # an eager OPEN's body, recycled (`_give_back`)
         return link
 
     async def _refuse_room(

@@ -1,11 +1,15 @@
 """BufferPool: receive buffers larger than 256 KiB are recycled (a fresh one faults its
-pages in), within their size class, up to the pool's idle bound."""
+pages in), within their size class, up to the pool's idle bound. Bodies: eager OPENs'
+bodies being read at once are bounded; a read past the bound waits for room."""
 
 from __future__ import annotations
 
-import numpy as np
+import asyncio
 
-from transport.buffers import BufferPool, size_class
+import numpy as np
+import pytest
+
+from transport.buffers import Bodies, BufferPool, size_class
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -54,3 +58,54 @@ def test_the_idle_bound_and_foreign_buffers() -> None:
     assert pool.idle_bytes == 2 * size_class(1 * MIB)
     pool.clear()
     assert pool.idle_bytes == 0
+
+
+def test_bodies_being_read_are_bounded_and_a_waiting_read_goes_once_there_is_room() -> None:
+    """Two 1 MiB bodies fit a 2.5 MiB bound; the third waits until one is read, then
+    gets its buffer; a body larger than the bound is read when it is alone."""
+
+    async def main() -> None:
+        bodies = Bodies(BufferPool(64 * MIB), int(2.5 * MIB))
+        first, second = bodies.read(MIB), bodies.read(MIB)
+        await first.__aenter__()
+        await second.__aenter__()
+        assert bodies.reading == 2 * MIB
+        third = asyncio.ensure_future(_hold(bodies, MIB, asyncio.Event(), wait=False))
+        await asyncio.sleep(0.01)
+        assert not third.done()  # waiting for room: no buffer taken
+        assert bodies.reading == 2 * MIB
+        await first.__aexit__(None, None, None)
+        assert await asyncio.wait_for(third, 1) == MIB  # it went, and ended
+        await second.__aexit__(None, None, None)
+        assert bodies.reading == 0
+        assert await _hold(bodies, 4 * MIB, asyncio.Event(), wait=False) == 4 * MIB  # alone
+
+    asyncio.run(main())
+
+
+def test_a_read_cancelled_while_waiting_takes_nothing_and_leaves_room_for_others() -> None:
+    async def main() -> None:
+        bodies = Bodies(BufferPool(64 * MIB), MIB)
+        release = asyncio.Event()
+        holder = asyncio.ensure_future(_hold(bodies, MIB, release))
+        await asyncio.sleep(0.01)
+        waiter = asyncio.ensure_future(_hold(bodies, MIB, asyncio.Event(), wait=False))
+        await asyncio.sleep(0.01)
+        waiter.cancel()  # its deadline passed while it waited
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert bodies.reading == MIB  # the holder's alone
+        release.set()
+        await holder
+        assert bodies.reading == 0
+        assert await _hold(bodies, MIB, asyncio.Event(), wait=False) == MIB
+
+    asyncio.run(main())
+
+
+async def _hold(bodies: Bodies, nbytes: int, release: asyncio.Event, *, wait: bool = True) -> int:
+    """Read a body of ``nbytes`` (take its buffer), until ``release`` when ``wait``."""
+    async with bodies.read(nbytes) as buffer:
+        if wait:
+            await release.wait()
+        return int(buffer.nbytes)
