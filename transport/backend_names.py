@@ -15,7 +15,7 @@ loading asyncio, the senders or UCX.
 * ``tcp``: payloads inline on the control connection; needs nothing installed.
 
 On every backend a whole KV of at most the sender's bound (`transport.control.eager_bytes`:
-128 KiB on ``ucx-read``, 1 MiB on ``ucx`` and ``tcp``, where each backend's own path starts
+128 KiB on ``ucx-read``, 4 MiB on ``ucx`` and ``tcp``, where each backend's own path starts
 to win) goes inline in one message and one reply (eager: nothing registered, posted
 or read).
 

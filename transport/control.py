@@ -31,7 +31,7 @@ freed. Per transfer only (key id, offset, length) descriptors travel:
 — one message and one reply when the whole KV exists (`KvSender.send`; LAYERS inside it up
 to 4 MiB, after it beyond, computed while the receiver reads). **Eager**, on every
 backend (the tag path's and TCP's senders too): a KV of at most its sender's bound
-(`eager_bytes`: 128 KiB one-sided, 1 MiB on the tag path and TCP) travels inside
+(`eager_bytes`: 128 KiB one-sided, 4 MiB on the tag path and TCP) travels inside
 that message instead of being read or sent apart —
 
       OPEN_READ2(FOLDED, segment size, header ⊕ [WITHDRAW] PAYLOAD(bytes) LAYERS) ──▶
@@ -91,7 +91,7 @@ from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES
 
 _HEAD = struct.Struct("<BI")
 HEAD_SIZE = _HEAD.size
-EAGER_BYTES = 1024 * 1024
+EAGER_BYTES = 4 * 1024 * 1024
 """Eager: a KV of at most its sender's bound (`eager_bytes`), whole at hand, goes inline in its
 OPEN_READ2 (PAYLOAD) rather than read from registered memory or sent layer by layer. This is
 the largest bound (the tag path's and TCP's), the receiver's: it refuses a PAYLOAD longer
@@ -105,7 +105,7 @@ alternated in separate runs (load 1–6, noisy): at 128 KiB, now eager, v1 1,431
 562 → 571 / 777 / 591 (level with its read); 4 KiB unchanged (v1 639 / 498 / 636 / 693 → 478
 / 470 / 484 / 495). Past its bound each backend's own path wins; from 64 KiB the receiver
 reads the OPEN's body in place (`link.read_message`), which made 1 MiB pay on the tag path
-too."""
+too; into a recycled buffer (`transport.buffers`), which made 4 MiB pay (`eager_bytes`)."""
 EAGER_ONE_SIDED_BYTES = 128 * 1024
 """The one-sided path's (UCX v2) bound: past it a read wins (256 KiB eager 555 / 728 / 662
 against a read's 456 / 498 / 591 µs, 512 KiB ~1,000 against ~650)."""
@@ -118,16 +118,22 @@ def eager_bytes(*, one_sided: bool) -> int:
     rounds, 32 layers, load ~1.5; bodies read in place, `transport.stream`), medians in µs:
     tcp 256 KiB 912 / 2,639, 1 MiB 1,686 / 2,908, 2 MiB 2,467 / 3,005, 4 MiB 5,035 / 4,542;
     ucx 256 KiB 900 / 1,962, 512 KiB 940 / 2,112, 768 KiB 1,751 / 2,685, 1 MiB 1,813 /
-    2,430, 2 MiB 1,988 / 1,908 — level by 2 MiB."""
+    2,430, 2 MiB 1,988 / 1,908 — level by 2 MiB. Then the OPEN's body and the payload were
+    read into recycled buffers (a fresh 1 MiB faulted its pages in, ~250 µs): `pdorch bench
+    transport --iters 30 --rounds 2 --no-nixl`, 1 MiB bound / 4 MiB bound alternated, three
+    pairs, µs: tcp 2 MiB 2,076–2,213 / 1,361–1,888, 4 MiB 2,927–4,112 / 2,075–3,062; ucx 2
+    MiB 2,180–2,329 / 1,706–1,926, 4 MiB 2,618–3,810 / 2,270–2,731 (32 layers apart: 2,072–
+    2,570 / 1,434–1,940 and 3,216–4,385 / 2,266–2,408) — hence 4 MiB."""
     return EAGER_ONE_SIDED_BYTES if one_sided else EAGER_BYTES
 
 
 # The largest body: an OPEN (a maximal KV header, an eager KV's payload, every layer's
 # frame — 1,024 × 24 bytes — and a WITHDRAW of every key a link holds — 4,096 × 4 bytes —
 # within the last 64 KiB) or a HELLO carrying a UCX worker address (a few KiB at most).
-# Anything longer is a protocol violation, refused unread. ~1.1 MiB: one such message is
-# read whole from the link (`link.read_message`), inside the stream's buffer bound
-# (`stream.STREAM_LIMIT`, 4 MiB); a receiver holds at most one per connection.
+# Anything longer is a protocol violation, refused unread. ~4.1 MiB: a body this large is
+# read in place, never through the stream's buffer (`link.read_message`: from 64 KiB), into
+# a buffer taken as its head arrives — a receiver holds at most one per connection, and
+# the bodies being read at once are bounded over all of them (`buffers.Bodies`).
 MAX_BODY = MAX_HEADER_BYTES + EAGER_BYTES + 64 * 1024
 _U64 = struct.Struct("<Q")
 _ERR = struct.Struct("<B")

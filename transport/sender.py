@@ -12,7 +12,7 @@ connection whose peer went away is noticed before reuse and replaced, so the fir
 after a receiver restarts connects afresh. One-sided (UCX v2), `send` of a complete KV is
 one message and one reply (`_send_folded`), over memory registered once per allocation
 (`transport.registry`) whose keys each link carries once. On every backend, `send` of a
-KV of at most its data plane's bound (`control.eager_bytes`: 128 KiB one-sided, 1 MiB on
+KV of at most its data plane's bound (`control.eager_bytes`: 128 KiB one-sided, 4 MiB on
 the tag path and TCP) is that one message with its bytes inline (eager:
 nothing registered, posted or read; only to a receiver it would pair with for a larger KV,
 `transport.backend_names`). With `LinkTls`, links are mutual

@@ -1,4 +1,4 @@
-"""Eager KVs up to the sender's bound (`control.eager_bytes`: 128 KiB one-sided, 1 MiB on the
+"""Eager KVs up to the sender's bound (`control.eager_bytes`: 128 KiB one-sided, 4 MiB on the
 tag path and TCP; 128 KiB everywhere before, 64 before the copies were cut), on
 every backend and both event loops: the KV goes folded into its OPEN, written from its own
 memory (no joined copy of the payload), nothing registered; it arrives verified layer by
@@ -30,7 +30,7 @@ BACKENDS = [
 ]
 LAYERS = 32
 OLD_EAGER_BYTES = 64 * testing.KIB
-BOUNDS = {"ucx": 1024 * testing.KIB, UCX_READ: 128 * testing.KIB, "tcp": 1024 * testing.KIB}
+BOUNDS = {"ucx": 4096 * testing.KIB, UCX_READ: 128 * testing.KIB, "tcp": 4096 * testing.KIB}
 """Each backend's eager bound (`control.eager_bytes`), as the README states them."""
 
 
@@ -314,7 +314,7 @@ def _taken_whole(backend: str, cache: wire.KvCache, folded: bytes, after: bytes 
 
 @pytest.mark.parametrize("backend", RECEIVERS)
 def test_a_tcp_senders_largest_eager_kv_is_taken(backend: str) -> None:
-    """A 1 MiB eager OPEN, hand-written (the tag path's and TCP's bound, past the one-sided
+    """A 4 MiB eager OPEN, hand-written (the tag path's and TCP's bound, past the one-sided
     path's), is taken whole by a receiver of the sender's kind."""
     cache = testing.synthetic_cache("m", 1, control.EAGER_BYTES, n_layers=LAYERS)
     payload, sizes, sums = _eager_parts(cache)

@@ -18,6 +18,7 @@ from transport.control import (
     ErrorCode,
     Kind,
 )
+from transport.link import _IN_PLACE_BYTES
 from transport.receiver import _MAX_KEYS_PER_LINK
 from transport.stream import STREAM_LIMIT
 from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES, MAX_LAYERS
@@ -562,12 +563,13 @@ def test_a_maximal_eager_open_with_every_key_withdrawn_fits_the_body_limit() -> 
     ]
 
 
-def test_the_largest_control_message_fits_the_stream_buffer() -> None:
-    """An OPEN of `MAX_BODY` is read whole from the link's stream (`link.read_message`):
-    its bound stays well inside the stream's buffer limit (the transport pauses past twice
-    that), so raising `EAGER_BYTES` never makes a reader wait on a buffer that pauses
-    before the message is in."""
-    assert HEAD_SIZE + MAX_BODY <= STREAM_LIMIT // 2
+def test_only_bodies_read_in_place_outgrow_the_stream_buffer() -> None:
+    """A body under `link._IN_PLACE_BYTES` is read from the link's stream, whose buffer
+    pauses its transport past twice its limit: such bodies stay well inside it. Larger
+    ones, up to `MAX_BODY` (an eager KV's OPEN, past the stream's limit), are read in
+    place (`tests/contract/test_link_stream.py`), never through that buffer."""
+    assert HEAD_SIZE + _IN_PLACE_BYTES <= STREAM_LIMIT // 2
+    assert MAX_BODY > STREAM_LIMIT  # what in-place reading allows
 
 
 @pytest.mark.parametrize("pieces", [1, 2, 7])
