@@ -319,6 +319,21 @@ class PeerProcess:
                 self.proc.send_signal(signal.SIGCONT)
                 self.proc.kill()
             await self.proc.wait()
+        await self._close_pipes()
+
+    async def _close_pipes(self) -> None:
+        """Its pipes closed, and their transports' ends run, before the caller's loop may
+        end: uvloop's `wait` returns on the exit alone, and a loop closed while a pipe's
+        close is still pending fails (``EBUSY``) and leaks the pipes' transports into the
+        next test's warnings (met in CI: `test_basic_conformance_over_tls[uvloop-ucx]`)."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(self.proc.stdin.wait_closed(), 5)
+        if self.proc.stdout is not None:
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(self.proc.stdout.read(), 5)  # to its EOF
+        await asyncio.sleep(0)  # the transports' connection_lost callbacks
 
 
 @contextlib.asynccontextmanager
