@@ -25,27 +25,41 @@ _sym_db = _symbol_database.Default()
 from orchestrator.api import common_pb2 as pdorch_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdorch/v1/orchestrator.proto\x12\tpdorch.v1\x1a\x16pdorch/v1/common.proto\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.pdorch.v1.ChatMessagesH\x00\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x13.pdorch.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x19\n\x11resume_from_index\x18\x08 \x01(\r\x12\x17\n\x0f\x63hunk_window_ms\x18\t \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8b\x03\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdorch.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x1d\n\x04\x63ost\x18\x0c \x01(\x0b\x32\x0f.pdorch.v1.Cost\x12)\n\x08logprobs\x18\r \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xd2\x02\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdorch.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x12.\n\rfinish_reason\x18\t \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08kv_bytes\x18\x0b \x01(\x04\x12\x0c\n\x04mode\x18\x0c \x01(\t\x12\x1d\n\x04\x63ost\x18\r \x01(\x0b\x32\x0f.pdorch.v1.Cost\x12\x11\n\tplacement\x18\x0e \x01(\t2\xd5\x01\n\x0cOrchestrator\x12\x42\n\x08Generate\x12\x1a.pdorch.v1.GenerateRequest\x1a\x18.pdorch.v1.GenerateChunk0\x01\x12=\n\x06\x43\x61ncel\x12\x18.pdorch.v1.CancelRequest\x1a\x19.pdorch.v1.CancelResponse\x12\x42\n\nGetRequest\x12\x1c.pdorch.v1.GetRequestRequest\x1a\x16.pdorch.v1.RequestInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdorch/v1/orchestrator.proto\x12\tpdorch.v1\x1a\x16pdorch/v1/common.proto\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.pdorch.v1.ChatMessagesH\x00\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x13.pdorch.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x19\n\x11resume_from_index\x18\x08 \x01(\r\x12\x17\n\x0f\x63hunk_window_ms\x18\t \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8b\x03\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdorch.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x1d\n\x04\x63ost\x18\x0c \x01(\x0b\x32\x0f.pdorch.v1.Cost\x12)\n\x08logprobs\x18\r \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x0e \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\"\x95\x01\n\x0fGenerateCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12+\n\x05start\x18\x02 \x01(\x0b\x32\x1a.pdorch.v1.GenerateRequestH\x00\x12\'\n\x04stop\x18\x03 \x01(\x0b\x32\x17.pdorch.v1.GenerateStopH\x00\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x42\t\n\x07\x63ommand\"\x0e\n\x0cGenerateStop\"9\n\rGenerateBatch\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.pdorch.v1.GenerateEvent\"\x82\x01\n\rGenerateEvent\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.pdorch.v1.GenerateChunk\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x18.pdorch.v1.StreamFailure\"\x99\x01\n\rStreamFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x38\n\x08trailing\x18\x03 \x03(\x0b\x32&.pdorch.v1.StreamFailure.TrailingEntry\x1a/\n\rTrailingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xd2\x02\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.pdorch.v1.Timings\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x12.\n\rfinish_reason\x18\t \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x10\n\x08kv_bytes\x18\x0b \x01(\x04\x12\x0c\n\x04mode\x18\x0c \x01(\t\x12\x1d\n\x04\x63ost\x18\r \x01(\x0b\x32\x0f.pdorch.v1.Cost\x12\x11\n\tplacement\x18\x0e \x01(\t2\x9f\x02\n\x0cOrchestrator\x12\x42\n\x08Generate\x12\x1a.pdorch.v1.GenerateRequest\x1a\x18.pdorch.v1.GenerateChunk0\x01\x12H\n\x0cGenerateMany\x12\x1a.pdorch.v1.GenerateCommand\x1a\x18.pdorch.v1.GenerateBatch(\x01\x30\x01\x12=\n\x06\x43\x61ncel\x12\x18.pdorch.v1.CancelRequest\x1a\x19.pdorch.v1.CancelResponse\x12\x42\n\nGetRequest\x12\x1c.pdorch.v1.GetRequestRequest\x1a\x16.pdorch.v1.RequestInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchestrator.api.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STREAMFAILURE_TRAILINGENTRY']._loaded_options = None
+  _globals['_STREAMFAILURE_TRAILINGENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=68
   _globals['_GENERATEREQUEST']._serialized_end=342
   _globals['_TOKENIDS']._serialized_start=344
   _globals['_TOKENIDS']._serialized_end=367
   _globals['_GENERATECHUNK']._serialized_start=370
   _globals['_GENERATECHUNK']._serialized_end=765
-  _globals['_CANCELREQUEST']._serialized_start=767
-  _globals['_CANCELREQUEST']._serialized_end=802
-  _globals['_CANCELRESPONSE']._serialized_start=804
-  _globals['_CANCELRESPONSE']._serialized_end=835
-  _globals['_GETREQUESTREQUEST']._serialized_start=837
-  _globals['_GETREQUESTREQUEST']._serialized_end=876
-  _globals['_REQUESTINFO']._serialized_start=879
-  _globals['_REQUESTINFO']._serialized_end=1217
-  _globals['_ORCHESTRATOR']._serialized_start=1220
-  _globals['_ORCHESTRATOR']._serialized_end=1433
+  _globals['_GENERATECOMMAND']._serialized_start=768
+  _globals['_GENERATECOMMAND']._serialized_end=917
+  _globals['_GENERATESTOP']._serialized_start=919
+  _globals['_GENERATESTOP']._serialized_end=933
+  _globals['_GENERATEBATCH']._serialized_start=935
+  _globals['_GENERATEBATCH']._serialized_end=992
+  _globals['_GENERATEEVENT']._serialized_start=995
+  _globals['_GENERATEEVENT']._serialized_end=1125
+  _globals['_STREAMFAILURE']._serialized_start=1128
+  _globals['_STREAMFAILURE']._serialized_end=1281
+  _globals['_STREAMFAILURE_TRAILINGENTRY']._serialized_start=1234
+  _globals['_STREAMFAILURE_TRAILINGENTRY']._serialized_end=1281
+  _globals['_CANCELREQUEST']._serialized_start=1283
+  _globals['_CANCELREQUEST']._serialized_end=1318
+  _globals['_CANCELRESPONSE']._serialized_start=1320
+  _globals['_CANCELRESPONSE']._serialized_end=1351
+  _globals['_GETREQUESTREQUEST']._serialized_start=1353
+  _globals['_GETREQUESTREQUEST']._serialized_end=1392
+  _globals['_REQUESTINFO']._serialized_start=1395
+  _globals['_REQUESTINFO']._serialized_end=1733
+  _globals['_ORCHESTRATOR']._serialized_start=1736
+  _globals['_ORCHESTRATOR']._serialized_end=2023
 # @@protoc_insertion_point(module_scope)

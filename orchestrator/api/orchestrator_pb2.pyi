@@ -199,6 +199,171 @@ class GenerateChunk(_message.Message):
 Global___GenerateChunk: _TypeAlias = GenerateChunk  # noqa: Y015
 
 @_typing.final
+class GenerateCommand(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    """The client's name for the request on this call, unique among its running ones; events
+    carry it back.
+    """
+    timeout_s: _builtins.float
+    """With start: the request's deadline in seconds from the command's arrival, as a
+    Generate call's deadline (0: none but the call's own).
+    """
+    @_builtins.property
+    def start(self) -> Global___GenerateRequest:
+        """Start it: what a Generate call would be asked."""
+
+    @_builtins.property
+    def stop(self) -> Global___GenerateStop:
+        """Stop reading it: as a Generate call cancelled by its client (the request runs on for
+        the detach grace, so it can be resumed; Cancel ends it). No event follows.
+        """
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        start: Global___GenerateRequest | None = ...,
+        stop: Global___GenerateStop | None = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "start", b"start", "stop", b"stop"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "start", b"start", "stop", b"stop", "stream", b"stream", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_command: _TypeAlias = _typing.Literal["start", "stop"]  # noqa: Y015
+    _WhichOneofArgType_command: _TypeAlias = _typing.Literal["command", b"command"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_command) -> _WhichOneofReturnType_command | None: ...
+
+Global___GenerateCommand: _TypeAlias = GenerateCommand  # noqa: Y015
+
+@_typing.final
+class GenerateStop(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStop: _TypeAlias = GenerateStop  # noqa: Y015
+
+@_typing.final
+class GenerateBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___GenerateEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateBatch: _TypeAlias = GenerateBatch  # noqa: Y015
+
+@_typing.final
+class GenerateEvent(_message.Message):
+    """What one request on a GenerateMany call produced: a chunk, its end, or its failure."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    ended: _builtins.bool
+    """The stream ended normally after this event's chunk (if any): no more events."""
+    @_builtins.property
+    def chunk(self) -> Global___GenerateChunk:
+        """Absent on an event that only ends or fails the request."""
+
+    @_builtins.property
+    def failure(self) -> Global___StreamFailure:
+        """The request's stream failed as its Generate call would have (status code, details,
+        trailing metadata such as retry-after): no more events.
+        """
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        chunk: Global___GenerateChunk | None = ...,
+        ended: _builtins.bool = ...,
+        failure: Global___StreamFailure | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "failure", b"failure"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "ended", b"ended", "failure", b"failure", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateEvent: _TypeAlias = GenerateEvent  # noqa: Y015
+
+@_typing.final
+class StreamFailure(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TrailingEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    TRAILING_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A grpc status code (never OK)."""
+    details: _builtins.str
+    @_builtins.property
+    def trailing(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+        trailing: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "trailing", b"trailing"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamFailure: _TypeAlias = StreamFailure  # noqa: Y015
+
+@_typing.final
 class CancelRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

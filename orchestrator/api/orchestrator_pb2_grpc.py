@@ -40,6 +40,11 @@ class OrchestratorStub:
                 request_serializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/pdorch.v1.Orchestrator/GenerateMany',
+                request_serializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateCommand.SerializeToString,
+                response_deserializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateBatch.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pdorch.v1.Orchestrator/Cancel',
                 request_serializer=pdorch_dot_v1_dot_orchestrator__pb2.CancelRequest.SerializeToString,
@@ -60,6 +65,20 @@ class OrchestratorServicer:
         """Run a request and stream its output. The last chunk carries finish_reason and timings.
         Sending again with the same request_id attaches to the existing request instead of
         starting a second one; with resume_from_index it continues a broken stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests on one call, for a client that runs many at once (a gateway, a router, a
+        batch driver): the client starts and cancels requests with commands, the orchestrator
+        answers with batches, each carrying the events of every request that had something at
+        that moment — one message where Generate sends one per request. A request behaves as
+        its own Generate call would: same chunks, same errors (as a failure event). The call's
+        credential and tenant apply to every request on it; the call failing fails every
+        request on it (each can be resumed with resume_from_index, as a broken Generate).
+        orchestrator/rpc/many.py; a client: orchestrator/rpc/many_client.py.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +105,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateRequest.FromString,
                     response_serializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateCommand.FromString,
+                    response_serializer=pdorch_dot_v1_dot_orchestrator__pb2.GenerateBatch.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -126,6 +150,33 @@ class Orchestrator:
             '/pdorch.v1.Orchestrator/Generate',
             pdorch_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
             pdorch_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdorch.v1.Orchestrator/GenerateMany',
+            pdorch_dot_v1_dot_orchestrator__pb2.GenerateCommand.SerializeToString,
+            pdorch_dot_v1_dot_orchestrator__pb2.GenerateBatch.FromString,
             options,
             channel_credentials,
             insecure,

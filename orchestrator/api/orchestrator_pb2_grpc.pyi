@@ -43,6 +43,16 @@ class OrchestratorStub:
     Sending again with the same request_id attaches to the existing request instead of
     starting a second one; with resume_from_index it continues a broken stream.
     """
+    GenerateMany: _grpc.StreamStreamMultiCallable[_orchestrator_pb2.GenerateCommand, _orchestrator_pb2.GenerateBatch]
+    """Many requests on one call, for a client that runs many at once (a gateway, a router, a
+    batch driver): the client starts and cancels requests with commands, the orchestrator
+    answers with batches, each carrying the events of every request that had something at
+    that moment — one message where Generate sends one per request. A request behaves as
+    its own Generate call would: same chunks, same errors (as a failure event). The call's
+    credential and tenant apply to every request on it; the call failing fails every
+    request on it (each can be resumed with resume_from_index, as a broken Generate).
+    orchestrator/rpc/many.py; a client: orchestrator/rpc/many_client.py.
+    """
     Cancel: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelRequest, _orchestrator_pb2.CancelResponse]
     """Cancel a request. Cancelling a finished or already cancelled request changes nothing."""
     GetRequest: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.GetRequestRequest, _orchestrator_pb2.RequestInfo]
@@ -57,6 +67,16 @@ class OrchestratorAsyncStub(OrchestratorStub):
     """Run a request and stream its output. The last chunk carries finish_reason and timings.
     Sending again with the same request_id attaches to the existing request instead of
     starting a second one; with resume_from_index it continues a broken stream.
+    """
+    GenerateMany: _aio.StreamStreamMultiCallable[_orchestrator_pb2.GenerateCommand, _orchestrator_pb2.GenerateBatch]  # type: ignore[assignment]
+    """Many requests on one call, for a client that runs many at once (a gateway, a router, a
+    batch driver): the client starts and cancels requests with commands, the orchestrator
+    answers with batches, each carrying the events of every request that had something at
+    that moment — one message where Generate sends one per request. A request behaves as
+    its own Generate call would: same chunks, same errors (as a failure event). The call's
+    credential and tenant apply to every request on it; the call failing fails every
+    request on it (each can be resumed with resume_from_index, as a broken Generate).
+    orchestrator/rpc/many.py; a client: orchestrator/rpc/many_client.py.
     """
     Cancel: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelRequest, _orchestrator_pb2.CancelResponse]  # type: ignore[assignment]
     """Cancel a request. Cancelling a finished or already cancelled request changes nothing."""
@@ -75,6 +95,22 @@ class OrchestratorServicer(metaclass=_abc_1.ABCMeta):
         """Run a request and stream its output. The last chunk carries finish_reason and timings.
         Sending again with the same request_id attaches to the existing request instead of
         starting a second one; with resume_from_index it continues a broken stream.
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_orchestrator_pb2.GenerateCommand],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_orchestrator_pb2.GenerateBatch], _abc.AsyncIterator[_orchestrator_pb2.GenerateBatch]]:
+        """Many requests on one call, for a client that runs many at once (a gateway, a router, a
+        batch driver): the client starts and cancels requests with commands, the orchestrator
+        answers with batches, each carrying the events of every request that had something at
+        that moment — one message where Generate sends one per request. A request behaves as
+        its own Generate call would: same chunks, same errors (as a failure event). The call's
+        credential and tenant apply to every request on it; the call failing fails every
+        request on it (each can be resumed with resume_from_index, as a broken Generate).
+        orchestrator/rpc/many.py; a client: orchestrator/rpc/many_client.py.
         """
 
     @_abc_1.abstractmethod

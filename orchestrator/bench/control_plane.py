@@ -98,6 +98,9 @@ class ControlPlaneBench:
     off``): hidden from the bench's processes, they parse in pure Python."""
     gpu_batch: int = 128
     """The decode batch of the projection's GPU (a ``decode_gpu`` running ``model``)."""
+    generate_many: bool = False
+    """The load clients send their requests on ``GenerateMany`` calls, one per connection
+    (a gateway multiplexing its users); False: one ``Generate`` call per request."""
 
     def check(self) -> None:
         for name in ("workers", "concurrency", "requests", "orchestrators", "clients",
@@ -319,6 +322,7 @@ def _result(
         "tls": b.tls,
         "ramp_s": b.ramp_s,
         "chunk_window_ms": b.chunk_window_ms,
+        "generate_many": b.generate_many,
         **summary,
         "tokens": usage.tokens,
         "orchestrator_cpu_ms_per_request": cpu_ms["orchestrators"],
@@ -403,6 +407,7 @@ def _client_argv(
             "--ramp-s", str(b.ramp_s),
             "--ramp-phase", str(i / b.clients),
             "--chunk-window-ms", str(b.chunk_window_ms),
+            "--generate-many", "on" if b.generate_many else "off",
             "--samples",
             *(["--tls-dir", tls_dir] if tls_dir else []),
         ])  # fmt: skip

@@ -38,7 +38,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,7 @@ from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.api.tls import Tls
 from orchestrator.bench.stats import percentile
 from orchestrator.rpc import client
+from orchestrator.rpc.many_client import ManyClient, StreamFailed
 
 if TYPE_CHECKING:
     from orchestrator.api.orchestrator_pb2_grpc import OrchestratorAsyncStub
@@ -107,6 +108,9 @@ class LoadSpec:
     ramp_phase: float = 0.0
     """Where in its turn, in [0, 1), this process's slots start: load processes sharing a
     ramp (``bench control-plane``: process i of n at i / n) interleave their arrivals."""
+    generate_many: bool = False
+    """Send the requests on ``GenerateMany`` calls, one per channel (`rpc.many_client`), as
+    a gateway multiplexing its users would; False: one ``Generate`` call each."""
 
 
 @dataclass(slots=True)
@@ -230,7 +234,15 @@ def prompt(n: int, words: int) -> str:
     return f"request {n}: {body}"
 
 
-async def _one(stub: OrchestratorAsyncStub, n: int, spec: LoadSpec) -> Sample:
+def _chunks(
+    stub: OrchestratorAsyncStub | ManyClient, req: orchestrator_pb2.GenerateRequest, spec: LoadSpec
+) -> AsyncIterable[orchestrator_pb2.GenerateChunk]:
+    if isinstance(stub, ManyClient):
+        return stub.generate(req, spec.timeout_s)
+    return stub.Generate(req, timeout=spec.timeout_s)
+
+
+async def _one(stub: OrchestratorAsyncStub | ManyClient, n: int, spec: LoadSpec) -> Sample:
     req = orchestrator_pb2.GenerateRequest(
         text=prompt(n, spec.prompt_words),
         max_tokens=spec.max_tokens,
@@ -240,7 +252,7 @@ async def _one(stub: OrchestratorAsyncStub, n: int, spec: LoadSpec) -> Sample:
     started = time.perf_counter()
     chunks = 0
     try:
-        async for chunk in stub.Generate(req, timeout=spec.timeout_s):
+        async for chunk in _chunks(stub, req, spec):
             chunks += 1
             if chunk.token_ids:
                 if sample.client_ttft_ms is None:
@@ -254,8 +266,8 @@ async def _one(stub: OrchestratorAsyncStub, n: int, spec: LoadSpec) -> Sample:
                 sample.server_ttft_ms = t.ttft_ms
                 if chunk.prefill_worker:
                     sample.worker_ttft_ms = t.prefill_ms + t.transfer_ms
-    except grpc.aio.AioRpcError as exc:
-        code = exc.code()
+    except (grpc.aio.AioRpcError, StreamFailed) as exc:
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc.code
         sample.code = code.name
         refused = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
         sample.admitted = not (chunks == 0 and code in refused)
@@ -275,7 +287,11 @@ async def run_load(spec: LoadSpec, token: str | None = None, tls: Tls | None = N
         for t in spec.targets
         for _ in range(per_target)
     ]
-    stubs = [orchestrator_pb2_grpc.OrchestratorStub(c) for c in channels]
+    stubs: list[OrchestratorAsyncStub | ManyClient] = [
+        orchestrator_pb2_grpc.OrchestratorStub(c) for c in channels
+    ]
+    if spec.generate_many:
+        stubs = [ManyClient(stub) for stub in stubs]
     cpu_before = time.process_time()
     numbers = itertools.count(spec.offset)
     last = spec.offset + spec.requests
@@ -296,6 +312,9 @@ async def run_load(spec: LoadSpec, token: str | None = None, tls: Tls | None = N
             for k in range(min(spec.concurrency, spec.requests)):
                 group.create_task(slot(k), name=f"pdorch-load-slot-{k}")
     finally:
+        for stub in stubs:
+            if isinstance(stub, ManyClient):
+                await stub.close()
         for channel in channels:
             await channel.close(None)
     result.cpu_s = time.process_time() - cpu_before

@@ -327,9 +327,9 @@ def _control_plane(bc: argparse.ArgumentParser) -> None:
         metavar="FLAG",
         help="pass FLAG to every simulated-worker process, e.g. --fleet-arg=--loop=uvloop",
     )
-    for switch in ("tls", "pin", "hiredis"):
+    for switch in ("tls", "pin", "hiredis", "generate_many"):
         bc.add_argument(
-            f"--{switch}",
+            f"--{switch.replace('_', '-')}",
             choices=("on", "off"),
             default="on" if default(ControlPlaneBench, switch) else "off",
             help=field_doc(ControlPlaneBench, switch),
@@ -381,6 +381,7 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
         redis_shards=args.redis_shards,
         pin=args.pin == "on",
         hiredis=args.hiredis == "on",
+        generate_many=args.generate_many == "on",
         gpu_batch=args.gpu_batch,
     )
 
@@ -404,6 +405,12 @@ def _load(bl: argparse.ArgumentParser) -> None:
     flag("--ramp-s", "ramp_s", type=non_negative_float)
     flag("--ramp-phase", "ramp_phase", type=float)
     flag("--chunk-window-ms", "chunk_window_ms", type=int)
+    bl.add_argument(
+        "--generate-many",
+        choices=("on", "off"),
+        default="on" if default(LoadSpec, "generate_many") else "off",
+        help=field_doc(LoadSpec, "generate_many"),
+    )
     bl.add_argument("--samples", action="store_true", help="print every sample as JSON")
     bl.set_defaults(call=_run_load)
 
@@ -437,6 +444,7 @@ def load_spec(args: argparse.Namespace) -> LoadSpec:
         ramp_s=args.ramp_s,
         ramp_phase=args.ramp_phase,
         chunk_window_ms=args.chunk_window_ms,
+        generate_many=args.generate_many == "on",
     )
 
 

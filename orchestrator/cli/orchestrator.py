@@ -377,6 +377,7 @@ async def run(args: argparse.Namespace) -> int:
     from orchestrator.control.metrics import ControlMetrics  # noqa: PLC0415
     from orchestrator.control.orchestrator import Orchestrator  # noqa: PLC0415
     from orchestrator.errors import ConfigError  # noqa: PLC0415
+    from orchestrator.rpc.many import ManyCalls  # noqa: PLC0415
     from orchestrator.rpc.service import server as rpc_server  # noqa: PLC0415
     from orchestrator.store.redis_store import RedisStore, StoreSettings  # noqa: PLC0415
 
@@ -395,7 +396,8 @@ async def run(args: argparse.Namespace) -> int:
     control = Orchestrator(store, clients, settings, owner=args.replica_id, metrics=metrics)
     metrics_server = serve_metrics(metrics.registry, serving.host, serving.metrics_port)
     required = tls is not None and args.client_cert == "required"
-    server = rpc_server(control, SERVER_OPTIONS, tokens, client_certs=required)
+    many_calls = ManyCalls()
+    server = rpc_server(control, SERVER_OPTIONS, tokens, client_certs=required, calls=many_calls)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = _listen(server, serving.address, tls, required)
@@ -416,17 +418,22 @@ async def run(args: argparse.Namespace) -> int:
         await until_signalled()
     finally:
         await health.enter_graceful_shutdown()
-        # Both fronts stop accepting and drain their streams side by side.
-        stopping = [server.stop(serving.drain_grace_s)]
-        if http is not None:
-            stopping.append(http.stop())
-        await asyncio.gather(*stopping)
+        many_calls.drain()  # GenerateMany calls take no new request, end with their last
+        await _stop_fronts(server, http, serving.drain_grace_s)
         await control.stop()
         await clients.close()
         await store.close()
         if metrics_server is not None:
             metrics_server.shutdown()
     return 0
+
+
+async def _stop_fronts(server: grpc.aio.Server, http: HttpServer | None, grace_s: float) -> None:
+    """Both fronts stop accepting and drain their streams side by side."""
+    stopping = [server.stop(grace_s)]
+    if http is not None:
+        stopping.append(http.stop())
+    await asyncio.gather(*stopping)
 
 
 def _tokens(args: argparse.Namespace) -> TokenFile | None:

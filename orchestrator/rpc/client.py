@@ -23,9 +23,11 @@ from orchestrator.rpc.auth import AUTHORIZATION_KEY
 if TYPE_CHECKING:  # the stubs make them generic; at runtime they are not subscriptable
     _UnaryUnary = grpc.aio.UnaryUnaryClientInterceptor[Any, Any]
     _UnaryStream = grpc.aio.UnaryStreamClientInterceptor[Any, Any]
+    _StreamStream = grpc.aio.StreamStreamClientInterceptor[Any, Any]
 else:
     _UnaryUnary = grpc.aio.UnaryUnaryClientInterceptor
     _UnaryStream = grpc.aio.UnaryStreamClientInterceptor
+    _StreamStream = grpc.aio.StreamStreamClientInterceptor
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -60,6 +62,18 @@ class _BearerStream(_UnaryStream):
         return await continuation(_with_token(client_call_details, self.token), request)
 
 
+class _BearerStreamStream(_StreamStream):
+    """``GenerateMany``'s: the token goes with the call, once for all its requests."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_stream_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_token(client_call_details, self.token), request_iterator)
+
+
 def channel(
     target: str,
     token: str | None = None,
@@ -70,7 +84,7 @@ def channel(
     ``tls`` (the server checked to be an orchestrator, ``tls``' certificate presented),
     else plaintext."""
     interceptors: Any = (
-        [_BearerUnary(token), _BearerStream(token)] if token else None
+        [_BearerUnary(token), _BearerStream(token), _BearerStreamStream(token)] if token else None
     )  # the stubs' type is private
     if tls is not None:
         return secure_channel(target, tls, ORCHESTRATOR_SERVER_NAME, options, interceptors)

@@ -21,13 +21,15 @@ import grpc
 
 from orchestrator import errors
 from orchestrator.api import convert, orchestrator_pb2, orchestrator_pb2_grpc
+from orchestrator.api.many import BadCommand, StreamAborted
 from orchestrator.api.peers import RequirePeer
-from orchestrator.api.undecodable import RefuseUndecodable
+from orchestrator.api.undecodable import RefuseUndecodable, refuse
 from orchestrator.control.orchestrator import GenerateInput, Orchestrator, OutChunk
 from orchestrator.core.idents import check_tenant, shown
 from orchestrator.core.peers import Surface
 from orchestrator.core.records import RequestRecord
 from orchestrator.rpc.auth import Authenticate, Authenticator, caller
+from orchestrator.rpc.many import GenerateMany, ManyCalls
 from orchestrator.rpc.status import status_for
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 TENANT_KEY = "x-pdorch-tenant"
+GENERATE_MANY = "/pdorch.v1.Orchestrator/GenerateMany"
 RETRY_AFTER_KEY = "retry-after"
 """Trailing metadata of a RESOURCE_EXHAUSTED refusal: seconds before a retry can succeed."""
 
@@ -45,18 +48,21 @@ def server(
     tokens: Authenticator | None = None,
     *,
     client_certs: bool = False,
+    calls: ManyCalls | None = None,
 ) -> grpc.aio.Server:
     """A gRPC server serving the client API over ``orchestrator`` (requests protobuf cannot
     decode answer INVALID_ARGUMENT); with ``tokens``, every call but health checks needs a
     bearer token (`rpc.auth`); with ``client_certs`` (the caller serves a mutual-TLS port),
     the caller's certificate must be a client identity (`api.peers`: a worker's is
-    refused). The caller adds ports and other services."""
+    refused); ``calls``: where its ``GenerateMany`` calls are kept, for the caller to drain
+    them as it stops. The caller adds ports and other services."""
     interceptors: list[Any] = [RequirePeer(Surface.CLIENT_API)] if client_certs else []
     if tokens is not None:
         interceptors.append(Authenticate(tokens))
     interceptors.append(RefuseUndecodable())
     out = grpc.aio.server(options=options, interceptors=interceptors)
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(orchestrator), out)
+    service = OrchestratorService(orchestrator, calls)
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(service, out)
     return out
 
 
@@ -92,11 +98,16 @@ def _tenants() -> frozenset[str] | None:
     return None if who is None else who.tenants
 
 
+def _deadline(context: Context) -> float | None:
+    """The call's deadline (`time.monotonic` seconds), if it has one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
 def _input(
-    req: orchestrator_pb2.GenerateRequest, tenant: str = "default", context: Context | None = None
+    req: orchestrator_pb2.GenerateRequest, tenant: str = "default", deadline: float | None = None
 ) -> GenerateInput:
     which = req.WhichOneof("prompt")
-    remaining = None if context is None else context.time_remaining()
     return GenerateInput(
         request_id=req.request_id,
         text=req.text if which == "text" else None,
@@ -108,7 +119,7 @@ def _input(
         resume_from=req.resume_from_index,
         tenant=tenant,
         chunk_window_ms=req.chunk_window_ms,
-        deadline=None if remaining is None else time.monotonic() + remaining,
+        deadline=deadline,
     )
 
 
@@ -132,14 +143,21 @@ def info_pb(r: RequestRecord) -> orchestrator_pb2.RequestInfo:
 
 
 def _chunk_pb(c: OutChunk) -> orchestrator_pb2.GenerateChunk:
-    msg = orchestrator_pb2.GenerateChunk(
-        request_id=c.request_id,
-        index=c.index,
-        token_ids=c.token_ids,
-        text=c.text,
-        logprobs=[convert.logprob_to_pb(lp) for lp in c.logprobs],
-        prompt_logprobs=[convert.logprob_to_pb(lp) for lp in c.prompt_logprobs],
-    )
+    msg = orchestrator_pb2.GenerateChunk()
+    _fill_chunk(msg, c)
+    return msg
+
+
+def _fill_chunk(msg: orchestrator_pb2.GenerateChunk, c: OutChunk) -> None:
+    """Write ``c`` into ``msg`` (an empty chunk: a `GenerateEvent`'s, built in place)."""
+    msg.request_id = c.request_id
+    msg.index = c.index
+    msg.token_ids.extend(c.token_ids)
+    msg.text = c.text
+    if c.logprobs:
+        msg.logprobs.extend(convert.logprob_to_pb(lp) for lp in c.logprobs)
+    if c.prompt_logprobs:
+        msg.prompt_logprobs.extend(convert.logprob_to_pb(lp) for lp in c.prompt_logprobs)
     if c.finish_reason:
         msg.finish_reason = convert.finish_to_pb(c.finish_reason)
         msg.timings.CopyFrom(convert.timings_to_pb(c.timings))
@@ -150,24 +168,62 @@ def _chunk_pb(c: OutChunk) -> orchestrator_pb2.GenerateChunk:
             msg.decode_worker = c.record.decode_worker
             msg.epoch = c.record.epoch
             msg.cost.CopyFrom(convert.cost_to_pb(c.record.cost))
-    return msg
+
+
+def _aborted(exc: errors.PdorchError) -> StreamAborted:
+    """How ``exc`` ends a request's stream: its status, and when to try again (seconds) if
+    it was refused for load."""
+    trailing: tuple[tuple[str, str], ...] = ()
+    if isinstance(exc, errors.OverloadedError):
+        trailing = ((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"),)
+    return StreamAborted(status_for(exc), str(exc), trailing)
 
 
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    def __init__(self, orchestrator: Orchestrator, calls: ManyCalls | None = None) -> None:
         self.o = orchestrator
+        self.calls = ManyCalls() if calls is None else calls
 
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
         try:
-            async for chunk in self.o.generate(_input(request, _tenant(context), context)):
+            inp = _input(request, _tenant(context), _deadline(context))
+            async for chunk in self.o.generate(inp):
                 yield _chunk_pb(chunk)
         except errors.PdorchError as exc:
             log.info("request %s failed: %s", shown(request.request_id), exc)
-            if isinstance(exc, errors.OverloadedError):  # when to try again (seconds)
-                context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"),))
+            aborted = _aborted(exc)
+            if aborted.trailing:
+                context.set_trailing_metadata(aborted.trailing)
+            await context.abort(aborted.code, aborted.details)
+
+    async def GenerateMany(
+        self, commands: AsyncIterator[Any], context: Context
+    ) -> AsyncIterator[orchestrator_pb2.GenerateBatch]:
+        try:
+            tenant = _tenant(context)
+        except errors.PdorchError as exc:
             await context.abort(status_for(exc), str(exc))
+
+        def input_of(req: orchestrator_pb2.GenerateRequest, until: float | None) -> GenerateInput:
+            return _input(req, tenant, until)
+
+        many = GenerateMany(self.o.generate, input_of, _fill_chunk, _aborted, _deadline(context))
+        self.calls.add(many)
+
+        def abandon(_context: object) -> None:
+            many.abandon()
+
+        done: Any = abandon  # the stubs want their DoneCallback class; any callable does
+        context.add_done_callback(done)
+        try:
+            async for batch in many.serve(commands):
+                yield batch
+        except BadCommand as exc:
+            await refuse(GENERATE_MANY, exc.request, context)
+        finally:
+            self.calls.discard(many)
 
     async def Cancel(
         self, request: orchestrator_pb2.CancelRequest, context: Context

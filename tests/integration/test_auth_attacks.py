@@ -146,6 +146,37 @@ def test_no_credential_and_a_wrong_token_are_unauthenticated(cluster: LocalClust
     assert "Generate: refused a call from ipv4:127.0.0.1:" in log  # the peer, named
 
 
+def test_generate_many_authenticates_its_call_and_takes_the_tenant_from_it(
+    cluster: LocalCluster,
+) -> None:
+    """The token goes with the call (`rpc.client` adds it to bidirectional calls too) and
+    every request on it is the token's tenant's; no token: the call is refused."""
+
+    async def many(token: str | None, rid: str, tenant: str | None = None) -> list[Any]:
+        metadata = () if tenant is None else (("x-pdorch-tenant", tenant),)
+        async with cluster.channel(address(cluster), token) as ch:
+            call = orchestrator_pb2_grpc.OrchestratorStub(ch).GenerateMany(
+                timeout=60, metadata=metadata
+            )
+            start = request("hi", request_id=rid)
+            await call.write(orchestrator_pb2.GenerateCommand(stream=1, start=start))
+            events = []
+            while not any(e.ended or e.HasField("failure") for e in events):
+                events.extend((await call.read()).events)
+            call.cancel()
+            return events
+
+    err = refused(many(None, "many-none"))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert record(cluster, "many-none") == {}
+    assert "GenerateMany: refused a call from ipv4:127.0.0.1:" in orchestrator_log(cluster)
+    assert refused(many(TOKEN_B, "many-x", "team-a")).code() == grpc.StatusCode.PERMISSION_DENIED
+    events = asyncio.run(many(TOKEN_B, "many-bob"))
+    assert events[-1].ended
+    assert events[-1].chunk.finish_reason
+    assert record(cluster, "many-bob")["tenant"] == "team-b"
+
+
 def test_health_checks_stay_open(cluster: LocalCluster) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from orchestrator.api import common_pb2, worker_pb2
+from orchestrator.api.many import MAX_BATCH_BYTES, BadCommand
 from orchestrator.api.undecodable import Undecodable
 from orchestrator.workers import mux
 from orchestrator.workers.host import Context
-from orchestrator.workers.mux import MAX_BATCH_BYTES, BadCommand, DecodeMany
+from orchestrator.workers.mux import DecodeMany
 
 LIMIT_S = 10.0
 

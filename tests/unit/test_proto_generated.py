@@ -129,7 +129,7 @@ def test_modules_live_in_orchestrator_api_but_wire_names_are_pdorch_v1() -> None
     assert orchestrator_pb2.GenerateRequest.DESCRIPTOR.full_name == "pdorch.v1.GenerateRequest"
     service = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"]
     assert service.full_name == "pdorch.v1.Orchestrator"
-    assert {m.name for m in service.methods} == {"Generate", "Cancel", "GetRequest"}
+    assert {m.name for m in service.methods} == {"Generate", "GenerateMany", "Cancel", "GetRequest"}
     assert set(worker_pb2.DESCRIPTOR.services_by_name) == {
         "PrefillService",
         "DecodeService",

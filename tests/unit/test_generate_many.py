@@ -1,0 +1,104 @@
+"""The orchestrator's side of ``GenerateMany`` without gRPC (`rpc.many`): a slow reader holds
+its requests back, and a request's end joins its last chunk."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from orchestrator import errors
+from orchestrator.api import orchestrator_pb2 as pb
+from orchestrator.api.many import StreamAborted
+from orchestrator.control.orchestrator import GenerateInput, OutChunk
+from orchestrator.rpc import service
+from orchestrator.rpc.many import GenerateMany
+
+LIMIT_S = 10.0
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, LIMIT_S))
+
+
+class Producer:
+    """A request that has ``tokens`` chunks ready at once, counting those taken."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.taken: dict[str, int] = {}
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
+        rid = inp.request_id
+        for i in range(self.tokens):
+            self.taken[rid] = i + 1
+            last = i == self.tokens - 1
+            yield OutChunk(rid, i, [i], f"t{i}", "length" if last else "")
+            await asyncio.sleep(0)
+
+
+def aborted(exc: errors.PdorchError) -> StreamAborted:
+    raise AssertionError(f"no error expected: {exc}")
+
+
+def many(producer: Producer) -> GenerateMany:
+    return GenerateMany(producer.generate, service._input, service._fill_chunk, aborted)
+
+
+async def commands(n: int, stop: asyncio.Event) -> AsyncIterator[pb.GenerateCommand]:
+    for i in range(n):
+        start = pb.GenerateRequest(request_id=f"r{i}", text="x", max_tokens=10_000)
+        yield pb.GenerateCommand(stream=i, start=start)
+    await stop.wait()
+
+
+def test_a_reader_that_stops_reading_holds_its_requests_back() -> None:
+    """A request has at most one event the call has not written: with the batches' writer
+    stalled (gRPC's flow control, a client that reads nothing), its requests stop being
+    read from the orchestrator instead of their chunks queueing here."""
+
+    async def main() -> None:
+        producer = Producer(10_000)
+        call = many(producer)
+        stop = asyncio.Event()
+        batches = call.serve(commands(3, stop))
+        first = await anext(batches)  # then the writer stalls: the next is not asked for
+        assert first.events
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert len(producer.taken) == 3
+        assert all(n <= 3 for n in producer.taken.values()), producer.taken
+        assert len(call._events) <= 3  # one per request
+        # reading again lets them go on
+        seen = {e.stream: e.chunk.index for e in first.events}
+        for _ in range(20):
+            batch = await anext(batches)
+            for event in batch.events:
+                if event.HasField("chunk"):
+                    assert event.chunk.index == seen.get(event.stream, -1) + 1  # in order
+                    seen[event.stream] = event.chunk.index
+        assert max(producer.taken.values()) > 10
+        stop.set()
+        await batches.aclose()
+
+    run(main())
+
+
+def test_a_requests_end_joins_its_last_chunk() -> None:
+    async def main() -> None:
+        producer = Producer(3)
+        call = many(producer)
+        stop = asyncio.Event()
+        events: list[pb.GenerateEvent] = []
+        batches = call.serve(commands(1, stop))
+        async for batch in batches:
+            events.extend(batch.events)
+            if any(e.ended for e in batch.events):
+                break
+        await batches.aclose()
+        assert [e.chunk.index for e in events] == [0, 1, 2]
+        assert events[-1].ended
+        assert events[-1].chunk.finish_reason != 0
+        assert not any(e.ended for e in events[:-1])
+
+    run(main())
