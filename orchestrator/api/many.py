@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -141,7 +141,7 @@ class Many(Generic[CommandT, EventT, BatchT]):
         self._draining = True
         self._poke()
 
-    async def serve(self, commands: AsyncIterator[Any]) -> AsyncIterator[BatchT]:
+    async def serve(self, commands: AsyncIterator[Any]) -> AsyncGenerator[BatchT, None]:
         """The call's batches, until the orchestrator closed its side (or the worker
         drained) and no task is left."""
         loop = asyncio.get_running_loop()

@@ -1,5 +1,6 @@
-"""The orchestrator's side of ``GenerateMany`` without gRPC (`rpc.many`): a slow reader holds
-its requests back, and a request's end joins its last chunk."""
+"""``GenerateMany`` without a gRPC server: the orchestrator's side (`rpc.many`) — a slow
+reader holds its requests back, a request's end joins its last chunk — and the client's
+(`rpc.many_client`) — the call failing fails every request on it."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import asyncio
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+import grpc
+
 from orchestrator import errors
 from orchestrator.api import orchestrator_pb2 as pb
 from orchestrator.api.many import StreamAborted
 from orchestrator.control.orchestrator import GenerateInput, OutChunk
 from orchestrator.rpc import service
 from orchestrator.rpc.many import GenerateMany
+from orchestrator.rpc.many_client import ManyClient, StreamFailed
 
 LIMIT_S = 10.0
 
@@ -42,7 +46,10 @@ def aborted(exc: errors.PdorchError) -> StreamAborted:
 
 
 def many(producer: Producer) -> GenerateMany:
-    return GenerateMany(producer.generate, service._input, service._fill_chunk, aborted)
+    def input_of(req: pb.GenerateRequest, until: float | None) -> GenerateInput:
+        return service._input(req, "default", until)
+
+    return GenerateMany(producer.generate, input_of, service._fill_chunk, aborted)
 
 
 async def commands(n: int, stop: asyncio.Event) -> AsyncIterator[pb.GenerateCommand]:
@@ -100,5 +107,62 @@ def test_a_requests_end_joins_its_last_chunk() -> None:
         assert events[-1].ended
         assert events[-1].chunk.finish_reason != 0
         assert not any(e.ended for e in events[:-1])
+
+    run(main())
+
+
+class FakeCall:
+    """A ``GenerateMany`` call that brings ``batches`` (built from the commands it was sent),
+    then fails with ``code``."""
+
+    opened = 0
+
+    def __init__(self, outgoing: AsyncIterator[pb.GenerateCommand], code: grpc.StatusCode) -> None:
+        FakeCall.opened += 1
+        self.outgoing = outgoing
+        self.code = code
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateBatch]:
+        return self._batches()
+
+    async def _batches(self) -> AsyncIterator[pb.GenerateBatch]:
+        started = [await anext(self.outgoing) for _ in range(2)]
+        chunk = pb.GenerateChunk(index=0, token_ids=[7])
+        yield pb.GenerateBatch(
+            events=[pb.GenerateEvent(stream=c.stream, chunk=chunk) for c in started]
+        )
+        empty = grpc.aio.Metadata()
+        raise grpc.aio.AioRpcError(self.code, empty, empty, "gone", None)
+
+
+class FakeStub:
+    def GenerateMany(self, outgoing: AsyncIterator[pb.GenerateCommand]) -> FakeCall:
+        return FakeCall(outgoing, grpc.StatusCode.UNAVAILABLE)
+
+
+def test_the_call_failing_fails_every_request_on_it_and_the_next_opens_another() -> None:
+    async def main() -> None:
+        client = ManyClient(FakeStub())
+
+        async def one(rid: str) -> tuple[list[int], grpc.StatusCode]:
+            seen: list[int] = []
+            try:
+                async for chunk in client.generate(pb.GenerateRequest(request_id=rid), 5.0):
+                    seen.extend(chunk.token_ids)
+            except StreamFailed as exc:
+                return seen, exc.code
+            raise AssertionError("the request did not fail")
+
+        FakeCall.opened = 0
+        results = await asyncio.gather(one("a"), one("b"))
+        assert list(results) == [([7], grpc.StatusCode.UNAVAILABLE)] * 2  # the call's status
+        assert client.batches == 1
+        await asyncio.gather(one("c"), one("d"))
+        assert FakeCall.opened == 2  # the failed call was forgotten: a new one opened
+        await client.close()
 
     run(main())
