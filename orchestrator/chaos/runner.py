@@ -325,6 +325,7 @@ class ChaosRunner:
             timeout_s=self.scenario.workload.request_timeout_s,
             prefix=f"chaos-{self.scenario.name}-{self.seed}-{time.time_ns()}-ref",
             tls=self.cluster.credentials(),
+            many=self.scenario.workload.client == "generate-many",
         )
         try:
             reference = await clients.run(plans)
@@ -360,6 +361,7 @@ class ChaosRunner:
             timeout_s=self.scenario.workload.request_timeout_s,
             prefix=f"chaos-{self.scenario.name}-{seed}-{time.time_ns()}",
             tls=self.cluster.credentials(),
+            many=self.scenario.workload.client == "generate-many",
         )
         executor = FaultExecutor(
             self.cluster,

@@ -193,7 +193,14 @@ class Workload:
     """Share of requests sampled at temperature 0.8 with a fixed seed (the rest greedy): the
     sampling draw for token i depends only on (seed, i), so failover must not change them."""
     request_timeout_s: float = 120.0
+    client: str = "generate"
+    """How the clients call: ``generate``, one ``Generate`` call per request; ``generate-many``,
+    every request of a client on one ``GenerateMany`` call per replica (a broken call breaks
+    all of them: each resumes on the next replica)."""
 
+
+CLIENTS = ("generate", "generate-many")
+"""A workload's ``client`` choices."""
 
 TRIGGER_STATES: dict[str, tuple[str, ...]] = {
     "prefill": ("prefilling", "sending"),
@@ -526,7 +533,8 @@ def _check_output(workload: Workload, cluster: ClusterSpec, where: str) -> None:
 
 def _workload(d: Mapping[str, Any], where: str) -> Workload:
     _known(d, where, {"requests", "concurrency", "prompt_words", "output_tokens",
-                      "sampled_share", "request_timeout_s", "shared_prefix_words"})  # fmt: skip
+                      "sampled_share", "request_timeout_s", "shared_prefix_words",
+                      "client"})  # fmt: skip
     return Workload(
         requests=_int(d.get("requests", 8), f"{where}.requests", lo=1, hi=100_000),
         concurrency=_int(d.get("concurrency", 8), f"{where}.concurrency", lo=1, hi=4096),
@@ -537,6 +545,7 @@ def _workload(d: Mapping[str, Any], where: str) -> Workload:
         shared_prefix_words=_int(
             d.get("shared_prefix_words", 0), f"{where}.shared_prefix_words", lo=0, hi=4096
         ),
+        client=_choice(d.get("client", "generate"), f"{where}.client", CLIENTS),
     )
 
 

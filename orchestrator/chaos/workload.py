@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -21,6 +22,7 @@ from orchestrator.api.tls import Tls
 from orchestrator.chaos.history import History, Op, RequestSpec
 from orchestrator.chaos.scenario import Workload
 from orchestrator.rpc.client import channel as client_channel
+from orchestrator.rpc.many_client import ManyClient, StreamFailed
 
 # Codes after which resuming may succeed: the replica, a link or the store had a problem.
 RETRYABLE = frozenset(
@@ -83,6 +85,40 @@ def _message(plan: RequestPlan, rid: str, resume: int) -> orchestrator_pb2.Gener
     )
 
 
+def _status(exc: grpc.aio.AioRpcError | StreamFailed) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, StreamFailed):
+        return exc.code, exc.details
+    return exc.code(), exc.details() or ""
+
+
+class _Stream:
+    """One attempt's stream, read chunk by chunk: a ``Generate`` call or a request on a
+    ``GenerateMany`` call (its chunks, then something that is not one: the end)."""
+
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall[Any, orchestrator_pb2.GenerateChunk] | None,
+        chunks: AsyncGenerator[orchestrator_pb2.GenerateChunk, None] | None,
+    ) -> None:
+        self._call = call
+        self._chunks = chunks
+
+    async def read(self) -> object:
+        if self._call is not None:
+            return await self._call.read()
+        assert self._chunks is not None
+        try:
+            return await anext(self._chunks)
+        except StopAsyncIteration:
+            return None  # as a call's read gives grpc.aio.EOF
+
+    async def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        elif self._chunks is not None:
+            await self._chunks.aclose()
+
+
 class Clients:
     """Drives a workload against orchestrator replicas, recording into a history."""
 
@@ -97,8 +133,10 @@ class Clients:
         prefix: str,
         idle_timeout_s: float = 10.0,
         tls: Tls | None = None,
+        many: bool = False,
     ) -> None:
-        """``tls``: the client identity's credentials (the cluster runs TLS)."""
+        """``tls``: the client identity's credentials (the cluster runs TLS); ``many``: every
+        request on one ``GenerateMany`` call per replica (`rpc.many_client`)."""
         self.addresses = list(addresses)
         self.history = history
         self.t0 = t0
@@ -108,11 +146,21 @@ class Clients:
         self._slots = asyncio.Semaphore(concurrency)
         self._rng = random.Random(history.seed)  # noqa: S311 - jitter, not secrets
         self._channels = {a: client_channel(a, tls=tls) for a in self.addresses}
+        self._many = (
+            {
+                a: ManyClient(orchestrator_pb2_grpc.OrchestratorStub(c))
+                for a, c in self._channels.items()
+            }
+            if many
+            else None
+        )
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     async def close(self) -> None:
+        for client in (self._many or {}).values():
+            await client.close()
         for channel in self._channels.values():
             await channel.close(None)
 
@@ -127,6 +175,14 @@ class Clients:
         async with self._slots:
             return await self._stream(plan, rid)
 
+    def _call(
+        self, address: str, request: orchestrator_pb2.GenerateRequest, timeout_s: float
+    ) -> _Stream:
+        if self._many is not None:
+            return _Stream(None, self._many[address].generate(request, timeout_s))
+        stub = orchestrator_pb2_grpc.OrchestratorStub(self._channels[address])
+        return _Stream(stub.Generate(request, timeout=timeout_s), None)
+
     async def _stream(self, plan: RequestPlan, rid: str) -> tuple[int, ...] | None:
         deadline = time.monotonic() + self.timeout_s
         tokens: list[int] = []
@@ -139,16 +195,15 @@ class Clients:
                 return None  # indeterminate: no definite answer in time
             attempt += 1
             address = self.addresses[replica]
-            stub = orchestrator_pb2_grpc.OrchestratorStub(self._channels[address])
             add = self.history.add
             add(Op(self.now(), "invoke", rid, attempt, address, index=len(tokens)))
-            call = stub.Generate(_message(plan, rid, len(tokens)), timeout=remaining)
+            call = self._call(address, _message(plan, rid, len(tokens)), remaining)
             try:
                 while True:
                     try:  # a careful client: a replica silent this long is given up on
                         chunk = await asyncio.wait_for(call.read(), self.idle_timeout_s)
                     except TimeoutError:
-                        call.cancel()
+                        await call.cancel()
                         add(Op(self.now(), "info", rid, attempt, address, code="IDLE",
                                detail=f"no chunk for {self.idle_timeout_s}s"))  # fmt: skip
                         break
@@ -168,13 +223,15 @@ class Clients:
                         code = reason.removeprefix("FINISH_REASON_").lower()
                         add(Op(self.now(), "ok", rid, attempt, address, code=code))
                         return tuple(tokens)
-            except grpc.aio.AioRpcError as exc:
-                status = exc.code()
+            except (grpc.aio.AioRpcError, StreamFailed) as exc:
+                status, details = _status(exc)
                 kind = "info" if status in RETRYABLE else "fail"
                 add(Op(self.now(), kind, rid, attempt, address, code=status.name,
-                       detail=(exc.details() or "")[:200]))  # fmt: skip
+                       detail=details[:200]))  # fmt: skip
                 if kind == "fail":
                     return None
+            finally:
+                await call.cancel()  # a stream left early: its GenerateMany request stopped
             replica = (replica + 1) % len(self.addresses)
             await asyncio.sleep(backoff * (0.5 + self._rng.random()))  # jittered backoff
             backoff = min(backoff * 2, 1.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -134,7 +134,7 @@ class ManyClient:
 
     async def generate(
         self, request: orchestrator_pb2.GenerateRequest, timeout_s: float = 0.0
-    ) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
+    ) -> AsyncGenerator[orchestrator_pb2.GenerateChunk, None]:
         """``request``'s chunks, as its ``Generate`` stream would bring them (``timeout_s``:
         its deadline, 0 none); its failure raises `StreamFailed`."""
         call = self._current()

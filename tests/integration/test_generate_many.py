@@ -15,6 +15,9 @@ import pytest
 
 from orchestrator.api import orchestrator_pb2 as pb
 from orchestrator.api import orchestrator_pb2_grpc
+from orchestrator.chaos.history import History
+from orchestrator.chaos.scenario import Workload
+from orchestrator.chaos.workload import Clients, make_requests
 from orchestrator.control.orchestrator import Orchestrator
 from orchestrator.core.admission import AdmissionPolicy
 from orchestrator.rpc.many import ManyCalls
@@ -34,6 +37,7 @@ class Replica:
     many: ManyClient
     calls: ManyCalls
     channel: grpc.aio.Channel
+    address: str
 
 
 Scenario = Callable[[Replica, MemoryStore], Awaitable[None]]
@@ -59,7 +63,8 @@ def serve(scenario: Scenario, delay_s: float = 0.01, max_inflight: int = 0) -> N
         await orch.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        replica = Replica(orch, stub, ManyClient(stub), calls, channel)
+        address = f"127.0.0.1:{port}"
+        replica = Replica(orch, stub, ManyClient(stub), calls, channel, address)
         try:
             await asyncio.wait_for(scenario(replica, store), LIMIT_S)
         finally:
@@ -253,3 +258,27 @@ def test_an_undecodable_command_refuses_the_call(caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.INFO):
         serve(scenario)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_chaos_clients_can_multiplex_their_requests() -> None:
+    """`pdorch chaos`'s clients with a ``generate-many`` workload (the shipped
+    orchestrator-kill-many scenario): every request on the replica's one call, each
+    recorded as a Generate stream would be."""
+
+    async def scenario(r: Replica, _store: MemoryStore) -> None:
+        history = History(run=0, seed=1)
+        workload = Workload(requests=6, concurrency=6, output_tokens=(5, 9))
+        clients = Clients(
+            [r.address], history, 0.0, concurrency=6, timeout_s=10, prefix="chaos", many=True
+        )
+        try:
+            done = await clients.run(make_requests(workload, seed=1))
+        finally:
+            await clients.close()
+        assert len(done) == 6
+        oks = [op for op in history.ops if op.type == "ok"]
+        assert len(oks) == 6
+        assert clients._many is not None
+        assert sum(c.batches for c in clients._many.values()) < sum(len(t) for t in done.values())
+
+    serve(scenario)

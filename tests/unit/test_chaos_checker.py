@@ -166,6 +166,13 @@ def test_every_shipped_scenario_parses_and_has_a_plan() -> None:
         assert all(0 <= f.at < s.duration_s for f in faults)
 
 
+def test_a_workload_says_how_its_clients_call() -> None:
+    assert sc.load("orchestrator-kill").workload.client == "generate"
+    assert sc.load("orchestrator-kill-many").workload.client == "generate-many"
+    with pytest.raises(sc.ScenarioError, match="client"):
+        sc._workload({"client": "websocket"}, "workload")
+
+
 def test_plans_are_reproducible_from_the_seed() -> None:
     s = sc.load("random-mix")
     assert sc.plan(s, 5) == sc.plan(s, 5)
