@@ -238,9 +238,7 @@ class Link:
             self.broken = True
             raise tls_error(exc) from exc
         except OSError as exc:
-            self.broken = True
-            self._raise_if_refused()
-            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+            raise self._lost(exc) from exc
 
     async def send_payload(self, buffers: Iterable[memoryview], timeout_s: float) -> None:
         """Write payload bytes inline (TCP backend), racing the pending read for errors."""
@@ -254,9 +252,7 @@ class Link:
             finally:
                 drain.cancel()
         except OSError as exc:
-            self.broken = True
-            self._raise_if_refused()
-            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+            raise self._lost(exc) from exc
 
     async def send_batch(self, chunks: Sequence[bytes | memoryview], timeout_s: float) -> None:
         """Write many messages and payloads at once (TCP backend, a whole KV): small ones
@@ -270,17 +266,13 @@ class Link:
         try:
             chunks = self._gathered(list(chunks))
         except OSError as exc:
-            self.broken = True
-            self._raise_if_refused()
-            raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+            raise self._lost(exc) from exc
         for c in chunks:
             self._check_writable()
             try:
                 self.writer.write(c)
             except OSError as exc:
-                self.broken = True
-                self._raise_if_refused()
-                raise errors.PeerLostError(f"connection to peer lost: {exc}") from exc
+                raise self._lost(exc) from exc
             if transport.get_write_buffer_size() > _HELD_BYTES:
                 # asyncio moves what is left of its buffer after each send (3.11): a large
                 # held buffer costs a copy per send. Drain here, as a write per layer did.
@@ -288,6 +280,13 @@ class Link:
         high = transport.get_write_buffer_limits()[1]
         if transport.get_write_buffer_size() > high or transport.is_closing():
             await self.send_payload((), timeout_s)
+
+    def _lost(self, exc: OSError) -> errors.TransportError:
+        """A write that failed with ``exc``: the link is broken, and what the caller raises
+        is the peer's ERROR if it came before the write broke, else `PeerLostError`."""
+        self.broken = True
+        self._raise_if_refused()
+        return errors.PeerLostError(f"connection to peer lost: {exc}")
 
     def _raise_if_refused(self) -> None:
         """If the peer's ERROR already arrived before our write broke, raise it instead."""
