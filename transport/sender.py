@@ -37,25 +37,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import itertools
 import logging
-import operator
 import os
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable
 from functools import partial
-from types import TracebackType
-from typing import Any, TypeVar, cast
 
 import numpy as np
 import xxhash
 
-from transport import control, errors, stream, wire
+from transport import control, errors, kv_bytes, stream, wire
 from transport.backend_names import NO_UCX_PEER
 from transport.base import DataPlane, Peer, TransportSettings
 from transport.link import Link, tls_error
+from transport.outgoing import OutgoingTransfer, Pool
 from transport.registry import Registration, Registry
 from transport.security import LinkTls, describe
 
@@ -65,23 +62,12 @@ PayloadHook = Callable[[int, memoryview, memoryview], tuple[memoryview, memoryvi
 DelayHook = Callable[[int], float]
 ExposedHook = Callable[[int], None]
 LayeredHook = Callable[[], bool]
-Pieces = Sequence[memoryview]
-"""K or V of a layer as pieces of memory, in wire order (`OutgoingTransfer.send_layer`)."""
-Parts = list[tuple[int, list[memoryview], list[memoryview]]]
-"""Layers of a segment: index, buffers as checksummed, buffers as sent."""
 Held = tuple[list[Registration], list[memoryview]]
 """One-sided: registrations a transfer uses, and its buffers (kept alive with them)."""
-T = TypeVar("T")
-_ALIVE = control.encode(control.Kind.ALIVE)
-"""The keepalive `OutgoingTransfer.hold` sends (no body: encoded once)."""
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
-_BATCH_BYTES = 512 << 10
-"""Inline (`OutgoingTransfer.send_all`): payload bytes per batch of layers, checksummed
-together (on the loop: below `_THREAD_CHECKSUM_BYTES`) then written together. 4 MiB
-batches, checksummed in a thread, leave the link idle meanwhile; at 16 MiB they measured
-no better than a write per layer, and in some runs worse (`bench transport`, tcp)."""
+_xxh3 = xxhash.xxh3_64_intdigest
 _FOLD_CHECKSUM_BYTES = 4 << 20
 """A folded transfer up to this size is checksummed before its one write (~130 µs at
 4 MiB): a thread hop and a second message cost more here (0.2–0.6 ms under load)."""
@@ -94,15 +80,6 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class _Pool:
-    """Idle links to one receiver address, and a cap on concurrent transfers to it."""
-
-    def __init__(self, limit: int) -> None:
-        self.idle: list[tuple[Link, float]] = []
-        """Links between transfers, and since when (monotonic)."""
-        self.slots = asyncio.Semaphore(limit)
-
-
 class KvSender:
     def __init__(
         self, data_plane: DataPlane, settings: TransportSettings, tls: LinkTls | None = None
@@ -113,7 +90,7 @@ class KvSender:
         """With a client context, links are mutual TLS, to `LinkTls.receivers` only."""
         self._instance = os.urandom(control.INSTANCE_ID_BYTES)
         self._address = b""
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, Pool] = {}
         self._held: dict[int, Held] = {}
         """Failed transfers' registered memory, held a while (`_quarantine`)."""
         self.registry = Registry(data_plane.register, data_plane.deregister)
@@ -265,11 +242,11 @@ class KvSender:
             raise control.parse_error(msg.body)
         raise errors.WireFormatError(f"expected DONE, got {msg.kind.name}")
 
-    async def _slot(self, address: str) -> _Pool:
+    async def _slot(self, address: str) -> Pool:
         """The receiver's pool, with one of its transfer slots taken."""
         pool = self._pools.get(address)
         if pool is None:  # (not `setdefault`: a semaphore built per transfer, then dropped)
-            pool = self._pools[address] = _Pool(self.settings.max_connections_per_peer)
+            pool = self._pools[address] = Pool(self.settings.max_connections_per_peer)
         if not pool.slots.locked():  # free: taken without a task or a loop turn
             await pool.slots.acquire()
             return pool
@@ -282,7 +259,7 @@ class KvSender:
         return pool
 
     async def _exchange(
-        self, pool: _Pool, address: str, folded: _Folded
+        self, pool: Pool, address: str, folded: _Folded
     ) -> tuple[Link, control.Message]:
         """Send a folded transfer and read its reply (past LANDED).
 
@@ -362,7 +339,7 @@ class KvSender:
             out_k, out_v = self.payload_hook(index, kb, vb)
         return [kb, vb, *sb], [out_k, out_v, *sb]
 
-    async def _acquire(self, pool: _Pool, address: str) -> tuple[Link, bool]:
+    async def _acquire(self, pool: Pool, address: str) -> tuple[Link, bool]:
         """A pooled link (True) or a new one (False).
 
         A new connection lost while it is set up (connect, TLS handshake, HELLO) is made
@@ -425,7 +402,7 @@ class KvSender:
             raise
         return link
 
-    def _release(self, pool: _Pool, link: Link, reusable: bool) -> None:
+    def _release(self, pool: Pool, link: Link, reusable: bool) -> None:
         if reusable and not self._closed:  # a dead peer is noticed before reuse (is_stale)
             pool.idle.append((link, time.monotonic()))
         pool.slots.release()
@@ -469,50 +446,12 @@ class KvSender:
         one batch after the other in order: two at once competed with the copy for memory
         bandwidth and delayed the first segment's frames."""
         if sum(b.nbytes for layer in layers for b in layer) < _THREAD_CHECKSUM_BYTES:
-            return _checksums(layers)
+            return kv_bytes.checksums(layers)
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._checksummer, _checksums, layers)
+            return await loop.run_in_executor(self._checksummer, kv_bytes.checksums, layers)
         except RuntimeError as exc:  # the executor was shut down: the sender is closed
             raise errors.TransportClosedError(f"sender closed: {exc}") from exc
-
-
-def _layer_pieces(
-    h: wire.KvHeader,
-    index: int,
-    k: Pieces,
-    v: Pieces,
-    scales: tuple[np.ndarray, np.ndarray] | None,
-) -> list[memoryview]:
-    """Layer ``index``'s K and V pieces as byte views, checked against the header."""
-    if scales is not None or h.scales is not wire.ScaleLayout.NONE:
-        raise errors.WireFormatError(f"layer {index}: a scaled layer cannot be sent in pieces")
-    shape = h.layers[index]
-    kn = shape.k_nbytes(h.dtype)
-    out: list[memoryview] = []
-    for p in (*k, *v):
-        if not p.c_contiguous:
-            raise errors.WireFormatError(f"layer {index}: a piece is not contiguous")
-        out.append(p if p.format == "B" and p.ndim == 1 else p.cast("B"))
-    got_k = sum(p.nbytes for p in out[: len(k)])
-    got_v = sum(p.nbytes for p in out[len(k) :])
-    if got_k != kn or got_v != shape.nbytes(h.dtype) - kn:
-        raise errors.WireFormatError(
-            f"layer {index}: pieces of {got_k} + {got_v} bytes; the header's layer is "
-            f"{kn} + {shape.nbytes(h.dtype) - kn}"
-        )
-    return out
-
-
-def _checksums(layers: list[list[memoryview]]) -> list[int]:
-    return [wire.checksum(*layer) for layer in layers]
-
-
-def _frames(parts: Parts, sums: list[int]) -> bytes:
-    return b"".join(
-        wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))
-        for (i, summed, _), c in zip(parts, sums, strict=True)
-    )
 
 
 def _remaining(deadline: float, settings: TransportSettings, request_id: str) -> float:
@@ -529,7 +468,7 @@ class _Folded:
     hooked; its registrations and READ descriptors; its checksums.
 
     A KV laid out as on the wire in one allocation (a prefill's KV block, the reference
-    engine's layout) is taken as one span (`_span`): each layer's checksum is taken over a
+    engine's layout) is taken as one span (`kv_bytes.span`): each layer's checksum is taken over a
     slice of it and each segment is one buffer to describe, so the per-transfer Python
     work no longer grows with 64 views, addresses and registry lookups (a 32-layer 4 KiB KV,
     median of 2,400 in one process: ~260 µs of preparation and registry before, ~80 after,
@@ -567,15 +506,15 @@ class _Folded:
         self.spans = spans = wire.segments(h, sender.settings.segment_bytes)
         hooked = sender.payload_hook is not None or sender.delay_hook is not None
         joined = span = None
-        if not hooked and self.eager and h.payload_bytes <= _JOIN_EAGER_BYTES:
-            joined = _joined(h, cache)
+        if not hooked and self.eager and h.payload_bytes <= kv_bytes.JOIN_EAGER_BYTES:
+            joined = kv_bytes.joined(h, cache)
         if joined is not None:  # the layers' bytes, copied: nothing to register or keep
             self.segments = [[joined]]
             sums = [_xxh3(joined[a:b]) for a, b in itertools.pairwise(h.bounds)]
             self.frames = self._frames(sums)
             return
         if not hooked:
-            span = _span(h, cache)
+            span = kv_bytes.span(h, cache)
         if span is not None:
             offsets = h.bounds
             self.summed = [[span[offsets[i] : offsets[i + 1]]] for i in range(len(h.layers))]
@@ -591,7 +530,7 @@ class _Folded:
                 sent_layers.append(sent)
             self.segments = [[b for i in seg for b in sent_layers[i]] for seg in spans]
         if h.payload_bytes <= _FOLD_CHECKSUM_BYTES:
-            self.frames = self._frames(_checksums(self.summed))
+            self.frames = self._frames(kv_bytes.checksums(self.summed))
 
     def _frames(self, sums: list[int], first: int = 0) -> bytes:
         return wire.layer_frames(self.header, first, sums)
@@ -642,396 +581,3 @@ class _Folded:
             parts.append(self._frames(sums, seg.start))
             await link.send(control.encode(control.Kind.LAYERS, parts[-1]), self.wait_s())
         self.frames = b"".join(parts)
-
-
-_JOIN_EAGER_BYTES = 64 << 10
-"""An eager KV up to this size is joined from its tensors (`_joined`): the link joins a
-message this small into one write anyway (`transport.link.Link.send_parts`)."""
-_SHAPE = operator.attrgetter("shape")
-_ITEMSIZE = operator.attrgetter("dtype.itemsize")
-_xxh3 = xxhash.xxh3_64_intdigest
-
-
-def _joined(h: wire.KvHeader, cache: wire.KvCache) -> memoryview | None:
-    """A small unscaled KV's payload in wire order as one new buffer, joined from its
-    tensors (whatever their layout in memory), each checked against the header's shape and
-    item size — the checks and the join one C call each, not a Python step per tensor: a
-    32-layer 4 KiB KV in ~15 µs, where `_span` checks each tensor's address (~40 µs) and
-    its bytes are then copied into the message anyway. None when a tensor differs from the
-    header, or is not C-contiguous or not exportable (the span or layer-by-layer path takes
-    it, and says which layer differs)."""
-    if h.scales is not wire.ScaleLayout.NONE or not h.payload_bytes:
-        return None
-    tensors = [t for pair in cache.layers for t in pair]
-    shapes = wire.tensor_shapes(h)
-    if tuple(map(_SHAPE, tensors)) != shapes or set(map(_ITEMSIZE, tensors)) != {h.dtype.itemsize}:
-        return None
-    try:
-        joined = b"".join(cast(Any, tensors))  # numpy's stubs lack Buffer
-    except (TypeError, ValueError, BufferError):  # not contiguous, or not exportable
-        return None
-    return memoryview(joined) if len(joined) == h.payload_bytes else None
-
-
-def _span(h: wire.KvHeader, cache: wire.KvCache) -> memoryview | None:
-    """The whole KV as one byte view, when its K and V tensors lie back to back in wire
-    order inside one numpy allocation that owns its memory, each with the header's shape
-    and item size; else None (taken layer by layer). The view's exporter is a view of
-    that allocation, so `Registry` registers the allocation, as it would for the layers."""
-    if h.scales is not wire.ScaleLayout.NONE or not h.payload_bytes:
-        return None
-    itemsize, offsets = h.dtype.itemsize, h.bounds
-    try:
-        base = _addressof(_from_buffer(cache.layers[0][0]))
-        for (k, v), shape, off in zip(cache.layers, h.layers, offsets, strict=False):
-            if k.shape != shape.k or v.shape != shape.v:
-                return None  # the layer-by-layer path says which layer differs
-            if k.dtype.itemsize != itemsize or v.dtype.itemsize != itemsize:
-                return None
-            if _addressof(_from_buffer(k)) != base + off:
-                return None
-            if _addressof(_from_buffer(v)) != base + off + k.nbytes:
-                return None
-        root = cache.layers[0][0]
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        if root.base is not None or not root.flags.c_contiguous or not root.flags.owndata:
-            return None
-        start = base - _addressof(_from_buffer(root))
-    except (TypeError, ValueError, BufferError):  # read-only, empty, not contiguous
-        return None
-    if start < 0 or start + h.payload_bytes > root.nbytes:
-        return None
-    flat: np.ndarray = root.reshape(-1).view(np.uint8)
-    return flat[start : start + h.payload_bytes].data
-
-
-_from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
-"""Where an array's bytes start, with `_addressof` (~0.3 µs; ``ndarray.ctypes.data`` ~1.3)."""
-_addressof = ctypes.addressof
-
-
-class OutgoingTransfer:
-    """One transfer in progress. Use as ``async with``: leaving on an error aborts it."""
-
-    def __init__(
-        self, sender: KvSender, pool: _Pool, link: Link, header: wire.KvHeader, tag: int
-    ) -> None:
-        self._sender = sender
-        self._pool = pool
-        self._link = link
-        self.header = header
-        self._tag = tag
-        self._sent: set[int] = set()
-        self._in_flight: list[asyncio.Task[None]] = []
-        self._settings = sender.settings
-        self._segments = wire.segments(header, self._settings.segment_bytes)
-        self._segment_of = {i: n for n, seg in enumerate(self._segments) for i in seg}
-        self._missing = [len(seg) for seg in self._segments]
-        self._outgoing: dict[int, tuple[list[memoryview], list[memoryview]]] = {}
-        """Layers of incomplete segments: buffers as checksummed, buffers as sent."""
-        self._used: list[Registration] = []
-        self._buffers: list[memoryview] = []
-        """One-sided: the registrations the transfer uses and its buffers (kept alive until
-        it ended: the receiver reads them)."""
-        self._in_place: set[int] = set()
-        """One-sided: layers given in pieces (memory the transfer does not own)."""
-        self._deadline = time.monotonic() + self._settings.transfer_timeout_s
-        self._state = "open"
-        self.bytes_sent = 0
-
-    @property
-    def token(self) -> int:
-        """The transfer token the receiver issued (out of band, the payload's tag)."""
-        return self._tag
-
-    def _wait_s(self) -> float:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise errors.TransferTimeoutError(
-                f"transfer of {self.header.request_id!r} exceeded "
-                f"{self._settings.transfer_timeout_s}s"
-            )
-        return min(remaining, self._settings.idle_timeout_s)
-
-    async def send_layer(
-        self,
-        index: int,
-        k: np.ndarray | Pieces,
-        v: np.ndarray | Pieces,
-        scales: tuple[np.ndarray, np.ndarray] | None = None,
-    ) -> None:
-        """Send layer ``index``: K and V, and their float32 scales when the header is scaled
-        (`wire.ScaleLayout`; one scale per slice of the first axis). K and V may instead be
-        given as pieces (`Pieces`, unscaled only): one-sided, read where they lie and kept
-        untouched by the caller until the transfer ended; otherwise joined (one copy)."""
-        if self._state != "open":
-            raise errors.TransportClosedError(f"transfer is {self._state}")
-        h = self.header
-        if not 0 <= index < len(h.layers) or index in self._sent:
-            raise errors.WireFormatError(f"layer {index} is out of range or already sent")
-        if isinstance(k, np.ndarray) != isinstance(v, np.ndarray):
-            raise errors.WireFormatError(f"layer {index}: K and V must both be arrays or pieces")
-        if isinstance(k, np.ndarray) or isinstance(v, np.ndarray):
-            assert isinstance(k, np.ndarray)
-            assert isinstance(v, np.ndarray)
-            summed, sent = self._sender._layer(h, index, k, v, scales)
-        else:
-            pieces = _layer_pieces(h, index, k, v, scales)
-            if self._sender._plane.one_sided:
-                summed = sent = pieces
-                self._in_place.add(index)
-            else:  # no one-sided reads: one copy
-                kn = h.layers[index].k_nbytes(h.dtype)
-                joined = np.frombuffer(b"".join(pieces), np.uint8)
-                shape = h.layers[index]
-                jk = joined[:kn].view(h.dtype.numpy_dtype).reshape(shape.k)
-                jv = joined[kn:].view(h.dtype.numpy_dtype).reshape(shape.v)
-                summed, sent = self._sender._layer(h, index, jk, jv, None)
-        if self._sender.delay_hook is not None and (held := self._sender.delay_hook(index)) > 0:
-            await asyncio.sleep(min(held, self._wait_s()))  # a slow link, within the deadline
-        plane = self._sender._plane
-        nbytes = sum(b.nbytes for b in summed)
-        try:
-            if plane.inline:
-                (csum,) = await self._sender.checksums([summed])
-                await self._send_frame(wire.LayerFrame(index, nbytes, csum))
-                await self._link.send_payload(sent, self._wait_s())
-            else:
-                seg = self._segment_of[index]
-                self._outgoing[index] = (summed, sent)
-                self._missing[seg] -= 1
-                if self._missing[seg] == 0:  # the segment is complete: move it
-                    parts = [(i, *self._outgoing.pop(i)) for i in self._segments[seg]]
-                    self._start(self._segment(seg, parts), f"segment-{seg}")
-        except BaseException:
-            await self._fail()
-            raise
-        self._sent.add(index)
-        self.bytes_sent += nbytes
-
-    async def send_all(self, cache: wire.KvCache) -> None:
-        """Inline (TCP), the whole KV at hand: every layer's LAYER frame and payload, in
-        batches of about `_BATCH_BYTES` — each batch's checksums at once, then its frames
-        and payloads in one `Link.send_batch`, which drains only when the transport holds
-        much unsent. Per layer, a frame write, a drain and a race of the pending read cost
-        ~140 µs; the receiver reads batched frames in place. A layer `delay_hook` holds
-        back goes out after the layers before it were written."""
-        if self._state != "open":
-            raise errors.TransportClosedError(f"transfer is {self._state}")
-        h = self.header
-        if self._sent or len(cache.layers) != len(h.layers):
-            raise errors.WireFormatError(f"{len(cache.layers)} layers; the header: {len(h.layers)}")
-        scaled = h.scales is not wire.ScaleLayout.NONE
-        try:
-            batch: Parts = []
-            size = 0
-            for i, (k, v) in enumerate(cache.layers):
-                summed, sent = self._sender._layer(h, i, k, v, cache.scales[i] if scaled else None)
-                delay = self._sender.delay_hook
-                if delay is not None and (held := delay(i)) > 0:  # a slow link: what was
-                    if batch:  # given before this layer leaves before the delay
-                        await self._send_batch(batch)
-                        batch, size = [], 0
-                    await asyncio.sleep(min(held, self._wait_s()))
-                batch.append((i, summed, sent))
-                size += sum(b.nbytes for b in summed)
-                if size >= _BATCH_BYTES or i == len(h.layers) - 1:
-                    await self._send_batch(batch)
-                    batch, size = [], 0
-        except BaseException:
-            await self._fail()
-            raise
-
-    async def _send_batch(self, parts: Parts) -> None:
-        sums = await self._sender.checksums([summed for _, summed, _ in parts])
-        chunks: list[bytes | memoryview] = []
-        for (i, summed, sent), csum in zip(parts, sums, strict=True):
-            nbytes = sum(b.nbytes for b in summed)
-            frame = wire.encode_layer_frame(wire.LayerFrame(i, nbytes, csum))
-            chunks.append(control.encode(control.Kind.LAYER, frame))
-            chunks.extend(sent)
-            self._sent.add(i)
-            self.bytes_sent += nbytes
-        await self._link.send_batch(chunks, self._wait_s())
-
-    def _start(self, coro: Coroutine[Any, Any, None], what: str) -> None:
-        name = f"pdorch-kv-{self.header.request_id}-{what}"
-        self._in_flight.append(asyncio.create_task(coro, name=name))
-
-    async def _send_frame(self, frame: wire.LayerFrame) -> None:
-        msg = control.encode(control.Kind.LAYER, wire.encode_layer_frame(frame))
-        await self._link.send(msg, self._wait_s())
-
-    async def _segment(self, seg: int, parts: Parts) -> None:
-        if self._sender._plane.one_sided:
-            await self._expose_segment(seg, parts)
-        else:
-            await self._send_segment(seg, parts)
-
-    async def _expose_segment(self, seg: int, parts: Parts) -> None:
-        """One-sided: tell the receiver where the segment is at once (it starts reading) —
-        KEYS first for memory its link does not know yet — then checksum its layers in
-        one thread hop meanwhile and send their frames; the receiver verifies each layer
-        once both are in."""
-        sender = self._sender
-        bufs = [b for _, _, sent in parts for b in sent]
-        if any(i in self._in_place for i, _, _ in parts):
-            await self._expose_pieces(seg, parts, bufs)
-            return
-        descs, regs = sender.registry.acquire(bufs)
-        self._used.extend(regs)
-        self._buffers.extend(bufs)
-        message = sender.announce(self._link, regs) + control.read(seg, descs)
-        await self._link.send(message, self._wait_s())
-        await self._send_frames(parts)
-
-    async def _expose_pieces(self, seg: int, parts: Parts, bufs: list[memoryview]) -> None:
-        """A segment with layers in pieces (memory the transfer does not own): checksums
-        first, then KEYS, READ and LAYERS in one message. Checked against the bytes as
-        they were given, a read that finds them changed (re-used after the transfer
-        failed) is refused. Too scattered for one READ, the segment is joined (one copy)."""
-        sender = self._sender
-        sums = await sender.checksums([summed for _, summed, _ in parts])
-        if sender.exposed_hook is not None:
-            sender.exposed_hook(seg)
-        descs, regs = sender.registry.acquire(bufs)
-        if len(descs) > control.MAX_REGIONS:
-            sender._release_registrations(regs)
-            log.info(
-                "KV of %s: segment %d is %d pieces apart, more than one READ names (%d): "
-                "joined into one copy",
-                self.header.request_id,
-                seg,
-                len(descs),
-                control.MAX_REGIONS,
-            )
-            bufs = [memoryview(b"".join(bufs))]
-            descs, regs = sender.registry.acquire(bufs)
-        self._used.extend(regs)
-        self._buffers.extend(bufs)
-        message = sender.announce(self._link, regs) + control.read(seg, descs)
-        message += control.encode(control.Kind.LAYERS, _frames(parts, sums))
-        await self._link.send(message, self._wait_s())
-
-    async def _send_frames(self, parts: Parts) -> None:
-        sums = await self._sender.checksums([summed for _, summed, _ in parts])
-        frames = _frames(parts, sums)
-        await self._link.send(control.encode(control.Kind.LAYERS, frames), self._wait_s())
-
-    async def _send_segment(self, seg: int, parts: Parts) -> None:
-        """Start the segment's payload (the receiver posted its receive already), checksum
-        its layers meanwhile in one thread hop, send their frames in one write, then wait
-        for the payload to be delivered."""
-        plane = self._sender._plane
-        tag = control.layer_tag(self._tag, seg)
-        bufs = [b for _, _, sent in parts for b in sent]
-        payload = asyncio.create_task(
-            plane.send(self._link.peer, tag, bufs), name=f"pdorch-kv-payload-{seg}"
-        )
-        try:
-            await self._send_frames(parts)
-            await payload
-        finally:
-            if not payload.done():
-                payload.cancel()
-
-    async def hold(self, producing: Awaitable[T]) -> T:
-        """Await ``producing`` (the engine computing the next layer), telling the receiver
-        every ``keepalive_s`` that this sender is alive (ALIVE): a forward slower than the
-        receiver's idle deadline is not a dead peer, while a stopped sender still is. A
-        receiver that died or gave up meanwhile is found by the next ALIVE (its ERROR, or
-        the connection lost); the transfer's own deadline bounds the wait. Not concurrent
-        with `send_layer` (an ALIVE never splits a frame from its payload)."""
-        if self._state != "open":
-            raise errors.TransportClosedError(f"transfer is {self._state}")
-        task = asyncio.ensure_future(producing)
-        try:
-            while True:
-                wait_s = min(self._settings.keepalive_s, self._wait_s())
-                done, _ = await asyncio.wait({task}, timeout=wait_s)
-                if done:
-                    return task.result()
-                try:
-                    await self._link.send(_ALIVE, self._wait_s())
-                except BaseException:
-                    await self._fail()
-                    raise
-        finally:
-            if not task.done():
-                task.cancel()
-
-    async def finish(self) -> None:
-        """Wait until the receiver verified every layer; then the link returns to the pool."""
-        if self._state != "open":
-            raise errors.TransportClosedError(f"transfer is {self._state}")
-        if len(self._sent) != len(self.header.layers):
-            missing = sorted(set(range(len(self.header.layers))) - self._sent)
-            await self.abort("finished with missing layers")
-            raise errors.WireFormatError(f"finish() with layers not sent: {missing[:8]}")
-        try:
-            while self._in_flight:
-                await self._link.race(self._in_flight.pop(0), self._wait_s(), what="a layer send")
-            msg = await self._link.next_message(self._wait_s())
-            while msg.kind is control.Kind.LANDED:  # one-sided: the receiver is reading
-                msg = await self._link.next_message(self._wait_s())
-        except BaseException:
-            await self._fail()
-            raise
-        if msg.kind is control.Kind.DONE:
-            self._state = "done"
-            self._sender._release_registrations(self._used)
-            self._used, self._buffers = [], []
-            self._sender._release(self._pool, self._link, reusable=True)
-            return
-        await self._fail()
-        if msg.kind is control.Kind.ERROR:
-            raise control.parse_error(msg.body)
-        raise errors.WireFormatError(f"expected DONE, got {msg.kind.name}")
-
-    async def abort(self, reason: str = "aborted by sender") -> None:
-        """Tell the receiver to discard the partial KV. Idempotent."""
-        if self._state != "open":
-            return
-        with contextlib.suppress(errors.TransportError):
-            await self._link.send(
-                control.encode(control.Kind.ABORT, reason.encode()[:1000]),
-                min(1.0, self._settings.idle_timeout_s),
-            )
-        await self._fail()
-
-    async def _fail(self) -> None:
-        if self._state != "open":
-            return
-        self._state = "failed"
-        if any(not t.done() for t in self._in_flight):
-            # Out-of-band sends still posted reference our buffers: cancel them. Only this
-            # link's channel: other transfers to the same peer go on (issue 18).
-            self._sender._plane.fail_channel(self._link.peer)
-        for t in self._in_flight:
-            t.cancel()
-        for t in self._in_flight:
-            with contextlib.suppress(BaseException):
-                await t
-        self._in_flight.clear()
-        if self._used:
-            # The receiver may still be reading (it aborts its reads within its idle
-            # deadline): the buffers stay referenced, so never freed under a read, until then.
-            held, self._used, self._buffers = (self._used, self._buffers), [], []
-            self._sender._quarantine(held, self._settings.idle_timeout_s)
-        await self._link.close()
-        self._sender._release(self._pool, self._link, reusable=False)
-
-    async def __aenter__(self) -> OutgoingTransfer:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            await self.abort(f"sender error: {type(exc).__name__}")
-        elif self._state == "open":
-            await self.abort("transfer left without finish()")

@@ -206,21 +206,21 @@ def test_a_corrupted_eager_kv_at_its_senders_bound_is_caught(
 def test_a_small_kv_is_joined_from_any_layout_and_checked_against_its_header(
     backend: str, event_loop_kind: str, writes: Writes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Up to 64 KiB an eager KV is joined from its tensors in one call (`sender._joined`)
+    """Up to 64 KiB an eager KV is joined from its tensors in one call (`kv_bytes.joined`)
     rather than checked address by address as one span: from one block or apart, each
     layer arrives as its own bytes, verified; a tensor unlike the header is still refused
     before anything is sent, by the layer-by-layer checks."""
-    from transport import sender as sender_module  # noqa: PLC0415
+    from transport import kv_bytes as sender_module  # noqa: PLC0415
 
     joins: list[bool] = []
-    original = sender_module._joined
+    original = sender_module.joined
 
     def spy(h: wire.KvHeader, c: wire.KvCache) -> memoryview | None:
         got = original(h, c)
         joins.append(got is not None)
         return got
 
-    monkeypatch.setattr(sender_module, "_joined", spy)
+    monkeypatch.setattr(sender_module, "joined", spy)
     contiguous = testing.synthetic_cache("c", 1, 4 * testing.KIB, n_layers=LAYERS)
     apart = _apart(testing.synthetic_cache("a", 1, 64 * testing.KIB, n_layers=LAYERS, seed=3))
     k0, v0 = contiguous.layers[0]

@@ -312,11 +312,11 @@ def test_a_buffer_not_owned_by_numpy_is_registered_for_one_transfer() -> None:
 @pytest.mark.parametrize("layout", ["wire-order", "layers-reversed", "v-before-k", "offset"])
 def test_a_folded_kv_arrives_intact_whether_or_not_it_is_one_span(layout: str, size: int) -> None:
     """In wire order in one allocation the sender describes and checksums the KV as one
-    span (`transport.sender._span`); any other layout goes layer by layer. Either way the
+    span (`transport.kv_bytes.span`); any other layout goes layer by layer. Either way the
     receiver gets every layer's own bytes, verified — inline (eager) or read."""
 
     async def body(sender: object, receiver: KvReceiver, address: str) -> None:
-        from transport import sender as sender_module  # noqa: PLC0415
+        from transport import kv_bytes as sender_module  # noqa: PLC0415
 
         cache = testing.synthetic_cache("o", 1, size, n_layers=4)
         block = np.concatenate(
@@ -340,18 +340,18 @@ def test_a_folded_kv_arrives_intact_whether_or_not_it_is_one_span(layout: str, s
             wire.header_for("o", 1, testing.FINGERPRINT, wire.DType.FLOAT32, pairs), tuple(pairs)
         )
         spans: list[bool] = []
-        original = sender_module._span
+        original = sender_module.span
 
         def spy(h: wire.KvHeader, c: wire.KvCache) -> memoryview | None:
             got = original(h, c)
             spans.append(got is not None)
             return got
 
-        sender_module._span = spy  # type: ignore[assignment]
+        sender_module.span = spy  # type: ignore[assignment]
         try:
             await _send_and_take(sender, receiver, address, kv)
         finally:
-            sender_module._span = original  # type: ignore[assignment]
+            sender_module.span = original  # type: ignore[assignment]
         assert spans == [layout in ("wire-order", "offset")]
 
     asyncio.run(_with_pair(body))

@@ -18,8 +18,8 @@ from transport.control import (
     ErrorCode,
     Kind,
 )
+from transport.incoming import MAX_KEYS_PER_LINK as _MAX_KEYS_PER_LINK
 from transport.link import _IN_PLACE_BYTES
-from transport.receiver import _MAX_KEYS_PER_LINK
 from transport.stream import STREAM_LIMIT
 from transport.wire import LAYER_FRAME_SIZE, MAX_HEADER_BYTES, MAX_LAYERS
 
@@ -544,7 +544,7 @@ def test_an_oversized_payload_folded_into_an_open_is_refused() -> None:
 
 def test_a_maximal_eager_open_with_every_key_withdrawn_fits_the_body_limit() -> None:
     """`MAX_BODY` leaves room beside the largest header and payload for every layer's frame
-    and a withdrawal of every key a link may hold (`receiver._MAX_KEYS_PER_LINK`): an
+    and a withdrawal of every key a link may hold (`incoming.MAX_KEYS_PER_LINK`): an
     eager OPEN is never too long for its receiver, whatever the link carried before."""
     withdraw = control.withdraw(list(range(1, _MAX_KEYS_PER_LINK + 1)))
     frames = control.encode(Kind.LAYERS, b"\0" * (MAX_LAYERS * LAYER_FRAME_SIZE))

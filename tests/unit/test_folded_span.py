@@ -1,7 +1,7 @@
 """The folded one-sided sender takes a KV laid out as on the wire as one span
-(`transport.sender._span`), and anything else layer by layer: the span must cover exactly
+(`transport.kv_bytes.span`), and anything else layer by layer: the span must cover exactly
 the layers' bytes, in wire order, inside the allocation that owns them. A small eager KV
-is joined instead (`transport.sender._joined`), in wire order whatever its layout, only
+is joined instead (`transport.kv_bytes.joined`), in wire order whatever its layout, only
 when every tensor has the header's shape and item size."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from transport import testing, wire
-from transport.sender import _joined, _span
+from transport.kv_bytes import joined as _joined
+from transport.kv_bytes import span as _span
 
 
 def _cache(layers: list[tuple[np.ndarray, np.ndarray]]) -> wire.KvCache:
