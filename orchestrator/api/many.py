@@ -27,7 +27,7 @@ import grpc
 
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2
-from orchestrator.api.undecodable import Undecodable
+from orchestrator.api.undecodable import Undecodable, refuse
 
 __all__ = [
     "MAX_BATCH_BYTES",
@@ -36,6 +36,7 @@ __all__ = [
     "StreamAborted",
     "StreamContext",
     "batches",
+    "served",
 ]
 
 log = logging.getLogger(__name__)
@@ -279,3 +280,25 @@ class Many(Generic[CommandT, EventT, BatchT]):
         else:
             name = f"{self._name}-{ident}"
             self._tasks[ident] = asyncio.create_task(self._run(ident, command), name=name)
+
+
+async def served(
+    method: str,
+    many: Many[Any, Any, BatchT],
+    commands: AsyncIterator[Any],
+    context: grpc.aio.ServicerContext[Any, Any],
+) -> AsyncGenerator[BatchT, None]:
+    """``many``'s batches as a servicer yields them: its tasks cancelled as soon as the call
+    is over (whether or not gRPC resumes the generator to run its cleanup), and a command
+    protobuf could not parse refusing the call (``INVALID_ARGUMENT``)."""
+
+    def abandon(_context: object) -> None:
+        many.abandon()
+
+    done: Any = abandon  # the stubs want their DoneCallback class; any callable does
+    context.add_done_callback(done)
+    try:
+        async for batch in many.serve(commands):
+            yield batch
+    except BadCommand as exc:
+        await refuse(method, exc.request, context)

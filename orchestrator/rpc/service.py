@@ -21,9 +21,9 @@ import grpc
 
 from orchestrator import errors
 from orchestrator.api import convert, orchestrator_pb2, orchestrator_pb2_grpc
-from orchestrator.api.many import BadCommand, StreamAborted
+from orchestrator.api.many import StreamAborted, served
 from orchestrator.api.peers import RequirePeer
-from orchestrator.api.undecodable import RefuseUndecodable, refuse
+from orchestrator.api.undecodable import RefuseUndecodable
 from orchestrator.control.orchestrator import GenerateInput, Orchestrator, OutChunk
 from orchestrator.core.idents import check_tenant, shown
 from orchestrator.core.peers import Surface
@@ -211,17 +211,9 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
 
         many = GenerateMany(self.o.generate, input_of, _fill_chunk, _aborted, _deadline(context))
         self.calls.add(many)
-
-        def abandon(_context: object) -> None:
-            many.abandon()
-
-        done: Any = abandon  # the stubs want their DoneCallback class; any callable does
-        context.add_done_callback(done)
         try:
-            async for batch in many.serve(commands):
+            async for batch in served(GENERATE_MANY, many, commands, context):
                 yield batch
-        except BadCommand as exc:
-            await refuse(GENERATE_MANY, exc.request, context)
         finally:
             self.calls.discard(many)
 

@@ -34,9 +34,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.aio import cancel_and_wait
 from orchestrator.api import worker_pb2, worker_pb2_grpc
+from orchestrator.api.many import served
 from orchestrator.api.peers import RequirePeer
 from orchestrator.api.tls import Tls
-from orchestrator.api.undecodable import RefuseUndecodable, Undecodable, refuse
+from orchestrator.api.undecodable import RefuseUndecodable, Undecodable
 from orchestrator.core.peers import Surface
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.batcher import EngineRunner
@@ -45,7 +46,7 @@ from orchestrator.workers.coalesce import coalesced, window_of
 from orchestrator.workers.engine import Engine
 from orchestrator.workers.host import Context, EngineHost
 from orchestrator.workers.metrics import WorkerMetrics
-from orchestrator.workers.mux import BadCommand, DecodeMany, Many
+from orchestrator.workers.mux import DecodeMany, Many
 from orchestrator.workers.reference_host import ReferenceHost
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
@@ -179,17 +180,9 @@ class Worker:
         self._calls.add(many)
         if self._draining:  # stopping since the call arrived
             many.drain()
-
-        def abandon(_context: object) -> None:
-            many.abandon()
-
-        done: Any = abandon  # the stubs want their DoneCallback class; any callable does
-        context.add_done_callback(done)
         try:
-            async for batch in many.serve(commands):
+            async for batch in served(method, many, commands, context):
                 yield batch
-        except BadCommand as exc:
-            await refuse(method, exc.request, context)
         finally:
             self._calls.discard(many)
 
