@@ -48,7 +48,7 @@ from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.api.tls import Tls
 from orchestrator.bench.stats import percentile
 from orchestrator.rpc import client
-from orchestrator.rpc.many_client import ManyClient, StreamFailed
+from orchestrator.rpc.many_client import ManyClient, StreamFailed, status_of
 
 if TYPE_CHECKING:
     from orchestrator.api.orchestrator_pb2_grpc import OrchestratorAsyncStub
@@ -267,7 +267,7 @@ async def _one(stub: OrchestratorAsyncStub | ManyClient, n: int, spec: LoadSpec)
                 if chunk.prefill_worker:
                     sample.worker_ttft_ms = t.prefill_ms + t.transfer_ms
     except (grpc.aio.AioRpcError, StreamFailed) as exc:
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc.code
+        code, _ = status_of(exc)
         sample.code = code.name
         refused = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
         sample.admitted = not (chunks == 0 and code in refused)

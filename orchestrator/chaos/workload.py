@@ -22,7 +22,7 @@ from orchestrator.api.tls import Tls
 from orchestrator.chaos.history import History, Op, RequestSpec
 from orchestrator.chaos.scenario import Workload
 from orchestrator.rpc.client import channel as client_channel
-from orchestrator.rpc.many_client import ManyClient, StreamFailed
+from orchestrator.rpc.many_client import ManyClient, StreamFailed, status_of
 
 # Codes after which resuming may succeed: the replica, a link or the store had a problem.
 RETRYABLE = frozenset(
@@ -83,12 +83,6 @@ def _message(plan: RequestPlan, rid: str, resume: int) -> orchestrator_pb2.Gener
         sampling=common_pb2.SamplingParams(temperature=plan.temperature, seed=plan.seed),
         resume_from_index=resume,
     )
-
-
-def _status(exc: grpc.aio.AioRpcError | StreamFailed) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, StreamFailed):
-        return exc.code, exc.details
-    return exc.code(), exc.details() or ""
 
 
 class _Stream:
@@ -224,7 +218,7 @@ class Clients:
                         add(Op(self.now(), "ok", rid, attempt, address, code=code))
                         return tuple(tokens)
             except (grpc.aio.AioRpcError, StreamFailed) as exc:
-                status, details = _status(exc)
+                status, details = status_of(exc)
                 kind = "info" if status in RETRYABLE else "fail"
                 add(Op(self.now(), kind, rid, attempt, address, code=status.name,
                        detail=details[:200]))  # fmt: skip

@@ -22,7 +22,7 @@ import grpc
 
 from orchestrator.api import orchestrator_pb2
 
-__all__ = ["ManyClient", "StreamFailed"]
+__all__ = ["ManyClient", "StreamFailed", "status_of"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,14 @@ class StreamFailed(Exception):
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_of(exc: grpc.aio.AioRpcError | StreamFailed) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of a ``Generate`` call's error or of a request's on a
+    ``GenerateMany`` call, alike."""
+    if isinstance(exc, StreamFailed):
+        return exc.code, exc.details
+    return exc.code(), exc.details() or ""
 
 
 class _Call:
