@@ -34,14 +34,14 @@ from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.ownership import Ownership
 from orchestrator.control.relay import Relay
 from orchestrator.control.run import OutChunk
-from orchestrator.control.sessions import Sessions
+from orchestrator.control.sessions import Sessions, Sink
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import RequestRecord
 from orchestrator.core.spec import GenerateInput
 from orchestrator.core.state import State
 from orchestrator.store.base import Store
 
-__all__ = ["ControlSettings", "GenerateInput", "Orchestrator", "OutChunk"]
+__all__ = ["ControlSettings", "GenerateInput", "Orchestrator", "OutChunk", "Sink"]
 
 
 class Orchestrator:
@@ -75,8 +75,10 @@ class Orchestrator:
         intake = Intake(store, settings, self.legs, self.ledger, metrics, owner, self.directory)
         self.sessions = Sessions(store, settings, intake, self.failover, self.local, metrics)
 
-    def generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
-        return self.sessions.generate(inp)
+    def generate(
+        self, inp: GenerateInput, sink: Sink | None = None
+    ) -> AsyncGenerator[OutChunk, None]:
+        return self.sessions.generate(inp, sink)
 
     def follow(self, rid: str, start: int = 0) -> AsyncGenerator[OutChunk, None]:
         """Stream a request this call does not drive, from its journal (resubmit, resume)."""

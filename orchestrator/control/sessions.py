@@ -7,7 +7,8 @@ leaves the request running for ``detach_grace_s`` so it can reconnect — to any
 and resume from the journal (`follow`); with no client attached by then it is cancelled.
 The drive fans its chunks out to the clients attached here (the call that started it); a
 resubmission of a known request, and a client whose request a peer took over, follow the
-journal.
+journal. A client may take its chunks from the drive's own step (`generate`'s ``sink``): no
+task of its own woken per chunk — what a call carrying many requests does (`rpc.many`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Collection, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 
 from orchestrator import errors
 from orchestrator.control.failover import Failover
@@ -36,8 +37,43 @@ log = logging.getLogger(__name__)
 
 Feed = asyncio.Queue[OutChunk | BaseException | None]
 """One attached client's stream: chunks, then None (done) or the error that ended it."""
+Sink = Callable[[OutChunk], None]
+"""Takes an attached client's chunks, all but the last, as the drive hands them out (in the
+drive's step: it must not block, and what it keeps is its own to bound)."""
 DETACH_POLL_S = 0.5
 """How often a detached request checks whether a client came back (capped by the grace)."""
+
+
+def _wanted(chunk: OutChunk, resume_from: int) -> bool:
+    """Whether a client that has the first ``resume_from`` tokens is owed ``chunk``."""
+    return (
+        chunk.index + len(chunk.token_ids) > resume_from
+        or bool(chunk.finish_reason)
+        or bool(chunk.prompt_logprobs and not resume_from)
+    )
+
+
+class _Sunk(asyncio.Queue[OutChunk | BaseException | None]):
+    """A client fed by its `Sink`: the drive's chunks go there as they are handed out; the
+    last one, errors and the end queue as for any client. A sink that fails (a bug) ends
+    its client with an internal error, never the drive."""
+
+    def __init__(self, rid: str, sink: Sink, resume_from: int) -> None:
+        super().__init__()
+        self._rid = rid
+        self._sink: Sink | None = sink
+        self._resume_from = resume_from
+
+    def put_nowait(self, item: OutChunk | BaseException | None) -> None:
+        if self._sink is None or not isinstance(item, OutChunk) or item.finish_reason:
+            super().put_nowait(item)
+        elif _wanted(item, self._resume_from):
+            try:
+                self._sink(item)
+            except Exception:
+                log.exception("request %s: a client's sink failed", self._rid)
+                self._sink = None
+                super().put_nowait(errors.UnavailableError("internal error"))
 
 
 class Sessions:
@@ -59,10 +95,14 @@ class Sessions:
         self._inflight = 0
         """Calls in `generate` now (client streams on this replica)."""
 
-    async def generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
+    async def generate(
+        self, inp: GenerateInput, sink: Sink | None = None
+    ) -> AsyncGenerator[OutChunk, None]:
         """Serve one call. ``max_inflight`` bounds the calls in progress from the first
         await on, so a burst is refused at the door (`OverloadedError`, a retry-after)
-        instead of queueing inside the replica; a resubmission of a known request is not."""
+        instead of queueing inside the replica; a resubmission of a known request is not.
+        With ``sink``, the chunks the drive hands out go there (but the last), the rest
+        is yielded (the last chunk; a follower's chunks, read from the journal)."""
         limit = self.settings.admission.max_inflight
         if limit and self._inflight >= limit and not await self.intake.known(inp.request_id):
             exc = errors.OverloadedError(
@@ -72,12 +112,14 @@ class Sessions:
             raise exc
         self._inflight += 1
         try:
-            async for chunk in self._generate(inp):
+            async for chunk in self._generate(inp, sink):
                 yield chunk
         finally:
             self._inflight -= 1
 
-    async def _generate(self, inp: GenerateInput) -> AsyncGenerator[OutChunk, None]:
+    async def _generate(
+        self, inp: GenerateInput, sink: Sink | None
+    ) -> AsyncGenerator[OutChunk, None]:
         started = time.monotonic()
         admitted = await self.intake.admit(inp, len(self.local.tasks))
         # Placed before its record exists, so the record is created placed (a store call
@@ -97,7 +139,7 @@ class Sessions:
         run = Run(admitted.spec, record.epoch, started)
         if admitted.ttft_estimate_s is not None:
             run.timings["ttft_estimate_ms"] = admitted.ttft_estimate_s * 1000
-        feed: Feed = asyncio.Queue()
+        feed: Feed = asyncio.Queue() if sink is None else _Sunk(rid, sink, inp.resume_from)
         clients = {feed}  # the clients attached here; the drive fans its chunks out to them
         # The drive is its own task: a client that disconnects does not stop it, so the
         # client can reconnect (to any replica) and resume; see `_detached`.
@@ -117,11 +159,7 @@ class Sessions:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                if (
-                    item.index + len(item.token_ids) > inp.resume_from
-                    or item.finish_reason
-                    or (item.prompt_logprobs and not inp.resume_from)
-                ):
+                if _wanted(item, inp.resume_from):
                     yield item
                 if item.finish_reason:
                     return  # the last chunk (a cancelled drive delivers nothing after it)

@@ -8,41 +8,54 @@ moment; chunks released together (one journal write acknowledges many requests' 
 leave together.
 
 Each request runs as its own ``Generate`` call would, in a task of its own: the same
-`Orchestrator.generate`, the same chunks, its errors as a failure event with the status,
+`Orchestrator.generate`, the same tokens, its errors as a failure event with the status,
 details and trailing metadata (``retry-after``) that call would have ended with. The call's
 tenant (its credential's, or the one ``x-pdorch-tenant`` picks among those allowed) applies
 to every request on it. A request's deadline is its command's ``timeout_s`` (and the call's
 own, if any): past it the request fails ``DEADLINE_EXCEEDED`` and detaches, as a
 ``Generate`` call cut by its deadline. A stop command detaches a request as a cancelled
 ``Generate`` call does (the drive runs on for the detach grace, so it can be resumed); the
-call ending detaches every request left on it. A request has at most one event the call
-has not written yet: a slow reader holds its requests back, as HTTP/2 flow control holds a
-``Generate`` stream's relay, instead of queueing their chunks here. Draining (the replica
-stopping), a call refuses new requests (``UNAVAILABLE``: resume elsewhere) and ends once
-its last has.
+call ending detaches every request left on it. Draining (the replica stopping), a call
+refuses new requests (``UNAVAILABLE``: resume elsewhere) and ends once its last has.
+
+**The chunks skip the request's task.** The drive hands each chunk to the call in its own
+step (`Orchestrator.generate`'s ``sink``), where it becomes an event at once; the task
+wakes only for the request's end (or a follower's chunks, read from the journal). A
+request has at most one event the call has not written yet (two at its end): chunks handed
+out meanwhile are *joined* into one held chunk — contiguous tokens, one index — that goes
+when the previous event is written. So a slow reader costs a request one growing chunk, not
+a queue of messages, and gets its tokens in fewer, larger chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
+from typing import Protocol
 
 import grpc
 
 from orchestrator import errors
 from orchestrator.api import orchestrator_pb2
 from orchestrator.api.many import Many, StreamAborted, batches
-from orchestrator.control.orchestrator import GenerateInput, OutChunk
+from orchestrator.control.orchestrator import GenerateInput, OutChunk, Sink
 from orchestrator.core.idents import shown
 
 __all__ = ["GenerateMany", "ManyCalls", "failure_of"]
 
 log = logging.getLogger(__name__)
 
-Generate = Callable[[GenerateInput], AsyncIterator[OutChunk]]
-"""`Orchestrator.generate`."""
+
+class Generate(Protocol):
+    """`Orchestrator.generate`."""
+
+    def __call__(self, inp: GenerateInput, sink: Sink | None = None) -> AsyncIterator[OutChunk]: ...
+
+
 Input = Callable[[orchestrator_pb2.GenerateRequest, float | None], GenerateInput]
 """A request's input, given its deadline (`time.monotonic` seconds; None: none)."""
 Fill = Callable[[orchestrator_pb2.GenerateChunk, OutChunk], None]
@@ -57,6 +70,25 @@ def failure_of(aborted: StreamAborted) -> orchestrator_pb2.StreamFailure:
 
 def _batch(events: list[orchestrator_pb2.GenerateEvent]) -> orchestrator_pb2.GenerateBatch:
     return orchestrator_pb2.GenerateBatch(events=events)
+
+
+def joined(held: OutChunk, chunk: OutChunk) -> OutChunk:
+    """``held`` followed by ``chunk`` (the next one of the same request) as one chunk: their
+    tokens, text and log-probabilities in order, at ``held``'s index; ``chunk``'s end, if it
+    is one. ``held`` is this call's own (a copy, `_hold`): extended in place."""
+    held.token_ids.extend(chunk.token_ids)
+    held.text += chunk.text
+    if chunk.logprobs:
+        held.logprobs += chunk.logprobs
+    held.prompt_logprobs = held.prompt_logprobs or chunk.prompt_logprobs
+    held.prompt_tokens = held.prompt_tokens or chunk.prompt_tokens
+    if chunk.finish_reason:
+        held.finish_reason, held.timings, held.record = (
+            chunk.finish_reason,
+            chunk.timings,
+            chunk.record,
+        )
+    return held
 
 
 class GenerateMany(
@@ -92,6 +124,8 @@ class GenerateMany(
         """The requests whose event is in the batches being written."""
         self._flushed = asyncio.Event()
         """Set when the batches being written are written (then replaced)."""
+        self._held: dict[int, OutChunk] = {}
+        """Each request's chunks handed out while its previous event was unwritten, joined."""
 
     def _parse(self, command: orchestrator_pb2.GenerateCommand) -> tuple[int, str | None]:
         which = command.WhichOneof("command")
@@ -111,23 +145,54 @@ class GenerateMany(
 
     def _written(self) -> None:
         self._writing = set()
+        for sid in [sid for sid in self._held if sid not in self._gathered]:
+            self._gather(sid, self._held.pop(sid))
         self._flushed.set()
         self._flushed = asyncio.Event()
 
     def _unwritten(self, sid: int) -> bool:
         return sid in self._gathered or sid in self._writing
 
-    async def _put(self, sid: int, chunk: OutChunk) -> None:
-        """``chunk`` as an event, once this request's previous one is written."""
-        while self._unwritten(sid):
-            await self._flushed.wait()
+    def _gather(self, sid: int, chunk: OutChunk) -> None:
         event = orchestrator_pb2.GenerateEvent(stream=sid)
         self._fill(event.chunk, chunk)
         self._gathered[sid] = event
         self._emit(event)
 
+    def _hand(self, sid: int, chunk: OutChunk) -> None:
+        """A chunk the drive hands out (`Sink`): an event now, or held — joined to what this
+        request holds — until its previous event is written."""
+        held = self._held.get(sid)
+        if held is not None:
+            joined(held, chunk)
+        elif self._unwritten(sid):
+            self._held[sid] = self._hold(chunk)
+        else:
+            self._gather(sid, chunk)
+
+    @staticmethod
+    def _hold(chunk: OutChunk) -> OutChunk:
+        """A copy to join others to (the drive hands the same chunk to every client)."""
+        held = copy.copy(chunk)
+        held.token_ids = list(chunk.token_ids)
+        return held
+
+    async def _put(self, sid: int, chunk: OutChunk) -> None:
+        """``chunk`` (yielded: the last one, or a follower's) as an event, after what this
+        request holds, once its previous event is written."""
+        held = self._held.pop(sid, None)
+        if held is not None:
+            chunk = joined(held, chunk)
+        while self._unwritten(sid):
+            await self._flushed.wait()
+        self._gather(sid, chunk)
+
     def _end(self, sid: int, failure: StreamAborted | None = None) -> None:
-        """The request's end: joined to its last chunk's event if that is not packed yet."""
+        """The request's end: joined to its last chunk's event if that is not packed yet;
+        a failure goes after what the request held."""
+        held = self._held.pop(sid, None)
+        if held is not None:
+            self._gather(sid, held)  # its previous event may be unwritten: two, at the end
         last = self._gathered.get(sid)
         if last is not None and failure is None:
             last.ended = True
@@ -151,7 +216,8 @@ class GenerateMany(
         )
         try:
             async with scope:
-                async for chunk in self._generate(self._input_of(request, deadline)):
+                inp = self._input_of(request, deadline)
+                async for chunk in self._generate(inp, partial(self._hand, sid)):
                     await self._put(sid, chunk)
             self._end(sid)
         except TimeoutError:
@@ -171,6 +237,7 @@ class GenerateMany(
         except Exception:  # noqa: BLE001 - a bug: `_bug` logs it, the client sees INTERNAL
             self._bug(sid, request)
         finally:
+            self._held.pop(sid, None)  # stopped, or the call ended: nobody reads them
             self._done(sid)
 
     def _bug(self, sid: int, request: orchestrator_pb2.GenerateRequest) -> None:

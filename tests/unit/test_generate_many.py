@@ -13,7 +13,7 @@ import grpc
 from orchestrator import errors
 from orchestrator.api import orchestrator_pb2 as pb
 from orchestrator.api.many import StreamAborted
-from orchestrator.control.orchestrator import GenerateInput, OutChunk
+from orchestrator.control.orchestrator import GenerateInput, OutChunk, Sink
 from orchestrator.rpc import service
 from orchestrator.rpc.many import GenerateMany
 from orchestrator.rpc.many_client import ManyClient, StreamFailed
@@ -26,18 +26,26 @@ def run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 class Producer:
-    """A request that has ``tokens`` chunks ready at once, counting those taken."""
+    """A request that has ``tokens`` chunks ready at once, counting those taken; ``sunk``:
+    all but the last handed to the sink, as a drive does (else yielded, as a follower's)."""
 
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, *, sunk: bool = False) -> None:
         self.tokens = tokens
+        self.sunk = sunk
         self.taken: dict[str, int] = {}
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[OutChunk]:
+    async def generate(
+        self, inp: GenerateInput, sink: Sink | None = None
+    ) -> AsyncIterator[OutChunk]:
         rid = inp.request_id
         for i in range(self.tokens):
             self.taken[rid] = i + 1
             last = i == self.tokens - 1
-            yield OutChunk(rid, i, [i], f"t{i}", "length" if last else "")
+            chunk = OutChunk(rid, i, [i], f"t{i}", "length" if last else "")
+            if self.sunk and sink is not None and not last:
+                sink(chunk)
+            else:
+                yield chunk
             await asyncio.sleep(0)
 
 
@@ -85,6 +93,42 @@ def test_a_reader_that_stops_reading_holds_its_requests_back() -> None:
                     assert event.chunk.index == seen.get(event.stream, -1) + 1  # in order
                     seen[event.stream] = event.chunk.index
         assert max(producer.taken.values()) > 10
+        stop.set()
+        await batches.aclose()
+
+    run(main())
+
+
+def test_chunks_handed_out_while_the_reader_stalls_are_joined_into_one_per_request() -> None:
+    """The drive never waits for a client: what it hands a request whose event is unwritten
+    is joined into one held chunk (contiguous tokens at one index), so a stalled reader
+    costs a request one event and one chunk, and gets every token, in order, when it reads."""
+
+    async def main() -> None:
+        producer = Producer(3000, sunk=True)
+        call = many(producer)
+        stop = asyncio.Event()
+        batches = call.serve(commands(3, stop))
+        first = await anext(batches)  # then the writer stalls
+        for _ in range(400):
+            await asyncio.sleep(0)
+        assert all(n > 100 for n in producer.taken.values()), producer.taken  # it went on
+        assert len(call._events) <= 3  # one event per request
+        assert sorted(call._held) == [0, 1, 2]
+        assert all(len(h.token_ids) > 50 for h in call._held.values())
+        tokens: dict[int, list[int]] = {}
+        second = await anext(batches)
+        assert sorted(e.stream for e in second.events) == [0, 1, 2]
+        assert all(len(e.chunk.token_ids) > 50 for e in second.events)  # each joined
+        events = [*first.events, *second.events]
+        while sum(e.ended for e in events) < 3:
+            events.extend((await anext(batches)).events)
+        for event in events:
+            if event.HasField("chunk"):
+                assert event.chunk.index == len(tokens.setdefault(event.stream, []))
+                tokens[event.stream].extend(event.chunk.token_ids)
+        assert tokens == {i: list(range(3000)) for i in range(3)}
+        assert [e.chunk.finish_reason != 0 for e in events if e.ended] == [True] * 3
         stop.set()
         await batches.aclose()
 
