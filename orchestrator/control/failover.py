@@ -39,6 +39,7 @@ import enum
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from functools import partial
 
 from orchestrator import errors
 from orchestrator.control.dispatch import Dispatch
@@ -207,7 +208,7 @@ class Failover:
             if isinstance(exc, errors.InvalidTransitionError) and await self._cancelled(run):
                 # A Cancel (here, or through another replica) landed while a transition
                 # was under way: the client's stream ends as a cancel's does.
-                yield OutChunk(run.rid, len(run.output), [], "", "cancelled", run.timings)
+                yield OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings)
                 return
             if run.lease_lost:
                 # This replica lost the request (its lease lapsed and a peer takes it over):
@@ -275,7 +276,11 @@ class Failover:
 
     async def _reassign(self, run: Run) -> None:
         """Fence the failed attempt off: epoch + 1, back to queued (waiting out a store
-        outage: `orchestrator.store.outage`)."""
+        outage: `orchestrator.store.outage`) — once the failed attempt's chunks still being
+        journalled are written (written later, at the old epoch, they would be refused as
+        stale: a takeover that never happened)."""
+        with contextlib.suppress(errors.UnavailableError):  # buffered: written at the new one
+            await self.relay.writer.flush(run)
         record = await outlasting(
             self.store.settings.outage_s, "get", lambda: self.store.get(run.rid)
         )
@@ -342,15 +347,11 @@ class Failover:
         try:
             run.timings.setdefault("queue_ms", (time.monotonic() - run.started) * 1000)
             stream = self.dispatch.stream(run, booking, recorded=booked is not None)
-            relayed = self.relay.relay(run, stream)
-            answered = False
+            # Its workers answered (the first chunk): a half-open breaker's probe is over
+            # then, not when the stream ends (the worker must not be starved).
+            relayed = self.relay.relay(run, stream, partial(self.ledger.succeeded, booking))
             async with contextlib.aclosing(relayed):
                 async for chunk in relayed:
-                    if not answered:
-                        # Its workers answered: a half-open breaker's probe is over now,
-                        # not when the stream ends (the worker must not be starved).
-                        answered = True
-                        self.ledger.succeeded(booking)
                     yield chunk
         except errors.WorkerError as exc:
             tried = run.attempts

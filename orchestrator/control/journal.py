@@ -25,6 +25,15 @@ started. Every write of a run goes through the writer, in order,
 so a run's buffer (`JournalBuffer`) has one writer. A refusal (stale epoch, request ended,
 a gap that cannot be resynced) is that run's alone; an unreachable store fails the batch's
 runs, whose chunks stay unjournalled (never counted as written) until a later write.
+
+**The writer hands the chunks out.** The relay does not wait for a chunk's write: it
+`submit`s the chunk with its client's copy and goes on reading the worker; when the write
+lands, the writer hands the client's chunk to the run's clients itself (`JournalBuffer.hand`,
+in the write's step), in order — so a relayed chunk wakes the request's drive once, not
+twice. A refused write hands nothing out and leaves its refusal for the relay to raise at
+its next chunk (`refusal`) or its end (`flush`); a write the store could not take hands
+its chunks out unjournalled, as `journal` lets them go on (the outage's buffering), but for
+the replica stopping: a chunk that may never be journalled is never handed to a client.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import logging
 import time
 
 from orchestrator import errors
-from orchestrator.control.run import JournalBuffer, Run
+from orchestrator.control.run import JournalBuffer, OutChunk, Run
 from orchestrator.core.records import JournalEntry, unjournalled_after
 from orchestrator.core.state import Edge
 from orchestrator.store.base import Store
@@ -69,20 +78,47 @@ class JournalWriter:
         self._task: asyncio.Task[None] | None = None
 
     async def journal(self, run: Run, entry: JournalEntry, *, first: bool = False) -> None:
-        """Journal a chunk before the client sees it — or, while Redis is unreachable, keep it
-        to journal later and let the stream go on (the worker does not need Redis).
+        """Journal a chunk and wait for it — or, while Redis is unreachable, keep it to
+        journal later and let the stream go on (the worker does not need Redis).
         ``first``: the chunk is the request's first token (its client waits on it): it is
         written without waiting for the gather (module docstring)."""
-        buf = run.journal
-        buf.entries.append(entry)
-        buf.unjournalled += 1
-        if first:
-            self._hurry()
+        self.submit(run, entry, first=first)
         try:
             await self.flush(run)
         except errors.UnavailableError as exc:
-            if buf.unjournalled == 1:
-                log.warning("request %s: journal unreachable, buffering: %s", run.rid, exc)
+            self._buffering(run, exc)
+
+    def submit(
+        self,
+        run: Run,
+        entry: JournalEntry,
+        handed: OutChunk | None = None,
+        *,
+        first: bool = False,
+    ) -> None:
+        """Queue a chunk for the next write, without waiting for it; ``handed``: its
+        clients' chunk, handed out when the write lands (module docstring)."""
+        buf = run.journal
+        buf.entries.append(entry)
+        buf.unjournalled += 1
+        if handed is not None:
+            buf.handing.append(handed)
+        if first:
+            self._hurry()
+        if id(run) not in self._queued:
+            self._queued[id(run)] = (run, asyncio.get_running_loop().create_future())
+        self._start()
+
+    @staticmethod
+    def refusal(run: Run) -> errors.PdorchError | None:
+        """The refusal of one of the run's writes not raised yet (taken: raised once)."""
+        refused, run.journal.refused = run.journal.refused, None
+        return refused
+
+    @staticmethod
+    def _buffering(run: Run, exc: errors.UnavailableError) -> None:
+        if run.journal.unjournalled == 1:
+            log.warning("request %s: journal unreachable, buffering: %s", run.rid, exc)
 
     async def flush(self, run: Run) -> None:
         """Write the run's unjournalled chunks (with the next batch); raises what refused
@@ -93,13 +129,21 @@ class JournalWriter:
         if waiting is None or waiting[1].done():
             # (done: cancelled under a run that stopped waiting — its chunks stay queued.)
             waiting = self._queued[id(run)] = (run, asyncio.get_running_loop().create_future())
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._write_loop(), name="pdorch-journal-writer")
+        self._start()
         # Not shielded (a shield costs a future and a callback per chunk): a run cancelled
         # while waiting cancels its own future, which the writer skips (`_fail`, `_write`
         # answer only futures not done); its chunks are still written, and the run's next
         # write waits on a new future (above) and resyncs if need be.
-        await waiting[1]
+        try:
+            await waiting[1]
+        except errors.PdorchError as exc:
+            if run.journal.refused is exc:
+                run.journal.refused = None  # raised here: not again at the next chunk
+            raise
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._write_loop(), name="pdorch-journal-writer")
 
     def _hurry(self) -> None:
         """The next write goes without gathering; one gathering now goes at once."""
@@ -139,7 +183,8 @@ class JournalWriter:
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait({task})
-        self._fail(list(self._queued.values()), errors.UnavailableError("orchestrator stopping"))
+        stopping = errors.UnavailableError("orchestrator stopping")
+        self._fail(list(self._queued.values()), stopping, hand=False)
         self._queued.clear()
 
     # ---------------------------------------------------------------------- the writer
@@ -159,7 +204,8 @@ class JournalWriter:
             except Exception as exc:  # noqa: BLE001 - an outage, or a bug: each run raises it
                 self._fail(batch, exc)
             except asyncio.CancelledError:  # shutdown: no run waits forever
-                self._fail(batch, errors.UnavailableError("orchestrator stopping"))
+                stopping = errors.UnavailableError("orchestrator stopping")
+                self._fail(batch, stopping, hand=False)
                 raise
 
     async def _write(self, batch: list[_Waiting]) -> None:
@@ -180,6 +226,7 @@ class JournalWriter:
                 run.journal.adopt = None  # its write landed, and the edge with it
             again, refusal = self._settled(run, results[at : at + n])
             at += n
+            _hand_written(run)
             if again:
                 self._queued.setdefault(id(run), (run, done))
                 continue
@@ -219,12 +266,37 @@ class JournalWriter:
             return pending > 0, None
         return False, None
 
-    @staticmethod
-    def _fail(batch: list[_Waiting], exc: BaseException) -> None:
-        for _, done in batch:
+    @classmethod
+    def _fail(cls, batch: list[_Waiting], exc: BaseException, *, hand: bool = True) -> None:
+        """The batch's writes failed with ``exc``: an outage hands their chunks out
+        unjournalled (but when ``hand`` is off: the replica stopping); a refusal, or a bug,
+        is left for the run's relay to raise."""
+        for run, done in batch:
+            if isinstance(exc, errors.UnavailableError):
+                if hand and run.journal.handing:
+                    cls._buffering(run, exc)
+                    _hand_all(run)
+            elif isinstance(exc, errors.PdorchError):
+                run.journal.refused = exc
+            else:  # a bug: the run fails over (or fails), the trace is logged
+                log.error("request %s: journal write failed", run.rid, exc_info=exc)
+                run.journal.refused = errors.UnavailableError(f"journal write failed: {exc!r}")
             if not done.done():
                 done.set_exception(exc)
                 done.exception()  # retrieved: a run that stopped waiting leaves no warning
+
+
+def _hand_written(run: Run) -> None:
+    """Hand out the clients' chunks whose entries are written now (the oldest ones)."""
+    buf = run.journal
+    for _ in range(len(buf.handing) - buf.unjournalled):
+        buf.hand(buf.handing.popleft())
+
+
+def _hand_all(run: Run) -> None:
+    buf = run.journal
+    while buf.handing:
+        buf.hand(buf.handing.popleft())
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

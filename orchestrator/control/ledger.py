@@ -294,7 +294,7 @@ class Ledger:
             self.breakers.success(breaker_key(booking.chosen[worker_id]))
 
     def succeeded(self, booking: Booking) -> None:
-        """Every worker of the attempt answered (its first token reached the client)."""
+        """Every worker of the attempt answered (its first token reached the relay)."""
         for key in booking.used:
             self.breakers.success(key)
 

@@ -1,9 +1,12 @@
 """The relay: a worker's token chunks to the client's, journalled first; and the request's end.
 
 Each chunk from a worker is checked (its index must be the next one the client is owed —
-across failovers the client sees contiguous indices), cut at a stop string, journalled
-(`JournalWriter`) and only then handed on. A stream that ends without a finish reason, or
-skips an index, fails the attempt with a retryable `WorkerError` of phase ``stream``.
+across failovers the client sees contiguous indices), cut at a stop string, and submitted to
+the journal (`JournalWriter.submit`), which hands it to the clients once it is written —
+the relay reads the next chunk meanwhile. A write refused (a stale epoch, the request ended
+elsewhere) is raised at the next chunk, or before the end is recorded: no chunk after it
+reaches a client. A stream that ends without a finish reason, or skips an index, fails the
+attempt with a retryable `WorkerError` of phase ``stream``.
 
 `Relay.finish` records how the request ended — once, after the journal is settled — with
 its timings and cost, and returns the final record.
@@ -15,7 +18,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from orchestrator import errors
@@ -60,72 +64,104 @@ class Relay:
         self.metrics = metrics
 
     async def relay(
-        self, run: Run, stream: AsyncGenerator[worker_pb2.TokenChunk, None]
+        self,
+        run: Run,
+        stream: AsyncGenerator[worker_pb2.TokenChunk, None],
+        answered: Callable[[], None] | None = None,
     ) -> AsyncGenerator[OutChunk, None]:
-        spec, rid = run.spec, run.rid
+        """The stream's end, relayed (its chunks go to the clients from the journal's
+        writer); ``answered``: called at the first chunk."""
         finish = ""
+        run.journal.hand = partial(self._handed, run)
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 run.check()
-                ids = list(chunk.token_ids)
-                delta = chunk.text
-                reason = convert.finish_from_pb(chunk.finish_reason)
-                if chunk.compute_ms:
-                    run.usage.computed(chunk.compute_ms / 1000)
-                if spec.stop and delta:
-                    cut = stop_cut(run.text, delta, spec.stop)
-                    if cut is not None:
-                        delta, reason = delta[:cut], "stop"
-                scores = convert.logprobs_from_pb(chunk.logprobs) if chunk.logprobs else ()
-                prompt = (
-                    convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
-                )
-                if ids or delta or prompt:
-                    produced = len(run.output)
-                    if chunk.index != produced:
-                        raise errors.WorkerError(
-                            "decode",
-                            f"token index {chunk.index}, expected {produced}",
-                            retryable=True,
-                            phase="stream",
-                        )
-                    if spec.sampling.logprobs is not None and len(scores) != len(ids):
-                        raise errors.WorkerError(
-                            "decode",
-                            f"{len(scores)} log-probabilities for {len(ids)} tokens",
-                            retryable=False,
-                            phase="stream",
-                        )
-                    entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt)
-                    try:
-                        # The first token is the client's TTFT: never held for the gather.
-                        first = run.first_token_at is None and bool(ids)
-                        await self.writer.journal(run, entry, first=first)
-                    except errors.RequestEndedError:  # cancelled through another replica
-                        yield OutChunk(rid, produced, [], "", "cancelled", run.timings)
+                if (refused := self.writer.refusal(run)) is not None:
+                    if isinstance(refused, errors.RequestEndedError):
+                        yield self._ended_elsewhere(run)
                         return
-                    if run.first_token_at is None and ids:
-                        run.first_token_at = time.monotonic()
-                        run.timings["ttft_ms"] = (run.first_token_at - run.started) * 1000
-                    run.output.extend(ids)
-                    run.text += delta
-                    yield OutChunk(
-                        rid,
-                        chunk.index,
-                        ids,
-                        delta,
-                        logprobs=scores,
-                        prompt_logprobs=prompt,
-                        prompt_tokens=len(spec.prompt),
-                    )
-                if reason:
-                    finish = reason
+                    raise refused
+                if answered is not None:
+                    answered()
+                    answered = None
+                finish = self._relayed(run, chunk)
+                if finish:
                     break
         if not finish:
             raise errors.WorkerError(
                 "decode", "stream ended without a finish", retryable=True, phase="stream"
             )
+        try:
+            await self.writer.flush(run)  # every chunk handed out before the end
+        except errors.RequestEndedError:  # cancelled through another replica
+            yield self._ended_elsewhere(run)
+            return
+        except errors.UnavailableError:
+            pass  # handed out unjournalled; the end's record waits for the store (`finish`)
         yield await self.complete(run, finish)
+
+    def _relayed(self, run: Run, chunk: worker_pb2.TokenChunk) -> str:
+        """Check one chunk, cut it at a stop string and submit it to the journal; the
+        finish reason it brings (or the stop string's), "" if none."""
+        spec = run.spec
+        ids = list(chunk.token_ids)
+        delta = chunk.text
+        reason = convert.finish_from_pb(chunk.finish_reason)
+        if chunk.compute_ms:
+            run.usage.computed(chunk.compute_ms / 1000)
+        if spec.stop and delta:
+            cut = stop_cut(run.text, delta, spec.stop)
+            if cut is not None:
+                delta, reason = delta[:cut], "stop"
+        scores = convert.logprobs_from_pb(chunk.logprobs) if chunk.logprobs else ()
+        prompt = convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
+        if not (ids or delta or prompt):
+            return reason
+        produced = len(run.output)
+        if chunk.index != produced:
+            raise errors.WorkerError(
+                "decode",
+                f"token index {chunk.index}, expected {produced}",
+                retryable=True,
+                phase="stream",
+            )
+        if spec.sampling.logprobs is not None and len(scores) != len(ids):
+            raise errors.WorkerError(
+                "decode",
+                f"{len(scores)} log-probabilities for {len(ids)} tokens",
+                retryable=False,
+                phase="stream",
+            )
+        entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt)
+        out = OutChunk(
+            run.rid,
+            chunk.index,
+            ids,
+            delta,
+            logprobs=scores,
+            prompt_logprobs=prompt,
+            prompt_tokens=len(spec.prompt),
+        )
+        # The first token is the client's TTFT: never held for the gather.
+        first = bool(ids) and not run.output and run.first_token_at is None
+        self.writer.submit(run, entry, out, first=first)
+        run.output.extend(ids)
+        run.text += delta
+        return reason
+
+    @staticmethod
+    def _handed(run: Run, out: OutChunk) -> None:
+        """A chunk whose journal write landed: to the run's clients (the first token's
+        time is the client's time to first token)."""
+        if run.first_token_at is None and out.token_ids:
+            run.first_token_at = time.monotonic()
+            run.timings["ttft_ms"] = (run.first_token_at - run.started) * 1000
+        run.deliver(out)
+
+    @staticmethod
+    def _ended_elsewhere(run: Run) -> OutChunk:
+        """The stream's end when the request was cancelled through another replica."""
+        return OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings)
 
     async def complete(self, run: Run, finish: str) -> OutChunk:
         """Record the request done; its final chunk."""

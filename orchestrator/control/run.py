@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -96,13 +97,29 @@ class Usage:
             return replace(CPU_HOST, name=kind, price_per_hour=0.0)
 
 
+Hand = Callable[[OutChunk], None]
+"""Hands a chunk to the run's clients."""
+
+
+def _nowhere(chunk: OutChunk) -> None:
+    """A run nobody attached to (a takeover's: its clients follow the journal)."""
+
+
 @dataclass(slots=True)
 class JournalBuffer:
-    """Every chunk relayed by this run, to re-journal what a restarted Redis lost."""
+    """Every chunk relayed by this run, to re-journal what a restarted Redis lost; and the
+    clients' chunks waiting for theirs to be written."""
 
     entries: list[JournalEntry] = field(default_factory=list)
     unjournalled: int = 0
     """How many of the last ``entries`` are not in the journal yet (Redis unreachable)."""
+    handing: deque[OutChunk] = field(default_factory=deque)
+    """The clients' chunks of the last ``len(handing)`` entries, held until those are
+    written (`JournalWriter.submit`); then handed to ``hand``."""
+    hand: Hand = _nowhere
+    refused: errors.PdorchError | None = None
+    """Why a write of this run's was refused (stale epoch, request ended, a gap it could not
+    resync), until the relay raises it (`JournalWriter.refusal`)."""
     adopt: Edge | None = None
     """An edge the run's next write takes along with its first chunk, in the same store
     call (`Store.append_many`'s ``edges``): the decode stream's first chunk adopts the KV
@@ -137,10 +154,18 @@ class Run:
     journal: JournalBuffer = field(default_factory=JournalBuffer)
     usage: Usage = field(default_factory=Usage)
     attempts: Attempts = field(default_factory=Attempts)
+    deliver: Hand = _nowhere
+    """Fans a chunk out to the clients attached here (`orchestrator.control.sessions`)."""
 
     @property
     def rid(self) -> str:
         return self.spec.request_id
+
+    @property
+    def sent(self) -> int:
+        """Tokens the clients were handed: ``output`` but those whose chunks wait for their
+        journal write."""
+        return len(self.output) - sum(len(c.token_ids) for c in self.journal.handing)
 
     def check(self) -> None:
         """Raise what the run's flags say: taken over by a peer, or cancelled here."""

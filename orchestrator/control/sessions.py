@@ -63,6 +63,8 @@ class _Sunk(asyncio.Queue[OutChunk | BaseException | None]):
         self._rid = rid
         self._sink: Sink | None = sink
         self._resume_from = resume_from
+        self.have = 0
+        """Tokens handed to the sink (its client has them)."""
 
     def put_nowait(self, item: OutChunk | BaseException | None) -> None:
         if self._sink is None or not isinstance(item, OutChunk) or item.finish_reason:
@@ -74,6 +76,8 @@ class _Sunk(asyncio.Queue[OutChunk | BaseException | None]):
                 log.exception("request %s: a client's sink failed", self._rid)
                 self._sink = None
                 super().put_nowait(errors.UnavailableError("internal error"))
+            else:
+                self.have = item.index + len(item.token_ids)
 
 
 class Sessions:
@@ -149,17 +153,22 @@ class Sessions:
         )
         self.local.tasks[rid] = task  # so Cancel can stop it
         task.add_done_callback(lambda t: self._cancelled_unstarted(t, run, clients, booking))
+        have = 0  # tokens this client has been given
         try:
             while (item := await feed.get()) is not None:
                 if isinstance(item, errors.LeaseLostError):
                     # Another replica took the request over: keep this client's stream going
-                    # from the journal the new owner writes, after what the client has.
-                    async for chunk in self.follow(rid, max(len(run.output), inp.resume_from)):
+                    # from the journal the new owner writes, after what the client has (and
+                    # nothing more from this drive: a write landing late is in the journal).
+                    clients.discard(feed)
+                    have = max(have, feed.have if isinstance(feed, _Sunk) else 0)
+                    async for chunk in self.follow(rid, max(have, inp.resume_from)):
                         yield chunk
                     return
                 if isinstance(item, BaseException):
                     raise item
                 if _wanted(item, inp.resume_from):
+                    have = item.index + len(item.token_ids)
                     yield item
                 if item.finish_reason:
                     return  # the last chunk (a cancelled drive delivers nothing after it)
@@ -182,6 +191,7 @@ class Sessions:
             for client in list(clients):
                 client.put_nowait(item)  # bounded: at most one chunk per output token
 
+        run.deliver = deliver  # the chunks, from the journal's writer once written
         try:
             async for chunk in self.failover.drive(run, workers, booking):
                 deliver(chunk)
@@ -189,7 +199,7 @@ class Sessions:
             if self.local.stopping:  # handed off: the client resumes on another replica
                 deliver(errors.UnavailableError("orchestrator shutting down; resume elsewhere"))
             else:
-                deliver(OutChunk(run.rid, len(run.output), [], "", "cancelled", run.timings))
+                deliver(OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings))
             raise
         except errors.PdorchError as exc:
             deliver(exc)  # the client sees it; the record already says how the request ended

@@ -11,15 +11,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Coroutine, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from orchestrator import errors
-from orchestrator.api import worker_pb2
+from orchestrator.api import common_pb2, worker_pb2
+from orchestrator.control.failover import Failover
 from orchestrator.control.journal import JournalWriter
+from orchestrator.control.leases import LeaseKeeper
+from orchestrator.control.ledger import Ledger
+from orchestrator.control.local import Local
 from orchestrator.control.relay import Relay
-from orchestrator.control.run import Run
+from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import JournalEntry
 from orchestrator.core.spec import RequestSpec
@@ -325,6 +329,7 @@ class SlowStore(MemoryStore):
 def test_the_relay_sends_the_first_token_without_the_gather_and_the_rest_with_it() -> None:
     # The relay marks the chunk carrying a request's first token as its first (`Relay`):
     # behind a busy writer it reaches the client at once; the next chunk waits the gather.
+    # Each is handed to the client by the writer, once its entry is written.
     gather_s = 0.5
 
     async def main() -> None:
@@ -333,21 +338,219 @@ def test_the_relay_sends_the_first_token_without_the_gather_and_the_rest_with_it
         writer = JournalWriter(store, 1.0, gather_s=gather_s)
         relay = Relay(store, ControlSettings(), writer, None)
         await writer.journal(busy, entry(0))  # the writer is busy for gather_s now
+        handed: list[tuple[float, OutChunk, int]] = []
+        one, two = asyncio.Event(), asyncio.Event()
+
+        def deliver(chunk: OutChunk) -> None:
+            buf = r1.journal
+            handed.append((time.monotonic(), chunk, len(buf.entries) - buf.unjournalled))
+            (one if len(handed) == 1 else two).set()
+
+        r1.deliver = deliver
 
         async def stream() -> AsyncGenerator[worker_pb2.TokenChunk, None]:
             yield worker_pb2.TokenChunk(index=0, token_ids=[7], text="a")
+            await one.wait()  # the next token comes after the first reached the client
             yield worker_pb2.TokenChunk(index=1, token_ids=[8], text="b")
+            await asyncio.Event().wait()  # the worker is slow with the next
 
         t0 = time.monotonic()
         out = relay.relay(r1, stream())
-        first = await anext(out)
+        reading = asyncio.ensure_future(anext(out))
+        await two.wait()
+        (t_first, first, written_first), (t_second, second, written_second) = handed
         assert (first.index, first.token_ids) == (0, [7])
-        assert time.monotonic() - t0 < gather_s / 2
-        t1 = time.monotonic()
-        second = await anext(out)
+        assert t_first - t0 < gather_s / 2
         assert (second.index, second.token_ids) == (1, [8])
-        assert time.monotonic() - t1 >= gather_s - 0.05  # a write just went: it gathers
+        assert t_second - t_first >= gather_s - 0.05  # a write just went: it gathers
+        assert (written_first, written_second) == (1, 2)  # journalled before handed
+        assert await journalled(store, "r1") == [0, 1]
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
         await out.aclose()
-        assert await journalled(store, "r1") == [0, 1]  # journalled before relayed
+
+    run(main())
+
+
+class Worker:
+    """A token stream the test paces: chunk ``i`` goes when the test says so."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[worker_pb2.TokenChunk] = asyncio.Queue()
+
+    def send(self, index: int, finish: bool = False) -> None:
+        reason = common_pb2.FINISH_REASON_LENGTH if finish else common_pb2.FINISH_REASON_UNSPECIFIED
+        chunk = worker_pb2.TokenChunk(index=index, token_ids=[100 + index], text=f"<{index}>")
+        chunk.finish_reason = reason
+        self.queue.put_nowait(chunk)
+
+    async def stream(self) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
+        while True:
+            yield await self.queue.get()
+
+
+class Handed(list[OutChunk]):
+    """The chunks a run's clients were handed (`Run.deliver`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._more = asyncio.Event()
+
+    def __call__(self, chunk: OutChunk) -> None:
+        self.append(chunk)
+        self._more.set()
+
+    async def until(self, n: int) -> None:
+        while len(self) < n:
+            self._more.clear()
+            await self._more.wait()
+
+
+async def relaying(
+    refuse: Edge, last_finishes: bool
+) -> tuple[list[OutChunk], list[OutChunk | BaseException]]:
+    """Relay chunk 0, then take ``refuse`` in the store (as another replica would), then
+    relay chunk 1 (and chunk 2 unless ``last_finishes``): what the client was handed, and
+    what the relay yielded or raised."""
+    store = MemoryStore(StoreSettings(url="memory://"))
+    (r,) = await started(store, "r")
+    writer = JournalWriter(store, 1.0)
+    relay = Relay(store, ControlSettings(), writer, None)
+    handed = Handed()
+    r.deliver = handed
+    worker = Worker()
+    yielded: list[OutChunk | BaseException] = []
+
+    async def consume() -> None:
+        try:
+            async for chunk in relay.relay(r, worker.stream()):
+                yielded.append(chunk)
+        except errors.PdorchError as exc:
+            yielded.append(exc)
+
+    consuming = asyncio.create_task(consume())
+    worker.send(0)
+    await handed.until(1)
+    await store.transition("r", refuse, epoch=1)
+    worker.send(1, finish=last_finishes)
+    if not last_finishes:
+        await asyncio.sleep(0.1)  # chunk 1's write is refused meanwhile
+        worker.send(2)
+    await asyncio.wait_for(consuming, 2.0)
+    return handed, yielded
+
+
+@pytest.mark.parametrize("last_finishes", [False, True])
+def test_a_request_cancelled_elsewhere_ends_its_stream_after_what_the_client_has(
+    last_finishes: bool,
+) -> None:
+    """The relay does not wait for a chunk's write; a write refused because the request
+    ended elsewhere hands nothing out, and the relay ends the stream "cancelled" at the
+    count the client has (at its next chunk, or before recording the end)."""
+
+    async def main() -> None:
+        handed, yielded = await relaying(Edge.CANCEL, last_finishes)
+        assert [c.index for c in handed] == [0]
+        assert len(yielded) == 1
+        end = yielded[0]
+        assert isinstance(end, OutChunk)
+        assert (end.index, end.finish_reason) == (1, "cancelled")
+
+    run(main())
+
+
+@pytest.mark.parametrize("last_finishes", [False, True])
+def test_a_write_refused_for_a_stale_epoch_fails_the_relay_and_hands_nothing_after(
+    last_finishes: bool,
+) -> None:
+    async def main() -> None:
+        handed, yielded = await relaying(Edge.TAKE_OVER, last_finishes)
+        assert [c.index for c in handed] == [0]
+        assert len(yielded) == 1
+        assert isinstance(yielded[0], errors.StaleEpochError)
+
+    run(main())
+
+
+def test_an_unreachable_store_hands_the_chunks_out_and_journals_them_later() -> None:
+    """Redis away: the stream goes on (chunks handed out unjournalled, as before the
+    writer handed them); they are journalled, in order, by the next write that lands."""
+
+    async def main() -> None:
+        store = MemoryStore(StoreSettings(url="memory://"))
+        (r,) = await started(store, "r")
+        writer = JournalWriter(store, 1.0)
+        relay = Relay(store, ControlSettings(), writer, None)
+        handed = Handed()
+        r.deliver = handed
+        worker = Worker()
+        out = relay.relay(r, worker.stream())
+        reading = asyncio.ensure_future(anext(out))
+        store.available = False
+        worker.send(0)
+        worker.send(1)
+        await handed.until(2)
+        assert r.journal.unjournalled == 2
+        store.available = True
+        worker.send(2, finish=True)
+        end = await asyncio.wait_for(reading, 2.0)
+        assert end.finish_reason == "length"
+        assert [c.index for c in handed] == [0, 1, 2]
+        assert await journalled(store, "r") == [0, 1, 2]
+        await out.aclose()
+
+    run(main())
+
+
+def test_a_stopping_replica_hands_out_nothing_unjournalled() -> None:
+    """At shutdown the writer fails what is queued without handing it out: a client
+    resumes elsewhere from the journal, never from a chunk that may not be in it."""
+
+    async def main() -> None:
+        store = SlowStore(StoreSettings(url="memory://"), 0.2)
+        (r,) = await started(store, "r")
+        writer = JournalWriter(store, 1.0)
+        handed: list[OutChunk] = []
+        r.journal.hand = handed.append
+        writer.submit(r, entry(0), OutChunk("r", 0, [100], "<0>"))
+        await asyncio.sleep(0.05)  # its write is under way
+        await writer.close()
+        assert handed == []
+        assert r.journal.unjournalled == 1
+
+    run(main())
+
+
+def test_a_failover_waits_for_the_failed_attempts_chunks_before_fencing_it_off() -> None:
+    """The relay does not wait for its writes, so a worker can fail while its last chunk's
+    write is in flight: the failover's epoch + 1 waits for it — written after, at the old
+    epoch, it would be refused as stale and the request taken for lost to a peer."""
+
+    async def main() -> None:
+        store = SlowStore(StoreSettings(url="memory://"), 0.2)
+        (r,) = await started(store, "r")
+        settings = ControlSettings()
+        writer = JournalWriter(store, 1.0)
+        relay = Relay(store, settings, writer, None)
+        local = Local()
+        failover = Failover(
+            store,
+            settings,
+            Ledger(settings),
+            cast(Any, None),  # no attempt is dispatched here
+            relay,
+            LeaseKeeper(store, local, "me"),
+            local,
+            None,
+        )
+        handed = Handed()
+        r.journal.hand = handed
+        writer.submit(r, entry(0), OutChunk("r", 0, [100], "<0>"))
+        await asyncio.sleep(0.05)  # its write is under way
+        await failover._reassign(r)
+        assert r.epoch == 2
+        assert [c.index for c in handed] == [0]
+        assert writer.refusal(r) is None
+        assert await journalled(store, "r") == [0]
 
     run(main())
