@@ -168,6 +168,7 @@ class Dispatch:
                 flush_ms=_window_ms(run, self.settings),
             ),
             run.check,
+            run.tap,
         )
         first = True
         try:

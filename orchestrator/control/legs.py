@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from orchestrator import errors
 from orchestrator.api import worker_pb2
 from orchestrator.control.calls import Pending
 from orchestrator.control.clients import WorkerClients, translated
-from orchestrator.control.mux import Unsupported
+from orchestrator.control.mux import Tap, Unsupported
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
 
@@ -104,14 +105,20 @@ class WorkerLegs:
         return await stubs.general.Tokenize(req, timeout=TOKENIZE_TIMEOUT_S)
 
     async def decode(
-        self, decode: WorkerInfo, req: worker_pb2.DecodeRequest, check: Checkpoint
+        self,
+        decode: WorkerInfo,
+        req: worker_pb2.DecodeRequest,
+        check: Checkpoint,
+        tap: Tap | None = None,
     ) -> AsyncGenerator[worker_pb2.TokenChunk, None]:
         """The decode worker's token stream (it adopts the KV before the first chunk): on
-        the call this replica shares with the worker's other streams (`mux`), or on a call
-        of its own (``decode_mux`` off, or a worker without ``DecodeMany``)."""
+        the call this replica shares with the worker's other streams (`mux`; ``tap``: the
+        relay's way past this reader, `Tap`), or on a call of its own (``decode_mux`` off,
+        or a worker without ``DecodeMany``)."""
         stubs = self.clients.get(decode.address)
         if self.settings.decode_mux and stubs.mux.supported:
             shared = stubs.mux.open(req)
+            shared.tap = tap
             streamed = False
             try:
                 async with translated(decode.worker_id, "decode"):
@@ -202,24 +209,28 @@ class WorkerLegs:
         watchdog task beside them wakes every ``watch_interval_s``, runs the checks and, on
         trouble, interrupts the read it finds waiting (cancelling the reading task, which
         the read answers as `asyncio.timeout` does: only that cancellation is turned into
-        the watchdog's error; any other is re-raised)."""
-        loop = asyncio.get_running_loop()
+        the watchdog's error; any other is re-raised). A stream whose chunks can go past
+        this reader (`MuxStream`'s tap) says when its last one came (``progress``): the
+        read waits on, the stream is not silent."""
         reader = asyncio.current_task()
         assert reader is not None
         it = aiter(stream)
-        since = loop.time()
+        since = time.monotonic()
         """When the current read began: silence is time spent waiting for the worker."""
         reading = False
         trouble: list[BaseException] = []
         step = self.settings.watch_interval_s
 
+        def quiet() -> float:
+            return time.monotonic() - max(since, getattr(stream, "progress", since))
+
         async def watch() -> None:
             while True:
                 await asyncio.sleep(step)
                 if not reading:
-                    continue  # the reader is busy elsewhere (journalling): not the worker's
-                problem = self._problem(check, worker, loop.time() - since)
-                silent = loop.time() - since >= step
+                    continue  # the reader is busy elsewhere: not the worker's silence
+                problem = self._problem(check, worker, quiet())
+                silent = quiet() >= step
                 if problem is None and silent and not await self._alive(worker):
                     problem = heartbeat_lost(worker)
                 if problem is not None and reading:
@@ -232,7 +243,7 @@ class WorkerLegs:
             while True:
                 if trouble:
                     raise trouble[0]
-                reading, since = True, loop.time()
+                reading, since = True, time.monotonic()
                 try:
                     chunk = await anext(it)
                 except StopAsyncIteration:

@@ -40,6 +40,7 @@ __all__ = [
     "MuxStream",
     "SharedCall",
     "SharedCalls",
+    "Tap",
     "Unsupported",
     "call_failed",
     "copy_error",
@@ -101,10 +102,23 @@ def copy_error(error: BaseException) -> BaseException:
     return Unsupported(str(error)) if isinstance(error, Unsupported) else error
 
 
+class Tap:
+    """A decode stream's way past its reader (`MuxStream`): while
+    ``take`` is set (by the relay, after the stream's first chunk), a chunk arriving with
+    none queued before it is offered to it in the worker call's own step; ``take`` relays it
+    and says so (True), or leaves it to the reader (False: an end, a stop string, anything
+    the relay must raise). So a plain chunk wakes no task of its request."""
+
+    __slots__ = ("take",)
+
+    def __init__(self) -> None:
+        self.take: Callable[[worker_pb2.TokenChunk], bool] | None = None
+
+
 class MuxStream:
     """One request's decode stream on a shared call: iterate it as a ``Decode`` call."""
 
-    __slots__ = ("_call", "_chunks", "_done", "_error", "_waiter", "sid")
+    __slots__ = ("_call", "_chunks", "_done", "_error", "_waiter", "progress", "sid", "tap")
 
     def __init__(self, call: _Call, sid: int) -> None:
         self._call = call
@@ -114,6 +128,11 @@ class MuxStream:
         """No event will come: the stream ended, failed or was closed."""
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.tap: Tap | None = None
+        """Where a chunk may go past the reader (`Tap`)."""
+        self.progress = time.monotonic()
+        """When the last chunk came (`time.monotonic`), tapped or queued: what a watch on
+        the stream's silence reads while tapped chunks leave its reader waiting."""
 
     def __aiter__(self) -> MuxStream:
         return self
@@ -140,7 +159,18 @@ class MuxStream:
         self._chunks.clear()
 
     def _deliver(self, chunk: worker_pb2.TokenChunk) -> None:
-        self._chunks.append(chunk)
+        """``chunk`` (a view into its batch): tapped, or queued as a copy of its own."""
+        self.progress = time.monotonic()
+        tap = self.tap
+        if tap is not None and tap.take is not None and not self._chunks and not self._done:
+            try:
+                if tap.take(chunk):
+                    return
+            except Exception:  # a bug: the reader gets the chunk (and raises what is wrong)
+                log.exception("a tapped decode chunk failed")
+        own = worker_pb2.TokenChunk()
+        own.CopyFrom(chunk)  # not a view keeping the batch alive
+        self._chunks.append(own)
         self._wake()
 
     def _finish(self, error: BaseException | None) -> None:
@@ -246,9 +276,7 @@ class _Call(SharedCall[worker_pb2.DecodeCommand, worker_pb2.DecodeBatch]):
             if stream is None:
                 continue  # closed meanwhile
             if event.HasField("chunk"):
-                chunk = worker_pb2.TokenChunk()
-                chunk.CopyFrom(event.chunk)  # its own: not a view keeping the batch alive
-                stream._deliver(chunk)
+                stream._deliver(event.chunk)
             if event.HasField("failure"):
                 del self.streams[event.stream]
                 stream._finish(failure_error(event.failure))

@@ -73,20 +73,27 @@ class Relay:
         writer); ``answered``: called at the first chunk."""
         finish = ""
         run.journal.hand = partial(self._handed, run)
-        async with contextlib.aclosing(stream):
-            async for chunk in stream:
-                run.check()
-                if (refused := self.writer.refusal(run)) is not None:
-                    if isinstance(refused, errors.RequestEndedError):
-                        yield self._ended_elsewhere(run)
-                        return
-                    raise refused
-                if answered is not None:
-                    answered()
-                    answered = None
-                finish = self._relayed(run, chunk)
-                if finish:
-                    break
+        refused: errors.PdorchError | None = None
+        try:
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    run.check()
+                    if (refused := self.writer.refusal(run)) is not None:
+                        break
+                    if answered is not None:
+                        answered()
+                        answered = None
+                    finish = self._relayed(run, chunk)
+                    if finish:
+                        break
+                    run.tap.take = partial(self._tap, run)  # the next ones: past the reader
+        finally:
+            run.tap.take = None
+        if isinstance(refused, errors.RequestEndedError):
+            yield self._ended_elsewhere(run)
+            return
+        if refused is not None:
+            raise refused
         if not finish:
             raise errors.WorkerError(
                 "decode", "stream ended without a finish", retryable=True, phase="stream"
@@ -99,6 +106,24 @@ class Relay:
         except errors.UnavailableError:
             pass  # handed out unjournalled; the end's record waits for the store (`finish`)
         yield await self.complete(run, finish)
+
+    def _tap(self, run: Run, chunk: worker_pb2.TokenChunk) -> bool:
+        """A chunk relayed as it arrives, in the worker call's step (`Tap`): one that
+        neither ends the stream nor can fail it — the next index, no stop string, no
+        refusal or stop flag pending; anything else is left to the reader (False)."""
+        spec = run.spec
+        if (
+            chunk.finish_reason
+            or chunk.index != len(run.output)
+            or run.lease_lost
+            or run.cancelled
+            or run.journal.refused is not None
+            or (spec.stop and chunk.text and stop_cut(run.text, chunk.text, spec.stop) is not None)
+            or (spec.sampling.logprobs is not None and len(chunk.logprobs) != len(chunk.token_ids))
+        ):
+            return False
+        self._relayed(run, chunk)
+        return True
 
     def _relayed(self, run: Run, chunk: worker_pb2.TokenChunk) -> str:
         """Check one chunk, cut it at a stop string and submit it to the journal; the

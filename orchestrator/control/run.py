@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator import errors
+from orchestrator.control.mux import Tap
 from orchestrator.core.cost import PoolUsage, cost_fields, reuse_saving, total_reuse
 from orchestrator.core.hardware import CPU_HOST, GpuProfile, get_gpu
 from orchestrator.core.logprobs import TokenLogprob
@@ -156,6 +157,7 @@ class Run:
     attempts: Attempts = field(default_factory=Attempts)
     deliver: Hand = _nowhere
     """Fans a chunk out to the clients attached here (`orchestrator.control.sessions`)."""
+    tap: Tap = field(default_factory=Tap)
 
     @property
     def rid(self) -> str:
