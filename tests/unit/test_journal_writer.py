@@ -406,19 +406,23 @@ class Handed(list[OutChunk]):
             await self._more.wait()
 
 
+async def relay_of_one() -> tuple[MemoryStore, Run, Relay, Handed, Worker]:
+    """A request ``r``, its relay, what its clients are handed, and its worker's stream."""
+    store = MemoryStore(StoreSettings(url="memory://"))
+    (r,) = await started(store, "r")
+    relay = Relay(store, ControlSettings(), JournalWriter(store, 1.0), None)
+    handed = Handed()
+    r.deliver = handed
+    return store, r, relay, handed, Worker()
+
+
 async def relaying(
     refuse: Edge, last_finishes: bool
 ) -> tuple[list[OutChunk], list[OutChunk | BaseException]]:
     """Relay chunk 0, then take ``refuse`` in the store (as another replica would), then
     relay chunk 1 (and chunk 2 unless ``last_finishes``): what the client was handed, and
     what the relay yielded or raised."""
-    store = MemoryStore(StoreSettings(url="memory://"))
-    (r,) = await started(store, "r")
-    writer = JournalWriter(store, 1.0)
-    relay = Relay(store, ControlSettings(), writer, None)
-    handed = Handed()
-    r.deliver = handed
-    worker = Worker()
+    store, r, relay, handed, worker = await relay_of_one()
     yielded: list[OutChunk | BaseException] = []
 
     async def consume() -> None:
@@ -477,13 +481,7 @@ def test_an_unreachable_store_hands_the_chunks_out_and_journals_them_later() -> 
     writer handed them); they are journalled, in order, by the next write that lands."""
 
     async def main() -> None:
-        store = MemoryStore(StoreSettings(url="memory://"))
-        (r,) = await started(store, "r")
-        writer = JournalWriter(store, 1.0)
-        relay = Relay(store, ControlSettings(), writer, None)
-        handed = Handed()
-        r.deliver = handed
-        worker = Worker()
+        store, r, relay, handed, worker = await relay_of_one()
         out = relay.relay(r, worker.stream())
         reading = asyncio.ensure_future(anext(out))
         store.available = False
