@@ -12,6 +12,11 @@ import grpc
 
 from transport import errors as terr
 
+ACCEPTED_KEY = "pdorch-accepted"
+"""Initial metadata a ``GenerateMany`` call is answered with as soon as the orchestrator
+accepted it (credential, tenant): its client writes its first command only then. A command
+written while the call is refused makes grpc.aio's client report INTERNAL instead of the
+refusal (grpc/grpc#36066); a refused call has no initial metadata but its status's."""
 BLAME_KEY = "pdorch-blame"
 """Trailing metadata on a failed Prefill saying which side of the KV transfer failed."""
 BLAME_KV_TARGET = "kv-target"

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from orchestrator.api import orchestrator_pb2
+from orchestrator.api.protocol import ACCEPTED_KEY
 
 __all__ = ["ManyClient", "StreamFailed", "status_of"]
 
@@ -61,6 +62,12 @@ def status_of(exc: grpc.aio.AioRpcError | StreamFailed) -> tuple[grpc.StatusCode
     return exc.code(), exc.details() or ""
 
 
+def accepted(initial: Any) -> bool:
+    """Whether a ``GenerateMany`` call's initial metadata says the orchestrator took it
+    (`api.protocol.ACCEPTED_KEY`; a refused call has none)."""
+    return any(key == ACCEPTED_KEY for key, _ in initial or ())
+
+
 class _Call:
     """One open ``GenerateMany`` call: the commands it sends, the requests it feeds."""
 
@@ -98,6 +105,11 @@ class _Call:
         await asyncio.wait({self._reader})
 
     async def _outgoing(self) -> AsyncIterator[orchestrator_pb2.GenerateCommand]:
+        """The commands, once the orchestrator accepted the call (its initial metadata):
+        a command written while it refuses the call (a credential it does not take) would
+        make grpc.aio report INTERNAL instead of the refusal (grpc/grpc#36066)."""
+        if not accepted(await self._rpc.initial_metadata()):
+            return  # refused: its status is the call's
         while (command := await self._commands.get()) is not None:
             yield command
 

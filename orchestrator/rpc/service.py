@@ -23,6 +23,7 @@ from orchestrator import errors
 from orchestrator.api import convert, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.api.many import StreamAborted, served
 from orchestrator.api.peers import RequirePeer
+from orchestrator.api.protocol import ACCEPTED_KEY
 from orchestrator.api.undecodable import RefuseUndecodable
 from orchestrator.control.orchestrator import GenerateInput, Orchestrator, OutChunk
 from orchestrator.core.idents import check_tenant, shown
@@ -205,6 +206,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
             tenant = _tenant(context)
         except errors.PdorchError as exc:
             await context.abort(status_for(exc), str(exc))
+        await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))  # the client may write
 
         def input_of(req: orchestrator_pb2.GenerateRequest, until: float | None) -> GenerateInput:
             return _input(req, tenant, until)

@@ -14,7 +14,6 @@ a credential. Plus Redis without its password, against a real redis-server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ import redis
 from orchestrator.api import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestrator.cluster import LocalCluster
 from orchestrator.core.auth import token_digest
+from orchestrator.rpc.many_client import accepted
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer
 from tests.integration.conftest import request
@@ -168,17 +168,18 @@ def test_generate_many_authenticates_its_call_and_takes_the_tenant_from_it(
             return events
 
     async def refused_many(token: str | None, rid: str, tenant: str | None = None) -> Any:
-        """The status a refused call ends with. (A write racing the server's refusal can
-        fail with gRPC core's own INTERNAL, or find the call already finished; the call's
-        status is the refusal.)"""
+        """The status a refused call ends with. The request is written only once the call
+        is accepted (its initial metadata), as `rpc.many_client` does: a write racing the
+        refusal makes grpc.aio's client report INTERNAL instead (grpc/grpc#36066)."""
         metadata = () if tenant is None else (("x-pdorch-tenant", tenant),)
         async with cluster.channel(address(cluster), token) as ch:
             call = orchestrator_pb2_grpc.OrchestratorStub(ch).GenerateMany(
                 timeout=60, metadata=metadata
             )
-            start = request("hi", request_id=rid)
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            if accepted(await call.initial_metadata()):  # the request goes (to fail below)
+                start = request("hi", request_id=rid)
                 await call.write(orchestrator_pb2.GenerateCommand(stream=1, start=start))
+                await call.done_writing()
             return await call.code()
 
     assert asyncio.run(refused_many(None, "many-none")) == grpc.StatusCode.UNAUTHENTICATED

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
+import pytest
 
 from orchestrator import errors
 from orchestrator.api import orchestrator_pb2 as pb
 from orchestrator.api.many import StreamAborted
+from orchestrator.api.protocol import ACCEPTED_KEY
 from orchestrator.control.orchestrator import GenerateInput, OutChunk, Sink
 from orchestrator.rpc import service
 from orchestrator.rpc.many import GenerateMany
@@ -170,6 +172,9 @@ class FakeCall:
     def cancel(self) -> None:
         self.cancelled = True
 
+    async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((ACCEPTED_KEY, "1"),)
+
     def __aiter__(self) -> AsyncIterator[pb.GenerateBatch]:
         return self._batches()
 
@@ -207,6 +212,44 @@ def test_the_call_failing_fails_every_request_on_it_and_the_next_opens_another()
         assert client.batches == 1
         await asyncio.gather(one("c"), one("d"))
         assert FakeCall.opened == 2  # the failed call was forgotten: a new one opened
+        await client.close()
+
+    run(main())
+
+
+class RefusedCall(FakeCall):
+    """A call the orchestrator refuses (no initial metadata but its status): what the
+    client tried to write is recorded."""
+
+    written: ClassVar[list[pb.GenerateCommand]] = []
+
+    async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    async def _batches(self) -> AsyncIterator[pb.GenerateBatch]:
+        RefusedCall.written = [c async for c in self.outgoing]
+        if self.code != grpc.StatusCode.OK:
+            empty = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(self.code, empty, empty, "no credential", None)
+        yield pb.GenerateBatch()
+
+
+class RefusingStub:
+    def GenerateMany(self, outgoing: AsyncIterator[pb.GenerateCommand]) -> FakeCall:
+        return RefusedCall(outgoing, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def test_the_client_writes_nothing_on_a_call_the_orchestrator_did_not_accept() -> None:
+    """A command written while the call is refused makes grpc.aio report INTERNAL instead
+    of the refusal (grpc/grpc#36066): the client writes only once the call is accepted."""
+
+    async def main() -> None:
+        client = ManyClient(RefusingStub())
+        with pytest.raises(StreamFailed) as refused:
+            async for _ in client.generate(pb.GenerateRequest(request_id="x"), 5.0):
+                pass
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert RefusedCall.written == []
         await client.close()
 
     run(main())
