@@ -7,8 +7,9 @@ leaves the request running for ``detach_grace_s`` so it can reconnect — to any
 and resume from the journal (`follow`); with no client attached by then it is cancelled.
 The drive fans its chunks out to the clients attached here (the call that started it); a
 resubmission of a known request, and a client whose request a peer took over, follow the
-journal. A client may take its chunks from the drive's own step (`generate`'s ``sink``): no
-task of its own woken per chunk — what a call carrying many requests does (`rpc.many`).
+journal. A client may take its chunks in the step that hands them out — the journal's
+writer's, once each is written (`generate`'s ``sink``) — no task of its own woken per chunk:
+what a call carrying many requests does (`rpc.many`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ log = logging.getLogger(__name__)
 Feed = asyncio.Queue[OutChunk | BaseException | None]
 """One attached client's stream: chunks, then None (done) or the error that ended it."""
 Sink = Callable[[OutChunk], None]
-"""Takes an attached client's chunks, all but the last, as the drive hands them out (in the
-drive's step: it must not block, and what it keeps is its own to bound)."""
+"""Takes an attached client's chunks, all but the last, as they are handed out (in the
+journal writer's step: it must not block, and what it keeps is its own to bound)."""
 DETACH_POLL_S = 0.5
 """How often a detached request checks whether a client came back (capped by the grace)."""
 
@@ -54,9 +55,9 @@ def _wanted(chunk: OutChunk, resume_from: int) -> bool:
 
 
 class _Sunk(asyncio.Queue[OutChunk | BaseException | None]):
-    """A client fed by its `Sink`: the drive's chunks go there as they are handed out; the
+    """A client fed by its `Sink`: the request's chunks go there as they are handed out; the
     last one, errors and the end queue as for any client. A sink that fails (a bug) ends
-    its client with an internal error, never the drive."""
+    its client with an internal error, never the request's drive or the journal's writer."""
 
     def __init__(self, rid: str, sink: Sink, resume_from: int) -> None:
         super().__init__()
@@ -105,8 +106,8 @@ class Sessions:
         """Serve one call. ``max_inflight`` bounds the calls in progress from the first
         await on, so a burst is refused at the door (`OverloadedError`, a retry-after)
         instead of queueing inside the replica; a resubmission of a known request is not.
-        With ``sink``, the chunks the drive hands out go there (but the last), the rest
-        is yielded (the last chunk; a follower's chunks, read from the journal)."""
+        With ``sink``, the chunks handed out go there (but the last), the rest is yielded
+        (the last chunk; a follower's chunks, read from the journal)."""
         limit = self.settings.admission.max_inflight
         if limit and self._inflight >= limit and not await self.intake.known(inp.request_id):
             exc = errors.OverloadedError(

@@ -18,9 +18,10 @@ own, if any): past it the request fails ``DEADLINE_EXCEEDED`` and detaches, as a
 call ending detaches every request left on it. Draining (the replica stopping), a call
 refuses new requests (``UNAVAILABLE``: resume elsewhere) and ends once its last has.
 
-**The chunks skip the request's task.** The drive hands each chunk to the call in its own
-step (`Orchestrator.generate`'s ``sink``), where it becomes an event at once; the task
-wakes only for the request's end (or a follower's chunks, read from the journal). A
+**The chunks skip the request's task.** Each chunk is handed to the call in the step that
+hands it out — the journal's writer's, once it is written (`Orchestrator.generate`'s
+``sink``) — where it becomes an event at once; the task wakes only for the request's end
+(or a follower's chunks, read from the journal). A
 request has at most one event the call has not written yet (two at its end): chunks handed
 out meanwhile are *joined* into one held chunk — contiguous tokens, one index — that goes
 when the previous event is written. So a slow reader costs a request one growing chunk, not
@@ -160,8 +161,8 @@ class GenerateMany(
         self._emit(event)
 
     def _hand(self, sid: int, chunk: OutChunk) -> None:
-        """A chunk the drive hands out (`Sink`): an event now, or held — joined to what this
-        request holds — until its previous event is written."""
+        """A chunk handed out (`Sink`): an event now, or held — joined to what this request
+        holds — until its previous event is written."""
         held = self._held.get(sid)
         if held is not None:
             joined(held, chunk)
@@ -172,7 +173,7 @@ class GenerateMany(
 
     @staticmethod
     def _hold(chunk: OutChunk) -> OutChunk:
-        """A copy to join others to (the drive hands the same chunk to every client)."""
+        """A copy to join others to (the same chunk is handed to every client)."""
         held = copy.copy(chunk)
         held.token_ids = list(chunk.token_ids)
         return held
