@@ -69,10 +69,10 @@ class BenchResult:
     latency in µs is what `human` shows). ``ours``: the default path, one contiguous KV;
     ``ours-tls``: the same with mutual TLS on the control link (``--tls-dir``); ``ours-32``:
     32 layers allocated apart (a block list); ``ours-read``: UCX one-sided reads
-    (transport v2, opt-in); ``nixl-write``/``nixl-read`` (``-32``: 32 descriptors);
-    ``ucx_perftest``: ``-t tag_bw``; ``copy`` and ``xxh3``: one copy and one hash pass of the
-    same bytes in this process (`memory_speeds`), what a transfer's memory traffic is
-    made of."""
+    (transport v2, opt-in), ``ours-read-32`` the same of 32 layers apart;
+    ``nixl-write``/``nixl-read`` (``-32``: 32 descriptors); ``ucx_perftest``: ``-t
+    tag_bw``; ``copy`` and ``xxh3``: one copy and one hash pass of the same bytes in this
+    process (`memory_speeds`), what a transfer's memory traffic is made of."""
 
     def ratio(self, variant: str, reference: str) -> float | None:
         a, b = self.gbps.get(variant), self.gbps.get(reference)
@@ -298,6 +298,7 @@ async def _interleaved(
     ours["ours-32"] = _Ours(backend, size, 32, apart=True)
     if backend == "ucx":
         ours["ours-read"] = _Ours(UCX_READ, size, layers)
+        ours["ours-read-32"] = _Ours(UCX_READ, size, 32, apart=True)
     nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if nixl else []
     src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)  # pages in
     async with contextlib.AsyncExitStack() as stack:

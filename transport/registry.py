@@ -53,7 +53,7 @@ Register = Callable[[int, int], tuple[bytes, object]]
 Deregister = Callable[[object], None]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Registration:
     key: RemoteKey
     handle: object

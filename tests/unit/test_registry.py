@@ -3,6 +3,7 @@ its registration gone the moment the allocation is freed, descriptors exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -107,3 +108,21 @@ def test_close_deregisters_everything() -> None:
     reg.close()
     assert plane.deregistered == plane.registered
     assert not reg.live
+
+
+def test_a_block_list_is_looked_up_block_by_block_never_compared_field_by_field() -> None:
+    """A KV of many blocks apart is a registration per block: the transfer's bookkeeping
+    (`Registry.acquire`, the sender's used list) asks "is this one already in?" per block.
+    Registrations are distinct objects (each has its own key id), compared by identity — by
+    value, each question compared every field of every registration before it (a 32-block
+    4 MiB transfer spent ~15 % of its sender's time there)."""
+    reg, _ = _registry()
+    blocks = [np.zeros(256, dtype=np.uint8) for _ in range(64)]
+    descs, used = reg.acquire([b.data for b in blocks])
+    assert len(descs) == len(used) == 64
+    assert len({r.key.key_id for r in used}) == 64
+    twin = dataclasses.replace(used[0])  # every field equal, another registration
+    assert twin != used[0]
+    assert twin not in used
+    assert len(set(used)) == 64  # hashable: usable as a set's members
+    reg.release(used)
