@@ -142,18 +142,31 @@ class DataPlane(abc.ABC):
         """One-sided, sender: undo `register` (the memory is being freed)."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
 
-    async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
+    async def read(
+        self,
+        peer: Peer,
+        regions: Sequence[RemoteRegion],
+        into: memoryview,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         """One-sided, receiver: read ``regions`` of ``peer``'s memory, in order, into
         ``into`` (exactly as long as they are together). Remote keys are unpacked once
-        per (channel, key id) and kept until `forget_keys` or the channel's release."""
+        per (channel, key id) and kept until `forget_keys` or the channel's release.
+        ``then`` runs once the read completed, where it completed (the reading thread, or
+        here), before the read is reported done; what it raises, the read raises — a
+        segment's verification, without a second thread hop and loop turn."""
         raise NotImplementedError(f"{self.name} has no one-sided path")
 
     def read_now(
-        self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview
+        self,
+        peer: Peer,
+        regions: Sequence[RemoteRegion],
+        into: memoryview,
+        then: Callable[[], None] | None = None,
     ) -> Coroutine[Any, Any, None] | None:
         """One-sided, receiver: `read`, done right here when it can be (a small read on a
-        link whose endpoint exists): None once done, else what completes it."""
-        return self.read(peer, regions, into)
+        link whose endpoint exists; ``then`` too): None once done, else what completes it."""
+        return self.read(peer, regions, into, then)
 
     def forget_keys(self, peer: Peer, key_ids: Sequence[int]) -> None:
         """One-sided, receiver: the sender withdrew these keys; drop what `read` kept."""

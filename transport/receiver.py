@@ -569,8 +569,11 @@ class KvReceiver:
             receive.post_receives()
         if accept:
             await receive.link.send(control.accept(receive.tag), self.settings.idle_timeout_s)
+        receive.holding = receive.one_sided  # reads start once every folded message is in
         for msg in then:  # folded into the OPEN: taken as if they followed it
             await self._folded(receive, msg)
+        if receive.one_sided:
+            receive.start_reads()
         await receive.run()
 
 

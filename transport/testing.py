@@ -568,14 +568,16 @@ async def check_stalled_sender(backend: str) -> None:
 
 async def check_corruption(backend: str) -> None:
     """One flipped payload byte: both ends see ChecksumMismatchError; nothing is handed over
-    — in a large KV and in a small one (one-sided: inline in its OPEN, eager)."""
+    — in large KVs (one-sided: 1 MiB read and verified on the receiver's loop, 4 MiB read
+    and verified in its reader thread) and in a small one (one-sided: inline in its OPEN,
+    eager)."""
     settings = TransportSettings()
     receiver = make_receiver(backend, settings)
     address = await receiver.start()
     sender = make_sender(backend, settings)
     FaultInjector(layer=2, corrupt_offset=12345).attach(sender)
     try:
-        for rid, size in (("bad", 1 * MIB), ("bad-small", 16 * KIB)):
+        for rid, size in (("bad", 1 * MIB), ("bad-large", 4 * MIB), ("bad-small", 16 * KIB)):
             try:
                 await sender.send(address, synthetic_cache(rid, 1, size, n_layers=4))
             except errors.ChecksumMismatchError:

@@ -251,7 +251,13 @@ class UcxDataPlane(DataPlane):
         assert isinstance(handle, ucp.Region)
         ucp.deregister(_context_handle(), handle)
 
-    async def read(self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview) -> None:
+    async def read(
+        self,
+        peer: Peer,
+        regions: Sequence[RemoteRegion],
+        into: memoryview,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         ep = await self._endpoint(peer, _CONTEXT.checked_reads)
         reads = self._reads(peer)
         try:
@@ -261,14 +267,14 @@ class UcxDataPlane(DataPlane):
         # A thread hop costs more than a small copy; not while the reader thread copies
         # (the loop would wait on the channel's lock for a whole segment).
         if into.nbytes <= _INLINE_READ_BYTES and not reads.chaining:
-            rest = reads.in_place(handle, list(regions), into)
+            rest = reads.in_place(handle, list(regions), into, then)
             if rest is not None:
                 await rest
             return
         # The channel's reader thread holds ``into`` (so its memory outlives every read into
         # it) and the channel's lock while it calls into UCX on the endpoint.
         loop = asyncio.get_running_loop()
-        queued = _Queued(handle, list(regions), into, loop, loop.create_future())
+        queued = _Queued(handle, list(regions), into, loop, loop.create_future(), then)
         if reads.enqueue(queued):
             loop.run_in_executor(None, reads.drain).add_done_callback(_drained)
         try:
@@ -278,17 +284,21 @@ class UcxDataPlane(DataPlane):
             raise
 
     def read_now(
-        self, peer: Peer, regions: Sequence[RemoteRegion], into: memoryview
+        self,
+        peer: Peer,
+        regions: Sequence[RemoteRegion],
+        into: memoryview,
+        then: Callable[[], None] | None = None,
     ) -> Coroutine[Any, Any, None] | None:
         ep = self._eps.get(peer.channel)
         if ep is None or into.nbytes > _INLINE_READ_BYTES:
-            return self.read(peer, regions, into)
+            return self.read(peer, regions, into, then)
         reads = self._reads(peer)
         try:
             handle = int(_requests(ep).handle)
         except Exception as exc:
             raise errors.PeerLostError(f"UCX endpoint unusable: {exc}") from exc
-        return reads.in_place(handle, list(regions), into)
+        return reads.in_place(handle, list(regions), into, then)
 
     def _reads(self, peer: Peer) -> _Reads:
         """The channel's reads (made once: a lock and an event cost ~20 µs to make)."""
@@ -339,6 +349,8 @@ class _Queued:
     into: memoryview
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[None]
+    then: Callable[[], None] | None = None
+    """Run by the reader thread once the read completed (`UcxDataPlane.read`)."""
     skip: bool = False
     """Set by the awaiting transfer when it is cancelled: the read is not started."""
 
@@ -408,6 +420,8 @@ class _Reads:
                 continue
             try:
                 self.run(queued.endpoint, queued.regions, queued.into)
+                if queued.then is not None:
+                    queued.then()
             except BaseException as exc:  # noqa: BLE001 - the awaiting transfer raises it
                 queued.settle(exc)
             else:
@@ -438,22 +452,31 @@ class _Reads:
         return gets
 
     def in_place(
-        self, endpoint: int, regions: list[RemoteRegion], into: memoryview
+        self,
+        endpoint: int,
+        regions: list[RemoteRegion],
+        into: memoryview,
+        then: Callable[[], None] | None = None,
     ) -> Coroutine[Any, Any, None] | None:
         """Issue the reads here (on the loop: a small segment); None once they completed
-        (a CMA read copies inside the call), else what waits for the rest in a thread."""
+        (a CMA read copies inside the call) and ``then`` ran, else what waits for the rest
+        in a thread, then runs ``then`` there."""
         gets = self.start(endpoint, regions, into)
         try:
             if gets.poll():
                 self.done()
+                if then is not None:
+                    then()
                 return None
         except BaseException:  # a read failed: all of them completed
             self.done()
             raise
-        return asyncio.to_thread(self.finish, gets, into)
+        return asyncio.to_thread(self.finish, gets, into, then)
 
-    def finish(self, gets: ucp.Gets, into: memoryview) -> None:
-        """Wait for the reads (``into`` is held until they are done)."""
+    def finish(
+        self, gets: ucp.Gets, into: memoryview, then: Callable[[], None] | None = None
+    ) -> None:
+        """Wait for the reads (``into`` is held until they are done), then run ``then``."""
         try:
             gets.wait(self.abandoned)
         except errors.PeerLostError:
@@ -466,6 +489,8 @@ class _Reads:
             self.done()
             raise
         self.done()
+        if then is not None:
+            then()
 
     def done(self) -> None:
         with self.lock:
