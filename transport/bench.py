@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -90,8 +91,8 @@ class BenchResult:
             for name, g in self.gbps.items()
         ]
         line = f"{self.backend}: {mib:g} MiB x {self.iters} in {self.layers} layers: "
-        best = self.best_nixl
-        tail = f"; ours/best NIXL {self.gbps['ours'] / best:.2f}" if best else ""
+        best, ours = self.best_nixl, self.gbps.get("ours")
+        tail = f"; ours/best NIXL {ours / best:.2f}" if best and ours else ""
         return line + ", ".join(parts) + tail
 
     def json(self) -> str:
@@ -282,6 +283,31 @@ def measure_perftest(size: int, iters: int, timeout_s: float = 120.0) -> float |
         server.wait()
 
 
+VARIANTS = (
+    "ours",
+    "ours-tls",
+    "ours-32",
+    "ours-read",
+    "ours-read-32",
+    "nixl",
+    "ucx_perftest",
+    "memory",
+)
+"""What `run`'s ``only`` may name: ours' variants, and the references (``nixl``: its four
+modes; ``memory``: ``copy`` and ``xxh3``)."""
+
+
+def _variants(only: Sequence[str] | None) -> frozenset[str]:
+    if only is None:
+        return frozenset(VARIANTS)
+    unknown = sorted(set(only) - set(VARIANTS))
+    if unknown or not only:
+        raise BenchError(
+            f"--only names {', '.join(unknown) or 'nothing'}; choose from {', '.join(VARIANTS)}"
+        )
+    return frozenset(only)
+
+
 async def _interleaved(
     backend: str,
     size: int,
@@ -290,16 +316,19 @@ async def _interleaved(
     rounds: int,
     nixl: bool,
     tls_dir: str | None = None,
+    only: frozenset[str] = frozenset(VARIANTS),
 ) -> dict[str, list[float]]:
     got: dict[str, list[float]] = {}
-    ours = {"ours": _Ours(backend, size, layers)}
+    makers: dict[str, Callable[[], _Ours]] = {"ours": lambda: _Ours(backend, size, layers)}
     if tls_dir is not None:  # right after plain ours, round by round
-        ours["ours-tls"] = _Ours(backend, size, layers, tls_dir=tls_dir)
-    ours["ours-32"] = _Ours(backend, size, 32, apart=True)
+        makers["ours-tls"] = lambda: _Ours(backend, size, layers, tls_dir=tls_dir)
+    makers["ours-32"] = lambda: _Ours(backend, size, 32, apart=True)
     if backend == "ucx":
-        ours["ours-read"] = _Ours(UCX_READ, size, layers)
-        ours["ours-read-32"] = _Ours(UCX_READ, size, 32, apart=True)
-    nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if nixl else []
+        makers["ours-read"] = lambda: _Ours(UCX_READ, size, layers)
+        makers["ours-read-32"] = lambda: _Ours(UCX_READ, size, 32, apart=True)
+    ours = {name: make() for name, make in makers.items() if name in only}
+    with_nixl = nixl and "nixl" in only
+    nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if with_nixl else []
     src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)  # pages in
     async with contextlib.AsyncExitStack() as stack:
         for session in ours.values():
@@ -314,12 +343,14 @@ async def _interleaved(
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
                     raise BenchError(str(exc)) from exc
                 got.setdefault(name, []).append(size / seconds / 1e9)
-            ref = await asyncio.to_thread(measure_perftest, size, iters)
-            if ref is not None:
-                got.setdefault("ucx_perftest", []).append(ref)
-            copy, xxh3 = memory_speeds(src, dst, iters)
-            got.setdefault("copy", []).append(copy)
-            got.setdefault("xxh3", []).append(xxh3)
+            if "ucx_perftest" in only:
+                ref = await asyncio.to_thread(measure_perftest, size, iters)
+                if ref is not None:
+                    got.setdefault("ucx_perftest", []).append(ref)
+            if "memory" in only:
+                copy, xxh3 = memory_speeds(src, dst, iters)
+                got.setdefault("copy", []).append(copy)
+                got.setdefault("xxh3", []).append(xxh3)
     return got
 
 
@@ -357,17 +388,26 @@ def run(
     rounds: int = 5,
     nixl: bool | None = None,
     tls_dir: str | None = None,
+    only: Sequence[str] | None = None,
 ) -> BenchResult:
     """Alternate ours (its variants) and the references ``rounds`` times; compare medians
     (noisy host). NIXL joins when importable unless ``nixl`` is False; with ``tls_dir``,
-    ours over mutual TLS too (``ours-tls``)."""
+    ours over mutual TLS too (``ours-tls``). ``only`` (`VARIANTS`) times just those: two
+    processes and nothing else between transfers, for a before/after of one path."""
     if iters < 1 or layers < 1 or rounds < 1:
         raise BenchError("--iters, --layers and --rounds must be at least 1")
+    chosen = _variants(only)
+    if "ours-tls" in chosen and only is not None and tls_dir is None:
+        raise BenchError("--only ours-tls needs --tls-dir")
+    if chosen & {"ours-read", "ours-read-32"} and only is not None and backend != "ucx":
+        raise BenchError("ours-read and ours-read-32 are UCX's one-sided path: --backend ucx")
     with_nixl = nixl_ref.nixl_available() if nixl is None else nixl
-    if with_nixl and not nixl_ref.nixl_available():
+    if with_nixl and "nixl" in chosen and not nixl_ref.nixl_available():
         raise BenchError("NIXL is not installed (`make nixl` installs nixl-cu12)")
     try:
-        got = asyncio.run(_interleaved(backend, size, iters, layers, rounds, with_nixl, tls_dir))
+        got = asyncio.run(
+            _interleaved(backend, size, iters, layers, rounds, with_nixl, tls_dir, chosen)
+        )
     except TlsConfigError as exc:
         raise BenchError(str(exc)) from exc
     return BenchResult(

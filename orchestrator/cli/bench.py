@@ -148,6 +148,13 @@ def _transport(bt: argparse.ArgumentParser) -> None:
         help="also time ours with mutual TLS on the KV control link (ours-tls), alternating "
         "with plain; DIR holds ca.pem, pdorch-prefill.pem/.key and pdorch-decode.pem/.key",
     )
+    bt.add_argument(
+        "--only",
+        default=None,
+        help="time only these, comma-separated: ours, ours-tls, ours-32, ours-read, "
+        "ours-read-32, nixl, ucx_perftest, memory (default: all; e.g. ours-read to compare "
+        "two builds of one path between two processes)",
+    )
     bt.set_defaults(call=_run_transport)
 
 
@@ -165,6 +172,7 @@ def _run_transport(args: argparse.Namespace) -> int:
                 args.rounds,
                 args.nixl,
                 tls_dir=args.tls_dir,
+                only=None if args.only is None else args.only.split(","),
             )
             print(result.json() if args.json else result.human(), flush=True)
     except bench.BenchError as exc:

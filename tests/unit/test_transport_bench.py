@@ -71,3 +71,24 @@ def test_the_memory_references_copy_and_hash_the_buffer() -> None:
 def test_the_memory_references_refuse_unequal_buffers() -> None:
     with pytest.raises(bench.BenchError, match="same, non-zero size"):
         bench.memory_speeds(np.zeros(8, np.uint8), np.zeros(4, np.uint8), iters=1)
+
+
+def test_only_names_what_exists_and_what_this_run_can_time() -> None:
+    with pytest.raises(bench.BenchError, match="choose from ours, ours-tls"):
+        bench.run("tcp", 1 << 20, 1, nixl=False, only=["ours", "bogus"])
+    with pytest.raises(bench.BenchError, match="needs --tls-dir"):
+        bench.run("tcp", 1 << 20, 1, nixl=False, only=["ours-tls"])
+    with pytest.raises(bench.BenchError, match="--backend ucx"):
+        bench.run("tcp", 1 << 20, 1, nixl=False, only=["ours-read"])
+
+
+def test_a_report_without_ours_has_no_ratio_to_nixl() -> None:
+    line = _result(**{"ours-read": 2.0, "nixl-read": 4.0}).human()
+    assert "ours-read 2.00 GB/s" in line
+    assert "ours/best NIXL" not in line
+
+
+def test_only_times_just_the_variants_named() -> None:
+    result = bench.run("tcp", 64 << 10, 3, layers=4, rounds=1, nixl=False, only=["ours-32"])
+    assert list(result.gbps) == ["ours-32"]
+    assert result.gbps["ours-32"] > 0
