@@ -84,9 +84,21 @@ async def _retrying(call: Callable[[], Awaitable[T]], loss: Loss) -> T:
 async def _drive(store: RedisStore, rid: str, loss: Loss) -> None:
     """One request: created, run aggregated, TOKENS journalled one by one, finished —
     going back to whatever the store lost."""
-    await _retrying(lambda: store.create(_record(rid)), loss)
-    await store.transition(rid, Edge.AGGREGATE, epoch=1)
+    await _start(store, rid, loss)
     await _journal_and_finish(store, rid, loss, 0)
+
+
+async def _start(store: RedisStore, rid: str, loss: Loss) -> None:
+    """Created and run aggregated; created again if the store lost the acknowledged
+    creation before the transition (a slow machine: created while the replica is cut off)."""
+    while True:
+        await _retrying(lambda: store.create(_record(rid)), loss)
+        try:
+            await store.transition(rid, Edge.AGGREGATE, epoch=1)
+        except errors.NotFoundError:
+            loss.requests_lost.append(rid)
+            continue
+        return
 
 
 async def _journal_and_finish(store: RedisStore, rid: str, loss: Loss, acked: int) -> None:
@@ -100,8 +112,7 @@ async def _journal_and_finish(store: RedisStore, rid: str, loss: Loss, acked: in
         except errors.NotFoundError:  # the acknowledged creation was lost, tokens and all
             loss.requests_lost.append(rid)
             loss.tokens_lost += acked
-            await _retrying(lambda: store.create(_record(rid)), loss)
-            await store.transition(rid, Edge.AGGREGATE, epoch=1)
+            await _start(store, rid, loss)
             acked = 0
         await asyncio.sleep(0.01)  # a decode step
     try:
