@@ -10,9 +10,10 @@ receiver, which checked the header and reserved the (request id, epoch) and the 
 anything else, unpacks each remote key once per link (``ucp_ep_rkey_unpack``, kept in
 `_Reads.keys` until WITHDRAW or the link goes), reads the regions into its own slice for
 that segment (``ucp_get_nbx``: CMA between local processes, one copy done by the receiver's
-own thread, or on its loop up to 1 MiB), verifies each layer as bytes and frame are both in,
-and answers DONE. The calls UCXX's Python API lacks are in `transport.ucp` (ctypes on
-UCXX's own context, worker and endpoints).
+own thread, or on its loop up to 1 MiB), verifies each layer as bytes and frame are both in
+(the last segment's right after its read, in the same thread, when its checksums came
+first: `DataPlane.read`'s ``then``), and answers DONE. The calls UCXX's Python API lacks
+are in `transport.ucp` (ctypes on UCXX's own context, worker and endpoints).
 
 **Pull, and why no stale write can land in re-used memory.** Only the receiver's own reads
 ever write into its memory, and only into the slice of a buffer reserved for the (request
