@@ -23,17 +23,19 @@ back as fresh pages (mmap, or a heap trimmed on free): a 1 MiB eager transfer to
 1.6–1.8 ms with its buffers allocated per transfer, 0.83–0.86 ms pooled."""
 
 
-def size_class(nbytes: int) -> int:
+def size_class(nbytes: int, min_pooled: int = _MIN_POOLED) -> int:
     """Round up to 1/8 of the enclosing power of two: at most 12.5 % slack per buffer."""
-    if nbytes <= _MIN_POOLED:
+    if nbytes <= min_pooled:
         return nbytes
     step = 1 << max(16, nbytes.bit_length() - 4)
     return -(-nbytes // step) * step
 
 
 class BufferPool:
-    def __init__(self, max_idle_bytes: int) -> None:
+    def __init__(self, max_idle_bytes: int, min_pooled: int = _MIN_POOLED) -> None:
         self._max_idle = max_idle_bytes
+        self._min = min_pooled
+        """Buffers up to this size are allocated each time, not pooled."""
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()  # release() may come from any thread
@@ -47,9 +49,9 @@ class BufferPool:
 
     def acquire(self, nbytes: int) -> np.ndarray:
         """A uint8 array of exactly ``nbytes`` (its contents are garbage)."""
-        if nbytes <= _MIN_POOLED:
+        if nbytes <= self._min:
             return np.empty(nbytes, dtype=np.uint8)
-        cap = size_class(nbytes)
+        cap = size_class(nbytes, self._min)
         with self._lock:
             free = self._idle.get(cap)
             if free:
@@ -62,7 +64,7 @@ class BufferPool:
         """Return a buffer from `acquire` (drop every view of it first)."""
         base = buf.base if isinstance(buf.base, np.ndarray) else buf
         cap = base.nbytes
-        if cap <= _MIN_POOLED or size_class(cap) != cap:
+        if cap <= self._min or size_class(cap, self._min) != cap:
             return
         with self._lock:
             if self._idle_bytes + cap > self._max_idle:

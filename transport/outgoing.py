@@ -27,7 +27,7 @@ from transport.link import Link
 from transport.registry import Registration
 
 if TYPE_CHECKING:
-    from transport.sender import KvSender
+    from transport.sender import Held, KvSender
 
 __all__ = ["OutgoingTransfer", "Pool"]
 
@@ -358,7 +358,8 @@ class OutgoingTransfer:
         if self._used:
             # The receiver may still be reading (it aborts its reads within its idle
             # deadline): the buffers stay referenced, so never freed under a read, until then.
-            held, self._used, self._buffers = (self._used, self._buffers), [], []
+            held: Held = (self._used, self._buffers, [])
+            self._used, self._buffers = [], []
             self._sender._quarantine(held, self._settings.idle_timeout_s)
         await self._link.close()
         self._sender._release(self._pool, self._link, reusable=False)

@@ -24,6 +24,7 @@ from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.link import Link
 from transport.receiver import KvReceiver
+from transport.sender import STAGE_MAX_BYTES
 from transport.tcp import tcp_receiver
 from transport.ucx import ucx_available
 
@@ -291,7 +292,8 @@ def test_a_buffer_not_owned_by_numpy_is_registered_for_one_transfer() -> None:
         from transport.sender import KvSender  # noqa: PLC0415
 
         assert isinstance(sender, KvSender)
-        cache = testing.synthetic_cache("b", 1, READ_SIZE, n_layers=2)
+        # past staging (`_Folded.stage`): its pieces are read where they lie
+        cache = testing.synthetic_cache("b", 1, STAGE_MAX_BYTES + READ_SIZE, n_layers=2)
         raw = bytearray(b"".join(bytes(t) for k, v in cache.layers for t in (k, v)))
         layers = []
         pos = 0
@@ -306,6 +308,53 @@ def test_a_buffer_not_owned_by_numpy_is_registered_for_one_transfer() -> None:
         assert not sender.registry.live  # withdrawn when the transfer ended
 
     asyncio.run(_with_pair(body))
+
+
+def test_small_blocks_apart_are_staged_into_one_region_registered_once() -> None:
+    """A KV of 32 layers allocated apart (64 pieces of 4 KiB) is joined into one pooled
+    staging buffer and read as one region: one READ descriptor per transfer, the staging
+    buffer registered once over three transfers (the pieces never), back in the pool after
+    each; a KV past `STAGE_MAX_BYTES` is read where its pieces lie."""
+    reads: list[int] = []
+
+    async def body(sender: object, receiver: KvReceiver, address: str) -> None:
+        from transport.sender import KvSender  # noqa: PLC0415
+
+        assert isinstance(sender, KvSender)
+        for n in range(3):
+            cache = _apart(testing.synthetic_cache("s", n + 1, READ_SIZE * 2, n_layers=32))
+            await _send_and_take(sender, receiver, address, cache)
+            assert sender.staging.idle_bytes > 0  # given back once DONE came
+        assert sender.registry.registrations == 1  # the staging buffer's, once
+        big = _apart(testing.synthetic_cache("b", 1, STAGE_MAX_BYTES * 2, n_layers=2))
+        await _send_and_take(sender, receiver, address, big)
+        assert sender.registry.registrations == 3  # its two layers' own allocations
+
+    original = control.parse_read
+
+    def spy(body: bytes) -> tuple[int, list[control.Descriptor]]:
+        n, descs = original(body)
+        reads.append(len(descs))
+        return n, descs
+
+    control.parse_read = spy  # type: ignore[assignment]
+    try:
+        asyncio.run(_with_pair(body))
+    finally:
+        control.parse_read = original  # type: ignore[assignment]
+    assert reads == [1, 1, 1, 2], reads
+
+
+def _apart(cache: wire.KvCache) -> wire.KvCache:
+    """Each layer's K and V in an allocation of its own (a block list)."""
+    layers = []
+    for k, v in cache.layers:
+        block = np.empty(k.nbytes + v.nbytes, dtype=np.uint8)
+        kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
+        vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
+        kk[...], vv[...] = k, v
+        layers.append((kk, vv))
+    return wire.KvCache(cache.header, tuple(layers))
 
 
 @pytest.mark.parametrize("size", [EAGER_SIZE, READ_SIZE], ids=["eager", "read"])
