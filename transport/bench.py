@@ -36,6 +36,7 @@ from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.errors import TlsConfigError, TransportError
 from transport.security import LinkTls
+from transport.testing import apart as testing_apart
 from transport.testing import synthetic_cache
 from transport.ucx import UcxConfig
 
@@ -141,9 +142,7 @@ class _Ours:
         self.settings = settings or TransportSettings()
         self.cache = synthetic_cache("bench", 1, size, n_layers=layers)
         if apart:  # each layer in its own allocation: a block list, not one region
-            self.cache = wire.KvCache(
-                self.cache.header, tuple(_apart(k, v) for k, v in self.cache.layers)
-            )
+            self.cache = testing_apart(self.cache)
         tls = None if tls_dir is None else security.load_dir(tls_dir, "prefill")
         self.sender = make_sender(backend, self.settings, ucx, tls)
         self.count = 0
@@ -192,14 +191,6 @@ class _Ours:
         if self.proc.returncode is None:
             self.proc.kill()
             await self.proc.wait()
-
-
-def _apart(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    block = np.empty(k.nbytes + v.nbytes, dtype=np.uint8)
-    kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
-    vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
-    kk[...], vv[...] = k, v
-    return kk, vv
 
 
 _ADDRESS_PREFIX = "pdorch-bench-receiver"

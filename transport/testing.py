@@ -63,6 +63,18 @@ def synthetic_cache(
     return wire.KvCache(header, tuple(layers))
 
 
+def apart(cache: wire.KvCache) -> wire.KvCache:
+    """The same KV with each layer's K and V in an allocation of its own (a block list)."""
+    layers = []
+    for k, v in cache.layers:
+        block = np.empty(k.nbytes + v.nbytes, dtype=np.uint8)
+        kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
+        vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
+        kk[...], vv[...] = k, v
+        layers.append((kk, vv))
+    return wire.KvCache(cache.header, tuple(layers))
+
+
 def scaled_cache(request_id: str, epoch: int, size: int, n_layers: int = 4) -> wire.KvCache:
     """About ``size`` bytes of fp8 KV with per-head scales (format version 2)."""
     per_tensor = max(1, size // (2 * n_layers))

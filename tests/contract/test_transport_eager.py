@@ -70,18 +70,6 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> Writes:
     return seen
 
 
-def _apart(cache: wire.KvCache) -> wire.KvCache:
-    """The same KV with each layer's K and V in an allocation of its own (a block list)."""
-    layers = []
-    for k, v in cache.layers:
-        block = np.empty(k.nbytes + v.nbytes, dtype=np.uint8)
-        kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
-        vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
-        kk[...], vv[...] = k, v
-        layers.append((kk, vv))
-    return wire.KvCache(cache.header, tuple(layers))
-
-
 def _shares(piece: bytes | memoryview, cache: wire.KvCache) -> bool:
     if not isinstance(piece, memoryview):
         return False
@@ -110,7 +98,7 @@ def test_a_kv_at_its_senders_bound_goes_eager_from_its_own_memory(
 ) -> None:
     bound = BOUNDS[backend]
     contiguous = testing.synthetic_cache("c", 1, bound, n_layers=LAYERS)
-    apart = _apart(testing.synthetic_cache("a", 1, bound, n_layers=LAYERS, seed=3))
+    apart = testing.apart(testing.synthetic_cache("a", 1, bound, n_layers=LAYERS, seed=3))
     assert OLD_EAGER_BYTES < contiguous.header.payload_bytes == bound
 
     async def body(sender: KvSender, receiver: object, address: str) -> None:
@@ -222,7 +210,8 @@ def test_a_small_kv_is_joined_from_any_layout_and_checked_against_its_header(
 
     monkeypatch.setattr(sender_module, "joined", spy)
     contiguous = testing.synthetic_cache("c", 1, 4 * testing.KIB, n_layers=LAYERS)
-    apart = _apart(testing.synthetic_cache("a", 1, 64 * testing.KIB, n_layers=LAYERS, seed=3))
+    kv = testing.synthetic_cache("a", 1, 64 * testing.KIB, n_layers=LAYERS, seed=3)
+    apart = testing.apart(kv)
     k0, v0 = contiguous.layers[0]
     wrong = wire.KvCache(
         dataclasses.replace(contiguous.header, request_id="w"),

@@ -322,11 +322,11 @@ def test_small_blocks_apart_are_staged_into_one_region_registered_once() -> None
 
         assert isinstance(sender, KvSender)
         for n in range(3):
-            cache = _apart(testing.synthetic_cache("s", n + 1, READ_SIZE * 2, n_layers=32))
+            cache = testing.apart(testing.synthetic_cache("s", n + 1, READ_SIZE * 2, n_layers=32))
             await _send_and_take(sender, receiver, address, cache)
             assert sender.staging.idle_bytes > 0  # given back once DONE came
         assert sender.registry.registrations == 1  # the staging buffer's, once
-        big = _apart(testing.synthetic_cache("b", 1, STAGE_MAX_BYTES * 2, n_layers=2))
+        big = testing.apart(testing.synthetic_cache("b", 1, STAGE_MAX_BYTES * 2, n_layers=2))
         await _send_and_take(sender, receiver, address, big)
         assert sender.registry.registrations == 3  # its two layers' own allocations
 
@@ -343,18 +343,6 @@ def test_small_blocks_apart_are_staged_into_one_region_registered_once() -> None
     finally:
         control.parse_read = original  # type: ignore[assignment]
     assert reads == [1, 1, 1, 2], reads
-
-
-def _apart(cache: wire.KvCache) -> wire.KvCache:
-    """Each layer's K and V in an allocation of its own (a block list)."""
-    layers = []
-    for k, v in cache.layers:
-        block = np.empty(k.nbytes + v.nbytes, dtype=np.uint8)
-        kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
-        vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
-        kk[...], vv[...] = k, v
-        layers.append((kk, vv))
-    return wire.KvCache(cache.header, tuple(layers))
 
 
 @pytest.mark.parametrize("size", [EAGER_SIZE, READ_SIZE], ids=["eager", "read"])
