@@ -64,8 +64,8 @@ DelayHook = Callable[[int], float]
 ExposedHook = Callable[[int], None]
 LayeredHook = Callable[[], bool]
 Held = tuple[list[Registration], list[memoryview], list[np.ndarray]]
-"""A transfer's registrations, the buffers read, and its staging buffers (`_Folded.stage`)."""
-"""One-sided: registrations a transfer uses, and its buffers (kept alive with them)."""
+"""One-sided: registrations a transfer uses, its buffers (kept alive with them), and its
+staging buffers (`_Folded.stage`: back to the pool once released)."""
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""

@@ -88,6 +88,7 @@ def test_a_report_without_ours_has_no_ratio_to_nixl() -> None:
     assert "ours/best NIXL" not in line
 
 
+@pytest.mark.slow  # starts a receiver process and moves KV over tcp (make test runs it)
 def test_only_times_just_the_variants_named() -> None:
     result = bench.run("tcp", 64 << 10, 3, layers=4, rounds=1, nixl=False, only=["ours-32"])
     assert list(result.gbps) == ["ours-32"]
