@@ -60,8 +60,8 @@ def settings(server: RedisServer, request: pytest.FixtureRequest) -> StoreSettin
     return StoreSettings(
         url=url_of(server, "orchestrator"),
         prefix=f"{PREFIX}:{encode(request.node.name)}",
-        socket_timeout_s=suite.SOCKET_TIMEOUT_S,
-        connect_timeout_s=suite.SOCKET_TIMEOUT_S,
+        socket_timeout_s=suite.HEALTHY_TIMEOUT_S,
+        connect_timeout_s=suite.HEALTHY_TIMEOUT_S,
         record_ttl_s=600,
     )
 

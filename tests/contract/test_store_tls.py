@@ -134,8 +134,8 @@ def settings(tls: TlsServer, request: pytest.FixtureRequest) -> StoreSettings:
     return StoreSettings(
         url=tls.url("orchestrator"),
         prefix=f"{PREFIX}:{encode(request.node.name)}",
-        socket_timeout_s=suite.SOCKET_TIMEOUT_S,
-        connect_timeout_s=5.0,  # a TLS handshake on a loaded 2-core machine
+        socket_timeout_s=suite.HEALTHY_TIMEOUT_S,
+        connect_timeout_s=suite.HEALTHY_TIMEOUT_S,  # a TLS handshake on a loaded machine
         record_ttl_s=600,
     )
 
