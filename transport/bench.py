@@ -37,6 +37,7 @@ from transport.base import TransportSettings
 from transport.errors import TlsConfigError, TransportError
 from transport.security import LinkTls
 from transport.testing import apart as testing_apart
+from transport.testing import paged as testing_paged
 from transport.testing import synthetic_cache
 from transport.ucx import UcxConfig
 
@@ -172,15 +173,18 @@ class _Ours:
         for _ in range(iters):
             self.count += 1
             rid = f"bench-{self.count}"
-            header = dataclasses.replace(self.cache.header, request_id=rid)
-            cache = dataclasses.replace(self.cache, header=header)
             started = time.perf_counter()
-            await self.sender.send(self.address, cache)  # as a prefill worker sends its KV
+            await self.send(rid)
             total += time.perf_counter() - started
             proc.stdin.write(rid.encode() + b"\n")
             if (reply := await _read_reply(proc.stdout)) != "ok":
                 raise BenchError(f"benchmark receiver did not confirm a transfer: {reply}")
         return self.cache.nbytes * iters / total / 1e9
+
+    async def send(self, rid: str) -> None:
+        """One transfer, as a prefill worker sends its KV: the whole of it at once."""
+        header = dataclasses.replace(self.cache.header, request_id=rid)
+        await self.sender.send(self.address, dataclasses.replace(self.cache, header=header))
 
     async def __aexit__(self, *exc: object) -> None:
         await self.sender.close()
@@ -192,6 +196,33 @@ class _Ours:
             self.proc.kill()
             await self.proc.wait()
 
+
+class _Paged(_Ours):
+    """Ours as vLLM's connector sends (`ours-read-paged`): layer by layer as the forward
+    produces them, each K and V in pieces of `PAGED_PIECE_BYTES` scattered over a cache
+    registered once (`Registry.register_region`), read where they lie."""
+
+    def __init__(self, size: int, layers: int) -> None:
+        super().__init__(UCX_READ, size, layers)
+        self.paged = testing_paged(self.cache, PAGED_PIECE_BYTES)
+        self.region: object = None
+
+    async def send(self, rid: str) -> None:
+        sender = self.sender
+        if self.region is None:
+            await sender.start()
+            pool = self.paged.pool
+            self.region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        header = dataclasses.replace(self.paged.header, request_id=rid)
+        async with await sender.open(self.address, header) as transfer:
+            for i, (k, v) in enumerate(self.paged.layers):
+                await transfer.send_layer(i, k, v)
+            await transfer.finish()
+
+
+PAGED_PIECE_BYTES = 32 << 10
+"""`ours-read-paged`'s piece: one head of one 128-token block of SmolLM2-135M's fp32 KV in
+vLLM's CPU cache (128 tokens × 64 dims × 4 bytes)."""
 
 _ADDRESS_PREFIX = "pdorch-bench-receiver"
 _REPLY_PREFIX = "pdorch-bench-reply"
@@ -280,6 +311,7 @@ VARIANTS = (
     "ours-32",
     "ours-read",
     "ours-read-32",
+    "ours-read-paged",
     "nixl",
     "ucx_perftest",
     "memory",
@@ -317,6 +349,7 @@ async def _interleaved(
     if backend == "ucx":
         makers["ours-read"] = lambda: _Ours(UCX_READ, size, layers)
         makers["ours-read-32"] = lambda: _Ours(UCX_READ, size, 32, apart=True)
+        makers["ours-read-paged"] = lambda: _Paged(size, 32)
     ours = {name: make() for name, make in makers.items() if name in only}
     with_nixl = nixl and "nixl" in only
     nixl_modes = [("WRITE", 1), ("READ", 1), ("WRITE", 32), ("READ", 32)] if with_nixl else []
@@ -390,8 +423,9 @@ def run(
     chosen = _variants(only)
     if "ours-tls" in chosen and only is not None and tls_dir is None:
         raise BenchError("--only ours-tls needs --tls-dir")
-    if chosen & {"ours-read", "ours-read-32"} and only is not None and backend != "ucx":
-        raise BenchError("ours-read and ours-read-32 are UCX's one-sided path: --backend ucx")
+    one_sided = {"ours-read", "ours-read-32", "ours-read-paged"}
+    if chosen & one_sided and only is not None and backend != "ucx":
+        raise BenchError(f"{', '.join(sorted(chosen & one_sided))}: one-sided, --backend ucx")
     with_nixl = nixl_ref.nixl_available() if nixl is None else nixl
     if with_nixl and "nixl" in chosen and not nixl_ref.nixl_available():
         raise BenchError("NIXL is not installed (`make nixl` installs nixl-cu12)")

@@ -75,6 +75,38 @@ def apart(cache: wire.KvCache) -> wire.KvCache:
     return wire.KvCache(cache.header, tuple(layers))
 
 
+@dataclass(frozen=True, slots=True)
+class Paged:
+    """A KV scattered in pieces over one pool, as a paged engine holds it (vLLM's blocks):
+    per layer, K's pieces and V's pieces in wire order (`OutgoingTransfer.send_layer`)."""
+
+    header: wire.KvHeader
+    pool: np.ndarray
+    layers: list[tuple[list[memoryview], list[memoryview]]]
+
+
+def paged(cache: wire.KvCache, piece_bytes: int, seed: int = 0) -> Paged:
+    """``cache``'s bytes cut into pieces of ``piece_bytes`` (a tensor's last one shorter),
+    each copied to a slot of a pool twice their number, slots drawn at random: no two
+    pieces of a tensor touch, as the blocks of a long-running engine's cache do not."""
+    tensors = [t for k, v in cache.layers for t in (wire.as_bytes_view(k), wire.as_bytes_view(v))]
+    counts = [max(1, math.ceil(t.nbytes / piece_bytes)) for t in tensors]
+    slots = np.random.default_rng(seed).permutation(2 * sum(counts))
+    pool = np.zeros(2 * sum(counts) * piece_bytes, dtype=np.uint8)
+    out: list[list[memoryview]] = []
+    taken = 0
+    for t, n in zip(tensors, counts, strict=True):
+        pieces = []
+        for i in range(n):
+            chunk = t[i * piece_bytes : (i + 1) * piece_bytes]
+            at = int(slots[taken]) * piece_bytes
+            taken += 1
+            pool[at : at + chunk.nbytes] = np.frombuffer(chunk, dtype=np.uint8)
+            pieces.append(pool[at : at + chunk.nbytes].data)
+        out.append(pieces)
+    return Paged(cache.header, pool, [(out[i], out[i + 1]) for i in range(0, len(out), 2)])
+
+
 def scaled_cache(request_id: str, epoch: int, size: int, n_layers: int = 4) -> wire.KvCache:
     """About ``size`` bytes of fp8 KV with per-head scales (format version 2)."""
     per_tensor = max(1, size // (2 * n_layers))

@@ -152,7 +152,8 @@ def _transport(bt: argparse.ArgumentParser) -> None:
         "--only",
         default=None,
         help="time only these, comma-separated: ours, ours-tls, ours-32, ours-read, "
-        "ours-read-32, nixl, ucx_perftest, memory (default: all; e.g. ours-read to compare "
+        "ours-read-32, ours-read-paged, nixl, ucx_perftest, memory (default: all; e.g. "
+        "ours-read to compare "
         "two builds of one path between two processes)",
     )
     bt.set_defaults(call=_run_transport)
