@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from transport import nixl_ref, security, wire
+from transport import control, nixl_ref, security, wire
 from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.errors import TlsConfigError, TransportError
@@ -199,11 +199,12 @@ class _Ours:
 
 class _Paged(_Ours):
     """Ours as vLLM's connector sends (`ours-read-paged`): layer by layer as the forward
-    produces them, each K and V in pieces of `PAGED_PIECE_BYTES` scattered over a cache
-    registered once (`Registry.register_region`), read where they lie."""
+    produces them, a segment each, each K and V in pieces of `PAGED_PIECE_BYTES`
+    scattered over a cache registered once (`Registry.register_region`)."""
 
     def __init__(self, size: int, layers: int) -> None:
-        super().__init__(UCX_READ, size, layers)
+        per_layer = TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES)  # the connector's
+        super().__init__(UCX_READ, size, layers, per_layer)
         self.paged = testing_paged(self.cache, PAGED_PIECE_BYTES)
         self.region: object = None
 
