@@ -38,7 +38,9 @@ class TransportSettings:
     keepalive_s: float = 1.0
     """Sender, layer by layer: while a transfer waits for its producer's next layer (the
     engine's forward, `OutgoingTransfer.hold`), an ALIVE this often — well under every
-    receiver's ``idle_timeout_s`` — so a slow forward is not taken for a dead peer."""
+    receiver's ``idle_timeout_s`` — so a slow forward is not taken for a dead peer.
+    Receiver, one-sided: a LANDED at most this often while it reads (the sender's sign of
+    life while it waits for DONE)."""
     transfer_timeout_s: float = 120.0
     """Whole transfer, open to done."""
     max_kv_bytes: int = 1 << 30

@@ -165,6 +165,10 @@ class Receive:
         """One-sided: segments announced (each is read once)."""
         self.queued: list[tuple[int, list[control.RemoteRegion]]] = []
         """One-sided: announced segments waiting for a read slot (`_MAX_READS`)."""
+        self.spoke_at = time.monotonic()
+        """When this side last told the sender it is alive (its ACCEPT, then LANDED)."""
+        self.told = 0
+        """Layers landed when the last LANDED went out."""
 
     def segment_view(self, n: int) -> memoryview:
         seg = self.segments[n]
@@ -205,6 +209,13 @@ class Receive:
                 watch: list[asyncio.Future[Any]] = [*self.receiving, *self.verifying]
                 # Keep a read outstanding even when all frames are in: it sees the peer's EOF.
                 reading = len(self.sums) < len(h.layers) or not self.plane.inline
+                if reading and not watch:  # only the link to wait for: read it in place
+                    idle_s = min(remaining, s.idle_timeout_s)
+                    await self._on_message(await link.read_next(idle_s))
+                    if self.one_sided:  # segments may have been read in place meanwhile
+                        await self._tell_alive()
+                    verified += self._start_verifying()
+                    continue
                 if reading:
                     watch.append(link.pending())
                 await wait_first(
@@ -250,21 +261,31 @@ class Receive:
 
     async def _collect_landed(self) -> None:
         """File the segments whose payload is in; one-sided, start the next reads and tell
-        the sender (it has nothing in flight to watch: this is its sign of life)."""
-        landed = 0
+        the sender, at most every ``keepalive_s`` (it has nothing in flight to watch: this
+        is its sign of life; one per segment cost each side a message per layer, and the
+        vLLM connector sends a segment per layer)."""
         for task in [t for t in self.receiving if t.done()]:
             seg = self.receiving.pop(task)
             checked = task in self.checking
             self.checking.discard(task)
             task.result()
-            landed += 1
             self._landed(seg, verified=checked)
         if self.one_sided:
             self.start_reads()
-            more = self.receiving or len(self.reading) < len(self.segments)
-            if landed and more:  # not after the last segment: DONE or ERROR follows
-                msg = control.encode(control.Kind.LANDED)
-                await self.link.send(msg, self.settings.idle_timeout_s)
+            await self._tell_alive()
+
+    async def _tell_alive(self) -> None:
+        """One-sided: LANDED if segments landed since the last one, more are to come (after
+        the last, DONE or ERROR follows) and ``keepalive_s`` passed."""
+        more = self.receiving or len(self.reading) < len(self.segments)
+        now = time.monotonic()
+        if (
+            more
+            and len(self.landed) > self.told
+            and now - self.spoke_at >= self.settings.keepalive_s
+        ):
+            self.told, self.spoke_at = len(self.landed), now
+            await self.link.send(_LANDED, self.settings.idle_timeout_s)
 
     def _maybe_verify(self, index: int) -> None:
         if index in self.sums and index in self.landed:
@@ -389,13 +410,12 @@ class Receive:
             n, regions = self.queued.pop(0)
             view = self.segment_view(n)
             then = self._verifier(n)
-            if len(self.segments) == 1:  # the whole KV: read in place when small
-                rest = self.plane.read_now(self.link.peer, regions, view, then)
-                if rest is None:
-                    self._landed(self.segments[n], verified=then is not None)
-                    continue
-            else:
-                rest = self.plane.read(self.link.peer, regions, view, then)
+            # A small segment is read right here (no task, no loop turn: the vLLM
+            # connector sends a segment per layer).
+            rest = self.plane.read_now(self.link.peer, regions, view, then)
+            if rest is None:
+                self._landed(self.segments[n], verified=then is not None)
+                continue
             task = asyncio.create_task(rest, name=f"pdorch-kv-read-{n}")
             self.receiving[task] = self.segments[n]
             if then is not None:
@@ -424,6 +444,9 @@ announced. Two reads *at once* shared the memory bandwidth instead, so a 64 MiB 
 32 MiB segments landed together and nothing overlapped (1.8–2.6 GB/s against 3.6 with one at
 a time, load 7); one at a time with a loop turn and a thread hop between them cost 0.7–2.7 ms
 per segment boundary under load."""
+
+_LANDED = control.encode(control.Kind.LANDED)
+"""One-sided: a segment was read (`Receive._collect_landed`; no body: encoded once)."""
 
 _SPLIT_TAIL_BYTES = 4 << 20
 """A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""

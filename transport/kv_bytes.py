@@ -3,7 +3,8 @@
 What `transport.sender` checks and shapes before a transfer: a layer given as pieces of
 memory, checked against the header (`layer_pieces`); each layer's checksum and the frames
 that carry them (`checksums`, `frames`); a small KV joined from its tensors in one call
-(`joined`), or a KV laid out as on the wire in one allocation taken as one span (`span`).
+(`joined`), or a KV laid out as on the wire in one allocation taken as one span (`span`);
+one-sided, which segments of pieces apart are staged into one buffer (`staged`, `copy_into`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from transport import errors, wire
+from transport import control, errors, wire
 
 Pieces = Sequence[memoryview]
 """K or V of a layer as pieces of memory, in wire order (`OutgoingTransfer.send_layer`)."""
@@ -52,6 +53,34 @@ def layer_pieces(
 
 def checksums(layers: list[list[memoryview]]) -> list[int]:
     return [wire.checksum(*layer) for layer in layers]
+
+
+STAGE_PIECE_BYTES = 256 << 10
+"""One-sided: a segment of pieces smaller than this on average is staged (`staged`)."""
+
+
+def staged(pieces: Sequence[memoryview], limit: int | None = None) -> bool:
+    """Whether a one-sided segment of ``pieces`` apart (a paged cache's blocks, layers
+    allocated apart) is staged: copied into one pooled, registered buffer (`copy_into`) and
+    read as one region — at least two pieces, up to ``limit`` bytes, smaller than
+    `STAGE_PIECE_BYTES` on average (a read per piece costs ~17 µs here, a copy of 256 KiB
+    ~8) or more than one READ names (`control.MAX_REGIONS`)."""
+    n = len(pieces)
+    if n < 2:
+        return False
+    total = sum([p.nbytes for p in pieces])
+    if limit is not None and total > limit:
+        return False
+    return total < STAGE_PIECE_BYTES * n or n > control.MAX_REGIONS
+
+
+def copy_into(buf: np.ndarray, pieces: Sequence[memoryview]) -> None:
+    """``pieces`` one after another into the byte array ``buf`` (staging, `KvSender.stage`)."""
+    pos = 0
+    for p in pieces:
+        end = pos + p.nbytes
+        buf[pos:end] = np.frombuffer(p, dtype=np.uint8)
+        pos = end
 
 
 def frames(parts: Parts, sums: list[int]) -> bytes:

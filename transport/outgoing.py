@@ -77,6 +77,9 @@ class OutgoingTransfer:
         it ended: the receiver reads them)."""
         self._in_place: set[int] = set()
         """One-sided: layers given in pieces (memory the transfer does not own)."""
+        self._staged: list[np.ndarray] = []
+        """One-sided: staging buffers of segments of small pieces (`_expose_pieces`), back
+        to the sender's pool once nothing reads them."""
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
@@ -231,24 +234,27 @@ class OutgoingTransfer:
         """A segment with layers in pieces (memory the transfer does not own): checksums
         first, then KEYS, READ and LAYERS in one message. Checked against the bytes as
         they were given, a read that finds them changed (re-used after the transfer
-        failed) is refused. Too scattered for one READ, the segment is joined (one copy)."""
+        failed) is refused. Small pieces, or more than one READ names, are staged
+        (`kv_bytes.staged`): copied after their checksums, in the same thread hop, into
+        a pooled buffer read as one region — a piece changed before its copy is refused
+        just the same."""
         sender = self._sender
-        sums = await sender.checksums([summed for _, summed, _ in parts])
-        if sender.exposed_hook is not None:
-            sender.exposed_hook(seg)
+        hook = sender.exposed_hook
+        staging = (
+            sender.staging.acquire(sum(b.nbytes for b in bufs)) if kv_bytes.staged(bufs) else None
+        )
+
+        def then() -> None:  # in the checksum thread for a large segment
+            if hook is not None:
+                hook(seg)
+            if staging is not None:
+                kv_bytes.copy_into(staging, bufs)
+
+        sums = await sender.checksums([summed for _, summed, _ in parts], then)
+        if staging is not None:  # (were the wait cancelled, the copy's buffer is dropped)
+            self._staged.append(staging)
+            bufs = [staging.data]
         descs, regs = sender.registry.acquire(bufs)
-        if len(descs) > control.MAX_REGIONS:
-            sender._release_registrations(regs)
-            log.info(
-                "KV of %s: segment %d is %d pieces apart, more than one READ names (%d): "
-                "joined into one copy",
-                self.header.request_id,
-                seg,
-                len(descs),
-                control.MAX_REGIONS,
-            )
-            bufs = [memoryview(b"".join(bufs))]
-            descs, regs = sender.registry.acquire(bufs)
         self._used.extend(regs)
         self._buffers.extend(bufs)
         message = sender.announce(self._link, regs) + control.read(seg, descs)
@@ -322,7 +328,8 @@ class OutgoingTransfer:
         if msg.kind is control.Kind.DONE:
             self._state = "done"
             self._sender._release_registrations(self._used)
-            self._used, self._buffers = [], []
+            self._sender.unstage(self._staged)
+            self._used, self._buffers, self._staged = [], [], []
             self._sender._release(self._pool, self._link, reusable=True)
             return
         await self._fail()
@@ -355,11 +362,11 @@ class OutgoingTransfer:
             with contextlib.suppress(BaseException):
                 await t
         self._in_flight.clear()
-        if self._used:
+        if self._used or self._staged:
             # The receiver may still be reading (it aborts its reads within its idle
             # deadline): the buffers stay referenced, so never freed under a read, until then.
-            held: Held = (self._used, self._buffers, [])
-            self._used, self._buffers = [], []
+            held: Held = (self._used, self._buffers, self._staged)
+            self._used, self._buffers, self._staged = [], [], []
             self._sender._quarantine(held, self._settings.idle_timeout_s)
         await self._link.close()
         self._sender._release(self._pool, self._link, reusable=False)

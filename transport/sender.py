@@ -71,10 +71,8 @@ _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
 _xxh3 = xxhash.xxh3_64_intdigest
 STAGE_MAX_BYTES = 4 << 20
-"""One-sided: a segment of small pieces apart up to this size is joined into one staging
-buffer and read as one region (`_Folded.stage`)."""
-STAGE_PIECE_BYTES = 256 << 10
-"""… when its pieces are smaller than this on average (a read each costs more than a copy)."""
+"""One-sided, a whole KV at once (`_Folded.stage`: the copy is on the loop, before the
+OPEN): segments up to this size are staged (`kv_bytes.staged`)."""
 STAGING_IDLE_BYTES = 64 << 20
 """Staging buffers kept idle for reuse, at most (each stays registered while kept)."""
 
@@ -434,8 +432,7 @@ class KvSender:
         held = self._held.pop(key, None)
         if held is not None:
             self._release_registrations(held[0])
-            for buf in held[2]:  # nothing reads it now: it may be staged into again
-                self.staging.release(buf)
+            self.unstage(held[2])
 
     def _release_registrations(self, used: list[Registration]) -> None:
         try:
@@ -457,17 +454,33 @@ class KvSender:
         await self._plane.close()
         self._checksummer.shutdown(wait=False)
 
-    async def checksums(self, layers: list[list[memoryview]]) -> list[int]:
-        """Each layer's checksum. Large batches go to this sender's one checksum thread,
-        one batch after the other in order: two at once competed with the copy for memory
-        bandwidth and delayed the first segment's frames."""
+    async def checksums(
+        self, layers: list[list[memoryview]], then: Callable[[], None] | None = None
+    ) -> list[int]:
+        """Each layer's checksum, then ``then`` (e.g. a staging copy of what was summed).
+        Large batches go to this sender's one checksum thread, one batch after the other
+        in order: two at once competed with the copy for memory bandwidth and delayed the
+        first segment's frames."""
         if sum(b.nbytes for layer in layers for b in layer) < _THREAD_CHECKSUM_BYTES:
-            return kv_bytes.checksums(layers)
+            return _summed(layers, then)
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._checksummer, kv_bytes.checksums, layers)
+            return await loop.run_in_executor(self._checksummer, _summed, layers, then)
         except RuntimeError as exc:  # the executor was shut down: the sender is closed
             raise errors.TransportClosedError(f"sender closed: {exc}") from exc
+
+    def unstage(self, staged: list[np.ndarray]) -> None:
+        """Staging buffers nothing reads any more (the transfer ended, or its failure's
+        hold is over): back to the pool, to be staged into again."""
+        for buf in staged:
+            self.staging.release(buf)
+
+
+def _summed(layers: list[list[memoryview]], then: Callable[[], None] | None) -> list[int]:
+    sums = kv_bytes.checksums(layers)
+    if then is not None:
+        then()
+    return sums
 
 
 def _remaining(deadline: float, settings: TransportSettings, request_id: str) -> float:
@@ -514,34 +527,23 @@ class _Folded:
         return self.used, [b for seg in self.segments for b in seg], self.staged
 
     def stage(self) -> None:
-        """Join each segment of many small pieces apart (a paged cache's blocks, layers
-        allocated apart) into one staging buffer, read as one region: a one-sided read per
-        piece costs ~17 µs here, a copy of 256 KiB ~8. The layers' checksums were taken
-        over the pieces themselves, so a piece changed before it was copied fails
-        verification as it would have read in place. Up to `STAGE_MAX_BYTES` a segment
-        (the copy is on the sender's loop, before its OPEN)."""
+        """Join each segment of many small pieces apart into one staging buffer, read as
+        one region (`kv_bytes.staged`). The layers' checksums were taken over the pieces
+        themselves, so a piece changed before it was copied fails verification as it
+        would have read in place. Up to `STAGE_MAX_BYTES` a segment."""
         pool = self.sender.staging
         for n, pieces in enumerate(self.segments):
-            total = sum([p.nbytes for p in pieces])
-            if len(pieces) < 2 or total > STAGE_MAX_BYTES:
-                continue
-            if total >= STAGE_PIECE_BYTES * len(pieces):
-                continue
-            buf = pool.acquire(total)
-            pos = 0
-            for p in pieces:
-                end = pos + p.nbytes
-                buf[pos:end] = np.frombuffer(p, dtype=np.uint8)
-                pos = end
-            self.staged.append(buf)
-            self.segments[n] = [buf.data]
+            if kv_bytes.staged(pieces, STAGE_MAX_BYTES):
+                buf = pool.acquire(sum([p.nbytes for p in pieces]))
+                kv_bytes.copy_into(buf, pieces)
+                self.staged.append(buf)
+                self.segments[n] = [buf.data]
 
     def unstage(self) -> None:
         """The transfer ended (DONE): its staging buffers go back to the pool."""
         staged, self.staged = self.staged, []
         self.segments = []  # no view of them is kept
-        for buf in staged:
-            self.sender.staging.release(buf)
+        self.sender.unstage(staged)
 
     def wait_s(self) -> float:
         return _remaining(self.deadline, self.sender.settings, self.header.request_id)

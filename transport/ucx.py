@@ -292,9 +292,9 @@ class UcxDataPlane(DataPlane):
         then: Callable[[], None] | None = None,
     ) -> Coroutine[Any, Any, None] | None:
         ep = self._eps.get(peer.channel)
-        if ep is None or into.nbytes > _INLINE_READ_BYTES:
-            return self.read(peer, regions, into, then)
         reads = self._reads(peer)
+        if ep is None or into.nbytes > _INLINE_READ_BYTES or reads.chaining:
+            return self.read(peer, regions, into, then)
         try:
             handle = int(_requests(ep).handle)
         except Exception as exc:

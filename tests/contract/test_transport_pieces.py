@@ -1,10 +1,11 @@
 """Layers sent in pieces (issue 16 item 1): K and V of each layer given as the memoryviews of
-a paged cache's blocks — a memory region registered once, as vLLM's KV cache is — are read
-one-sided straight out of it and land byte-identical to the gathered layout; adjacent
-pieces travel as one descriptor; the region is registered once however many transfers use
-it; a byte changed after the checksums were taken (memory re-used under a late read) is
-refused; pieces too scattered for one READ, or sent over a backend without one-sided reads,
-are joined (one copy) and still land right."""
+a paged cache's blocks — a memory region registered once, as vLLM's KV cache is — land
+byte-identical to the gathered layout. Large pieces are read one-sided straight out of the
+region (adjacent pieces as one descriptor; the region registered once however many
+transfers use it); small ones, or more than one READ names, are staged: copied after their
+checksums into a pooled buffer, registered once, read as one region. A byte changed after
+the checksums were taken (memory re-used under a late read) is refused either way; pieces
+sent over a backend without one-sided reads are joined (one copy) and still land right."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import numpy as np
 import pytest
 
-from transport import control, errors, testing, wire
+from transport import control, errors, kv_bytes, testing, wire
 from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.link import Link
@@ -109,6 +110,12 @@ def reads() -> Iterator[list[list[control.Descriptor]]]:
     undo()
 
 
+@pytest.fixture
+def in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of any size read where they lie (staged only past one READ's descriptors)."""
+    monkeypatch.setattr(kv_bytes, "STAGE_PIECE_BYTES", 0)
+
+
 Body = Callable[[KvSender, KvReceiver, str], Awaitable[None]]
 
 
@@ -129,7 +136,7 @@ def _run(body: Body, backend: str = UCX_READ) -> None:
 
 @pytest.mark.parametrize("make", [_pool, _flash_pool], ids=["cpu-LBHNC", "2BNHC"])
 def test_pieces_land_as_the_gather_and_the_region_is_registered_once(
-    make: Callable[[int], np.ndarray], reads: list[list[control.Descriptor]]
+    make: Callable[[int], np.ndarray], reads: list[list[control.Descriptor]], in_place: None
 ) -> None:
     pool = make(1)
     ids = [5, 6, 7, 2, 9]  # 5, 6, 7 consecutive: adjacent when a block is one piece
@@ -153,11 +160,40 @@ def test_pieces_land_as_the_gather_and_the_region_is_registered_once(
     assert len(reads) == 3 * LAYERS  # one layer per segment here (a READ each)
 
 
-def test_a_piece_changed_after_its_checksum_is_refused(
+def test_small_pieces_are_staged_into_one_region_registered_once(
     reads: list[list[control.Descriptor]],
 ) -> None:
-    """The checksums are taken before the receiver learns where to read: memory changed
-    after that — a late read of blocks re-used after the transfer failed — is refused."""
+    """4 KiB pieces: each segment is copied into a staging buffer and read as one region;
+    the buffers are registered by the first transfer and reused by the next ones, back in
+    the sender's pool after each; the cache's region itself is never read."""
+    pool = _pool(7)
+    ids = [5, 6, 7, 2, 9]
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        counts = []
+        for epoch in (1, 2, 3):
+            h = _header(pool, "s", epoch, ids)
+            await _send(sender, address, pool, h, ids)
+            await _landed(receiver, pool, h, ids)
+            counts.append(sender.registry.registrations)
+            assert sender.staging.idle_bytes >= h.payload_bytes  # every buffer given back
+        assert counts[0] == counts[1] == counts[2] <= 1 + LAYERS  # one per segment at most
+        assert all(d.key_id != region.key.key_id for r in reads for d in r)
+
+    _run(body)
+    assert [len(r) for r in reads] == [1] * (3 * LAYERS)  # a READ per segment, one region
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
+def test_a_piece_changed_after_its_checksum_is_refused(
+    reads: list[list[control.Descriptor]], staged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checksums are taken before the receiver learns where to read (and before a
+    staging copy): memory changed after that — a late read of blocks re-used after the
+    transfer failed — is refused."""
+    if not staged:
+        monkeypatch.setattr(kv_bytes, "STAGE_PIECE_BYTES", 0)
     pool = _pool(2)
     ids = [3, 4, 11]
 
@@ -182,10 +218,11 @@ def test_a_piece_changed_after_its_checksum_is_refused(
         await _landed(receiver, pool, h2, ids)
 
     _run(body)
+    assert all((len(r) == 1) is staged for r in reads)  # staged: one region per READ
 
 
-def test_pieces_too_scattered_for_one_read_are_joined_and_land(
-    reads: list[list[control.Descriptor]],
+def test_pieces_too_scattered_for_one_read_are_staged_and_land(
+    reads: list[list[control.Descriptor]], in_place: None
 ) -> None:
     pool = _pool(3)
     ids = list(range(BLOCKS - 1, -1, -1))  # 32 blocks x 3 heads x 2: 192 pieces a layer
@@ -196,10 +233,11 @@ def test_pieces_too_scattered_for_one_read_are_joined_and_land(
         h = _header(pool, "j", 1, many)
         await _send(sender, address, pool, h, many)
         await _landed(receiver, pool, h, many)
-        assert set(sender.registry.live) == {region.key.key_id}  # the copy's key: withdrawn
+        assert region.key.key_id in sender.registry.live
+        assert sender.staging.idle_bytes >= h.payload_bytes  # the copies: back in the pool
 
     _run(body)
-    assert all(len(r) == 1 for r in reads)  # each segment joined into one buffer
+    assert all(len(r) == 1 for r in reads)  # each segment staged into one buffer
 
 
 def test_pieces_over_tcp_are_joined_and_land() -> None:
@@ -231,7 +269,7 @@ def test_pieces_that_do_not_add_up_to_the_layer_are_refused() -> None:
     _run(body)
 
 
-def test_an_unregistered_region_is_withdrawn_before_the_next_transfer() -> None:
+def test_an_unregistered_region_is_withdrawn_before_the_next_transfer(in_place: None) -> None:
     pool = _pool(6)
     ids = [1, 2]
     sent: list[list[control.Kind]] = []
@@ -265,3 +303,44 @@ def test_an_unregistered_region_is_withdrawn_before_the_next_transfer() -> None:
     withdraws = [k for k in sent if control.Kind.WITHDRAW in k]
     assert withdraws
     assert withdraws[0][0] is control.Kind.WITHDRAW  # before the next OPEN
+
+
+@pytest.mark.parametrize("keepalive_s", [60.0, 0.0], ids=["quiet", "every-segment"])
+def test_landed_goes_out_at_most_every_keepalive(keepalive_s: float) -> None:
+    """A segment per layer (as the vLLM connector sends): the receiver tells the sender
+    it read segments (LANDED: the sender's sign of life while it waits for DONE) at most
+    every ``keepalive_s`` — not once per segment, each a message both sides handle."""
+    pool = _pool(8)
+    ids = [4, 1, 9]
+    landed: list[control.Kind] = []
+    original = Link.next_message
+
+    async def spy(self: Link, timeout_s: float | None) -> control.Message:
+        msg = await original(self, timeout_s)
+        if msg.kind is control.Kind.LANDED:
+            landed.append(msg.kind)
+        return msg
+
+    async def main() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings(keepalive_s=keepalive_s))
+        address = await receiver.start()
+        sender = make_sender(UCX_READ, TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES))
+        try:
+            sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+            for epoch in (1, 2):
+                h = _header(pool, "l", epoch, ids)
+                await _send(sender, address, pool, h, ids)
+                await _landed(receiver, pool, h, ids)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    Link.next_message = spy  # type: ignore[method-assign]
+    try:
+        asyncio.run(main())
+    finally:
+        Link.next_message = original  # type: ignore[method-assign]
+    if keepalive_s:
+        assert landed == []
+    else:  # every segment but the last (DONE follows it), in each of the two transfers
+        assert 0 < len(landed) <= 2 * (LAYERS - 1)
