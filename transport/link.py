@@ -132,6 +132,8 @@ class Link:
         if self._stash is not None or self._pending is not None:
             return await self.next_message(timeout_s)
         try:
+            if self._buffered_whole():  # nothing to wait for: no deadline to arm
+                return await read_message(self.reader, self.bodies)
             async with asyncio.timeout(timeout_s):
                 return await read_message(self.reader, self.bodies)
         except TimeoutError:
@@ -142,6 +144,18 @@ class Link:
         except errors.TransportError:
             self.broken = True
             raise
+
+    def _buffered_whole(self) -> bool:
+        """Whether the next message is all in the stream's buffer (one `read_message` reads
+        it without waiting; bodies read in place are not)."""
+        reader = self.reader
+        if reader.buffered() < control.HEAD_SIZE:
+            return False
+        try:
+            _, length = control.decode_head(reader.peek(control.HEAD_SIZE))
+        except errors.TransportError:
+            return False  # `read_message` raises it
+        return length < _IN_PLACE_BYTES and reader.buffered() >= control.HEAD_SIZE + length
 
     def is_stale(self) -> bool:
         """An idle pooled link whose peer closed it, broke it or spoke out of turn. Seen

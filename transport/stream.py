@@ -59,6 +59,10 @@ class LinkReader(asyncio.StreamReader):
         """Bytes received and not read yet."""
         return len(self._buffer)  # type: ignore[attr-defined]  # asyncio's own buffer
 
+    def peek(self, nbytes: int) -> bytes:
+        """The first ``nbytes`` received and not read yet (fewer if fewer are), left there."""
+        return bytes(self._buffer[:nbytes])  # type: ignore[attr-defined]
+
     # ---------------------------------------------------------------- the protocol's side
 
     def sink(self) -> memoryview | None:

@@ -244,3 +244,45 @@ def test_a_large_message_body_is_read_in_place(monkeypatch: pytest.MonkeyPatch) 
             await _close(link, server)
 
     asyncio.run(main())
+
+
+def test_read_next_takes_buffered_messages_at_once_and_still_times_out_on_a_partial_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages already whole in the stream's buffer are read without arming a deadline
+    (`asyncio.timeout` cost ~4.6 µs a message here); a head whose body has not all come
+    still waits within the deadline, and silence past it raises."""
+    armed: list[float] = []
+    real_timeout = asyncio.timeout
+
+    def counted(delay: float | None) -> asyncio.Timeout:
+        armed.append(delay or 0.0)
+        return real_timeout(delay)
+
+    monkeypatch.setattr(asyncio, "timeout", counted)
+    two = control.encode(control.Kind.ALIVE) + control.encode(control.Kind.ABORT, b"x" * 40)
+    partial = control.encode(control.Kind.ABORT, b"y" * 40)[:20]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(two + partial)  # then silence: the last body never completes
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        link, server = await _linked(serve, None)
+        try:
+            for _ in range(1000):  # all of it in the buffer
+                if link.reader.buffered() == len(two) + len(partial):
+                    break
+                await asyncio.sleep(0.01)
+            assert (await link.read_next(5.0)).kind is control.Kind.ALIVE
+            got = await link.read_next(5.0)
+            assert (got.kind, bytes(got.body)) == (control.Kind.ABORT, b"x" * 40)
+            assert armed == []  # both were whole in the buffer
+            with pytest.raises(errors.TransferTimeoutError, match="next message"):
+                await link.read_next(0.2)
+            assert armed == [0.2]
+        finally:
+            await _close(link, server)
+
+    asyncio.run(main())
