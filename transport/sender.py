@@ -24,12 +24,14 @@ and V each as a sequence of memoryviews — the pieces of memory that, concatena
 layer's wire bytes (an engine's paged cache: each block's K, or each (block, head) chunk of
 it, in the request's block order) — so nothing is gathered: the receiver reads the pieces
 straight out of the engine's memory (registered once, `Registry.register_region`) into its
-contiguous buffer. Adjacent pieces merge into one descriptor; a segment still more scattered
-than one READ may name (`control.MAX_REGIONS`) is joined into one copy. The memory is not
-the transfer's: its owner keeps it stable until the transfer ended, and the layers'
-checksums are taken *before* the receiver learns where to read, so bytes changed after
-that (a read that comes late, after a failed transfer's memory was re-used) fail
-verification. Backends without one-sided reads join the pieces (one copy, as a gather).
+contiguous buffer. Adjacent pieces merge into one descriptor; a segment of small pieces, or
+more scattered than one READ may name (`control.MAX_REGIONS`), is staged instead: copied
+into one pooled registered buffer, read as one region (`kv_bytes.staged`). The memory is
+not the transfer's: its owner keeps it stable until the transfer ended, and the layers'
+checksums are taken *before* the receiver learns where to read (and before a staging
+copy), so bytes changed after that (a read that comes late, after a failed transfer's
+memory was re-used) fail verification. Backends without one-sided reads join the pieces
+(one copy, as a gather).
 """
 
 from __future__ import annotations
