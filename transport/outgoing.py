@@ -319,9 +319,9 @@ class OutgoingTransfer:
         try:
             while self._in_flight:
                 await self._link.race(self._in_flight.pop(0), self._wait_s(), what="a layer send")
-            msg = await self._link.next_message(self._wait_s())
+            msg = await self._link.read_next(self._wait_s())
             while msg.kind is control.Kind.LANDED:  # one-sided: the receiver is reading
-                msg = await self._link.next_message(self._wait_s())
+                msg = await self._link.read_next(self._wait_s())
         except BaseException:
             await self._fail()
             raise

@@ -155,7 +155,7 @@ class KvSender:
                     else:  # the receiver issues the transfer's token
                         message = control.open_(0, self.settings.segment_bytes, encoded)
                     await link.send(message, self.settings.idle_timeout_s)
-                    msg = await link.next_message(self.settings.idle_timeout_s)
+                    msg = await link.read_next(self.settings.idle_timeout_s)
                 except errors.PeerLostError:
                     await link.close()
                     if reused and attempt == 1:
