@@ -313,13 +313,11 @@ def test_landed_goes_out_at_most_every_keepalive(keepalive_s: float) -> None:
     pool = _pool(8)
     ids = [4, 1, 9]
     landed: list[control.Kind] = []
-    original = Link.next_message
+    original = Link.send
 
-    async def spy(self: Link, timeout_s: float | None) -> control.Message:
-        msg = await original(self, timeout_s)
-        if msg.kind is control.Kind.LANDED:
-            landed.append(msg.kind)
-        return msg
+    async def spy(self: Link, data: bytes, timeout_s: float) -> None:
+        landed.extend(m.kind for m in control.split(data) if m.kind is control.Kind.LANDED)
+        await original(self, data, timeout_s)
 
     async def main() -> None:
         receiver = make_receiver(UCX_READ, TransportSettings(keepalive_s=keepalive_s))
@@ -335,11 +333,11 @@ def test_landed_goes_out_at_most_every_keepalive(keepalive_s: float) -> None:
             await sender.close()
             await receiver.close()
 
-    Link.next_message = spy  # type: ignore[method-assign]
+    Link.send = spy  # type: ignore[method-assign]
     try:
         asyncio.run(main())
     finally:
-        Link.next_message = original  # type: ignore[method-assign]
+        Link.send = original  # type: ignore[method-assign]
     if keepalive_s:
         assert landed == []
     else:  # every segment but the last (DONE follows it), in each of the two transfers
