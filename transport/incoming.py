@@ -229,14 +229,19 @@ class Receive:
                     await self._on_message(link.take_pending())
                 verified += self._start_verifying()
         finally:
-            unfinished = [*self.receiving, *self.verifying]
-            if self.receiving:  # posted receives must not outlive the buffer: cancel them
-                self.plane.fail_channel(link.peer)  # this transfer's only (issue 18)
-            for task in unfinished:
-                task.cancel()
-            for task in unfinished:
-                with contextlib.suppress(BaseException):
-                    await task
+            await self.cancel_pending()
+
+    async def cancel_pending(self) -> None:
+        """Cancel what is still in flight — receives, reads, verifications — once the
+        transfer ended or failed (before its loop too: `KvReceiver._receive`)."""
+        unfinished = [*self.receiving, *self.verifying]
+        if self.receiving:  # posted receives must not outlive the buffer: cancel them
+            self.plane.fail_channel(self.link.peer)  # this transfer's only (issue 18)
+        for task in unfinished:
+            task.cancel()
+        for task in unfinished:
+            with contextlib.suppress(BaseException):
+                await task
 
     async def _read_inline(self, deadline: float) -> int:
         """Inline (TCP): frames and payloads follow each other on the link, as does any
@@ -276,14 +281,12 @@ class Receive:
 
     async def _tell_alive(self) -> None:
         """One-sided: LANDED if segments landed since the last one, more are to come (after
-        the last, DONE or ERROR follows) and ``keepalive_s`` passed."""
+        the last, DONE or ERROR follows) and ``keepalive_s`` passed — or half the idle
+        deadline, if that is shorter (the sender's is taken to be this side's)."""
         more = self.receiving or len(self.reading) < len(self.segments)
         now = time.monotonic()
-        if (
-            more
-            and len(self.landed) > self.told
-            and now - self.spoke_at >= self.settings.keepalive_s
-        ):
+        every_s = min(self.settings.keepalive_s, self.settings.idle_timeout_s / 2)
+        if more and len(self.landed) > self.told and now - self.spoke_at >= every_s:
             self.told, self.spoke_at = len(self.landed), now
             await self.link.send(_LANDED, self.settings.idle_timeout_s)
 
@@ -406,16 +409,22 @@ class Receive:
         bandwidth), the sender heard nothing for that long, and verification could not
         overlap the reads."""
         self.holding = False
+        budget = _IN_PLACE_READ_BYTES
         while self.queued and len(self.receiving) < _MAX_READS:
             n, regions = self.queued.pop(0)
             view = self.segment_view(n)
             then = self._verifier(n)
             # A small segment is read right here (no task, no loop turn: the vLLM
-            # connector sends a segment per layer).
-            rest = self.plane.read_now(self.link.peer, regions, view, then)
-            if rest is None:
-                self._landed(self.segments[n], verified=then is not None)
-                continue
+            # connector sends a segment per layer), up to a budget per call: past it, a
+            # task each, so a KV of many small segments still lets the loop turn.
+            if view.nbytes <= budget:
+                rest = self.plane.read_now(self.link.peer, regions, view, then)
+                if rest is None:
+                    budget -= view.nbytes
+                    self._landed(self.segments[n], verified=then is not None)
+                    continue
+            else:
+                rest = self.plane.read(self.link.peer, regions, view, then)
             task = asyncio.create_task(rest, name=f"pdorch-kv-read-{n}")
             self.receiving[task] = self.segments[n]
             if then is not None:
@@ -444,6 +453,10 @@ announced. Two reads *at once* shared the memory bandwidth instead, so a 64 MiB 
 32 MiB segments landed together and nothing overlapped (1.8–2.6 GB/s against 3.6 with one at
 a time, load 7); one at a time with a loop turn and a thread hop between them cost 0.7–2.7 ms
 per segment boundary under load."""
+
+_IN_PLACE_READ_BYTES = 1 << 20
+"""One-sided: segments read on the loop per `Receive.start_reads` call, at most (a CMA copy
+of 1 MiB: ~0.1–0.2 ms)."""
 
 _LANDED = control.encode(control.Kind.LANDED)
 """One-sided: a segment was read (`Receive._collect_landed`; no body: encoded once)."""

@@ -565,15 +565,19 @@ class KvReceiver:
     ) -> None:
         """The layer loop of an accepted transfer: its receives posted (tagged), ACCEPT
         with its token (unless folded), what was folded into the OPEN, then the rest."""
-        if not self._plane.inline and not receive.one_sided:
-            receive.post_receives()
-        if accept:
-            await receive.link.send(control.accept(receive.tag), self.settings.idle_timeout_s)
-        receive.holding = receive.one_sided  # reads start once every folded message is in
-        for msg in then:  # folded into the OPEN: taken as if they followed it
-            await self._folded(receive, msg)
-        if receive.one_sided:
-            receive.start_reads()
+        try:
+            if not self._plane.inline and not receive.one_sided:
+                receive.post_receives()
+            if accept:
+                await receive.link.send(control.accept(receive.tag), self.settings.idle_timeout_s)
+            receive.holding = receive.one_sided  # reads start once every folded message is in
+            for msg in then:  # folded into the OPEN: taken as if they followed it
+                await self._folded(receive, msg)
+            if receive.one_sided:  # (a segment read in place may fail here, after others
+                receive.start_reads()  # started: those are cancelled)
+        except BaseException:
+            await receive.cancel_pending()
+            raise
         await receive.run()
 
 

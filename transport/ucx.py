@@ -464,15 +464,16 @@ class _Reads:
         in a thread, then runs ``then`` there."""
         gets = self.start(endpoint, regions, into)
         try:
-            if gets.poll():
-                self.done()
-                if then is not None:
-                    then()
-                return None
+            landed = gets.poll()
         except BaseException:  # a read failed: all of them completed
             self.done()
             raise
-        return asyncio.to_thread(self.finish, gets, into, then)
+        if not landed:
+            return asyncio.to_thread(self.finish, gets, into, then)
+        self.done()
+        if then is not None:
+            then()  # (its failure is the transfer's: the reads are done with)
+        return None
 
     def finish(
         self, gets: ucp.Gets, into: memoryview, then: Callable[[], None] | None = None

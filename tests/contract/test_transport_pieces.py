@@ -10,7 +10,9 @@ sent over a backend without one-sided reads are joined (one copy) and still land
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -341,4 +343,82 @@ def test_landed_goes_out_at_most_every_keepalive(keepalive_s: float) -> None:
     if keepalive_s:
         assert landed == []
     else:  # every segment but the last (DONE follows it), in each of the two transfers
-        assert 0 < len(landed) <= 2 * (LAYERS - 1)
+        assert LAYERS - 1 <= len(landed) <= 2 * (LAYERS - 1)
+
+
+def test_a_failed_transfers_staging_buffers_stay_out_of_the_pool_for_its_hold() -> None:
+    """The receiver may still be reading a failed transfer's staging buffers (it gives up
+    within its idle deadline): they go back to the pool only after the sender's hold."""
+    pool = _pool(9)
+    ids = [2, 6]
+    hold_s = 0.5
+
+    async def main() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        settings = TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES, idle_timeout_s=hold_s)
+        sender = make_sender(UCX_READ, settings)
+        try:
+            sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+            flat = pool.reshape(-1).view(np.uint8)
+
+            def flip(seg: int) -> None:  # after the checksums, before the copy
+                if seg == 0:  # layer 0, block 6, head 0, K
+                    flat[6 * HEADS * 2 * BS * HD * 4 + 5] ^= 0x40
+
+            sender.exposed_hook = flip
+            h = _header(pool, "f", 1, ids)
+            with pytest.raises(errors.TransportError, match="checksum"):
+                await _send(sender, address, pool, h, ids)
+            assert sender.staging.idle_bytes == 0  # held: none back in the pool yet
+            await asyncio.sleep(hold_s * 3)
+            assert sender.staging.idle_bytes >= h.payload_bytes  # the hold is over
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_a_segment_failing_where_it_is_read_cancels_the_reads_started_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A folded KV of two segments: the first is read in a task, the second (small) where
+    its READ is taken — and fails its checksum. The first read is cancelled with the
+    transfer, not left running into a failed transfer's buffer."""
+    reads: list[asyncio.Task[Any]] = []
+    create_task = asyncio.create_task
+
+    def recorded(coro: Any, *, name: str | None = None, **kw: Any) -> asyncio.Task[Any]:
+        task = create_task(coro, name=name, **kw)
+        if name is not None and name.startswith("pdorch-kv-read-"):  # segment reads
+            reads.append(task)
+        return task
+
+    monkeypatch.setattr(asyncio, "create_task", recorded)
+
+    async def main() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        sender = make_sender(UCX_READ, TransportSettings(segment_bytes=2 * testing.MIB))
+        faults = testing.FaultInjector(layer=2, corrupt_offset=5, armed=False)
+        faults.attach(sender)
+        try:
+            cache = testing.synthetic_cache("g", 1, 3 * testing.MIB, n_layers=3)
+            warm = dataclasses.replace(cache, header=dataclasses.replace(cache.header, epoch=0))
+            await sender.send(address, warm)  # the link's endpoint exists: reads in place
+            (await receiver.take("g", 0, 2)).release()
+            reads.clear()
+            faults.armed = True
+            with pytest.raises(errors.TransportError, match="checksum"):
+                await sender.send(address, cache)
+            with pytest.raises(errors.TransportError):
+                await receiver.take("g", 1, 2)
+            assert [t.get_name() for t in reads] == ["pdorch-kv-read-0"]
+            assert reads[0].cancelled()  # before it ran: the second failed in the same step
+            assert receiver.inbox.bytes_in_use == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
