@@ -87,19 +87,21 @@ class Paged:
 
 def paged(cache: wire.KvCache, piece_bytes: int, seed: int = 0) -> Paged:
     """``cache``'s bytes cut into pieces of ``piece_bytes`` (a tensor's last one shorter),
-    each copied to a slot of a pool twice their number, slots drawn at random: no two
-    pieces of a tensor touch, as the blocks of a long-running engine's cache do not."""
+    each copied to the start of its own slot of twice that size, slots in random order: no
+    two pieces touch (none merges into one read), as the blocks of a long-running engine's
+    cache do not."""
     tensors = [t for k, v in cache.layers for t in (wire.as_bytes_view(k), wire.as_bytes_view(v))]
     counts = [max(1, math.ceil(t.nbytes / piece_bytes)) for t in tensors]
-    slots = np.random.default_rng(seed).permutation(2 * sum(counts))
-    pool = np.zeros(2 * sum(counts) * piece_bytes, dtype=np.uint8)
+    slot = 2 * piece_bytes
+    slots = np.random.default_rng(seed).permutation(sum(counts))
+    pool = np.zeros(sum(counts) * slot, dtype=np.uint8)
     out: list[list[memoryview]] = []
     taken = 0
     for t, n in zip(tensors, counts, strict=True):
         pieces = []
         for i in range(n):
             chunk = t[i * piece_bytes : (i + 1) * piece_bytes]
-            at = int(slots[taken]) * piece_bytes
+            at = int(slots[taken]) * slot
             taken += 1
             pool[at : at + chunk.nbytes] = np.frombuffer(chunk, dtype=np.uint8)
             pieces.append(pool[at : at + chunk.nbytes].data)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from transport import bench, nixl_ref
+from transport import bench, nixl_ref, testing
+from transport.ucx import ucx_available
 
 
 def _result(**gbps: float) -> bench.BenchResult:
@@ -80,6 +82,8 @@ def test_only_names_what_exists_and_what_this_run_can_time() -> None:
         bench.run("tcp", 1 << 20, 1, nixl=False, only=["ours-tls"])
     with pytest.raises(bench.BenchError, match="--backend ucx"):
         bench.run("tcp", 1 << 20, 1, nixl=False, only=["ours-read"])
+    with pytest.raises(bench.BenchError, match="ours-read-paged: one-sided, --backend ucx"):
+        bench.run("tcp", 1 << 20, 1, nixl=False, only=["ours-read-paged"])
 
 
 def test_a_report_without_ours_has_no_ratio_to_nixl() -> None:
@@ -93,3 +97,35 @@ def test_only_times_just_the_variants_named() -> None:
     result = bench.run("tcp", 64 << 10, 3, layers=4, rounds=1, nixl=False, only=["ours-32"])
     assert list(result.gbps) == ["ours-32"]
     assert result.gbps["ours-32"] > 0
+
+
+def test_a_paged_kv_is_the_caches_bytes_in_pieces_apart() -> None:
+    """`ours-read-paged`'s layout (`transport.testing.paged`): per layer, K's and V's
+    pieces concatenate to that tensor's bytes; each piece lies in the pool, none touches
+    or overlaps another."""
+    cache = testing.synthetic_cache("p", 1, 1 << 20, n_layers=4)
+    paged = testing.paged(cache, 32 << 10)
+    base = paged.pool.ctypes.data
+    spans = []
+    for (k, v), (kk, vv) in zip(cache.layers, paged.layers, strict=True):
+        for tensor, pieces in ((k, kk), (v, vv)):
+            assert b"".join(bytes(p) for p in pieces) == tensor.tobytes()
+            assert all(p.nbytes <= 32 << 10 for p in pieces)
+            for p in pieces:
+                start = np.frombuffer(p, np.uint8).ctypes.data - base
+                assert start >= 0
+                assert start + p.nbytes <= paged.pool.nbytes
+                spans.append((start, start + p.nbytes))
+    spans.sort()
+    assert all(end < nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+
+
+@pytest.mark.slow  # starts a receiver process and moves KV over UCX (make test runs it)
+@pytest.mark.ucx
+@pytest.mark.skipif(not ucx_available(), reason="no ucxx")
+def test_the_paged_variant_sends_layer_by_layer_and_lands() -> None:
+    """`--only ours-read-paged`: each transfer is confirmed by the receiver (the bench
+    raises otherwise), so a layout or send the receiver refuses fails here."""
+    result = bench.run("ucx", 256 << 10, 3, rounds=1, nixl=False, only=["ours-read-paged"])
+    assert list(result.gbps) == ["ours-read-paged"]
+    assert result.gbps["ours-read-paged"] > 0
