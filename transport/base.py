@@ -40,7 +40,7 @@ class TransportSettings:
     engine's forward, `OutgoingTransfer.hold`), an ALIVE this often — well under every
     receiver's ``idle_timeout_s`` — so a slow forward is not taken for a dead peer.
     Receiver, one-sided: a LANDED at most this often while it reads (the sender's sign of
-    life while it waits for DONE)."""
+    life while it waits for DONE) — every half ``idle_timeout_s`` if that is shorter."""
     transfer_timeout_s: float = 120.0
     """Whole transfer, open to done."""
     max_kv_bytes: int = 1 << 30

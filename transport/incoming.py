@@ -459,7 +459,7 @@ _IN_PLACE_READ_BYTES = 1 << 20
 of 1 MiB: ~0.1–0.2 ms)."""
 
 _LANDED = control.encode(control.Kind.LANDED)
-"""One-sided: a segment was read (`Receive._collect_landed`; no body: encoded once)."""
+"""One-sided: segments were read (`Receive._tell_alive`; no body: encoded once)."""
 
 _SPLIT_TAIL_BYTES = 4 << 20
 """A final verification batch this large is split over two threads (xxh3 ~1.2 ms/32 MiB)."""

@@ -75,7 +75,7 @@ def staged(pieces: Sequence[memoryview], limit: int | None = None) -> bool:
 
 
 def copy_into(buf: np.ndarray, pieces: Sequence[memoryview]) -> None:
-    """``pieces`` one after another into the byte array ``buf`` (staging, `KvSender.stage`)."""
+    """``pieces`` one after another into the byte array ``buf`` (staging: `staged`)."""
     pos = 0
     for p in pieces:
         end = pos + p.nbytes

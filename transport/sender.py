@@ -67,7 +67,7 @@ ExposedHook = Callable[[int], None]
 LayeredHook = Callable[[], bool]
 Held = tuple[list[Registration], list[memoryview], list[np.ndarray]]
 """One-sided: registrations a transfer uses, its buffers (kept alive with them), and its
-staging buffers (`_Folded.stage`: back to the pool once released)."""
+staging buffers (`kv_bytes.staged`: back to the pool once released)."""
 
 _THREAD_CHECKSUM_BYTES = 1 << 20
 """Below this a checksum costs less than a thread hop (xxh3 runs at ~30 GB/s here)."""
@@ -106,8 +106,9 @@ class KvSender:
         self.registry = Registry(data_plane.register, data_plane.deregister)
         """One-sided: memory registered once per allocation, keys sent once per link."""
         self.staging = BufferPool(STAGING_IDLE_BYTES, min_pooled=0)
-        """One-sided: where segments of small pieces apart are joined (`_Folded.stage`);
-        pooled, so each buffer is registered once and its key sent once per link."""
+        """One-sided: where segments of small pieces apart are joined (`kv_bytes.staged`:
+        `_Folded.stage`, `OutgoingTransfer`'s pieces); pooled, so each buffer is registered
+        once and its key sent once per link."""
         self._started = False
         self._closed = False
         self._checksummer = concurrent.futures.ThreadPoolExecutor(
