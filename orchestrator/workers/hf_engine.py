@@ -23,6 +23,7 @@ continuation token-identical to an uninterrupted run. Every token is drawn with
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 import xxhash
 from transformers import (
     AutoModelForCausalLM,
@@ -42,6 +44,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from orchestrator.core import logprobs as lps
 from orchestrator.core.sampling import SamplingParams, sample
+from orchestrator.errors import ConfigError
 from orchestrator.workers.engine import (
     DecodeState,
     Engine,
@@ -51,6 +54,26 @@ from orchestrator.workers.engine import (
     PrefillResult,
 )
 from transport.wire import DType
+
+TRANSFORMERS_MIN = (5, 24)
+"""The oldest transformers this engine runs on (pyproject's ``engine`` extra): older ones take
+the model's cache as ``past_key_values``, ignore ``cache=`` and build their own, so a prefill
+would hand out a KV of zero tokens (`check_transformers`)."""
+
+
+def check_transformers(version: str) -> None:
+    """Refuse a transformers older than `TRANSFORMERS_MIN` (ConfigError, saying what to
+    install) — e.g. the vLLM extra's environment, whose vLLM pins an older one."""
+    found = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    if found < TRANSFORMERS_MIN:
+        need = ".".join(map(str, TRANSFORMERS_MIN))
+        raise ConfigError(
+            "transformers",
+            f"the reference engine needs transformers>={need}, found {version}: install "
+            "pdorch[engine] in an environment of its own (`make venv`; the vLLM extra's pins "
+            "an older transformers — run `--engine vllm` there)",
+        )
+
 
 # Decode blocks start with this many free token slots and then double: a few appends per
 # reallocation at first, amortised O(1) copying per token after that.
@@ -169,6 +192,7 @@ class HfEngine(Engine):
     def __init__(
         self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ) -> None:
+        check_transformers(transformers.__version__)
         if model.dtype != torch.float32 or model.device.type != "cpu":
             raise ValueError(f"HfEngine runs float32 on CPU, got {model.dtype} on {model.device}")
         self.model = model
