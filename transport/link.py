@@ -315,6 +315,11 @@ class Link:
         """Wait for ``fut`` while watching the peer: its EOF, ERROR or silence end the wait."""
         task = asyncio.ensure_future(fut)
         try:
+            if task.done() and (
+                self._stash is not None or not self._pending or not self._pending.done()
+            ):  # done already (a small segment's send), no word of the peer's to read first:
+                task.result()  # no read task and no `asyncio.wait`
+                return
             while True:
                 watch: list[asyncio.Future[Any]] = [task]
                 if self._stash is None:
