@@ -54,7 +54,7 @@ class RunVerdict:
     leaks: LeakReport | None = None
     """The workers' gauges after the quiet period (None: not checked)."""
     fault_errors: int = 0
-    """Faults that could not be injected (or whose trigger was never met)."""
+    """Faults that could not be injected (or whose trigger was never met), or not healed."""
     late_faults: int = 0
     """Faults executed later than the scenario's bound after they were due."""
     fault_notes: list[str] = field(default_factory=list)
@@ -259,7 +259,9 @@ class Summary:
                 + ("" if settle is None else f"  (settled within {settle * 1000:.0f} ms)")
             )
         if s["fault_errors"] or s["late_faults"]:
-            lines.append(f"  faults not injected {s['fault_errors']}  late {s['late_faults']}")
+            lines.append(
+                f"  faults not injected or not healed {s['fault_errors']}  late {s['late_faults']}"
+            )
             for run in self.runs:
                 lines += [f"  run {run.run} (seed {run.seed}) fault: {e}" for e in run.fault_notes]
         if s["errors"]:

@@ -180,7 +180,9 @@ class FaultExecutor:
         return await self.watcher.read()
 
     def _pick(self, role: str, selector: str, load: Mapping[str, int]) -> str | None:
-        alive = self._alive(f"{role}-")
+        """The target among the live processes of ``role`` — not one a heal is starting
+        again: it serves nothing yet, and a signal mid-start fails its heal."""
+        alive = [n for n in self._alive(f"{role}-") if n not in self._restarting]
         if selector not in {"", "busiest", "random"}:
             return selector if selector in alive else None
         if not alive:
@@ -559,10 +561,16 @@ class FaultExecutor:
 
         async def heal() -> None:
             await asyncio.sleep(after)
-            if restart:
-                await asyncio.to_thread(self._restart, restart)
-            else:
-                action()  # type: ignore[operator]
+            try:
+                if restart:
+                    await asyncio.to_thread(self._restart, restart)
+                else:
+                    action()  # type: ignore[operator]
+            except Exception as exc:  # noqa: BLE001 - the run's verdict says it, not a crash
+                # Not healed: the run did not carry out its plan (the verdict's fault_errors).
+                log.warning("heal of fault %s failed: %r", record.label(), exc)
+                record.error = f"heal failed: {type(exc).__name__}: {exc}"
+                return
             record.healed_at = self.now()
 
         task = asyncio.create_task(heal(), name=f"pdorch-chaos-heal-{record.label()}")

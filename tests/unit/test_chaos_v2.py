@@ -367,3 +367,101 @@ def test_a_sending_trigger_without_the_workers_injector_is_reported_not_fatal() 
     record = asyncio.run(ex.inject(_fault("kill", "prefill:busiest", when)))
     assert record.error.startswith("trigger failed: PdorchError")
     assert record.resolved == ""
+
+
+# ----------------------------------------------------------------------------- healing
+
+
+class _Killable:
+    """A process that dies of the SIGKILL the executor sends."""
+
+    pid = os.getpid()
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def wait(self, timeout: float) -> int:
+        self.code = -9
+        return self.code
+
+
+@dataclass
+class _Restarting(_Cluster):
+    """Starts a worker again; its registration, waited for by the heal, fails or is held."""
+
+    ready_timeout_s: float = 1.0
+    fail: bool = False
+    release: Any = None
+    starting: Any = None
+
+    def start_worker(self, role: str, index: int) -> None:
+        if self.starting is not None:
+            self.starting.set()
+        self.procs[f"{role}-{index}"] = _Proc(popen=_Killable())
+
+    def wait_registered(self, names: list[str], timeout_s: float) -> None:
+        from orchestrator.cluster import ClusterError  # noqa: PLC0415
+
+        if self.fail:  # e.g. the new process died (of a later fault's SIGKILL) while starting
+            raise ClusterError(f"{names[0]} exited with -9 before registering")
+        self.release.wait(5)
+
+
+def _healing(cluster: _Restarting) -> FaultExecutor:
+    names = ("decode-0", "decode-1")
+    cluster.procs.update({n: _Proc(popen=_Killable()) for n in names})
+    return FaultExecutor(
+        cluster,  # type: ignore[arg-type]
+        _Store({}),  # type: ignore[arg-type]
+        History(run=0, seed=0),
+        {},
+        kv_injector=False,
+        now=time.monotonic,
+        seed=0,
+    )
+
+
+def test_a_heal_that_fails_is_recorded_and_fails_the_verdict() -> None:
+    """A restart whose process never registers again is not healed: the fault says why and
+    the run is not clean (it did not carry out its plan) — before, the heal's error was an
+    unretrieved task exception and the run passed."""
+    ex = _healing(_Restarting(fail=True))
+
+    async def main() -> Any:
+        record = await ex.inject(_fault("restart", "decode:decode-0", heal_after=0.0))
+        await ex.settle()
+        return record
+
+    record = asyncio.run(main())
+    assert record.healed_at is None
+    assert record.error.startswith("heal failed: ClusterError: decode-0 exited with -9")
+    verdict = _verdict(ex.history)
+    assert verdict.fault_errors == 1
+    assert not verdict.clean
+
+
+def test_a_process_being_started_again_is_not_a_target() -> None:
+    """While a heal starts decode-0 again, a fault picking a decode worker takes another
+    (a signal mid-start would kill it before it serves, and fail the heal)."""
+    import threading  # noqa: PLC0415
+
+    cluster = _Restarting(release=threading.Event(), starting=threading.Event())
+    ex = _healing(cluster)
+
+    async def main() -> list[Any]:
+        first = await ex.inject(_fault("restart", "decode:decode-0", heal_after=0.0))
+        await asyncio.to_thread(cluster.starting.wait, 5)  # the heal is starting decode-0
+        picks = [await ex.inject(_fault("continue", f"decode:{s}")) for s in ("busiest", "random")]
+        named = await ex.inject(_fault("continue", "decode:decode-0"))
+        cluster.release.set()
+        await ex.settle()
+        return [first, *picks, named]
+
+    first, busiest, random_pick, named = asyncio.run(main())
+    assert first.healed_at is not None
+    assert not first.error
+    assert busiest.resolved == random_pick.resolved == "decode-1"
+    assert named.resolved == "no live decode worker"
