@@ -180,11 +180,13 @@ class FaultExecutor:
         return await self.watcher.read()
 
     def _pick(self, role: str, selector: str, load: Mapping[str, int]) -> str | None:
-        """The target among the live processes of ``role`` — not one a heal is starting
-        again: it serves nothing yet, and a signal mid-start fails its heal."""
-        alive = [n for n in self._alive(f"{role}-") if n not in self._restarting]
+        """The target among the live processes of ``role``; chosen (busiest, random) never
+        one a heal is starting again — it serves nothing yet, and a signal mid-start fails
+        its heal. A named one is returned as it is (`_process` refuses it if so)."""
+        alive = self._alive(f"{role}-")
         if selector not in {"", "busiest", "random"}:
             return selector if selector in alive else None
+        alive = [n for n in alive if n not in self._restarting]
         if not alive:
             return None
         if selector == "random":
@@ -454,7 +456,12 @@ class FaultExecutor:
             if fault.kind == "restart" or fault.heal_after is not None:
                 heal = fault.heal_after if fault.heal_after is not None else 0.5
                 await asyncio.sleep(max(0.0, record.at + heal - self.now()))
-                await kill.rejoin()
+                try:
+                    await kill.rejoin()
+                except Exception as exc:  # noqa: BLE001 - not healed: the verdict says it
+                    log.warning("heal of fault %s failed: %r", record.label(), exc)
+                    record.error = f"heal failed: {type(exc).__name__}: {exc}"
+                    return
                 record.healed_at = self.now()
 
         task = asyncio.create_task(follow(), name=f"pdorch-chaos-failover-{record.label()}")
@@ -481,6 +488,13 @@ class FaultExecutor:
         return tuple(sorted(hit))
 
     async def _process(self, fault: PlannedFault, names: list[str]) -> None:
+        if starting := sorted(set(names) & self._restarting):
+            # Signalled mid-start it would die (or stall) before it serves, and fail the
+            # heal: the plan cannot be carried out as written (the verdict says so).
+            raise PdorchError(
+                f"{', '.join(starting)} being started again by an earlier fault's heal "
+                "(a fault on it should wait: after_healed)"
+            )
         procs = [self.cluster.procs[n] for n in names]
         if fault.kind in {"kill", "restart"}:
             for p in procs:

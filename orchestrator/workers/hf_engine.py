@@ -219,6 +219,7 @@ class HfEngine(Engine):
     @classmethod
     def from_pretrained(cls, path: Path, name: str) -> HfEngine:
         """Load a model + tokenizer saved with ``save_pretrained`` (local files only)."""
+        check_transformers(transformers.__version__)  # before loading with one too old
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa"

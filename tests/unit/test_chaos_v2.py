@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -398,9 +399,9 @@ class _Restarting(_Cluster):
     starting: Any = None
 
     def start_worker(self, role: str, index: int) -> None:
+        self.procs[f"{role}-{index}"] = _Proc(popen=_Killable())
         if self.starting is not None:
             self.starting.set()
-        self.procs[f"{role}-{index}"] = _Proc(popen=_Killable())
 
     def wait_registered(self, names: list[str], timeout_s: float) -> None:
         from orchestrator.cluster import ClusterError  # noqa: PLC0415
@@ -445,7 +446,8 @@ def test_a_heal_that_fails_is_recorded_and_fails_the_verdict() -> None:
 
 def test_a_process_being_started_again_is_not_a_target() -> None:
     """While a heal starts decode-0 again, a fault picking a decode worker takes another
-    (a signal mid-start would kill it before it serves, and fail the heal)."""
+    (a signal mid-start would kill it before it serves, and fail the heal); one naming it,
+    or its pool, is not injected and says why (the run did not carry out its plan)."""
     import threading  # noqa: PLC0415
 
     cluster = _Restarting(release=threading.Event(), starting=threading.Event())
@@ -456,12 +458,17 @@ def test_a_process_being_started_again_is_not_a_target() -> None:
         await asyncio.to_thread(cluster.starting.wait, 5)  # the heal is starting decode-0
         picks = [await ex.inject(_fault("continue", f"decode:{s}")) for s in ("busiest", "random")]
         named = await ex.inject(_fault("continue", "decode:decode-0"))
+        pool = await ex.inject(_fault("stop", "pool:decode"))
         cluster.release.set()
         await ex.settle()
-        return [first, *picks, named]
+        return [first, *picks, named, pool]
 
-    first, busiest, random_pick, named = asyncio.run(main())
+    first, busiest, random_pick, named, pool = asyncio.run(main())
     assert first.healed_at is not None
     assert not first.error
     assert busiest.resolved == random_pick.resolved == "decode-1"
-    assert named.resolved == "no live decode worker"
+    for refused in (named, pool):
+        assert "decode-0 being started again by an earlier fault's heal" in refused.error
+    # decode-1: the two picks' SIGCONT, and no SIGSTOP (the pool fault signalled none)
+    assert ex.cluster.procs["decode-1"].signals == [signal.SIGCONT, signal.SIGCONT]
+    assert _verdict(ex.history).fault_errors == 2
