@@ -311,14 +311,24 @@ class Link:
         if msg is not None and msg.kind is control.Kind.ERROR:
             raise control.parse_error(msg.body)
 
+    def _settled(self, task: asyncio.Future[Any]) -> bool:
+        """Whether `race` may return at once: ``task`` succeeded already (a small
+        segment's send) and there is no word of the peer's to look at first — none
+        stashed or read, no byte of it buffered. Anything else (a failure, the peer's
+        ERROR on its way) takes the race, which reads the peer first."""
+        if not task.done() or task.cancelled() or task.exception() is not None:
+            return False
+        if self._stash is not None:
+            return True
+        if self._pending is not None:
+            return not self._pending.done()
+        return not self.reader.buffered()
+
     async def race(self, fut: Awaitable[object], timeout_s: float, *, what: str) -> None:
         """Wait for ``fut`` while watching the peer: its EOF, ERROR or silence end the wait."""
         task = asyncio.ensure_future(fut)
         try:
-            if task.done() and (
-                self._stash is not None or not self._pending or not self._pending.done()
-            ):  # done already (a small segment's send), no word of the peer's to read first:
-                task.result()  # no read task and no `asyncio.wait`
+            if self._settled(task):  # no read task and no `asyncio.wait`
                 return
             while True:
                 watch: list[asyncio.Future[Any]] = [task]

@@ -286,3 +286,55 @@ def test_read_next_takes_buffered_messages_at_once_and_still_times_out_on_a_part
             await _close(link, server)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("ours", ["failed", "done"])
+def test_race_reads_the_peers_error_first_whatever_became_of_our_send(ours: str) -> None:
+    """The receiver's ERROR already on the link is what `race` raises — before our own
+    send's failure (which the refusal may have caused: the wrong error would blame the
+    wrong worker), and instead of returning for a send that finished. A send finished with
+    nothing from the peer returns at once."""
+    refusal = control.error(errors.ChecksumMismatchError("checksum mismatch in layer 3"))
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(refusal)
+        await writer.drain()
+        await reader.read()
+
+    async def quiet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    def sent(loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = loop.create_future()
+        if ours == "failed":
+            fut.set_exception(errors.PeerLostError("payload send failed"))
+        else:
+            fut.set_result(None)
+        return fut
+
+    async def main() -> None:
+        link, server = await _linked(serve, None)
+        try:
+            for _ in range(1000):  # the ERROR is in the stream's buffer
+                if link.reader.buffered() == len(refusal):
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(errors.ChecksumMismatchError, match="layer 3"):
+                await link.race(sent(asyncio.get_running_loop()), 5.0, what="a layer send")
+            assert link.broken
+        finally:
+            await _close(link, server)
+        link, server = await _linked(quiet, None)
+        try:
+            fut = sent(asyncio.get_running_loop())
+            if ours == "failed":
+                with pytest.raises(errors.PeerLostError):
+                    await link.race(fut, 5.0, what="a layer send")
+                assert link.broken
+            else:
+                await link.race(fut, 5.0, what="a layer send")
+                assert link._pending is None  # no read task started for it
+        finally:
+            await _close(link, server)
+
+    asyncio.run(main())
