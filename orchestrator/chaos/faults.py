@@ -459,8 +459,7 @@ class FaultExecutor:
                 try:
                     await kill.rejoin()
                 except Exception as exc:  # noqa: BLE001 - not healed: the verdict says it
-                    log.warning("heal of fault %s failed: %r", record.label(), exc)
-                    record.error = f"heal failed: {type(exc).__name__}: {exc}"
+                    _not_healed(record, exc)
                     return
                 record.healed_at = self.now()
 
@@ -581,9 +580,7 @@ class FaultExecutor:
                 else:
                     action()  # type: ignore[operator]
             except Exception as exc:  # noqa: BLE001 - the run's verdict says it, not a crash
-                # Not healed: the run did not carry out its plan (the verdict's fault_errors).
-                log.warning("heal of fault %s failed: %r", record.label(), exc)
-                record.error = f"heal failed: {type(exc).__name__}: {exc}"
+                _not_healed(record, exc)
                 return
             record.healed_at = self.now()
 
@@ -626,3 +623,10 @@ class FaultExecutor:
         for task in list(self._heals):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _not_healed(record: FaultRecord, exc: Exception) -> None:
+    """A heal that failed: said on its fault, so the run's verdict counts it (`fault_errors`:
+    the run did not carry out its plan) instead of an exception nobody retrieves."""
+    log.warning("heal of fault %s failed: %r", record.label(), exc)
+    record.error = f"heal failed: {type(exc).__name__}: {exc}"
