@@ -317,7 +317,11 @@ def test_prefill_worker_killed_during_the_kv_transfer_is_re_prefilled(
         assert isinstance(info, orchestrator_pb2.RequestInfo)
         assert info.state == "done"
         assert info.epoch >= 2
-        assert info.prefill_worker == "prefill-1"
+        if info.epoch == 2:  # re-prefilled at once, on the other prefill worker
+            assert info.prefill_worker == "prefill-1"
+        else:  # prefill-1 failed it too (seen in CI: its TLS handshake, just after SIGCONT,
+            # failed under load): never credited to the killed worker, run aggregated
+            assert info.prefill_worker != "prefill-0"
         wait_for(
             lambda: all(w.kv_used_bytes == 0 for w in workers(cluster) if w.role == "decode"),
             15,
