@@ -25,6 +25,11 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 _CHUNK = 64 << 10
+_UPSTREAM_CONNECT_S = 10.0
+"""How long a proxied connection waits for its target's. A target that is down refuses at
+once and a stopped one is still connected by its kernel, so only the proxy's own loop held
+back on a loaded machine takes long — 2 s failed one fault-free reference run's link (one
+needless failover): the wait must not be what injects a fault."""
 
 
 @dataclass(slots=True)
@@ -96,7 +101,7 @@ class FaultProxy:
         try:
             try:
                 up_reader, up_writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port)), timeout=2.0
+                    asyncio.open_connection(host, int(port)), timeout=_UPSTREAM_CONNECT_S
                 )
             except (OSError, TimeoutError):
                 writer.transport.abort()  # the target is down: so is the link
