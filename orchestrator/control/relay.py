@@ -50,6 +50,15 @@ def stop_cut(before: str, delta: str, stops: Sequence[str]) -> int | None:
     return None if best is None else max(0, best - len(before))
 
 
+def stop_tail(text: str, stops: Sequence[str]) -> str:
+    """What of ``text`` a later stop string may still begin in: its last (longest stop
+    string - 1) characters — all `stop_cut` reads of the text before a chunk (a stop string
+    wholly inside it would have ended the stream), so a run keeps no more, however long its
+    output grows."""
+    keep = max(map(len, stops), default=1) - 1
+    return text[len(text) - keep :] if 0 < keep < len(text) else text if keep else ""
+
+
 class Relay:
     def __init__(
         self,
@@ -171,7 +180,8 @@ class Relay:
         first = bool(ids) and not run.output and run.first_token_at is None
         self.writer.submit(run, entry, out, first=first)
         run.output.extend(ids)
-        run.text += delta
+        if spec.stop:
+            run.text = stop_tail(run.text + delta, spec.stop)
         return reason
 
     @staticmethod

@@ -146,6 +146,8 @@ class Run:
     started: float
     output: list[int] = field(default_factory=list)
     text: str = ""
+    """The output text's tail a stop string may begin in (`relay.stop_tail`); empty when
+    the request has no stop strings."""
     first_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     lease_lost: bool = False

@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from orchestrator.core.logprobs import TokenLogprob
@@ -156,14 +157,18 @@ class JournalEntry:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def to_json(self) -> str:
+        if not (self.logprobs or self.prompt_logprobs):
+            # What `json.dumps` writes for [index, ids, text], without its machinery
+            # (every relayed chunk is journalled: ~3 µs a chunk less).
+            ids = ", ".join(map(str, self.token_ids))
+            return f"[{self.index}, [{ids}], {encode_basestring_ascii(self.text)}]"
         item: list[Any] = [self.index, list(self.token_ids), self.text]
-        if self.logprobs or self.prompt_logprobs:
-            item.append(
-                {
-                    "logprobs": [lp.to_json() for lp in self.logprobs],
-                    "prompt": [lp.to_json() for lp in self.prompt_logprobs],
-                }
-            )
+        item.append(
+            {
+                "logprobs": [lp.to_json() for lp in self.logprobs],
+                "prompt": [lp.to_json() for lp in self.prompt_logprobs],
+            }
+        )
         return json.dumps(item)
 
     @classmethod

@@ -463,8 +463,15 @@ class RedisStore:
                 rid, epoch, entry = items[i]
                 keys += self._append_keys(rid)
                 taken = edges.get(i)
-                wire = "" if taken is None else taken.wire
-                args += (epoch, entry.index, len(entry.token_ids), entry.to_json(), wire)
+                wire = b"" if taken is None else taken.wire.encode()
+                # Bytes already: `pipelining.wire` passes them as they are.
+                args += (
+                    b"%d" % epoch,
+                    b"%d" % entry.index,
+                    b"%d" % len(entry.token_ids),
+                    entry.to_json().encode(),
+                    wire,
+                )
             calls.append((keys, args))
         async with _translated("journal append"):
             replies = await self._append_calls(calls)

@@ -22,7 +22,7 @@ from orchestrator.api import common_pb2, worker_pb2
 from orchestrator.control.journal import JournalWriter
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.mux import MuxStream, Tap
-from orchestrator.control.relay import Relay
+from orchestrator.control.relay import Relay, stop_tail
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
@@ -214,3 +214,44 @@ def test_a_stream_whose_chunks_all_go_past_the_reader_is_not_silent() -> None:
         assert 0.2 <= time.monotonic() - t0 < 1.0
 
     run(main())
+
+
+def test_a_stop_string_split_over_many_chunks_is_found_and_the_text_kept_is_bounded() -> None:
+    """The run keeps only the tail a stop string may begin in (`relay.stop_tail`), however
+    long the output: a stop string spread over three chunks, after 200 chunks of text, is
+    still cut where it begins."""
+
+    async def main() -> None:
+        d = Driven(ControlSettings(), stop=("<<STOP>>", "no"))
+        await d.start()
+        relaying = asyncio.create_task(d.relayed())
+        await d.first()
+        for i in range(1, 200):
+            d.stream._deliver(chunk(i, text=f"word{i} "))
+            assert len(d.run.text) <= len("<<STOP>>") - 1
+        for i, piece in enumerate(("tail <<S", "TOP", ">> more"), start=200):
+            d.stream._deliver(chunk(i, text=piece))
+        ends = await relaying
+        assert [(e.finish_reason, e.index) for e in ends] == [("stop", 203)]
+        # Found in its last chunk (the chunks before it were handed out already: a stop
+        # string across chunks is cut where the chunk that completes it begins).
+        assert "".join(c.text for c in d.handed).endswith("word199 tail <<STOP")
+        assert d.handed[-1].text == ""
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "kept"),
+    [
+        ("abcdef", ("xyz",), "ef"),
+        ("abcdef", ("x", "long-stop"), "abcdef"),
+        ("abcdef", ("x",), ""),
+        ("", ("xyz",), ""),
+        ("abcdef", (), ""),
+    ],
+)
+def test_stop_tail_keeps_the_longest_stop_string_less_one(
+    text: str, stops: tuple[str, ...], kept: str
+) -> None:
+    assert stop_tail(text, stops) == kept

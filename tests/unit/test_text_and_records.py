@@ -9,6 +9,7 @@ tokenizer shows a character split across tokens (a trailing U+FFFD).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 
 import pytest
@@ -272,6 +273,22 @@ def test_worker_info_json_is_canonical() -> None:
 def test_journal_entry_round_trips_through_json(entry: JournalEntry) -> None:
     assert JournalEntry.from_json(entry.to_json()) == entry
     assert JournalEntry.from_json(entry.to_json().encode()) == entry
+    # Written as json.dumps writes it (journals already in Redis read the same).
+    assert entry.to_json() == json.dumps([entry.index, list(entry.token_ids), entry.text])
+
+
+@given(
+    st.integers(0, 2**31),
+    st.lists(st.integers(0, 2**31), max_size=8),
+    st.text(max_size=40),
+)
+@settings(max_examples=300)
+def test_journal_entry_is_written_as_json_dumps_writes_it(
+    index: int, ids: list[int], text: str
+) -> None:
+    entry = JournalEntry(index, tuple(ids), text)
+    assert entry.to_json() == json.dumps([index, ids, text])
+    assert JournalEntry.from_json(entry.to_json()) == entry
 
 
 def test_journal_entry_decodes_to_tuples() -> None:
