@@ -56,6 +56,8 @@ class FaultProxy:
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._connecting: set[asyncio.StreamWriter] = set()
+        """Client sides whose connection to the target is being made."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._server = await asyncio.start_server(self._accept, host, port)
@@ -67,12 +69,15 @@ class FaultProxy:
         self.target = target
 
     def drop(self) -> int:
-        """Abort every open connection (both sides see a reset). Returns how many."""
+        """Abort every open connection (both sides see a reset), those still connecting to
+        the target included. Returns how many."""
         writers = list(self._writers)
-        for w in writers:
+        connecting = list(self._connecting)
+        for w in writers + connecting:
             w.transport.abort()
-        self.dropped += len(writers) // 2
-        return len(writers) // 2
+        dropped = len(writers) // 2 + len(connecting)
+        self.dropped += dropped
+        return dropped
 
     async def close(self) -> None:
         """Stop listening and reset every connection; handlers end on their own (aborted
@@ -99,12 +104,18 @@ class FaultProxy:
         self._conns.add(task)
         host, _, port = self.target.rpartition(":")
         try:
+            self._connecting.add(writer)
             try:
                 up_reader, up_writer = await asyncio.wait_for(
                     asyncio.open_connection(host, int(port)), timeout=_UPSTREAM_CONNECT_S
                 )
             except (OSError, TimeoutError):
                 writer.transport.abort()  # the target is down: so is the link
+                return
+            finally:
+                self._connecting.discard(writer)
+            if writer.transport.is_closing():  # dropped while it connected
+                up_writer.transport.abort()
                 return
             self._writers.update((writer, up_writer))
             try:

@@ -123,3 +123,47 @@ def test_target_down_means_link_down_and_retarget_moves_it() -> None:
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_drop_resets_a_connection_still_connecting_to_its_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection whose upstream connect is slow (the proxy's loop held back, a full
+    backlog) is dropped too, and its upstream side aborted once it connects."""
+
+    async def main() -> None:
+        server, target = await _echo_server()
+        gate = asyncio.Event()
+        real = asyncio.open_connection
+
+        async def slow(*args: object, **kwargs: object) -> object:
+            await gate.wait()
+            return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(asyncio, "open_connection", slow)
+        proxy = FaultProxy("t", target, seed=1)
+        address = await proxy.start()
+        host, _, port = address.rpartition(":")
+        reader, writer = await real(host, int(port))
+        try:
+            for _ in range(100):  # until the proxy's handler waits on its target
+                if proxy._connecting:
+                    break
+                await asyncio.sleep(0.01)
+            assert proxy.drop() == 1
+            with contextlib.suppress(ConnectionError):
+                assert await asyncio.wait_for(reader.read(1), 2) == b""
+            gate.set()
+            for _ in range(100):  # the handler aborts the late upstream side and ends
+                if not proxy._conns:
+                    break
+                await asyncio.sleep(0.01)
+            assert not proxy._conns
+            assert not proxy._writers
+            assert not proxy._connecting
+        finally:
+            writer.close()
+            await proxy.close()
+            server.close()
+
+    asyncio.run(main())
