@@ -55,7 +55,7 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
     string - 1) characters — all `stop_cut` reads of the text before a chunk (a stop string
     wholly inside it would have ended the stream), so a run keeps no more, however long its
     output grows."""
-    keep = max(map(len, stops), default=1) - 1
+    keep = max(0, max(map(len, stops), default=1) - 1)
     return text[len(text) - keep :] if 0 < keep < len(text) else text if keep else ""
 
 

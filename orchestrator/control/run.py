@@ -1,7 +1,8 @@
 """One request being driven on this replica, and the chunks its clients see.
 
-A `Run` is what survives the request's failovers: its spec, the epoch it writes at, what
-the client has been sent (``output``, ``text``) and its timings. State with a single owner
+A `Run` is what survives the request's failovers: its spec, the epoch it writes at, the
+tokens the client has been sent (``output``; of their text, the tail a stop string may
+begin in: ``text``) and its timings. State with a single owner
 lives with that owner: the journal's buffer in `JournalBuffer` (the relay), the engine time
 and KV moved in `Usage` (cost), the failover history in `Attempts` (failover), the attached
 clients in `orchestrator.control.sessions`, the prefill-queue ticket in the ledger.

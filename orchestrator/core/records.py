@@ -159,7 +159,8 @@ class JournalEntry:
     def to_json(self) -> str:
         if not (self.logprobs or self.prompt_logprobs):
             # What `json.dumps` writes for [index, ids, text], without its machinery
-            # (every relayed chunk is journalled: ~3 µs a chunk less).
+            # (every relayed chunk is journalled: ~1 µs a chunk less). The same only for
+            # int ids — as they are: a worker's chunk carries them as protobuf integers.
             ids = ", ".join(map(str, self.token_ids))
             return f"[{self.index}, [{ids}], {encode_basestring_ascii(self.text)}]"
         item: list[Any] = [self.index, list(self.token_ids), self.text]

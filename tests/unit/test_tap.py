@@ -16,13 +16,15 @@ from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, cast
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator import errors
 from orchestrator.api import common_pb2, worker_pb2
 from orchestrator.control.journal import JournalWriter
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.mux import MuxStream, Tap
-from orchestrator.control.relay import Relay, stop_tail
+from orchestrator.control.relay import Relay, stop_cut, stop_tail
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
@@ -249,9 +251,29 @@ def test_a_stop_string_split_over_many_chunks_is_found_and_the_text_kept_is_boun
         ("abcdef", ("x",), ""),
         ("", ("xyz",), ""),
         ("abcdef", (), ""),
+        ("abcdef", ("",), ""),
     ],
 )
 def test_stop_tail_keeps_the_longest_stop_string_less_one(
     text: str, stops: tuple[str, ...], kept: str
 ) -> None:
     assert stop_tail(text, stops) == kept
+
+
+@given(
+    st.lists(st.text(alphabet="ab<>é😀", max_size=6), max_size=12),
+    st.lists(st.text(alphabet="ab<>é😀", min_size=1, max_size=5), min_size=1, max_size=3),
+)
+@settings(max_examples=500, deadline=None)
+def test_a_stop_string_is_cut_where_the_whole_text_would_cut_it(
+    deltas: list[str], stops: list[str]
+) -> None:
+    """`stop_cut` over the kept tail answers as over the whole text, chunk after chunk."""
+    whole = kept = ""
+    for delta in deltas:
+        assert stop_cut(kept, delta, stops) == stop_cut(whole, delta, stops)
+        if stop_cut(whole, delta, stops) is not None:
+            break
+        whole += delta
+        kept = stop_tail(kept + delta, stops)
+        assert kept == stop_tail(whole, stops)
