@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -29,6 +30,8 @@ from orchestrator.control.clients import WorkerClients, translated
 from orchestrator.control.mux import Tap, Unsupported
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
+
+log = logging.getLogger(__name__)
 
 Alive = Callable[[WorkerInfo], Awaitable[bool]]
 """Whether a worker's heartbeat is still there."""
@@ -46,11 +49,100 @@ def heartbeat_lost(worker: WorkerInfo) -> errors.WorkerError:
     )
 
 
+class _Watch:
+    """One worker stream being read, as the replica's watchdog sees it."""
+
+    __slots__ = ("check", "reader", "reading", "since", "stream", "trouble", "worker")
+
+    def __init__(
+        self, reader: asyncio.Task[Any], stream: Any, worker: WorkerInfo, check: Checkpoint
+    ) -> None:
+        self.reader = reader
+        self.stream = stream
+        self.worker = worker
+        self.check = check
+        self.reading = False
+        """The reader waits on the stream (else it is busy elsewhere: no silence of the
+        worker's)."""
+        self.since = time.monotonic()
+        """When the current read began: silence is time spent waiting for the worker."""
+        self.trouble: BaseException | None = None
+
+    def quiet(self) -> float:
+        return time.monotonic() - max(self.since, getattr(self.stream, "progress", self.since))
+
+    def failed(self) -> BaseException | None:
+        """What the watchdog interrupted the read for (None: nothing)."""
+        return self.trouble
+
+    def interrupt(self, problem: BaseException) -> None:
+        """Fail the read waiting now with ``problem`` (once; none waiting: nothing)."""
+        if self.reading and self.trouble is None:
+            self.trouble = problem
+            self.reader.cancel()
+
+
+class Watchdogs:
+    """Every watched stream of a replica checked every ``step`` seconds by one task — not a
+    task and a timer per stream, which cost a loop wake-up per stream and step whatever the
+    stream does. A step checks each stream's run (its checkpoint) and silence, then, for the
+    streams quiet for a step or more, their workers' heartbeats — asked once per worker, not
+    once per stream. Started with the first stream, ended with the last."""
+
+    def __init__(
+        self,
+        step: float,
+        problem: Callable[[Checkpoint, WorkerInfo, float], BaseException | None],
+        alive: Alive,
+    ) -> None:
+        self.step = step
+        self._problem = problem
+        self._alive = alive
+        self._watches: set[_Watch] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, watch: _Watch) -> None:
+        self._watches.add(watch)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="pdorch-stream-watchdog")
+
+    def discard(self, watch: _Watch) -> None:
+        self._watches.discard(watch)
+
+    async def _run(self) -> None:
+        while self._watches:
+            await asyncio.sleep(self.step)
+            quiet: dict[str, tuple[WorkerInfo, list[_Watch]]] = {}
+            for watch in list(self._watches):
+                if not watch.reading:
+                    continue  # the reader is busy elsewhere: not the worker's silence
+                silent = watch.quiet()
+                try:
+                    problem = self._problem(watch.check, watch.worker, silent)
+                except Exception:  # a bug (logged): the other streams are still watched
+                    log.exception("a stream's watch step failed")
+                    continue
+                if problem is not None:
+                    watch.interrupt(problem)
+                elif silent >= self.step:
+                    quiet.setdefault(watch.worker.worker_id, (watch.worker, []))[1].append(watch)
+            for worker, watches in quiet.values():
+                try:
+                    alive = await self._alive(worker)
+                except Exception:  # a bug: logged; the streams are checked again next step
+                    log.exception("the heartbeat check of %s failed", worker.worker_id)
+                    continue
+                if not alive:
+                    for watch in watches:
+                        watch.interrupt(heartbeat_lost(worker))
+
+
 class WorkerLegs:
     def __init__(self, clients: WorkerClients, settings: ControlSettings, alive: Alive) -> None:
         self.clients = clients
         self.settings = settings
         self._alive = alive
+        self._watchdogs = Watchdogs(settings.watch_interval_s, self._problem, alive)
 
     async def tokenize(
         self, req: worker_pb2.TokenizeRequest, workers: Sequence[WorkerInfo]
@@ -205,55 +297,33 @@ class WorkerLegs:
         """Iterate a worker's token stream; a worker whose heartbeat expired, or a stream
         silent for ``token_timeout_s``, raises a retryable WorkerError.
 
-        The reads are plain awaits (no task per chunk: this is the per-message path); a
-        watchdog task beside them wakes every ``watch_interval_s``, runs the checks and, on
-        trouble, interrupts the read it finds waiting (cancelling the reading task, which
-        the read answers as `asyncio.timeout` does: only that cancellation is turned into
-        the watchdog's error; any other is re-raised). A stream whose chunks can go past
-        this reader (`MuxStream`'s tap) says when its last one came (``progress``): the
-        read waits on, the stream is not silent."""
+        The reads are plain awaits (no task per chunk: this is the per-message path); the
+        replica's watchdog (`Watchdogs`, one task for every stream) checks the stream every
+        ``watch_interval_s`` and, on trouble, interrupts the read it finds waiting
+        (cancelling the reading task, which the read answers as `asyncio.timeout` does: only
+        that cancellation is turned into the watchdog's error; any other is re-raised). A
+        stream whose chunks can go past this reader (`MuxStream`'s tap) says when its last
+        one came (``progress``): the read waits on, the stream is not silent."""
         reader = asyncio.current_task()
         assert reader is not None
         it = aiter(stream)
-        since = time.monotonic()
-        """When the current read began: silence is time spent waiting for the worker."""
-        reading = False
-        trouble: list[BaseException] = []
-        step = self.settings.watch_interval_s
-
-        def quiet() -> float:
-            return time.monotonic() - max(since, getattr(stream, "progress", since))
-
-        async def watch() -> None:
-            while True:
-                await asyncio.sleep(step)
-                if not reading:
-                    continue  # the reader is busy elsewhere: not the worker's silence
-                problem = self._problem(check, worker, quiet())
-                silent = quiet() >= step
-                if problem is None and silent and not await self._alive(worker):
-                    problem = heartbeat_lost(worker)
-                if problem is not None and reading:
-                    trouble.append(problem)
-                    reader.cancel()
-                    return
-
-        watchdog = asyncio.create_task(watch(), name="pdorch-stream-watch")
+        watch = _Watch(reader, stream, worker, check)
+        self._watchdogs.add(watch)
         try:
             while True:
-                if trouble:
-                    raise trouble[0]
-                reading, since = True, time.monotonic()
+                if (trouble := watch.failed()) is not None:
+                    raise trouble
+                watch.reading, watch.since = True, time.monotonic()
                 try:
                     chunk = await anext(it)
                 except StopAsyncIteration:
                     return
                 except asyncio.CancelledError:
-                    if trouble and reader.uncancel() == 0:
-                        raise trouble[0] from None
+                    if (trouble := watch.failed()) is not None and reader.uncancel() == 0:
+                        raise trouble from None
                     raise
                 finally:
-                    reading = False
+                    watch.reading = False
                 yield chunk
         finally:
-            watchdog.cancel()
+            self._watchdogs.discard(watch)
