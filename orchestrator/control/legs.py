@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import grpc
@@ -52,7 +53,7 @@ def heartbeat_lost(worker: WorkerInfo) -> errors.WorkerError:
 class _Watch:
     """One worker stream being read, as the replica's watchdog sees it."""
 
-    __slots__ = ("check", "reader", "reading", "since", "stream", "trouble", "worker")
+    __slots__ = ("check", "logged", "reader", "reading", "since", "stream", "trouble", "worker")
 
     def __init__(
         self, reader: asyncio.Task[Any], stream: Any, worker: WorkerInfo, check: Checkpoint
@@ -67,6 +68,8 @@ class _Watch:
         self.since = time.monotonic()
         """When the current read began: silence is time spent waiting for the worker."""
         self.trouble: BaseException | None = None
+        self.logged = False
+        """Its checkpoint's failure was logged (once a stream, not every step)."""
 
     def quiet(self) -> float:
         return time.monotonic() - max(self.since, getattr(self.stream, "progress", self.since))
@@ -87,7 +90,9 @@ class Watchdogs:
     task and a timer per stream, which cost a loop wake-up per stream and step whatever the
     stream does. A step checks each stream's run (its checkpoint) and silence, then, for the
     streams quiet for a step or more, their workers' heartbeats — asked once per worker, not
-    once per stream. Started with the first stream, ended with the last."""
+    once per stream, each in a task of its own (one in flight per worker): a slow store
+    (the heartbeat's answer) never holds back the next step's checks of the runs' flags and
+    silence. Started with the first stream, ended with the last."""
 
     def __init__(
         self,
@@ -100,10 +105,13 @@ class Watchdogs:
         self._alive = alive
         self._watches: set[_Watch] = set()
         self._task: asyncio.Task[None] | None = None
+        self._asking: dict[str, asyncio.Task[None]] = {}
+        """The heartbeat checks in flight, by worker."""
 
     def add(self, watch: _Watch) -> None:
         self._watches.add(watch)
-        if self._task is None or self._task.done():
+        task = self._task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             self._task = asyncio.create_task(self._run(), name="pdorch-stream-watchdog")
 
     def discard(self, watch: _Watch) -> None:
@@ -112,29 +120,55 @@ class Watchdogs:
     async def _run(self) -> None:
         while self._watches:
             await asyncio.sleep(self.step)
-            quiet: dict[str, tuple[WorkerInfo, list[_Watch]]] = {}
-            for watch in list(self._watches):
-                if not watch.reading:
-                    continue  # the reader is busy elsewhere: not the worker's silence
-                silent = watch.quiet()
-                try:
-                    problem = self._problem(watch.check, watch.worker, silent)
-                except Exception:  # a bug (logged): the other streams are still watched
-                    log.exception("a stream's watch step failed")
-                    continue
-                if problem is not None:
-                    watch.interrupt(problem)
-                elif silent >= self.step:
-                    quiet.setdefault(watch.worker.worker_id, (watch.worker, []))[1].append(watch)
-            for worker, watches in quiet.values():
-                try:
-                    alive = await self._alive(worker)
-                except Exception:  # a bug: logged; the streams are checked again next step
-                    log.exception("the heartbeat check of %s failed", worker.worker_id)
-                    continue
-                if not alive:
-                    for watch in watches:
-                        watch.interrupt(heartbeat_lost(worker))
+            try:
+                self._step()
+            except Exception:  # a bug (logged): the next step still runs
+                log.exception("the stream watchdog's step failed")
+
+    def _step(self) -> None:
+        quiet: dict[str, tuple[WorkerInfo, list[_Watch]]] = {}
+        for watch in list(self._watches):
+            if not watch.reading:
+                continue  # the reader is busy elsewhere: not the worker's silence
+            silent = watch.quiet()
+            try:
+                problem = self._problem(watch.check, watch.worker, silent)
+            except Exception:  # a bug in the run's checkpoint: silence is still judged
+                if not watch.logged:
+                    watch.logged = True
+                    log.exception("a stream's checkpoint failed")
+                problem = self._problem(_nothing, watch.worker, silent)
+            if problem is not None:
+                watch.interrupt(problem)
+            elif silent >= self.step:
+                quiet.setdefault(watch.worker.worker_id, (watch.worker, []))[1].append(watch)
+        loop = asyncio.get_running_loop()
+        for wid, (worker, watches) in quiet.items():
+            asking = self._asking.get(wid)
+            if asking is None or asking.get_loop() is not loop:  # else: it answers for these
+                task = asyncio.create_task(
+                    self._heartbeat(worker, watches), name="pdorch-heartbeat-check"
+                )
+                self._asking[wid] = task
+                task.add_done_callback(partial(self._asked, wid))
+
+    def _asked(self, wid: str, _: asyncio.Task[None]) -> None:
+        self._asking.pop(wid, None)
+
+    async def _heartbeat(self, worker: WorkerInfo, watches: list[_Watch]) -> None:
+        try:
+            alive = await self._alive(worker)
+        except Exception:  # a bug: logged; the streams are asked about again next step
+            log.exception("the heartbeat check of %s failed", worker.worker_id)
+            return
+        if not alive:
+            for watch in watches:
+                if watch.quiet() >= self.step:  # still waiting on the worker
+                    watch.interrupt(heartbeat_lost(worker))
+
+
+def _nothing() -> None:
+    """A checkpoint that finds nothing wrong."""
 
 
 class WorkerLegs:

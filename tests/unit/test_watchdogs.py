@@ -132,3 +132,61 @@ def test_a_stream_read_elsewhere_is_not_silent_nor_asked_about() -> None:
         await watched.aclose()
 
     run(main())
+
+
+def test_a_slow_heartbeat_check_never_holds_back_a_runs_flags() -> None:
+    """The store answering slowly (a partition, a Redis failover) delays the heartbeats'
+    verdict only: a run flagged meanwhile (its lease lost, cancelled) is interrupted at the
+    next step, whatever the number of workers asked about."""
+
+    async def main() -> None:
+        async def slow(w: WorkerInfo) -> bool:
+            await asyncio.sleep(STEP_S * 40)
+            return True
+
+        legs = WorkerLegs(cast(Any, None), ControlSettings(watch_interval_s=STEP_S), slow)
+        flagged = False
+
+        def check() -> None:
+            if flagged:
+                raise errors.UnavailableError("the run's lease was lost")
+
+        workers = [worker(f"decode-{i}") for i in range(10)]
+        streams = [MuxStream(cast(Any, NoCall()), i) for i in range(10)]
+        mine = legs._watched(streams[0], workers[0], check)
+        readers = [
+            asyncio.create_task(read_all(legs, s, w))
+            for s, w in zip(streams[1:], workers[1:], strict=True)
+        ]
+        reading = asyncio.create_task(anext(mine))
+        await asyncio.sleep(STEP_S * 4)  # every worker's heartbeat check is now in flight
+        flagged = True
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(errors.UnavailableError, match="lease was lost"):
+            await reading
+        assert asyncio.get_running_loop().time() - t0 < STEP_S * 4
+        for s in streams[1:]:
+            s._finish(None)
+        await asyncio.gather(*readers)
+
+    run(main())
+
+
+def test_a_failing_checkpoint_is_logged_once_and_silence_still_judged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        settings = ControlSettings(watch_interval_s=STEP_S, token_timeout_s=STEP_S * 6)
+        legs = WorkerLegs(cast(Any, None), settings, Heartbeats())
+
+        def broken() -> None:
+            raise RuntimeError("a bug in the checkpoint")
+
+        stream = MuxStream(cast(Any, NoCall()), 0)
+        with pytest.raises(errors.WorkerError) as silent:
+            await anext(legs._watched(stream, worker("decode-a"), broken))
+        assert silent.value.phase == "silence"
+
+    with caplog.at_level(logging.ERROR):
+        run(main())
+    assert caplog.text.count("a stream's checkpoint failed") == 1
