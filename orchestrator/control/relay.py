@@ -56,7 +56,7 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
     wholly inside it would have ended the stream), so a run keeps no more, however long its
     output grows."""
     keep = max(0, max(map(len, stops), default=1) - 1)
-    return text[len(text) - keep :] if 0 < keep < len(text) else text if keep else ""
+    return text[max(0, len(text) - keep) :] if keep else ""
 
 
 class Relay:

@@ -163,14 +163,11 @@ class JournalEntry:
             # int ids — as they are: a worker's chunk carries them as protobuf integers.
             ids = ", ".join(map(str, self.token_ids))
             return f"[{self.index}, [{ids}], {encode_basestring_ascii(self.text)}]"
-        item: list[Any] = [self.index, list(self.token_ids), self.text]
-        item.append(
-            {
-                "logprobs": [lp.to_json() for lp in self.logprobs],
-                "prompt": [lp.to_json() for lp in self.prompt_logprobs],
-            }
-        )
-        return json.dumps(item)
+        scores = {
+            "logprobs": [lp.to_json() for lp in self.logprobs],
+            "prompt": [lp.to_json() for lp in self.prompt_logprobs],
+        }
+        return json.dumps([self.index, list(self.token_ids), self.text, scores])
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JournalEntry:
