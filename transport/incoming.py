@@ -326,19 +326,36 @@ class Receive:
             return [(i, sums[i], flat[offsets[i] : offsets[i + 1]], 0) for i in indices]
         return [(i, sums[i], flat[offsets[i] : offsets[i + 1]], self.values(i)) for i in indices]
 
-    def _verifier(self, n: int) -> Callable[[], None] | None:
-        """Segment ``n``'s verification, run where its read completes — the read's thread
-        hop and loop turn then serve both (a second hop for the checksums cost ~0.2 ms of
-        a 4 MiB transfer's ~1.5 here) — if it is the last segment and every checksum of
-        its layers is in (a folded KV's, up to `sender._FOLD_CHECKSUM_BYTES`). An earlier
-        segment's would hold up the next read in the same thread: verified apart."""
-        seg = self.segments[n]
-        if n != len(self.segments) - 1 or any(i not in self.sums for i in seg):
+    def _verifier(self, layers: range, last: int) -> Callable[[], None] | None:
+        """The verification of a read's ``layers`` (segments up to ``last``), run where
+        the read completes — the read's thread hop and loop turn then serve both (a second
+        hop for the checksums cost ~0.2 ms of a 4 MiB transfer's ~1.5 here) — if it ends
+        with the last segment and every checksum of its layers is in (a folded KV's, up to
+        `sender._FOLD_CHECKSUM_BYTES`). An earlier segment's would hold up the next read
+        in the same thread: verified apart."""
+        if last != len(self.segments) - 1 or any(i not in self.sums for i in layers):
             return None
         finite = self.header.dtype if self.settings.check_finite else None
-        return functools.partial(_verify_all, self._batch(seg, finite), finite)
+        return functools.partial(_verify_all, self._batch(layers, finite), finite)
 
     async def _on_message(self, msg: control.Message) -> None:
+        await self._take(msg)
+        if self.queued and not self.holding and not self._more_to_join():
+            self.start_reads()
+
+    def _more_to_join(self) -> bool:
+        """Whether to take the sender's next message before starting the reads queued:
+        it is buffered already (the rest of a write: its READs may join these, read as
+        one, `start_reads`) and what is queued is small enough to join more. Never past
+        `_JOINED_READ_BYTES`: a sender writing segment after segment keeps the buffer
+        full, and waiting for it to drain left the reads idle (16 MiB 6 → 8 ms)."""
+        if not self.link.message_ready():
+            return False
+        bounds, segments = self.header.bounds, self.segments
+        queued = sum(bounds[segments[n].stop] - bounds[segments[n].start] for n, _ in self.queued)
+        return queued < _JOINED_READ_BYTES
+
+    async def _take(self, msg: control.Message) -> None:
         if msg.kind is control.Kind.ALIVE:  # the sender's next layer is being computed
             return
         if msg.kind is control.Kind.ABORT:
@@ -387,8 +404,6 @@ class Receive:
             raise errors.WireFormatError(f"READ {n}: regions do not add up to its size")
         self.reading.add(n)
         self.queued.append((n, regions))
-        if not self.holding:
-            self.start_reads()
 
     def take_inline(self, body: memoryview) -> None:
         """Eager: the whole payload came folded into the OPEN (its length was checked
@@ -407,28 +422,48 @@ class Receive:
         """Read announced segments in order, ``_MAX_READS`` at a time: all at once, a
         transfer's first segment landed only with its last (the copies share the memory
         bandwidth), the sender heard nothing for that long, and verification could not
-        overlap the reads."""
+        overlap the reads. Consecutive segments announced together are read as one, up to
+        `_JOINED_READ_BYTES` (the vLLM connector sends a segment per layer, and a sender
+        sends the segments that completed meanwhile together)."""
         self.holding = False
         budget = _IN_PLACE_READ_BYTES
-        while self.queued and len(self.receiving) < _MAX_READS:
-            n, regions = self.queued.pop(0)
-            view = self.segment_view(n)
-            then = self._verifier(n)
-            # A small segment is read right here (no task, no loop turn: the vLLM
-            # connector sends a segment per layer), up to a budget per call: past it, a
-            # task each, so a KV of many small segments still lets the loop turn.
+        queued = self.queued
+        while queued and len(self.receiving) < _MAX_READS:
+            first, regions = queued.pop(0)
+            last = first
+            bounds, segments = self.header.bounds, self.segments
+            size = bounds[segments[first].stop] - bounds[segments[first].start]
+            while queued and queued[0][0] == last + 1:
+                following = segments[last + 1]
+                more = bounds[following.stop] - bounds[following.start]
+                if size + more > _JOINED_READ_BYTES:
+                    break
+                regions = _joined(regions, queued.pop(0)[1])
+                last, size = last + 1, size + more
+            layers = range(self.segments[first].start, self.segments[last].stop)
+            view = self._layers_view(layers)
+            then = self._verifier(layers, last)
+            # A small read is done right here (no task, no loop turn), up to a budget per
+            # call: past it, a task each, so a KV of many small segments still lets the
+            # loop turn.
             if view.nbytes <= budget:
                 rest = self.plane.read_now(self.link.peer, regions, view, then)
                 if rest is None:
                     budget -= view.nbytes
-                    self._landed(self.segments[n], verified=then is not None)
+                    self._landed(layers, verified=then is not None)
                     continue
             else:
                 rest = self.plane.read(self.link.peer, regions, view, then)
-            task = asyncio.create_task(rest, name=f"pdorch-kv-read-{n}")
-            self.receiving[task] = self.segments[n]
+            task = asyncio.create_task(rest, name=f"pdorch-kv-read-{first}")
+            self.receiving[task] = layers
             if then is not None:
                 self.checking.add(task)
+
+    def _layers_view(self, layers: range) -> memoryview:
+        """Consecutive layers' bytes in our buffer (they lie back to back, in wire order)."""
+        start = self.offsets[layers.start]
+        end = self.offsets[layers.stop - 1] + self.header.layer_nbytes(layers.stop - 1)
+        return self.flat[start:end]
 
     def _landed(self, seg: range, *, verified: bool = False) -> None:
         self.landed.update(seg)
@@ -454,6 +489,11 @@ announced. Two reads *at once* shared the memory bandwidth instead, so a 64 MiB 
 a time, load 7); one at a time with a loop turn and a thread hop between them cost 0.7–2.7 ms
 per segment boundary under load."""
 
+_JOINED_READ_BYTES = 256 << 10
+"""One-sided: consecutive segments announced together are read as one up to this size (a
+read costs ~20 µs besides its copy; past this the copy dominates and a larger read would
+only delay the first segment's verification)."""
+
 _IN_PLACE_READ_BYTES = 1 << 20
 """One-sided: segments read on the loop per `Receive.start_reads` call, at most (a CMA copy
 of 1 MiB: ~0.1–0.2 ms)."""
@@ -468,6 +508,18 @@ _SPLIT_TAIL_BYTES = 4 << 20
 Batch = list[tuple[int, int, memoryview, int]]
 """Layers to verify: index, checksum (from its frame), payload, bytes of K and V values at
 the payload's start (`wire.verify_layers`)."""
+
+
+def _joined(
+    regions: list[control.RemoteRegion], more: list[control.RemoteRegion]
+) -> list[control.RemoteRegion]:
+    """``regions`` then ``more``, read in order into consecutive bytes; the two that meet
+    merged into one when they are adjacent in the same key (a group staged together)."""
+    a, b = regions[-1], more[0]
+    if a.key_id == b.key_id and a.address + a.length == b.address:
+        merged = control.RemoteRegion(a.address, a.length + b.length, a.rkey, a.key_id)
+        return [*regions[:-1], merged, *more[1:]]
+    return [*regions, *more]
 
 
 def _nbytes(batch: Batch) -> int:

@@ -83,6 +83,30 @@ def copy_into(buf: np.ndarray, pieces: Sequence[memoryview]) -> None:
         pos = end
 
 
+def split_descriptors(
+    descriptors: Sequence[control.Descriptor], sizes: Sequence[int]
+) -> list[list[control.Descriptor]]:
+    """``descriptors`` (of bytes one after another) cut into consecutive runs of ``sizes``
+    bytes each — one READ's per segment of a group staged together — a descriptor that
+    straddles two runs split between them."""
+    if sum(sizes) != sum(d.length for d in descriptors) or any(n <= 0 for n in sizes):
+        raise ValueError(f"descriptors of {sum(d.length for d in descriptors)} bytes; {sizes}")
+    rest = list(reversed(descriptors))
+    out: list[list[control.Descriptor]] = []
+    for size in sizes:
+        run: list[control.Descriptor] = []
+        left = size
+        while left:
+            d = rest.pop()
+            if d.length > left:  # the rest of it starts the next run
+                rest.append(control.Descriptor(d.key_id, d.offset + left, d.length - left))
+                d = control.Descriptor(d.key_id, d.offset, left)
+            run.append(d)
+            left -= d.length
+        out.append(run)
+    return out
+
+
 def frames(parts: Parts, sums: list[int]) -> bytes:
     return b"".join(
         wire.encode_layer_frame(wire.LayerFrame(i, sum(b.nbytes for b in summed), c))

@@ -145,6 +145,15 @@ class Link:
             self.broken = True
             raise
 
+    def message_ready(self) -> bool:
+        """Whether the next message can be taken without waiting: read already, or all in
+        the stream's buffer (the rest of a write the peer made at once)."""
+        if self._stash is not None:
+            return True
+        if self._pending is not None:
+            return self._pending.done()
+        return self._buffered_whole()
+
     def _buffered_whole(self) -> bool:
         """Whether the next message is all in the stream's buffer (one `read_message` reads
         it without waiting; bodies read in place are not)."""

@@ -43,6 +43,15 @@ batches, checksummed in a thread, leave the link idle meanwhile; at 16 MiB they 
 no better than a write per layer, and in some runs worse (`bench transport`, tcp)."""
 
 
+_GROUP_BYTES = 256 << 10
+"""One-sided: segments that complete before the sender's loop turns go out together
+(`OutgoingTransfer._grouped`), up to this many payload bytes: one task, one checksum pass,
+one staging copy, one message of READs and frames — where each segment cost a task, a
+pass, a copy, a registration lookup and a write (and a read on the other side). A segment
+that completes alone (a forward slower than the link) still goes at once; larger groups
+(4 MiB) held the receiver idle while a group was summed and copied (16 MiB 6 → 10 ms)."""
+
+
 class Pool:
     """Idle links to one receiver address, and a cap on concurrent transfers to it."""
 
@@ -80,6 +89,10 @@ class OutgoingTransfer:
         self._staged: list[np.ndarray] = []
         """One-sided: staging buffers of segments of small pieces (`_expose_pieces`), back
         to the sender's pool once nothing reads them."""
+        self._forming: list[tuple[int, Parts]] | None = None
+        """One-sided: the newest group of complete segments, while its task has not
+        started: a segment that completes meanwhile joins it (`_grouped`)."""
+        self._forming_bytes = 0
         self._deadline = time.monotonic() + self._settings.transfer_timeout_s
         self._state = "open"
         self.bytes_sent = 0
@@ -142,12 +155,7 @@ class OutgoingTransfer:
                 await self._send_frame(wire.LayerFrame(index, nbytes, csum))
                 await self._link.send_payload(sent, self._wait_s())
             else:
-                seg = self._segment_of[index]
-                self._outgoing[index] = (summed, sent)
-                self._missing[seg] -= 1
-                if self._missing[seg] == 0:  # the segment is complete: move it
-                    parts = [(i, *self._outgoing.pop(i)) for i in self._segments[seg]]
-                    self._start(self._segment(seg, parts), f"segment-{seg}")
+                self._out_of_band(index, summed, sent)
         except BaseException:
             await self._fail()
             raise
@@ -207,58 +215,107 @@ class OutgoingTransfer:
         msg = control.encode(control.Kind.LAYER, wire.encode_layer_frame(frame))
         await self._link.send(msg, self._wait_s())
 
-    async def _segment(self, seg: int, parts: Parts) -> None:
-        if self._sender._plane.one_sided:
-            await self._expose_segment(seg, parts)
-        else:
-            await self._send_segment(seg, parts)
-
-    async def _expose_segment(self, seg: int, parts: Parts) -> None:
-        """One-sided: tell the receiver where the segment is at once (it starts reading) —
-        KEYS first for memory its link does not know yet — then checksum its layers in
-        one thread hop meanwhile and send their frames; the receiver verifies each layer
-        once both are in."""
-        sender = self._sender
-        bufs = [b for _, _, sent in parts for b in sent]
-        if any(i in self._in_place for i, _, _ in parts):
-            await self._expose_pieces(seg, parts, bufs)
+    def _out_of_band(self, index: int, summed: list[memoryview], sent: list[memoryview]) -> None:
+        """Layer ``index`` is given: once its segment is complete, move it."""
+        seg = self._segment_of[index]
+        self._outgoing[index] = (summed, sent)
+        self._missing[seg] -= 1
+        if self._missing[seg]:
             return
-        descs, regs = sender.registry.acquire(bufs)
-        self._used.extend(regs)
-        self._buffers.extend(bufs)
-        message = sender.announce(self._link, regs) + control.read(seg, descs)
-        await self._link.send(message, self._wait_s())
-        await self._send_frames(parts)
+        parts = [(i, *self._outgoing.pop(i)) for i in self._segments[seg]]
+        if self._sender._plane.one_sided:
+            self._grouped(seg, parts)
+        else:
+            self._start(self._send_segment(seg, parts), f"segment-{seg}")
 
-    async def _expose_pieces(self, seg: int, parts: Parts, bufs: list[memoryview]) -> None:
-        """A segment with layers in pieces (memory the transfer does not own): checksums
-        first, then KEYS, READ and LAYERS in one message. Checked against the bytes as
-        they were given, a read that finds them changed (re-used after the transfer
+    def _grouped(self, seg: int, parts: Parts) -> None:
+        """One-sided: expose a complete segment — with the group still forming, if it
+        fits (`_GROUP_BYTES`) and is given the same way (pieces or arrays), else in a new
+        group and task of its own. A group's task closes it when it starts, so every
+        segment that completed before the loop turned goes with it, and groups still run
+        side by side (one's checksums in the thread while another's message is written)."""
+        size = _nbytes(parts)
+        forming = self._forming
+        if (
+            forming is not None
+            and self._forming_bytes + size <= _GROUP_BYTES
+            and self._given_in_pieces(forming[0][1]) == self._given_in_pieces(parts)
+        ):
+            forming.append((seg, parts))
+            self._forming_bytes += size
+            return
+        group = self._forming = [(seg, parts)]
+        self._forming_bytes = size
+        self._start(self._expose(group), f"segment-{seg}")
+
+    def _given_in_pieces(self, parts: Parts) -> bool:
+        return any(i in self._in_place for i, _, _ in parts)
+
+    async def _expose(self, group: list[tuple[int, Parts]]) -> None:
+        """One-sided: tell the receiver where the segments are at once (it starts
+        reading) — KEYS first for memory its link does not know yet — then checksum their
+        layers in one thread hop meanwhile and send their frames; the receiver verifies
+        each layer once both are in."""
+        if self._forming is group:
+            self._forming = None  # started: later segments form a group of their own
+        if self._given_in_pieces(group[0][1]):
+            await self._expose_pieces(group)
+            return
+        sender = self._sender
+        reads, used = [], []
+        for seg, parts in group:
+            bufs = [b for _, _, sent in parts for b in sent]
+            descs, regs = sender.registry.acquire(bufs)
+            self._used.extend(regs)
+            self._buffers.extend(bufs)
+            used += regs
+            reads.append(control.read(seg, descs))
+        message = sender.announce(self._link, used) + b"".join(reads)
+        await self._link.send(message, self._wait_s())
+        await self._send_frames([part for _, parts in group for part in parts])
+
+    async def _expose_pieces(self, group: list[tuple[int, Parts]]) -> None:
+        """Segments with layers in pieces (memory the transfer does not own): checksums
+        first, then KEYS, the READs and LAYERS in one message. Checked against the bytes
+        as they were given, a read that finds them changed (re-used after the transfer
         failed) is refused. Small pieces, or more than one READ names, are staged
         (`kv_bytes.staged`): copied after their checksums, in the same thread hop, into
-        a pooled buffer read as one region — a piece changed before its copy is refused
-        just the same."""
+        one pooled buffer for the group, each segment's READ naming its part of it — a
+        piece changed before its copy is refused just the same."""
         sender = self._sender
         hook = sender.exposed_hook
-        staging = (
-            sender.staging.acquire(sum(b.nbytes for b in bufs)) if kv_bytes.staged(bufs) else None
-        )
+        per_segment = [[b for _, _, sent in parts for b in sent] for _, parts in group]
+        bufs = [b for seg_bufs in per_segment for b in seg_bufs]
+        sizes = [sum(b.nbytes for b in seg_bufs) for seg_bufs in per_segment]
+        stage = any(kv_bytes.staged(seg_bufs) for seg_bufs in per_segment)
+        staging = sender.staging.acquire(sum(sizes)) if stage else None
+        layers = [part for _, parts in group for part in parts]
 
-        def then() -> None:  # in the checksum thread for a large segment
+        def then() -> None:  # in the checksum thread for a large group
             if hook is not None:
-                hook(seg)
+                for seg, _ in group:
+                    hook(seg)
             if staging is not None:
                 kv_bytes.copy_into(staging, bufs)
 
-        sums = await sender.checksums([summed for _, summed, _ in parts], then)
+        sums = await sender.checksums([summed for _, summed, _ in layers], then)
         if staging is not None:  # (were the wait cancelled, the copy's buffer is dropped)
             self._staged.append(staging)
-            bufs = [staging.data]
-        descs, regs = sender.registry.acquire(bufs)
-        self._used.extend(regs)
-        self._buffers.extend(bufs)
-        message = sender.announce(self._link, regs) + control.read(seg, descs)
-        message += control.encode(control.Kind.LAYERS, kv_bytes.frames(parts, sums))
+            descs, used = sender.registry.acquire([staging.data])
+            per_read = kv_bytes.split_descriptors(descs, sizes)
+            self._buffers.append(staging.data)
+        else:
+            per_read, used = [], []
+            for seg_bufs in per_segment:
+                descs, regs = sender.registry.acquire(seg_bufs)
+                per_read.append(descs)
+                used += regs
+            self._buffers.extend(bufs)
+        self._used.extend(used)
+        message = sender.announce(self._link, used)
+        segments = [seg for seg, _ in group]
+        message += b"".join(map(control.read, segments, per_read))
+        message += control.encode(control.Kind.LAYERS, kv_bytes.frames(layers, sums))
         await self._link.send(message, self._wait_s())
 
     async def _send_frames(self, parts: Parts) -> None:
@@ -356,6 +413,7 @@ class OutgoingTransfer:
             # Out-of-band sends still posted reference our buffers: cancel them. Only this
             # link's channel: other transfers to the same peer go on (issue 18).
             self._sender._plane.fail_channel(self._link.peer)
+        self._forming = None
         for t in self._in_flight:
             t.cancel()
         for t in self._in_flight:
@@ -384,3 +442,7 @@ class OutgoingTransfer:
             await self.abort(f"sender error: {type(exc).__name__}")
         elif self._state == "open":
             await self.abort("transfer left without finish()")
+
+
+def _nbytes(parts: Parts) -> int:
+    return sum([b.nbytes for _, _, sent in parts for b in sent])

@@ -322,8 +322,12 @@ class KvSender:
     def announce(self, link: Link, used: list[Registration]) -> bytes:
         """KEYS for the registrations this link's receiver does not hold yet (once per
         link: later transfers name them by id)."""
-        new = [r.key for r in used if r.key.key_id not in link.keys_told]
-        link.keys_told.update(k.key_id for k in new)
+        told = link.keys_told
+        new = []
+        for r in used:  # (a group's segments may name the same registration)
+            if r.key.key_id not in told:
+                told.add(r.key.key_id)
+                new.append(r.key)
         return b"".join(
             control.keys(new[i : i + control.MAX_KEYS])
             for i in range(0, len(new), control.MAX_KEYS)

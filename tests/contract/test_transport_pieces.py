@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from transport import control, errors, kv_bytes, testing, wire
+from transport import control, errors, incoming, kv_bytes, outgoing, testing, wire
 from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.link import Link
 from transport.receiver import KvReceiver
 from transport.sender import KvSender
-from transport.ucx import ucx_available
+from transport.ucx import UcxDataPlane, ucx_available
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
 
@@ -71,9 +71,13 @@ def _header(pool: np.ndarray, rid: str, epoch: int, ids: list[int]) -> wire.KvHe
 
 
 async def _send(sender: KvSender, address: str, pool: np.ndarray, h: wire.KvHeader,
-                ids: list[int]) -> None:  # fmt: skip
+                ids: list[int], pace_s: float = 0.0) -> None:  # fmt: skip
+    """Send the layers back to back, or (``pace_s``) one every ``pace_s``, as a forward
+    slower than the link gives them."""
     async with await sender.open(address, h) as t:
         for i in range(LAYERS):
+            if pace_s and i:
+                await asyncio.sleep(pace_s)
             await t.send_layer(i, *_pieces(pool, i, ids))
         await t.finish()
 
@@ -329,7 +333,9 @@ def test_landed_goes_out_at_most_every_keepalive(keepalive_s: float) -> None:
             sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
             for epoch in (1, 2):
                 h = _header(pool, "l", epoch, ids)
-                await _send(sender, address, pool, h, ids)
+                # (paced: layers given together go, and land, together — `test_segments_
+                # given_together_go_in_one_message_and_are_read_as_one`)
+                await _send(sender, address, pool, h, ids, pace_s=0.05)
                 await _landed(receiver, pool, h, ids)
         finally:
             await sender.close()
@@ -422,3 +428,100 @@ def test_a_segment_failing_where_it_is_read_cancels_the_reads_started_before_it(
             await receiver.close()
 
     asyncio.run(main())
+
+
+def _writes(sent: list[list[control.Kind]]) -> Callable[[], None]:
+    """Record the kinds of the messages of each `Link.send` write; returns an undo."""
+    original = Link.send
+
+    async def send(self: Link, data: bytes, timeout_s: float) -> None:
+        sent.append([m.kind for m in control.split(data)])
+        await original(self, data, timeout_s)
+
+    Link.send = send  # type: ignore[method-assign]
+    return lambda: setattr(Link, "send", original)
+
+
+@pytest.fixture
+def plane_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of each read the receiver asks its data plane for (`read_now`, which
+    may hand it to `read`, or `read`)."""
+    sizes: list[int] = []
+    inner = {"depth": 0}
+    for name in ("read_now", "read"):
+        original = getattr(UcxDataPlane, name)
+
+        def spy(self: UcxDataPlane, peer: Any, regions: Any, into: memoryview, *rest: Any,
+                _original: Any = original) -> Any:  # fmt: skip
+            if not inner["depth"]:
+                sizes.append(into.nbytes)
+            inner["depth"] += 1
+            try:
+                return _original(self, peer, regions, into, *rest)
+            finally:
+                inner["depth"] -= 1
+
+        monkeypatch.setattr(UcxDataPlane, name, spy)
+    return sizes
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
+def test_segments_given_together_go_in_one_message_and_are_read_as_one(
+    staged: bool, plane_reads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KV given faster than it moves (the bench, a fast forward): its segments (a layer
+    each here) go in one write — every READ and every frame — and, staged into one buffer,
+    are read as one region; the bytes land right. Read where they lie, each segment still
+    gets its own descriptors (one READ each) in the same write."""
+    monkeypatch.setattr(outgoing, "_GROUP_BYTES", 4 << 20)
+    monkeypatch.setattr(incoming, "_JOINED_READ_BYTES", 4 << 20)
+    if not staged:
+        monkeypatch.setattr(kv_bytes, "STAGE_PIECE_BYTES", 0)
+    pool, ids = _pool(11), [5, 6, 7, 2, 9]
+    writes: list[list[control.Kind]] = []
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        h = _header(pool, "g", 1, ids)
+        undo = _writes(writes)
+        try:
+            await _send(sender, address, pool, h, ids)
+        finally:
+            undo()
+        await _landed(receiver, pool, h, ids)
+
+    _run(body)
+    with_reads = [w for w in writes if control.Kind.READ in w]
+    assert len(with_reads) == 1
+    assert with_reads[0].count(control.Kind.READ) == LAYERS
+    assert with_reads[0][-1] is control.Kind.LAYERS  # every frame, after the READs
+    if staged:
+        assert len(plane_reads) == 1
+        assert plane_reads[0] == _header(pool, "g", 1, ids).payload_bytes
+
+
+def test_a_group_stops_at_its_size_and_a_paced_producer_s_segments_go_alone(
+    plane_reads: list[int],
+) -> None:
+    """Back to back, a KV over `_GROUP_BYTES` goes in several writes, none naming more
+    than that (the receiver reads the first group while the next is summed and copied);
+    layers given one at a time (a forward slower than the link) go one write each — a
+    segment never waits for the next."""
+    pool, ids = _pool(12), [5, 6, 7, 2, 9]  # 120 KiB a layer: two per group
+    h1, h2 = _header(pool, "s", 1, ids), _header(pool, "s", 2, ids)
+    assert h1.layer_nbytes(0) * 2 <= outgoing._GROUP_BYTES < h1.layer_nbytes(0) * 3
+    together: list[list[control.Kind]] = []
+    paced: list[list[control.Kind]] = []
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        for h, writes, pace_s in ((h1, together, 0.0), (h2, paced, 0.05)):
+            undo = _writes(writes)
+            try:
+                await _send(sender, address, pool, h, ids, pace_s=pace_s)
+            finally:
+                undo()
+            await _landed(receiver, pool, h, ids)
+
+    _run(body)
+    assert [w.count(control.Kind.READ) for w in together if control.Kind.READ in w] == [2, 2]
+    assert [w.count(control.Kind.READ) for w in paced if control.Kind.READ in w] == [1] * LAYERS
+    assert all(n <= incoming._JOINED_READ_BYTES for n in plane_reads)
