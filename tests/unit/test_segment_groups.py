@@ -1,17 +1,19 @@
 """Segments grouped on the way (issue 16, the vLLM connector's layer-by-layer path): a group
 staged together is named segment by segment (`kv_bytes.split_descriptors`: each READ names
 exactly its segment's bytes, in order), and consecutive segments the receiver reads as one
-keep their regions in order, the two that meet merged when adjacent (`incoming._joined`)."""
+keep their regions in order, the two that meet merged when adjacent (`incoming._joined`);
+a group's pieces are staged one after another (`kv_bytes.copy_into`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from transport import control
 from transport.incoming import _joined
-from transport.kv_bytes import split_descriptors
+from transport.kv_bytes import copy_into, split_descriptors
 
 D = control.Descriptor
 
@@ -70,3 +72,16 @@ def test_adjacent_regions_of_one_key_are_read_as_one() -> None:
 def test_regions_that_do_not_meet_stay_apart_in_order(more: control.RemoteRegion) -> None:
     first = [_region(1, 100, 16)]
     assert _joined(first, [more]) == [*first, more]
+
+
+def test_staging_copies_pieces_of_any_shape_one_after_another() -> None:
+    """`kv_bytes.copy_into`: byte views, float views and 2-d views, each as its bytes, in
+    order, filling exactly the buffer."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(16).astype(np.float32)
+    b = rng.integers(0, 255, 40, dtype=np.uint8)
+    c = rng.standard_normal((3, 5)).astype(np.float16)
+    pieces = [memoryview(a), memoryview(b), memoryview(c), memoryview(a).cast("B")[8:24]]
+    buf = np.full(sum(p.nbytes for p in pieces), 0xAB, dtype=np.uint8)
+    copy_into(buf, pieces)
+    assert buf.tobytes() == b"".join(p.tobytes() for p in pieces)
