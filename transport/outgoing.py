@@ -301,17 +301,20 @@ class OutgoingTransfer:
         sums = await sender.checksums([summed for _, summed, _ in layers], then)
         if staging is not None:  # (were the wait cancelled, the copy's buffer is dropped)
             self._staged.append(staging)
-            descs, used = sender.registry.acquire([staging.data])
-            per_read = kv_bytes.split_descriptors(descs, sizes)
             self._buffers.append(staging.data)
+            descs, used = sender.registry.acquire([staging.data])
+            self._used.extend(used)
+            per_read = kv_bytes.split_descriptors(descs, sizes)
         else:
             per_read, used = [], []
             for seg_bufs in per_segment:
+                self._buffers.extend(seg_bufs)
                 descs, regs = sender.registry.acquire(seg_bufs)
+                # Each segment's at once: a later one's registration failing fails the
+                # transfer, which releases (after its hold) what the earlier ones took.
+                self._used.extend(regs)
                 per_read.append(descs)
                 used += regs
-            self._buffers.extend(bufs)
-        self._used.extend(used)
         message = sender.announce(self._link, used)
         segments = [seg for seg, _ in group]
         message += b"".join(map(control.read, segments, per_read))

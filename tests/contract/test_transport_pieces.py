@@ -525,3 +525,51 @@ def test_a_group_stops_at_its_size_and_a_paced_producer_s_segments_go_alone(
     assert [w.count(control.Kind.READ) for w in together if control.Kind.READ in w] == [2, 2]
     assert [w.count(control.Kind.READ) for w in paced if control.Kind.READ in w] == [1] * LAYERS
     assert all(n <= incoming._JOINED_READ_BYTES for n in plane_reads)
+
+
+def test_a_registration_failing_mid_group_releases_what_the_group_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pieces read in place, a group of two segments: the first lies in the registered
+    region, the second's memory cannot be registered. The transfer fails, and after its
+    hold the region's registration has no user left (else `unregister_region` would wait
+    for it forever and its key never be withdrawn)."""
+    monkeypatch.setattr(kv_bytes, "STAGE_PIECE_BYTES", 0)
+    pool, other, ids = _pool(31), _pool(32), [3, 4, 11]
+    hold_s = 0.3
+
+    async def main() -> None:
+        receiver = make_receiver(UCX_READ, TransportSettings())
+        address = await receiver.start()
+        settings = TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES, idle_timeout_s=hold_s)
+        sender = make_sender(UCX_READ, settings)
+        await sender.start()
+        try:
+            region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+            real = sender.registry._register
+
+            def register(at: int, length: int) -> tuple[bytes, object]:
+                if at == other.ctypes.data:
+                    raise errors.TransportError("cannot register")
+                return real(at, length)
+
+            monkeypatch.setattr(sender.registry, "_register", register)
+            h = _header(pool, "z", 1, ids)
+
+            async def send() -> None:
+                async with await sender.open(address, h) as t:
+                    await t.send_layer(0, *_pieces(pool, 0, ids))  # in the region
+                    await t.send_layer(1, *_pieces(other, 1, ids))  # not registrable
+                    for i in range(2, LAYERS):
+                        await t.send_layer(i, *_pieces(pool, i, ids))
+                    await t.finish()
+
+            with pytest.raises(errors.TransportError, match="cannot register"):
+                await send()
+            await asyncio.sleep(hold_s * 3)
+            assert region.users == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
