@@ -74,15 +74,26 @@ def staged(pieces: Sequence[memoryview], limit: int | None = None) -> bool:
     return total < STAGE_PIECE_BYTES * n or n > control.MAX_REGIONS
 
 
+_GIL_FREE_COPY_BYTES = 16 << 10
+"""`copy_into` copies a piece this large with numpy, which lets go of the GIL meanwhile;
+smaller ones with a memoryview's slice assignment, which holds it (~0.3 µs a piece where
+numpy's costs ~1.3: 16 MiB in 4 KiB pieces 6.1 → 2.6 ms). Staging runs in the checksum
+thread, and copies that hold the GIL starved the event loop of the same process: with
+every piece taken so (32 KiB), a 64 MiB KV's READs all went out only once its last segment
+was copied (16 ms in, not 5), and it moved slower (38–41 → 42–48 ms)."""
+
+
 def copy_into(buf: np.ndarray, pieces: Sequence[memoryview]) -> None:
     """``pieces`` (C-contiguous) one after another into the byte array ``buf`` (staging:
-    `staged`). A memoryview's slice assignment: ~0.3 µs a piece, where numpy's took ~1.3
-    (16 MiB in 4 KiB pieces 6.1 → 2.6 ms, in 32 KiB pieces 1.9 → 1.4 ms)."""
+    `staged`)."""
     dst = buf.data.cast("B")
     pos = 0
     for p in pieces:
         end = pos + p.nbytes
-        dst[pos:end] = p if p.format == "B" and p.ndim == 1 else p.cast("B")
+        if p.nbytes >= _GIL_FREE_COPY_BYTES:
+            buf[pos:end] = np.frombuffer(p, dtype=np.uint8)
+        else:
+            dst[pos:end] = p if p.format == "B" and p.ndim == 1 else p.cast("B")
         pos = end
 
 

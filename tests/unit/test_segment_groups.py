@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transport import control
+from transport import control, kv_bytes
 from transport.incoming import _joined
 from transport.kv_bytes import copy_into, split_descriptors
 
@@ -75,13 +75,15 @@ def test_regions_that_do_not_meet_stay_apart_in_order(more: control.RemoteRegion
 
 
 def test_staging_copies_pieces_of_any_shape_one_after_another() -> None:
-    """`kv_bytes.copy_into`: byte views, float views and 2-d views, each as its bytes, in
-    order, filling exactly the buffer."""
+    """`kv_bytes.copy_into`: byte views, float views and 2-d views, small and large (taken
+    two ways), each as its bytes, in order, filling exactly the buffer."""
     rng = np.random.default_rng(3)
     a = rng.standard_normal(16).astype(np.float32)
     b = rng.integers(0, 255, 40, dtype=np.uint8)
     c = rng.standard_normal((3, 5)).astype(np.float16)
+    big = rng.integers(0, 255, kv_bytes._GIL_FREE_COPY_BYTES + 3, dtype=np.uint8)
     pieces = [memoryview(a), memoryview(b), memoryview(c), memoryview(a).cast("B")[8:24]]
+    pieces += [memoryview(big), memoryview(big)[5:]]
     buf = np.full(sum(p.nbytes for p in pieces), 0xAB, dtype=np.uint8)
     copy_into(buf, pieces)
     assert buf.tobytes() == b"".join(p.tobytes() for p in pieces)
