@@ -75,8 +75,12 @@ _xxh3 = xxhash.xxh3_64_intdigest
 STAGE_MAX_BYTES = 4 << 20
 """One-sided, a whole KV at once (`_Folded.stage`: the copy is on the loop, before the
 OPEN): segments up to this size are staged (`kv_bytes.staged`)."""
-STAGING_IDLE_BYTES = 64 << 20
-"""Staging buffers kept idle for reuse, at most (each stays registered while kept)."""
+STAGING_IDLE_BYTES = 256 << 20
+"""Staging buffers kept idle for reuse, at most (each stays registered while kept). A KV
+staged whole (pieces apart: the vLLM connector's path) holds its buffers until DONE, so a
+KV larger than this takes fresh buffers every transfer, faulted in and registered: 256 MiB
+paged, a scratch script on `transport.bench._Paged`, two runs each, 64 MiB → 256 MiB:
+2.13–2.53 → 2.59–3.04 GB/s (224–416 → 32 fresh buffers)."""
 
 _FOLD_CHECKSUM_BYTES = 4 << 20
 """A folded transfer up to this size is checksummed before its one write (~130 µs at
