@@ -125,11 +125,17 @@ def in_place(monkeypatch: pytest.MonkeyPatch) -> None:
 Body = Callable[[KvSender, KvReceiver, str], Awaitable[None]]
 
 
-def _run(body: Body, backend: str = UCX_READ) -> None:
+def _run(body: Body, backend: str = UCX_READ, hold_s: float | None = None) -> None:
+    """``body`` with a receiver and a sender sending a segment per layer (``hold_s``: the
+    sender's idle deadline, so the hold of a failed transfer's buffers)."""
+    settings = TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES)
+    if hold_s is not None:
+        settings = dataclasses.replace(settings, idle_timeout_s=hold_s)
+
     async def main() -> None:
         receiver = make_receiver(backend, TransportSettings())
         address = await receiver.start()
-        sender = make_sender(backend, TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES))
+        sender = make_sender(backend, settings)
         await sender.start()
         try:
             await body(sender, receiver, address)
@@ -538,38 +544,29 @@ def test_a_registration_failing_mid_group_releases_what_the_group_took(
     pool, other, ids = _pool(31), _pool(32), [3, 4, 11]
     hold_s = 0.3
 
-    async def main() -> None:
-        receiver = make_receiver(UCX_READ, TransportSettings())
-        address = await receiver.start()
-        settings = TransportSettings(segment_bytes=control.MIN_SEGMENT_BYTES, idle_timeout_s=hold_s)
-        sender = make_sender(UCX_READ, settings)
-        await sender.start()
-        try:
-            region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
-            real = sender.registry._register
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        region = sender.registry.register_region(pool.ctypes.data, pool.nbytes, pool)
+        real = sender.registry._register
 
-            def register(at: int, length: int) -> tuple[bytes, object]:
-                if at == other.ctypes.data:
-                    raise errors.TransportError("cannot register")
-                return real(at, length)
+        def register(at: int, length: int) -> tuple[bytes, object]:
+            if at == other.ctypes.data:
+                raise errors.TransportError("cannot register")
+            return real(at, length)
 
-            monkeypatch.setattr(sender.registry, "_register", register)
-            h = _header(pool, "z", 1, ids)
+        monkeypatch.setattr(sender.registry, "_register", register)
+        h = _header(pool, "z", 1, ids)
 
-            async def send() -> None:
-                async with await sender.open(address, h) as t:
-                    await t.send_layer(0, *_pieces(pool, 0, ids))  # in the region
-                    await t.send_layer(1, *_pieces(other, 1, ids))  # not registrable
-                    for i in range(2, LAYERS):
-                        await t.send_layer(i, *_pieces(pool, i, ids))
-                    await t.finish()
+        async def send() -> None:
+            async with await sender.open(address, h) as t:
+                await t.send_layer(0, *_pieces(pool, 0, ids))  # in the region
+                await t.send_layer(1, *_pieces(other, 1, ids))  # not registrable
+                for i in range(2, LAYERS):
+                    await t.send_layer(i, *_pieces(pool, i, ids))
+                await t.finish()
 
-            with pytest.raises(errors.TransportError, match="cannot register"):
-                await send()
-            await asyncio.sleep(hold_s * 3)
-            assert region.users == 0
-        finally:
-            await sender.close()
-            await receiver.close()
+        with pytest.raises(errors.TransportError, match="cannot register"):
+            await send()
+        await asyncio.sleep(hold_s * 3)
+        assert region.users == 0
 
-    asyncio.run(main())
+    _run(body, hold_s=hold_s)
