@@ -46,10 +46,11 @@ no better than a write per layer, and in some runs worse (`bench transport`, tcp
 _GROUP_BYTES = 256 << 10
 """One-sided: segments that complete before the sender's loop turns go out together
 (`OutgoingTransfer._grouped`), up to this many payload bytes: one task, one checksum pass,
-one staging copy, one message of READs and frames — where each segment cost a task, a
-pass, a copy, a registration lookup and a write (and a read on the other side). A segment
-that completes alone (a forward slower than the link) still goes at once; larger groups
-(4 MiB) held the receiver idle while a group was summed and copied (16 MiB 6 → 10 ms)."""
+one staging copy, one write of READs and frames (given as arrays: the READs, then the
+frames once summed) — where each segment cost a task, a pass, a copy, a registration
+lookup and a write (and a read on the other side). A segment that completes alone (a
+forward slower than the link) still goes at once; larger groups (4 MiB) held the receiver
+idle while a group was summed and copied (16 MiB 6 → 10 ms)."""
 
 
 class Pool:

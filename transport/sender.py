@@ -608,7 +608,7 @@ class _Folded:
         try:
             for n, buffers in enumerate(self.segments):
                 descs, regs = registry.acquire(buffers)
-                self.used.extend(r for r in regs if r not in self.used)
+                self.used.extend(regs)  # a user per acquire: released as many times
                 self.reads.append((n, descs))
         except BaseException:
             self.sender._release_registrations(self.used)

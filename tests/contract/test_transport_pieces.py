@@ -570,3 +570,28 @@ def test_a_registration_failing_mid_group_releases_what_the_group_took(
         assert region.users == 0
 
     _run(body, hold_s=hold_s)
+
+
+def test_a_whole_kv_over_many_segments_of_one_region_leaves_no_user_after_done() -> None:
+    """A KV sent whole (`KvSender.send`, folded) whose layers lie apart in one registered
+    region, a segment each: every segment's descriptors take a user of the region's
+    registration, and DONE gives every one back — else `unregister_region` would wait for
+    users that never leave, and its key would never be withdrawn."""
+    rng = np.random.default_rng(21)
+    big = rng.standard_normal((LAYERS, 3, 2, 65536), np.float32)  # [:, 2]: a gap per layer
+    layers = [(big[i, 0], big[i, 1]) for i in range(LAYERS)]
+
+    async def body(sender: KvSender, receiver: KvReceiver, address: str) -> None:
+        region = sender.registry.register_region(big.ctypes.data, big.nbytes, big)
+        for epoch in (1, 2):
+            h = wire.header_for("w", epoch, testing.FINGERPRINT, wire.DType.FLOAT32, layers)
+            assert len(wire.segments(h, sender.settings.segment_bytes)) == LAYERS
+            await sender.send(address, wire.KvCache(h, tuple(layers)))
+            got = await receiver.take("w", epoch, 5)
+            try:
+                assert [k.tobytes() for k, _ in got.layers] == [k.tobytes() for k, _ in layers]
+            finally:
+                got.release()
+            assert region.users == 0
+
+    _run(body)
