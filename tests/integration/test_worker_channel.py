@@ -2,7 +2,9 @@
 (`control.clients.RECONNECT_OPTIONS`): a worker back within a few hundred milliseconds
 takes calls again, where gRPC's default backoff (1 s, growing to minutes) kept failing
 them at once ("failed to connect to all addresses") — and a request's failover attempts
-were all spent inside that second (chaos scenario grpc-link-faults)."""
+were all spent inside that second (chaos scenario grpc-link-faults). And a connection
+attempt that takes long — a loaded worker slow to finish its handshake — is waited for
+(`control.clients.CONNECT_ATTEMPT_MS`), not abandoned after 100 ms."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import grpc
 import pytest
 
 from orchestrator.api import worker_pb2, worker_pb2_grpc
+from orchestrator.chaos.proxy import FaultProxy
 from orchestrator.control.clients import WorkerClients
 from orchestrator.ports import free_port
 
@@ -58,6 +61,31 @@ def test_a_worker_back_after_its_link_broke_takes_calls_within_half_a_second() -
             assert (await stub.Tokenize(ask, timeout=5)).ids == [3]
         finally:
             await clients.close()
+            await server.stop(None)
+
+    run(main())
+
+
+def test_a_connection_slow_to_set_up_is_waited_for() -> None:
+    """Every byte of the worker's link held 400 ms each way (a loaded worker, a slow
+    network): setting up the connection takes ~1 s, and the first call still succeeds —
+    with gRPC's connect attempts cut to 100 ms (``grpc.min_reconnect_backoff_ms`` is the
+    minimum connect timeout) it failed UNAVAILABLE, "timed out before receiving SETTINGS
+    frame"."""
+
+    async def main() -> None:
+        address = f"127.0.0.1:{free_port()}"
+        server = await _serve(address)
+        proxy = FaultProxy("slow-worker", address)
+        clients = WorkerClients()
+        try:
+            proxy.faults.delay_s = 0.4
+            stub = clients.get(await proxy.start()).general
+            ask = worker_pb2.TokenizeRequest(text="abcd")
+            assert (await stub.Tokenize(ask, timeout=15)).ids == [4]
+        finally:
+            await clients.close()
+            await proxy.close()
             await server.stop(None)
 
     run(main())
