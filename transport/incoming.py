@@ -171,10 +171,11 @@ class Receive:
         """Layers landed when the last LANDED went out."""
 
     def segment_view(self, n: int) -> memoryview:
-        seg = self.segments[n]
-        start = self.offsets[seg.start]
-        end = self.offsets[seg.stop - 1] + self.header.layer_nbytes(seg.stop - 1)
-        return self.payload[start:end].data
+        return self._layers_view(self.segments[n])
+
+    def _segment_bytes(self, n: int) -> int:
+        seg, bounds = self.segments[n], self.header.bounds
+        return bounds[seg.stop] - bounds[seg.start]
 
     def view(self, index: int) -> memoryview:
         off = self.offsets[index]
@@ -351,9 +352,7 @@ class Receive:
         full, and waiting for it to drain left the reads idle (16 MiB 6 → 8 ms)."""
         if not self.link.message_ready():
             return False
-        bounds, segments = self.header.bounds, self.segments
-        queued = sum(bounds[segments[n].stop] - bounds[segments[n].start] for n, _ in self.queued)
-        return queued < _JOINED_READ_BYTES
+        return sum(self._segment_bytes(n) for n, _ in self.queued) < _JOINED_READ_BYTES
 
     async def _take(self, msg: control.Message) -> None:
         if msg.kind is control.Kind.ALIVE:  # the sender's next layer is being computed
@@ -431,11 +430,9 @@ class Receive:
         while queued and len(self.receiving) < _MAX_READS:
             first, regions = queued.pop(0)
             last = first
-            bounds, segments = self.header.bounds, self.segments
-            size = bounds[segments[first].stop] - bounds[segments[first].start]
+            size = self._segment_bytes(first)
             while queued and queued[0][0] == last + 1:
-                following = segments[last + 1]
-                more = bounds[following.stop] - bounds[following.start]
+                more = self._segment_bytes(last + 1)
                 if size + more > _JOINED_READ_BYTES:
                     break
                 regions = _joined(regions, queued.pop(0)[1])
