@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.chaos.history import History
+from orchestrator.chaos.history import FaultRecord, History
 from orchestrator.chaos.leaks import LeakReport
 from orchestrator.core.state import TERMINAL
 
@@ -124,11 +124,20 @@ def check_run(
         sum(1 for f in history.faults if f.late),
         [
             f"{f.label()} at {f.at:.3f}s: "
-            + (f.error or f"executed {f.late_s * 1000:.0f} ms after it was due")
+            + (f.error or f"executed {f.late_s * 1000:.0f} ms after it was due" + _why_late(f))
             for f in history.faults
             if f.error or f.late
         ],
     )
+
+
+def _why_late(fault: FaultRecord) -> str:
+    """A late fault's cause, from the runner's CPU time while it was late."""
+    if fault.late_cpu_s is None:
+        return ""
+    busy = fault.late_cpu_s >= fault.late_s / 2
+    cause = "the runner was busy" if busy else "the machine did not run the runner"
+    return f" (the runner used {fault.late_cpu_s * 1000:.0f} ms of CPU meanwhile: {cause})"
 
 
 def _request(

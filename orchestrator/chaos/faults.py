@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.chaos.history import FaultRecord, History
+from orchestrator.chaos.pace import LoopPace
 from orchestrator.chaos.proxy import FaultProxy
 from orchestrator.chaos.redis_primary import PrimaryKill
 from orchestrator.chaos.scenario import REDIS_PRIMARY, PlannedFault, Trigger, kv_fault_spec
@@ -155,6 +156,8 @@ class FaultExecutor:
         self._rng = random.Random(seed)  # noqa: S311 - reproducible chaos, not secrets
         self._heals: set[asyncio.Task[None]] = set()
         self.watcher = RecordWatcher(store, history, now)
+        self.pace = LoopPace(self.now)
+        """The runner's loop and CPU time, sampled: why a late fault was late."""
         self._kv_active: dict[int, tuple[str, Mapping[str, float]]] = {}
         """KV-link faults on now through the injector (by fault record id)."""
         self._gate: int | None = None
@@ -336,6 +339,8 @@ class FaultExecutor:
                              planned_at=fault.at, records_age_s=age)  # fmt: skip
         record.late_s = round(max(0.0, record.at - due), 4)
         record.late = record.late_s > self.late_bound_s
+        if record.late:
+            record.late_cpu_s = self.pace.cpu_since(due)
         record.trigger = trigger
         self.history.faults.append(record)
         try:
@@ -616,8 +621,14 @@ class FaultExecutor:
         if self._heals:
             await asyncio.gather(*self._heals, return_exceptions=True)
 
+    def start(self) -> None:
+        """Read the request records and sample the loop's pace all along."""
+        self.watcher.start()
+        self.pace.start()
+
     async def cancel(self) -> None:
         await self.watcher.stop()
+        await self.pace.stop()
         for task in list(self._heals):
             task.cancel()
         for task in list(self._heals):

@@ -389,7 +389,7 @@ class ChaosRunner:
                     await asyncio.sleep(delay)  # the fault's scheduled time
                 await executor.inject(fault, due)
 
-        executor.watcher.start()  # request records read all along: faults never wait on reads
+        executor.start()  # request records read all along: faults never wait on reads
 
         load = asyncio.create_task(clients.run(plans), name="pdorch-chaos-workload")
         injector = asyncio.create_task(faults(), name="pdorch-chaos-faults")

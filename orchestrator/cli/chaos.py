@@ -8,7 +8,14 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from orchestrator.cli.common import Commands, Parents, add_command, positive_int, redis_url
+from orchestrator.cli.common import (
+    Commands,
+    Parents,
+    add_command,
+    positive_float,
+    positive_int,
+    redis_url,
+)
 from orchestrator.cli.progress import Progress
 from transport.backend_names import BACKENDS
 
@@ -53,6 +60,14 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         "installed, else tcp) instead of its cluster.transport (default: the scenario's)",
     )
     cr.add_argument(
+        "--late-bound",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="a fault executed more than this after it was due fails the run (default: the "
+        "scenario's late_bound_s, 0.5 s); on a loaded machine the runner itself runs late",
+    )
+    cr.add_argument(
         "--out",
         default="",
         help="folder for histories and timelines (default: chaos-out/SCENARIO, ignored by git)",
@@ -73,6 +88,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dataclasses import replace  # noqa: PLC0415
+
     from orchestrator.chaos.runner import run_chaos  # noqa: PLC0415
     from orchestrator.chaos.scenario import ScenarioError, load, with_transport  # noqa: PLC0415
 
@@ -80,6 +97,8 @@ def _run(args: argparse.Namespace) -> int:
         scenario = load(args.scenario)
         if args.transport is not None:
             scenario = with_transport(scenario, args.transport)
+        if args.late_bound is not None:
+            scenario = replace(scenario, late_bound_s=args.late_bound)
     except ScenarioError as exc:
         print(f"pdorch chaos: {exc}", file=sys.stderr)
         return 2

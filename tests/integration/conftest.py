@@ -20,6 +20,13 @@ from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer
 from transport.ucx import ucx_available
 
+LATE_BOUND_S = 2.0
+"""The chaos runs here fail on a fault executed more than this after it was due. The
+scenarios' bound (0.5 s) is for a machine that runs the chaos runner; CI runs another test
+process beside it on two cores, and twice a fault went 0.5-1 s late there (its run had
+nothing else wrong) while the runner's loop was measured 0.37 s late under four busy
+processes on this machine. Lateness here is the runner's loop, not pdorch."""
+
 
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:

@@ -12,6 +12,7 @@ does redis-cluster-primary-kill, whose runner starts its own Redis Cluster.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from orchestrator.chaos import scenario as sc
 from orchestrator.chaos.runner import ChaosRunner, cluster_for, shareable
 from orchestrator.cluster import LocalCluster
+from tests.integration.conftest import LATE_BOUND_S
 
 # Worker restarts (imports under full CPU) make pool scenarios take 45-65 s on a quiet 2-core
 # machine and more on a busy one: more room than the suite's default 120 s.
@@ -42,7 +44,7 @@ def shared() -> Iterator[LocalCluster]:
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario_short_seeded_run(name: str, tmp_path: Path, shared: LocalCluster) -> None:
-    scenario = sc.load(name)
+    scenario = dataclasses.replace(sc.load(name), late_bound_s=LATE_BOUND_S)
     cluster = shared if shareable(scenario, shared) else None
     runner = ChaosRunner(scenario, seed=0, out_dir=tmp_path, pictures=False, cluster=cluster)
     result = asyncio.run(runner.run())
@@ -52,7 +54,8 @@ def test_scenario_short_seeded_run(name: str, tmp_path: Path, shared: LocalClust
     assert (report["lost"], report["duplicates"], report["gaps"]) == (0, 0, 0), report
     assert report["mismatched"] == 0, report
     assert report["failed"] == 0, report
-    assert result.violations == []  # no_leaks included: every worker's KV back to 0
+    notes = [note for run in result.summary.runs for note in run.fault_notes]
+    assert result.violations == [], notes  # no_leaks included: every worker's KV back to 0
     assert report["leak_checks"] == 1
     assert report["faults"] == len(sc.plan(scenario, 0))
     aimed = [f for f in sc.plan(scenario, 0) if not f.target.endswith(":random")]

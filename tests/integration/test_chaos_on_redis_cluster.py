@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator.store.connect import sync_client
 from orchestrator.store.ha_servers import LocalRedisCluster
+from tests.integration.conftest import LATE_BOUND_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.failover, pytest.mark.timeout(300)]
 
@@ -28,7 +29,8 @@ def test_a_chaos_scenario_runs_on_a_redis_cluster(tmp_path: Path) -> None:
     lost, duplicated or skipped; a scenario that faults Redis refuses an external one."""
     with LocalRedisCluster(tmp_path / "redis") as redis_cluster:
         argv = [sys.executable, "-m", "orchestrator.cli", "chaos", "run", "decode-kill",
-                "--redis", redis_cluster.url, "--json", "--out", str(tmp_path / "out")]  # fmt: skip
+                "--redis", redis_cluster.url, "--json", "--out", str(tmp_path / "out"),
+                "--late-bound", str(LATE_BOUND_S)]  # fmt: skip
         out = subprocess.run(argv, capture_output=True, text=True, timeout=280, check=False)
         assert out.returncode == 0, out.stderr[-3000:]
         report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -68,7 +70,8 @@ def test_a_redis_cluster_primary_killed_mid_run_loses_nothing_the_checker_sees(
     re-create lost records: the checker finds every request ended once, its output the
     reference's, nothing lost, duplicated or skipped, no request failed."""
     argv = [sys.executable, "-m", "orchestrator.cli", "chaos", "run",
-            "redis-cluster-primary-kill", "--json", "--out", str(tmp_path / "out")]  # fmt: skip
+            "redis-cluster-primary-kill", "--json", "--out", str(tmp_path / "out"),
+            "--late-bound", str(LATE_BOUND_S)]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=280, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])

@@ -25,6 +25,7 @@ from orchestrator.chaos import scenario as sc
 from orchestrator.chaos.checker import RunVerdict, Summary, check_run
 from orchestrator.chaos.faults import FaultExecutor
 from orchestrator.chaos.history import History, Op, RequestSpec
+from orchestrator.chaos.pace import LoopPace
 from orchestrator.chaos.runner import cluster_for
 from orchestrator.core.records import RequestRecord
 from orchestrator.core.state import State
@@ -342,6 +343,52 @@ def test_a_fault_executed_late_is_recorded_so_and_fails_the_verdict() -> None:
     assert "executed 800 ms after it was due" in summary.human()
 
 
+@pytest.mark.parametrize(
+    ("cpu_used", "cause"),
+    [(0.05, "the machine did not run the runner"), (0.7, "the runner was busy")],
+)
+def test_a_late_fault_says_whether_the_runner_was_busy_or_not_run(
+    cpu_used: float, cause: str
+) -> None:
+    ex = _executor({}, now=1.8)
+    cpu = iter([10.0, 10.0 + cpu_used])
+    ex.pace = LoopPace(lambda: 0.95, cpu=lambda: next(cpu))
+    ex.pace.sample()  # the loop's last sample before the fault was due (1.0 s)
+    record = asyncio.run(ex.inject(_fault("continue", "prefill:prefill-0", at=1.0)))
+    assert record.late_cpu_s == pytest.approx(cpu_used)
+    human = Summary("s", [_verdict(ex.history)]).human()
+    ms = f"{cpu_used * 1000:.0f}"
+    assert f"800 ms after it was due (the runner used {ms} ms of CPU meanwhile: {cause})" in human
+
+
+def test_the_loop_pace_looks_back_to_the_last_sample_before_a_time() -> None:
+    clock = iter([1.0, 2.0, 3.0])
+    cpu = iter([5.0, 5.5, 6.0, 6.25, 6.25])
+    pace = LoopPace(lambda: next(clock), cpu=lambda: next(cpu))
+    assert pace.cpu_since(1.0) is None  # no sample yet
+    for _ in range(3):
+        pace.sample()  # (1.0, 5.0) (2.0, 5.5) (3.0, 6.0)
+    assert pace.cpu_since(0.5) is None  # older than every sample
+    assert pace.cpu_since(2.5) == 0.75  # from the sample at 2.0 s: CPU 5.5 -> 6.25
+    assert pace.cpu_since(3.0) == 0.25
+
+
+def test_the_loop_pace_samples_on_the_running_loop_until_stopped() -> None:
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        pace = LoopPace(loop.time, every_s=0.01)
+        pace.start()
+        await asyncio.sleep(0.1)
+        await pace.stop()
+        n = len(pace._samples)
+        await asyncio.sleep(0.05)
+        assert len(pace._samples) == n  # stopped
+        assert pace.cpu_since(loop.time()) is not None
+        return n
+
+    assert asyncio.run(main()) >= 3
+
+
 def test_a_kill_whose_process_is_not_reaped_fails_the_verdict() -> None:
     ex = _executor({})
     record = asyncio.run(ex.inject(_fault("kill", "decode:decode-1")))
@@ -472,3 +519,16 @@ def test_a_process_being_started_again_is_not_a_target() -> None:
     # decode-1: the two picks' SIGCONT, and no SIGSTOP (the pool fault signalled none)
     assert ex.cluster.procs["decode-1"].signals == [signal.SIGCONT, signal.SIGCONT]
     assert _verdict(ex.history).fault_errors == 2
+
+
+def test_chaos_run_late_bound_replaces_the_scenarios(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.chaos import runner  # noqa: PLC0415
+    from orchestrator.cli import main  # noqa: PLC0415
+
+    bounds: list[float] = []
+    monkeypatch.setattr(
+        runner, "run_chaos", lambda scenario, **_: bounds.append(scenario.late_bound_s) or 0
+    )
+    assert main(["chaos", "run", "kv-link-tcp", "--late-bound", "2.5", "--json"]) == 0
+    assert main(["chaos", "run", "kv-link-tcp", "--json"]) == 0
+    assert bounds == [2.5, sc.load("kv-link-tcp").late_bound_s] == [2.5, 0.5]

@@ -68,6 +68,7 @@ CASES = [
     (["generate", "hi", "--max-tokens", "-3"], USAGE, "--max-tokens: must be at least 1"),
     (["generate", "hi", "--timeout", "0"], USAGE, "--timeout: must be a positive number"),
     (["chaos", "run", "x", "--runs", "0"], USAGE, "--runs: must be at least 1"),
+    (["chaos", "run", "x", "--late-bound", "0"], USAGE, "--late-bound: must be a positive"),
     # --- found by the command before it starts anything
     (["worker", "--role", "decode", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
     (["orchestrator", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
