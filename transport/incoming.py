@@ -484,7 +484,10 @@ the moment it lands, with no loop turn between them, while the first is verified
 announced. Two reads *at once* shared the memory bandwidth instead, so a 64 MiB KV's two
 32 MiB segments landed together and nothing overlapped (1.8–2.6 GB/s against 3.6 with one at
 a time, load 7); one at a time with a loop turn and a thread hop between them cost 0.7–2.7 ms
-per segment boundary under load."""
+per segment boundary under load. Nor does verifying a read while the next lands pay on two
+cores: a 16 MiB segment read in 4 MiB parts of whole layers, each verified in a thread while
+the next was read, took 5.3–6.4 ms against 4.4–4.8 whole (64 MiB 15–17 → 22–25 ms; three
+pairs, quiet machine): the hash slowed the copy more than it hid."""
 
 _JOINED_READ_BYTES = 256 << 10
 """One-sided: consecutive segments announced together are read as one up to this size (a
