@@ -57,6 +57,9 @@ class RunVerdict:
     """Faults that could not be injected (or whose trigger was never met), or not healed."""
     late_faults: int = 0
     """Faults executed later than the scenario's bound after they were due."""
+    late_max_s: float = 0.0
+    """The latest any fault was executed after it was due (late or not: how close the run
+    came to its bound)."""
     fault_notes: list[str] = field(default_factory=list)
     """What went wrong with each fault not injected or late."""
 
@@ -122,6 +125,7 @@ def check_run(
         leaks,
         sum(1 for f in history.faults if f.error),
         sum(1 for f in history.faults if f.late),
+        max((f.late_s for f in history.faults), default=0.0),
         [
             f"{f.label()} at {f.at:.3f}s: "
             + (f.error or f"executed {f.late_s * 1000:.0f} ms after it was due" + _why_late(f))
@@ -133,11 +137,11 @@ def check_run(
 
 def _why_late(fault: FaultRecord) -> str:
     """A late fault's cause, from the runner's CPU time while it was late."""
-    if fault.late_cpu_s is None:
+    share = fault.late_cpu_share
+    if share is None:
         return ""
-    busy = fault.late_cpu_s >= fault.late_s / 2
-    cause = "the runner was busy" if busy else "the machine did not run the runner"
-    return f" (the runner used {fault.late_cpu_s * 1000:.0f} ms of CPU meanwhile: {cause})"
+    cause = "the runner was busy" if share >= 0.5 else "the machine did not run the runner"
+    return f" (the runner's process used {share:.0%} of a core meanwhile: {cause})"
 
 
 def _request(
@@ -217,6 +221,7 @@ class Summary:
             "faults": sum(run.faults for run in self.runs),
             "fault_errors": sum(run.fault_errors for run in self.runs),
             "late_faults": sum(run.late_faults for run in self.runs),
+            "late_max_s": max((run.late_max_s for run in self.runs), default=0.0),
             "failovers": sum(run.failovers for run in self.runs),
             "recoveries": len(recovery),
             "unrecovered": sum(len(run.unrecovered) for run in self.runs),
@@ -249,7 +254,9 @@ class Summary:
         s = self.to_json()
         lines = [
             f"scenario {s['scenario']}: {s['runs']} run(s), {s['requests']} requests, "
-            f"{s['faults']} faults, {s['failovers']} failovers (epoch bumps)",
+            f"{s['faults']} faults"
+            + (f" (at most {s['late_max_s'] * 1000:.0f} ms late)" if s["faults"] else "")
+            + f", {s['failovers']} failovers (epoch bumps)",
             f"  lost {s['lost']}  duplicates {s['duplicates']}  gaps {s['gaps']}  "
             f"mismatched {s['mismatched']}  failed {s['failed']}  "
             f"indeterminate {s['indeterminate']}",

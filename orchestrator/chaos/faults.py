@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from orchestrator.aio import cancel_and_wait
 from orchestrator.chaos.history import FaultRecord, History
 from orchestrator.chaos.pace import LoopPace
 from orchestrator.chaos.proxy import FaultProxy
@@ -120,9 +121,7 @@ class RecordWatcher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
 
@@ -340,7 +339,7 @@ class FaultExecutor:
         record.late_s = round(max(0.0, record.at - due), 4)
         record.late = record.late_s > self.late_bound_s
         if record.late:
-            record.late_cpu_s = self.pace.cpu_since(due)
+            record.late_cpu_share = self.pace.cpu_share(due)
         record.trigger = trigger
         self.history.faults.append(record)
         try:
@@ -627,13 +626,17 @@ class FaultExecutor:
         self.pace.start()
 
     async def cancel(self) -> None:
-        await self.watcher.stop()
+        """Stop the sampler, the watcher and the heals in flight — each of them whatever
+        the others do (the watcher's stop re-raises what failed its task)."""
         await self.pace.stop()
-        for task in list(self._heals):
-            task.cancel()
-        for task in list(self._heals):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        try:
+            await self.watcher.stop()
+        finally:
+            for task in list(self._heals):
+                task.cancel()
+            for task in list(self._heals):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
 
 def _not_healed(record: FaultRecord, exc: Exception) -> None:

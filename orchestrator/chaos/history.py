@@ -57,9 +57,10 @@ class FaultRecord:
     its trigger was seen."""
     late: bool = False
     """``late_s`` is over the scenario's bound: the run's verdict fails."""
-    late_cpu_s: float | None = None
-    """A late fault: the runner's CPU seconds while it was late (`orchestrator.chaos.pace`):
-    about ``late_s``, the runner was busy; far less, the machine did not run it."""
+    late_cpu_share: float | None = None
+    """A late fault: the runner process's CPU time over the wall time while it was late
+    (`orchestrator.chaos.pace`): near 1 or more, the runner was busy; far less, the machine
+    did not run it."""
     records_age_s: float | None = None
     """Age of the request records the target and the affected streams were read from (a
     watcher reads them all along, so a fault never waits for a read)."""

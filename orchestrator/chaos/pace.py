@@ -1,19 +1,21 @@
-"""Why a fault ran late: the runner's loop busy, or the machine not running it.
+"""Why a fault ran late: the runner's process busy, or the machine not running it.
 
 A fault is executed from the runner's event loop; when it runs after it was due, either the
-runner itself was busy (its CPU time grew by about the lateness) or the machine gave it no
-CPU (a loaded host: its CPU time barely grew). `LoopPace` samples the runner's time and its
-process CPU time (every thread) on the loop, so a late fault can say which.
+runner's process was busy (its CPU time grew about as fast as the clock: the loop, or its
+other threads — gRPC's, heals in threads — holding it up) or the machine gave it little CPU
+(a loaded host: its CPU time barely grew). `LoopPace` samples the runner's time and its
+process CPU time on the loop, so a late fault can say which (`cpu_share`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+
+from orchestrator.aio import cancel_and_wait
 
 SAMPLE_EVERY_S = 0.05
 """How often the loop samples its clock and CPU time (a late fault looks back to its due
@@ -41,25 +43,31 @@ class LoopPace:
         self._samples.append((self._now(), self._cpu()))
 
     def start(self) -> None:
+        """Sample now and every ``every_s`` until `stop` (a second call: no second task)."""
+        if self._task is not None:
+            return
+        self.sample()  # a fault due at once has a sample to look back to
+
         async def run() -> None:
             while True:
-                self.sample()
                 await asyncio.sleep(self._every_s)
+                self.sample()
 
         self._task = asyncio.create_task(run(), name="pdorch-chaos-pace")
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
-    def cpu_since(self, t: float) -> float | None:
-        """The runner's CPU seconds from the last sample at or before ``t`` until now, or
-        None when no sample is that old."""
+    def cpu_share(self, t: float) -> float | None:
+        """The runner's CPU time over the wall time, from the last sample at or before
+        ``t`` until now (0.0 to 1.0 for one busy thread; more with several), or None when
+        no sample is that old."""
         times = [s[0] for s in self._samples]
         i = bisect.bisect_right(times, t) - 1
         if i < 0:
             return None
-        return max(0.0, self._cpu() - self._samples[i][1])
+        at, cpu = self._samples[i]
+        wall = self._now() - at
+        return round(max(0.0, self._cpu() - cpu) / wall, 3) if wall > 0 else None

@@ -257,6 +257,10 @@ class RandomFaults:
     params: Mapping[str, float] = field(default_factory=dict)
 
 
+MIN_LATE_BOUND_S = 0.01
+"""The smallest ``late_bound_s`` (the loop's own scheduling is finer than nothing)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Scenario:
     name: str
@@ -276,7 +280,8 @@ class Scenario:
     (`orchestrator.chaos.leaks`); None: the transport's hold lease (a received KV nobody
     claims is freed by it, by design) plus the heartbeat TTL."""
     late_bound_s: float = 0.5
-    """A fault executed later than this after its time (or its trigger) is *late*."""
+    """A fault executed later than this after its time (or its trigger) is *late*
+    (at least `MIN_LATE_BOUND_S`)."""
     keep_up_s: float = 0.0
     """After the runs: keep the cluster up this long (read its metrics, logs)."""
 
@@ -420,7 +425,9 @@ def parse(data: object, path: str = "<scenario>") -> Scenario:
             if d.get("leak_wait_s") is None
             else _number(d["leak_wait_s"], f"{path}: leak_wait_s", lo=0.0)
         ),
-        late_bound_s=_number(d.get("late_bound_s", 0.5), f"{path}: late_bound_s", lo=0.01),
+        late_bound_s=_number(
+            d.get("late_bound_s", 0.5), f"{path}: late_bound_s", lo=MIN_LATE_BOUND_S
+        ),
         keep_up_s=_number(d.get("keep_up_s", 0.0), f"{path}: keep_up_s", lo=0.0, hi=86400.0),
     )
     gated = any(f.when is not None and f.when.state == "sending" for f in faults)

@@ -91,13 +91,20 @@ def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace  # noqa: PLC0415
 
     from orchestrator.chaos.runner import run_chaos  # noqa: PLC0415
-    from orchestrator.chaos.scenario import ScenarioError, load, with_transport  # noqa: PLC0415
+    from orchestrator.chaos.scenario import (  # noqa: PLC0415
+        MIN_LATE_BOUND_S,
+        ScenarioError,
+        load,
+        with_transport,
+    )
 
     try:
         scenario = load(args.scenario)
         if args.transport is not None:
             scenario = with_transport(scenario, args.transport)
         if args.late_bound is not None:
+            if args.late_bound < MIN_LATE_BOUND_S:
+                raise ScenarioError(f"--late-bound: at least {MIN_LATE_BOUND_S} s")
             scenario = replace(scenario, late_bound_s=args.late_bound)
     except ScenarioError as exc:
         print(f"pdorch chaos: {exc}", file=sys.stderr)

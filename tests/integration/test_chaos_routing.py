@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import redis
 from orchestrator.chaos import scenario as sc
 from orchestrator.chaos.runner import ChaosRunner, cluster_for
 from orchestrator.store.keys import Keys
+from tests.integration.conftest import LATE_BOUND_S
 
 pytestmark = [pytest.mark.failover, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -49,7 +51,7 @@ def _placements(port: int) -> list[str]:
 def test_chaos_is_clean_with_routing_and_suffix_transfers(tmp_path: Path) -> None:
     path = tmp_path / "routing-decode-kill.yaml"
     path.write_text(SCENARIO)
-    scenario = sc.load(str(path))
+    scenario = replace(sc.load(str(path)), late_bound_s=LATE_BOUND_S)
     with cluster_for(scenario.cluster) as cluster:
         runner = ChaosRunner(scenario, seed=0, out_dir=tmp_path, pictures=False, cluster=cluster)
         result = asyncio.run(runner.run())

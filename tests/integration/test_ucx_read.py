@@ -21,7 +21,7 @@ from orchestrator.api import common_pb2, worker_pb2, worker_pb2_grpc
 from orchestrator.chaos import scenario as sc
 from orchestrator.chaos.runner import ChaosRunner, cluster_for, shareable
 from orchestrator.cluster import LocalCluster, connect
-from tests.integration.conftest import collect, request, run, workers
+from tests.integration.conftest import LATE_BOUND_S, collect, request, run, workers
 from tests.integration.test_end_to_end import PROMPTS, _tokenize, check_split_equals_aggregated
 from transport.backend_names import TCP, UCX_READ
 from transport.backends import make_receiver
@@ -32,7 +32,11 @@ from transport.ucx import ucx_available
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
 
 _SHIPPED = sc.with_transport(sc.load("decode-kill"), UCX_READ)
-DECODE_KILL = replace(_SHIPPED, cluster=replace(_SHIPPED.cluster, prefill=1, orchestrators=1))
+DECODE_KILL = replace(
+    _SHIPPED,
+    cluster=replace(_SHIPPED.cluster, prefill=1, orchestrators=1),
+    late_bound_s=LATE_BOUND_S,
+)
 
 
 @pytest.fixture(scope="module")

@@ -341,36 +341,66 @@ def test_a_fault_executed_late_is_recorded_so_and_fails_the_verdict() -> None:
     summary = Summary("s", [_verdict(ex.history)])
     assert summary.violations([]) == ["late_faults=1"]
     assert "executed 800 ms after it was due" in summary.human()
+    assert "1 faults (at most 800 ms late)" in summary.human()
+
+
+def test_the_report_says_how_late_the_latest_fault_ran_late_or_not() -> None:
+    on_time = _executor({}, now=1.3)
+    asyncio.run(on_time.inject(_fault("continue", "prefill:prefill-0", at=1.0)))
+    late = _executor({}, now=2.2)
+    asyncio.run(late.inject(_fault("continue", "prefill:prefill-0", at=1.0)))
+    runs = [_verdict(on_time.history), _verdict(late.history)]
+    assert [run.late_max_s for run in runs] == [pytest.approx(0.3), pytest.approx(1.2)]
+    assert Summary("s", runs[:1]).to_json()["late_max_s"] == pytest.approx(0.3)
+    assert Summary("s", runs[:1]).violations([]) == []  # within the bound: reported only
+    assert Summary("s", runs).to_json()["late_max_s"] == pytest.approx(1.2)
+    assert Summary("s", []).to_json()["late_max_s"] == 0.0
 
 
 @pytest.mark.parametrize(
-    ("cpu_used", "cause"),
-    [(0.05, "the machine did not run the runner"), (0.7, "the runner was busy")],
+    ("cpu_used", "said"),
+    [
+        (0.05, "used 6% of a core meanwhile: the machine did not run the runner"),
+        (0.425, "used 50% of a core meanwhile: the runner was busy"),  # the boundary
+        (0.7, "used 82% of a core meanwhile: the runner was busy"),
+    ],
 )
 def test_a_late_fault_says_whether_the_runner_was_busy_or_not_run(
-    cpu_used: float, cause: str
+    cpu_used: float, said: str
 ) -> None:
     ex = _executor({}, now=1.8)
-    cpu = iter([10.0, 10.0 + cpu_used])
-    ex.pace = LoopPace(lambda: 0.95, cpu=lambda: next(cpu))
+    clock, cpu = iter([0.95, 1.8]), iter([10.0, 10.0 + cpu_used])
+    ex.pace = LoopPace(lambda: next(clock), cpu=lambda: next(cpu))
     ex.pace.sample()  # the loop's last sample before the fault was due (1.0 s)
     record = asyncio.run(ex.inject(_fault("continue", "prefill:prefill-0", at=1.0)))
-    assert record.late_cpu_s == pytest.approx(cpu_used)
+    assert record.late_cpu_share == pytest.approx(cpu_used / 0.85, abs=1e-3)
     human = Summary("s", [_verdict(ex.history)]).human()
-    ms = f"{cpu_used * 1000:.0f}"
-    assert f"800 ms after it was due (the runner used {ms} ms of CPU meanwhile: {cause})" in human
+    assert f"800 ms after it was due (the runner's process {said})" in human
+
+
+def test_a_late_fault_looks_back_from_when_it_was_due_not_when_it_ran() -> None:
+    """Samples at 0.5, 0.9 and 1.5 s; the fault was due at 1.0 and ran at 1.8: the share is
+    taken from the 0.9 s sample (CPU 3.0 -> 3.45 over 0.9 s), not the 1.5 s one."""
+    ex = _executor({}, now=1.8)
+    clock = iter([0.5, 0.9, 1.5, 1.8])
+    cpu = iter([2.0, 3.0, 3.4, 3.45])
+    ex.pace = LoopPace(lambda: next(clock), cpu=lambda: next(cpu))
+    for _ in range(3):
+        ex.pace.sample()
+    record = asyncio.run(ex.inject(_fault("continue", "prefill:prefill-0", at=1.0)))
+    assert record.late_cpu_share == 0.5
 
 
 def test_the_loop_pace_looks_back_to_the_last_sample_before_a_time() -> None:
-    clock = iter([1.0, 2.0, 3.0])
-    cpu = iter([5.0, 5.5, 6.0, 6.25, 6.25])
+    clock = iter([1.0, 2.0, 3.0, 4.0, 4.0, 4.0])
+    cpu = iter([5.0, 5.5, 6.0, 6.25, 6.25, 6.25])
     pace = LoopPace(lambda: next(clock), cpu=lambda: next(cpu))
-    assert pace.cpu_since(1.0) is None  # no sample yet
+    assert pace.cpu_share(1.0) is None  # no sample yet
     for _ in range(3):
         pace.sample()  # (1.0, 5.0) (2.0, 5.5) (3.0, 6.0)
-    assert pace.cpu_since(0.5) is None  # older than every sample
-    assert pace.cpu_since(2.5) == 0.75  # from the sample at 2.0 s: CPU 5.5 -> 6.25
-    assert pace.cpu_since(3.0) == 0.25
+    assert pace.cpu_share(0.5) is None  # older than every sample
+    assert pace.cpu_share(2.5) == 0.375  # from the sample at 2.0 s: 0.75 s of CPU in 2 s
+    assert pace.cpu_share(3.0) == 0.25
 
 
 def test_the_loop_pace_samples_on_the_running_loop_until_stopped() -> None:
@@ -378,15 +408,46 @@ def test_the_loop_pace_samples_on_the_running_loop_until_stopped() -> None:
         loop = asyncio.get_running_loop()
         pace = LoopPace(loop.time, every_s=0.01)
         pace.start()
+        assert pace.cpu_share(loop.time()) is not None  # a first sample at once
+        task = pace._task
+        pace.start()  # a second start: the same task
+        assert pace._task is task
         await asyncio.sleep(0.1)
         await pace.stop()
+        assert task is not None
+        assert task.done()
+        assert pace._task is None
         n = len(pace._samples)
         await asyncio.sleep(0.05)
         assert len(pace._samples) == n  # stopped
-        assert pace.cpu_since(loop.time()) is not None
         return n
 
     assert asyncio.run(main()) >= 3
+
+
+def test_the_executor_runs_its_sampler_from_start_to_cancel_whatever_the_watcher_did() -> None:
+    async def main() -> None:
+        ex = _executor({})
+        ex.start()
+        sampler = ex.pace._task
+        assert sampler is not None
+        assert not sampler.done()
+        await asyncio.sleep(0.01)
+
+        async def failed() -> None:
+            raise RuntimeError("the store went away")
+
+        watcher = ex.watcher._task
+        assert watcher is not None
+        watcher.cancel()
+        ex.watcher._task = asyncio.create_task(failed())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="the store went away"):
+            await ex.cancel()
+        assert sampler.done()
+        assert ex.pace._task is None
+
+    asyncio.run(main())
 
 
 def test_a_kill_whose_process_is_not_reaped_fails_the_verdict() -> None:

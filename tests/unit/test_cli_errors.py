@@ -69,6 +69,7 @@ CASES = [
     (["generate", "hi", "--timeout", "0"], USAGE, "--timeout: must be a positive number"),
     (["chaos", "run", "x", "--runs", "0"], USAGE, "--runs: must be at least 1"),
     (["chaos", "run", "x", "--late-bound", "0"], USAGE, "--late-bound: must be a positive"),
+    (["chaos", "run", "decode-kill", "--late-bound", "0.001"], USAGE, "--late-bound: at least"),
     # --- found by the command before it starts anything
     (["worker", "--role", "decode", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
     (["orchestrator", "--redis", DEAD_REDIS], FAILS, "Redis does not answer"),
