@@ -262,16 +262,11 @@ class OutgoingTransfer:
         if self._given_in_pieces(group[0][1]):
             await self._expose_pieces(group)
             return
-        sender = self._sender
-        reads, used = [], []
-        for seg, parts in group:
-            bufs = [b for _, _, sent in parts for b in sent]
-            descs, regs = sender.registry.acquire(bufs)
-            self._used.extend(regs)
-            self._buffers.extend(bufs)
-            used += regs
-            reads.append(control.read(seg, descs))
-        message = sender.announce(self._link, used) + b"".join(reads)
+        per_read, used = self._acquire_each(
+            [[b for _, _, sent in parts for b in sent] for _, parts in group]
+        )
+        message = self._sender.announce(self._link, used)
+        message += b"".join(map(control.read, [seg for seg, _ in group], per_read))
         await self._link.send(message, self._wait_s())
         await self._send_frames([part for _, parts in group for part in parts])
 
@@ -307,20 +302,29 @@ class OutgoingTransfer:
             self._used.extend(used)
             per_read = kv_bytes.split_descriptors(descs, sizes)
         else:
-            per_read, used = [], []
-            for seg_bufs in per_segment:
-                self._buffers.extend(seg_bufs)
-                descs, regs = sender.registry.acquire(seg_bufs)
-                # Each segment's at once: a later one's registration failing fails the
-                # transfer, which releases (after its hold) what the earlier ones took.
-                self._used.extend(regs)
-                per_read.append(descs)
-                used += regs
+            per_read, used = self._acquire_each(per_segment)
         message = sender.announce(self._link, used)
         segments = [seg for seg, _ in group]
         message += b"".join(map(control.read, segments, per_read))
         message += control.encode(control.Kind.LAYERS, kv_bytes.frames(layers, sums))
         await self._link.send(message, self._wait_s())
+
+    def _acquire_each(
+        self, per_segment: list[list[memoryview]]
+    ) -> tuple[list[list[control.Descriptor]], list[Registration]]:
+        """Each segment's descriptors, registering memory not registered yet, and the
+        registrations they took. Each is recorded as the transfer's at once: a later one's
+        registration failing fails the transfer, which releases (after its hold) what the
+        earlier ones took."""
+        per_read: list[list[control.Descriptor]] = []
+        used: list[Registration] = []
+        for bufs in per_segment:
+            self._buffers.extend(bufs)
+            descs, regs = self._sender.registry.acquire(bufs)
+            self._used.extend(regs)
+            per_read.append(descs)
+            used += regs
+        return per_read, used
 
     async def _send_frames(self, parts: Parts) -> None:
         sums = await self._sender.checksums([summed for _, summed, _ in parts])
