@@ -615,15 +615,25 @@ async def check_stalled_sender(backend: str) -> None:
 async def check_corruption(backend: str) -> None:
     """One flipped payload byte: both ends see ChecksumMismatchError; nothing is handed over
     — in large KVs (one-sided: 1 MiB read and verified on the receiver's loop, 4 MiB read
-    and verified in its reader thread) and in a small one (one-sided: inline in its OPEN,
-    eager)."""
+    and verified in its reader thread; 16 MiB past every eager bound, so ``ucx`` and ``tcp``
+    move it layer by layer and one-sided summed while it is read) and in a small one
+    (one-sided: inline in its OPEN, eager). A failed transfer's payload buffer never goes
+    back to the receiver's pool (a read still landing in it would write into a buffer
+    handed to another transfer)."""
     settings = TransportSettings()
     receiver = make_receiver(backend, settings)
     address = await receiver.start()
     sender = make_sender(backend, settings)
     FaultInjector(layer=2, corrupt_offset=12345).attach(sender)
     try:
-        for rid, size in (("bad", 1 * MIB), ("bad-large", 4 * MIB), ("bad-small", 16 * KIB)):
+        sizes = (
+            ("bad", 1 * MIB),
+            ("bad-large", 4 * MIB),
+            ("bad-16", 16 * MIB),
+            ("bad-small", 16 * KIB),
+        )
+        for rid, size in sizes:
+            pooled = receiver.buffers.idle_bytes
             try:
                 await sender.send(address, synthetic_cache(rid, 1, size, n_layers=4))
             except errors.ChecksumMismatchError:
@@ -637,6 +647,8 @@ async def check_corruption(backend: str) -> None:
             else:
                 raise AssertionError(f"a corrupted KV of {size} bytes was handed over")
             assert receiver.inbox.bytes_in_use == 0
+            if size > control.EAGER_BYTES:  # (an eager OPEN's body goes back, copied out)
+                assert receiver.buffers.idle_bytes <= pooled, "a failed payload was pooled"
         sender.payload_hook = None  # the link recovers: the next transfer goes through
         await sender.send(address, synthetic_cache("good", 1, 1 * MIB))
         assert digest(await receiver.take("good", 1, 5)) == digest(synthetic_cache("good", 1, MIB))

@@ -1,5 +1,7 @@
 """One-sided UCX reads have UCX's peer error handling: a read from a peer that was
-SIGKILLed fails with an error from UCX itself, with no control link involved.
+SIGKILLed fails with an error from UCX itself, with no control link involved. And a channel
+failed (`UcxDataPlane.fail_channel`: its transfer failed, or its link closed) issues no read
+after: reads still queued for its reader thread fail, their buffers untouched.
 
 Two processes of their own (this module, run with ``target`` or ``reader``): a target that
 registers a buffer and says where it is, and a reader that reads it through a `UcxDataPlane`
@@ -51,13 +53,19 @@ async def _target() -> None:
     await asyncio.to_thread(sys.stdin.read)  # until the test kills this process
 
 
-async def _reader(hello: dict[str, object]) -> None:
+async def _connected(
+    hello: dict[str, object],
+) -> tuple[UcxDataPlane, Peer, list[RemoteRegion]]:
     plane = UcxDataPlane(UcxConfig(one_sided=True))
     await plane.start()
     peer = Peer(b"target", bytes.fromhex(str(hello["address"])))
     raw = hello["regions"]
     assert isinstance(raw, list)
-    regions = [RemoteRegion(int(a), int(n), bytes.fromhex(k), 1) for a, n, k in raw]
+    return plane, peer, [RemoteRegion(int(a), int(n), bytes.fromhex(k), 1) for a, n, k in raw]
+
+
+async def _reader(hello: dict[str, object]) -> None:
+    plane, peer, regions = await _connected(hello)
     into = np.zeros(_SIZE, dtype=np.uint8)
     await asyncio.wait_for(plane.read(peer, regions, memoryview(into)), 10)
     assert np.array_equal(into, _pattern())
@@ -72,6 +80,39 @@ async def _reader(hello: dict[str, object]) -> None:
         print(json.dumps({"lost_after_s": time.monotonic() - killed, "error": str(exc)}))
     else:
         print(json.dumps({"lost_after_s": None}))
+    finally:
+        await plane.close()
+
+
+_QUEUED = 8
+"""Reads queued at once on one channel when it is failed (4 MiB each: the reader thread is
+still on the first ones when the channel fails)."""
+
+
+async def _abandoner(hello: dict[str, object]) -> None:
+    """Queue `_QUEUED` reads on one channel, fail the channel, and report each read's
+    outcome and whether its buffer was written — checked again after a pause, in which a
+    read issued late would have landed."""
+    plane, peer, regions = await _connected(hello)
+    try:
+        first = np.zeros(_SIZE, dtype=np.uint8)
+        await asyncio.wait_for(plane.read(peer, regions, memoryview(first)), 10)
+        assert np.array_equal(first, _pattern())  # the channel's endpoint is up
+        bufs = [np.zeros(_SIZE, dtype=np.uint8) for _ in range(_QUEUED)]
+        reads = [asyncio.ensure_future(plane.read(peer, regions, memoryview(b))) for b in bufs]
+        await asyncio.sleep(0)  # every read taken to the channel's queue
+        plane.fail_channel(peer)
+        results = await asyncio.wait_for(asyncio.gather(*reads, return_exceptions=True), 10)
+        await asyncio.sleep(0.2)
+        out = [
+            {
+                "error": None if r is None else type(r).__name__,
+                "detail": str(r or ""),
+                "written": bool(b.any()),
+            }
+            for r, b in zip(results, bufs, strict=True)
+        ]
+        print(json.dumps({"reads": out}), flush=True)
     finally:
         await plane.close()
 
@@ -150,8 +191,42 @@ def test_a_read_from_a_killed_peer_fails_with_the_ucx_error() -> None:
                     pipe.close()
 
 
+@pytest.mark.slow
+def test_a_failed_channel_issues_no_read_after() -> None:
+    target = _spawn("target")
+    reader = None
+    try:
+        hello = _line(target, _lines(target), "{")
+        reader = _spawn("abandon", hello)
+        reads = json.loads(_line(reader, _lines(reader), "{"))["reads"]
+        assert reader.wait(_WAIT_S) == 0
+        failed = [r for r in reads if r["error"] is not None]
+        # The reader thread finishes the read it was issuing (a CMA copy runs inside the
+        # call: at most the first one or two); every read still queued fails, unwritten.
+        assert len(failed) >= _QUEUED - 2, reads
+        for r in failed:
+            assert r["error"] == "PeerLostError", r
+            assert "abandoned" in r["detail"], r
+            assert not r["written"], reads
+        for r in reads:
+            if r["error"] is None:
+                assert r["written"], reads
+    finally:
+        for proc in (target, reader):
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "target":
         asyncio.run(_target())
+    elif sys.argv[1] == "abandon":
+        asyncio.run(_abandoner(json.loads(sys.argv[2])))
     else:
         asyncio.run(_reader(json.loads(sys.argv[2])))
