@@ -278,9 +278,13 @@ class Failover:
         """Fence the failed attempt off: epoch + 1, back to queued (waiting out a store
         outage: `orchestrator.store.outage`) — once the failed attempt's chunks still being
         journalled are written (written later, at the old epoch, they would be refused as
-        stale: a takeover that never happened)."""
+        stale: a takeover that never happened). The requeue is fenced by the run's own
+        epoch: a replica whose request was taken over meanwhile (its lease lapsed while it
+        stalled, or while the store was away) is refused (`StaleEpochError`: the drive
+        stops and its clients follow the new owner), never moves the new owner's epoch."""
         with contextlib.suppress(errors.UnavailableError):  # buffered: written at the new one
             await self.relay.writer.flush(run)
+        run.check()
         record = await outlasting(
             self.store.settings.outage_s, "get", lambda: self.store.get(run.rid)
         )
@@ -290,11 +294,11 @@ class Failover:
             raise errors.RequestEndedError(f"request {run.rid!r} is {record.state}")
         tried = run.attempts
         new_epoch = await self.store.transition(
-            run.rid, Edge.REQUEUE, epoch=record.epoch, fields={"failovers": tried.failovers}
+            run.rid, Edge.REQUEUE, epoch=run.epoch, fields={"failovers": tried.failovers}
         )
         log.warning(
             "request %s: failover %d after %s; epoch %d -> %d, resuming at token %d",
-            run.rid, tried.failovers, tried.last_error, record.epoch, new_epoch, len(run.output),
+            run.rid, tried.failovers, tried.last_error, run.epoch, new_epoch, len(run.output),
         )  # fmt: skip
         run.epoch = new_epoch
 

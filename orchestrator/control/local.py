@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
+from orchestrator import errors
 from orchestrator.control.run import Run
 
 
@@ -39,8 +40,9 @@ class Local:
         task.add_done_callback(self.background.discard)
         return task
 
-    def stop_driving(self, rid: str) -> None:
-        """Cancel the run driven here, if any: its task, and the flag its checkpoints read.
+    def stop_driving(self, rid: str, why: errors.PdorchError | None = None) -> None:
+        """Cancel the run driven here, if any: its task, and the flag its checkpoints read;
+        ``why``: the request failed elsewhere (what its clients are told, `Run.stopped`).
 
         The cancel alone can be lost (see ``orchestrator.aio.cancel_and_wait``: redis-py's
         sends under Python 3.11); cancelling again could interrupt the handler recording the
@@ -48,6 +50,7 @@ class Local:
         run = self.runs.get(rid)
         if run is not None:
             run.cancelled = True
+            run.stopped = run.stopped or why
         task = self.tasks.get(rid)
         if task is not None:
             task.cancel()

@@ -111,7 +111,8 @@ class Ownership:
                 continue
             if await self.store.expire(rid, state, epoch, updated, reason):
                 log.warning("request %s: failed by the reaper: %s", rid, reason)
-                self.local.stop_driving(rid)  # stuck here: stop it (its end is recorded already)
+                # Stuck here: stop it (its end is recorded already); its clients get why.
+                self.local.stop_driving(rid, errors.RequestFailedError(f"request failed: {reason}"))
 
     async def _resume(self, rid: str, epoch: int) -> None:
         """Finish a request taken over from a dead replica, from its journal."""
@@ -130,10 +131,12 @@ class Ownership:
             log.warning(
                 "request %s: taken over at epoch %d from token %d", rid, epoch, len(run.output)
             )
-            if len(run.output) >= record.max_tokens:
-                # The old owner journalled every token, then lost its lease before recording
-                # the end: record it (there is nothing left to generate).
-                await self.relay.finish(run, Edge.FINISH, "length", "")
+            finished = entries[-1].finish if entries else ""
+            if finished or len(run.output) >= record.max_tokens:
+                # The old owner journalled the request's end (a stop string, EOS) or every
+                # token, then lost its lease before recording it: record it — generating
+                # on would go past the end its clients were told.
+                await self.relay.finish(run, Edge.FINISH, finished or "length", "")
                 return
             async for _ in self.failover.drive(run, workers):
                 pass  # clients follow the journal

@@ -149,9 +149,15 @@ class Relay:
                 delta, reason = delta[:cut], "stop"
         scores = convert.logprobs_from_pb(chunk.logprobs) if chunk.logprobs else ()
         prompt = convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
-        if not (ids or delta or prompt):
-            return reason
         produced = len(run.output)
+        if not (ids or delta or prompt):
+            if reason and reason != "length":
+                # The end alone, before the request's last token: journalled all the same
+                # (`JournalEntry.finish`: a write more). A length's needs none: a replica
+                # taking the request over finds every token journalled.
+                end = OutChunk(run.rid, produced, [], "", prompt_tokens=len(spec.prompt))
+                self.writer.submit(run, JournalEntry(produced, (), "", finish=reason), end)
+            return reason
         if chunk.index != produced:
             raise errors.WorkerError(
                 "decode",
@@ -166,7 +172,7 @@ class Relay:
                 retryable=False,
                 phase="stream",
             )
-        entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt)
+        entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt, reason)
         out = OutChunk(
             run.rid,
             chunk.index,
@@ -187,7 +193,10 @@ class Relay:
     @staticmethod
     def _handed(run: Run, out: OutChunk) -> None:
         """A chunk whose journal write landed: to the run's clients (the first token's
-        time is the client's time to first token)."""
+        time is the client's time to first token); an end that came alone is not a chunk
+        of theirs (their stream's last chunk says it)."""
+        if not (out.token_ids or out.text or out.prompt_logprobs):
+            return
         if run.first_token_at is None and out.token_ids:
             run.first_token_at = time.monotonic()
             run.timings["ttft_ms"] = (run.first_token_at - run.started) * 1000
@@ -241,6 +250,15 @@ class Relay:
                     "cost": as_json(cost),
                 },
             )
+        except errors.StaleEpochError as exc:
+            if edge is not Edge.FINISH:
+                log.warning("request %s: could not record %s: %s", run.rid, state, exc)
+                return None
+            # Taken over before its end was recorded: the new owner records it (the end
+            # this run journalled, `JournalEntry.finish`, if that write landed; else it
+            # generates on) and this run's clients follow it, not an end of ours.
+            run.lease_lost = True
+            raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
             # A client's Cancel records the end itself, often first: the client's business,
             # not a warning.

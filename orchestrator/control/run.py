@@ -155,6 +155,9 @@ class Run:
     cancelled: bool = False
     """This replica cancelled the run (its client left, or a Cancel). Checked at every chunk
     and watch step, so that a ``Task.cancel()`` lost on its way still ends the run."""
+    stopped: errors.PdorchError | None = None
+    """Why the run was cancelled when it was not for its client (the reaper failed the
+    request past its state's deadline): what its clients are told, not "cancelled"."""
     journal: JournalBuffer = field(default_factory=JournalBuffer)
     usage: Usage = field(default_factory=Usage)
     attempts: Attempts = field(default_factory=Attempts)

@@ -43,6 +43,8 @@ Sink = Callable[[OutChunk], None]
 journal writer's step: it must not block, and what it keeps is its own to bound)."""
 DETACH_POLL_S = 0.5
 """How often a detached request checks whether a client came back (capped by the grace)."""
+CANCEL_TRIES = 5
+"""A Cancel's tries at the request's current epoch (each refused one re-reads it)."""
 
 
 def _wanted(chunk: OutChunk, resume_from: int) -> bool:
@@ -199,6 +201,8 @@ class Sessions:
         except asyncio.CancelledError:
             if self.local.stopping:  # handed off: the client resumes on another replica
                 deliver(errors.UnavailableError("orchestrator shutting down; resume elsewhere"))
+            elif run.stopped is not None:  # failed by the reaper, not cancelled by a client
+                deliver(run.stopped)
             else:
                 deliver(OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings))
             raise
@@ -226,6 +230,8 @@ class Sessions:
         if not task.cancelled():
             return
         end: OutChunk | BaseException = OutChunk(run.rid, 0, [], "", "cancelled", run.timings)
+        if run.stopped is not None:
+            end = run.stopped
         if self.local.stopping:  # shutting down: the record's lease lapses, a peer takes over
             end = errors.UnavailableError("orchestrator shutting down; resume elsewhere")
         log.info("request %s: stopped before it started", run.rid)
@@ -274,6 +280,8 @@ class Sessions:
                 end = e.index + len(e.token_ids)
                 if end <= start and e.token_ids:
                     continue
+                if not (e.token_ids or e.text or e.prompt_logprobs):
+                    continue  # an end journalled alone (`JournalEntry.finish`): no chunk
                 skip = max(0, start - e.index)
                 yield OutChunk(
                     rid,
@@ -301,17 +309,33 @@ class Sessions:
                 await asyncio.sleep(self.settings.follow_poll_s)
 
     async def cancel(self, rid: str, tenants: Collection[str] | None = None) -> State:
-        """Cancel ``rid``; with ``tenants``, only a request of one of them (else NotFound)."""
+        """Cancel ``rid``; with ``tenants``, only a request of one of them (else NotFound).
+
+        The CANCEL is taken at the epoch just read; a failover or a takeover moving the
+        request on between the read and the transition (one round trip) refuses it as
+        stale, or as invalid from the state it left: read again and cancel that, up to
+        `CANCEL_TRIES` times — a client's cancel is not lost to a race it cannot see."""
         record = await self.get(rid, tenants)  # validates the id
         if record.state.terminal:
             return record.state
         self.local.stop_driving(rid)  # driven here: cancelling it cancels the worker calls too
-        with contextlib.suppress(errors.StaleEpochError, errors.InvalidTransitionError):
-            await self.store.transition(
-                rid, Edge.CANCEL, epoch=record.epoch, fields={"finish_reason": "cancelled"}
-            )
-        got = await self.store.get(rid)
-        return got.state if got else State.CANCELLED
+        epoch, state = record.epoch, record.state
+        for _ in range(CANCEL_TRIES):
+            try:
+                await self.store.transition(
+                    rid, Edge.CANCEL, epoch=epoch, fields={"finish_reason": "cancelled"}
+                )
+            except (errors.StaleEpochError, errors.InvalidTransitionError):
+                pass  # moved on meanwhile: what is it now?
+            else:
+                return State.CANCELLED
+            got = await self.store.get(rid)
+            if got is None:
+                return State.CANCELLED
+            if got.state.terminal:
+                return got.state
+            epoch, state = got.epoch, got.state
+        return state
 
     async def get(self, rid: str, tenants: Collection[str] | None = None) -> RequestRecord:
         """The record of ``rid``; with ``tenants`` (an authenticated caller's), another

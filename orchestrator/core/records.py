@@ -147,7 +147,7 @@ class JournalEntry:
 
     JSON: ``[index, ids, text]``, with a fourth element ``{"logprobs": [...], "prompt":
     [...]}`` only when there are log-probabilities (so journals of requests without them
-    are what they always were)."""
+    are what they always were), and ``"finish"`` in it on the request's last chunk."""
 
     index: int
     token_ids: tuple[int, ...]
@@ -155,19 +155,25 @@ class JournalEntry:
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token, or none."""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    finish: str = ""
+    """The request's finish reason, on the chunk that ended it (a stop string, EOS, the
+    length): a replica taking the request over before its end was recorded ends it so,
+    rather than generating past it. An empty chunk carries it when the end came alone."""
 
     def to_json(self) -> str:
-        if not (self.logprobs or self.prompt_logprobs):
+        if not (self.logprobs or self.prompt_logprobs or self.finish):
             # What `json.dumps` writes for [index, ids, text], without its machinery
             # (every relayed chunk is journalled: ~1 µs a chunk less). The same only for
             # int ids — as they are: a worker's chunk carries them as protobuf integers.
             ids = ", ".join(map(str, self.token_ids))
             return f"[{self.index}, [{ids}], {encode_basestring_ascii(self.text)}]"
-        scores = {
-            "logprobs": [lp.to_json() for lp in self.logprobs],
-            "prompt": [lp.to_json() for lp in self.prompt_logprobs],
-        }
-        return json.dumps([self.index, list(self.token_ids), self.text, scores])
+        more: dict[str, Any] = {}
+        if self.logprobs or self.prompt_logprobs:
+            more["logprobs"] = [lp.to_json() for lp in self.logprobs]
+            more["prompt"] = [lp.to_json() for lp in self.prompt_logprobs]
+        if self.finish:
+            more["finish"] = self.finish
+        return json.dumps([self.index, list(self.token_ids), self.text, more])
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JournalEntry:
@@ -179,6 +185,7 @@ class JournalEntry:
             str(delta),
             tuple(TokenLogprob.from_json(x) for x in more.get("logprobs", ())),
             tuple(TokenLogprob.from_json(x) for x in more.get("prompt", ())),
+            str(more.get("finish", "")),
         )
 
 

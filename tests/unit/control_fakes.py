@@ -81,6 +81,9 @@ class FakeWorker:
     """Decode: the stream opens with a chunk that carries no token (a keep-alive)."""
     windows: list[float] = field(default_factory=list)
     """The coalescing window (``flush_ms``) each decode and aggregated call asked for."""
+    eos_at: int | None = None
+    """Decode/generate: the model ends the output at this index (EOS: a chunk of its own,
+    with no token)."""
 
     @property
     def info(self) -> WorkerInfo:
@@ -111,7 +114,8 @@ class FakeWorker:
         stream's first token is the prefill's)."""
         if self.empty_first:
             yield worker_pb2.TokenChunk(index=first)
-        for n, index in enumerate(range(first, max_tokens)):
+        last = max_tokens if self.eos_at is None else min(max_tokens, self.eos_at)
+        for n, index in enumerate(range(first, last)):
             if self.fail_after is not None and n >= self.fail_after:
                 raise rpc_error(self.fail_code, f"{self.worker_id} broke")
             if self.hang_after is not None and n >= self.hang_after:
@@ -126,7 +130,10 @@ class FakeWorker:
                 compute_ms=1.0,
                 logprobs=scores,
             )
-        yield worker_pb2.TokenChunk(index=max_tokens, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        finish = (
+            common_pb2.FINISH_REASON_LENGTH if last == max_tokens else common_pb2.FINISH_REASON_EOS
+        )
+        yield worker_pb2.TokenChunk(index=last, finish_reason=finish)
 
 
 class _Stream:

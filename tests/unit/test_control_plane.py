@@ -963,6 +963,43 @@ def test_the_deadline_reaper_fails_a_request_stuck_in_its_state() -> None:
     run(main())
 
 
+def test_a_client_of_a_request_the_reaper_failed_is_told_it_failed_not_cancelled() -> None:
+    """The reaper fails a request driven here (its decode stream silent past the decoding
+    deadline): the drive is stopped, and its client gets the failure, not an OK
+    "cancelled" end."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        store = MemoryStore(StoreSettings(url="memory://"), clock=clock)
+        deadlines = StateDeadlines(decoding_s=5.0)
+        settings = replace(FAST, deadline_scan_s=0.0, deadlines=deadlines, token_timeout_s=60.0)
+        p0, d0 = FakeWorker("p0", "prefill"), FakeWorker("d0", "decode", hang_after=1)
+        orch, _, _ = await setup(p0, d0, store=store, settings=settings)
+        await orch.start()
+        got: list[OutChunk | BaseException] = []
+
+        async def client() -> None:
+            try:
+                async for chunk in orch.generate(inp(max_tokens=8)):
+                    got.append(chunk)
+            except errors.PdorchError as exc:
+                got.append(exc)
+
+        task = asyncio.create_task(client())
+        try:
+            await eventually(lambda: state_is(store, "r1", State.DECODING))
+            await eventually(lambda: _true(len(got) >= 1))
+            clock.advance(6.0)
+            await eventually(lambda: state_is(store, "r1", State.FAILED))
+            await asyncio.wait_for(task, 5)
+        finally:
+            await orch.stop()
+        assert isinstance(got[-1], errors.RequestFailedError), got[-1]
+        assert "decoding" in str(got[-1])
+
+    run(main())
+
+
 def test_stop_hands_running_requests_off_to_a_peer() -> None:
     async def main() -> None:
         d0 = FakeWorker("d0", "decode", delay_s=0.01)

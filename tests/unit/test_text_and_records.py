@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.records import (
     JournalEntry,
     RequestRecord,
@@ -289,6 +290,19 @@ def test_journal_entry_is_written_as_json_dumps_writes_it(
     entry = JournalEntry(index, tuple(ids), text)
     assert entry.to_json() == json.dumps([index, ids, text])
     assert JournalEntry.from_json(entry.to_json()) == entry
+
+
+def test_a_journal_entry_carries_the_finish_of_the_chunk_that_ended_its_request() -> None:
+    """The finish rides in the fourth element, beside log-probabilities when there are any;
+    a journal written before it existed reads as no finish."""
+    ended = JournalEntry(5, (7,), "x", finish="stop")
+    assert json.loads(ended.to_json()) == [5, [7], "x", {"finish": "stop"}]
+    alone = JournalEntry(6, (), "", finish="eos")
+    scored = JournalEntry(0, (1,), "a", (TokenLogprob(1, -0.5),), finish="length")
+    for entry in (ended, alone, scored):
+        assert JournalEntry.from_json(entry.to_json()) == entry
+    assert json.loads(scored.to_json())[3]["finish"] == "length"
+    assert JournalEntry.from_json('[5, [7], "x", {"logprobs": [], "prompt": []}]').finish == ""
 
 
 def test_journal_entry_decodes_to_tuples() -> None:
