@@ -343,17 +343,22 @@ def positive_int(text: str) -> int:
 def model_name(text: str) -> str:
     """One of `ENGINE_MODELS`, or a directory a model was saved into (by absolute path, so
     processes started elsewhere find it)."""
-    from pathlib import Path  # noqa: PLC0415
+    from orchestrator.core import model_dir  # noqa: PLC0415
 
     if text in ENGINE_MODELS:
         return text
     path = Path(text).expanduser()
-    if (path / "config.json").is_file():
-        return str(path.resolve())
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is neither {' nor '.join(ENGINE_MODELS)} nor a model directory "
-        "(one with a config.json)"
-    )
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither {' nor '.join(ENGINE_MODELS)} nor a model directory "
+            "(one with a config.json, weights and a tokenizer)"
+        )
+    missing = model_dir.gaps(path)
+    if missing:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a model directory: it lacks {'; '.join(missing)}"
+        )
+    return str(path.resolve())
 
 
 def non_negative_int(text: str) -> int:
@@ -372,14 +377,31 @@ def positive_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive (finite) number, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    if text.strip() in ("0", "0.0"):
-        return 0.0
-    return positive_float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive (finite) number, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A sampling seed: an integer in [0, 2^63) (`SamplingParams`)."""
+    from orchestrator.core.sampling import SEED_LIMIT  # noqa: PLC0415 - a light import
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2^63), got {text}")
+    return value
 
 
 MAX_PORT = 65535

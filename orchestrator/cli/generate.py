@@ -17,6 +17,7 @@ from orchestrator.cli.common import (
     non_negative_float,
     positive_float,
     positive_int,
+    seed,
 )
 
 NAME = "generate"
@@ -61,7 +62,9 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         default=0.0,
         help="0: greedy (default %(default)s)",
     )
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    g.add_argument(
+        "--seed", type=seed, default=0, help="sampling seed, 0 to 2^63-1 (default %(default)s)"
+    )
     g.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
     g.add_argument("--request-id", default="", help="idempotency key (default: one is made up)")
     g.add_argument(
@@ -117,7 +120,10 @@ async def run(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            connected = channel.get_state() is grpc.ChannelConnectivity.READY
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and not connected:
+                # (Connected, the orchestrator itself said UNAVAILABLE — no workers, its
+                # store away, shutting down: its words say which, below.)
                 tls_hint = (
                     "; with --tls-dir, its CA and client certificate must be the server's"
                     if tls is not None

@@ -58,6 +58,10 @@ default ``max_logprobs``)."""
 MAX_REPETITION_PENALTY = 100.0
 
 
+SEED_LIMIT = 2**63
+"""Seeds are in [0, 2^63): a signed 64-bit integer on every wire and in every engine."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -97,7 +101,7 @@ class SamplingParams:
             out.append(("temperature", "must be a finite number >= 0"))
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             out.append(("top_p", "must be in (0, 1]"))
-        if not 0 <= self.seed < 2**63:
+        if not 0 <= self.seed < SEED_LIMIT:
             out.append(("seed", "must be in [0, 2^63)"))
         if not 0 <= self.top_k < 2**31:
             out.append(("top_k", "must be >= 0 (0: no limit)"))

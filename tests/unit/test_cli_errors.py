@@ -13,10 +13,14 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
+from orchestrator.api import orchestrator_pb2_grpc
 from orchestrator.cli import main
 from orchestrator.cli.state import ClusterState, write_state
 from orchestrator.store.server import RedisServer
@@ -66,7 +70,10 @@ CASES = [
     (["orchestrator", "--max-queue", "0"], USAGE, "--max-queue: must be at least 1"),
     (["orchestrator", "--port", "70000"], USAGE, "a port is 0 to 65535"),
     (["generate", "hi", "--max-tokens", "-3"], USAGE, "--max-tokens: must be at least 1"),
-    (["generate", "hi", "--timeout", "0"], USAGE, "--timeout: must be a positive number"),
+    (["generate", "hi", "--timeout", "0"], USAGE, "--timeout: must be a positive"),
+    (["generate", "hi", "--seed", "-1"], USAGE, "--seed: must be in [0, 2^63), got -1"),
+    (["generate", "hi", "--seed", str(2**63)], USAGE, "--seed: must be in [0, 2^63)"),
+    (["generate", "hi", "--temperature", "inf"], USAGE, "--temperature: must be 0 or a positive"),
     (["chaos", "run", "x", "--runs", "0"], USAGE, "--runs: must be at least 1"),
     (["chaos", "run", "x", "--late-bound", "0"], USAGE, "--late-bound: must be a positive"),
     (["chaos", "run", "decode-kill", "--late-bound", "0.001"], USAGE, "--late-bound: at least"),
@@ -195,3 +202,28 @@ def test_a_load_bench_where_nothing_completes_fails(capsys: pytest.CaptureFixtur
     assert "no request completed: does an orchestrator answer at 127.0.0.1:1?" in (
         capsys.readouterr().err
     )
+
+
+class _NoWorkers(orchestrator_pb2_grpc.OrchestratorServicer):
+    """An orchestrator that answers every request UNAVAILABLE, as one with no workers does."""
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAVAILABLE, "no workers registered")
+
+
+@pytest.mark.usefixtures("no_cluster")
+def test_an_orchestrator_that_answers_unavailable_is_quoted_not_called_absent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(_NoWorkers(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert _exit(["generate", "hi", "--orchestrator", f"127.0.0.1:{port}"]) == FAILS
+    finally:
+        server.stop(None)
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE: no workers registered" in err, err
+    assert "no orchestrator answers" not in err
+    assert "Traceback" not in err

@@ -13,10 +13,26 @@ from orchestrator.cli.common import model_name
 
 def test_model_names_and_directories_are_accepted(tmp_path: Path) -> None:
     assert model_name("tiny") == "tiny"
-    (tmp_path / "config.json").write_text("{}")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_text("{}")
     assert model_name(str(tmp_path)) == str(tmp_path.resolve())
     with pytest.raises(argparse.ArgumentTypeError, match="nor a model directory"):
         model_name(str(tmp_path / "missing"))
+
+
+def test_a_directory_missing_weights_or_a_tokenizer_is_named_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(argparse.ArgumentTypeError) as caught:
+        model_name(str(tmp_path))
+    assert str(caught.value).endswith(
+        "it lacks weights (model.safetensors or pytorch_model.bin); "
+        "a tokenizer (tokenizer.json or tokenizer.model)"
+    )
+    (tmp_path / "pytorch_model.bin.index.json").write_text("{}")
+    (tmp_path / "tokenizer.model").write_text("")
+    assert model_name(str(tmp_path)) == str(tmp_path.resolve())
 
 
 @pytest.mark.slow  # torch and transformers: ~13 s on a busy machine
