@@ -9,7 +9,15 @@ import time
 from collections.abc import Mapping
 
 from orchestrator.cli.common import CommandError, Commands, Parents, add_command, positive_float
-from orchestrator.cli.state import alive, read_state, state_path
+from orchestrator.cli.state import (
+    ClusterState,
+    alive,
+    ours,
+    read_state,
+    remove_state,
+    stale_state,
+    state_path,
+)
 
 NAME = "down"
 HELP = "stop the cluster `pdorch up` started"
@@ -22,7 +30,8 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         parents,
         help=HELP,
         description=f"Send SIGTERM to the `pdorch up` named in {state_path(env)} "
-        "($PDORCH_STATE) and wait until it has stopped its processes.",
+        "($PDORCH_STATE) and wait until it has stopped its processes. When that `pdorch up` "
+        "was killed and left them running, stop them (SIGTERM, then SIGKILL).",
     )
     d.add_argument(
         "--timeout",
@@ -36,6 +45,16 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     state = read_state(env)
     if state is None:
+        left = stale_state(env)
+        if left is not None:
+            stopped = _stop_leftovers(left, args.timeout)
+            remove_state(env, left.pid)
+            if stopped:
+                print(
+                    f"`pdorch up` (pid {left.pid}) was gone; stopped what it left running: "
+                    + ", ".join(stopped)
+                )
+                return 0
         raise CommandError(f"no `pdorch up` cluster is running (no live one in {state_path(env)})")
     os.kill(state.pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
@@ -48,3 +67,28 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         time.sleep(0.1)  # polling a process's exit with a deadline
     print(f"stopped the cluster of pid {state.pid} ({state.orchestrator})")
     return 0
+
+
+def _stop_leftovers(state: ClusterState, timeout_s: float) -> list[str]:
+    """Stop the processes a killed `pdorch up` left running (each one's process group, if
+    it leads one): SIGTERM, SIGKILL after ``timeout_s``. Their names."""
+    running = {name: pid for name, pid in state.procs.items() if ours(pid)}
+    for pid in running.values():
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in running.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling their exits with a deadline (not our children)
+    for pid in running.values():
+        if ours(pid):  # (one that exited meanwhile: its pid may be another's by now)
+            _signal(pid, signal.SIGKILL)
+    return sorted(running)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -42,6 +42,10 @@ class ClusterState:
     """Folder holding every process's log."""
     tls: str = ""
     """The cluster's TLS directory (its throwaway CA); "" when it runs plaintext."""
+    procs: dict[str, int] = field(default_factory=dict)
+    """Process name -> pid of every process it started (each worker, orchestrator and
+    gateway leads its own process group): what `pdorch down` stops when `pdorch up` itself
+    was killed (SIGKILL leaves them running)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -83,6 +87,32 @@ def read_state(env: Mapping[str, str]) -> ClusterState | None:
     except (OSError, ValueError, TypeError, KeyError):
         return None
     return state if alive(state.pid) else None
+
+
+def stale_state(env: Mapping[str, str]) -> ClusterState | None:
+    """The state a `pdorch up` that is gone left behind (it was killed: it removes its file
+    when it stops); None when there is none, or its `pdorch up` still runs."""
+    try:
+        state = ClusterState.from_json(state_path(env).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return None if alive(state.pid) else state
+
+
+_OURS = (b"orchestrator", b"redis-server")
+"""What a process `pdorch up` started has in its command line (`ours`)."""
+
+
+def ours(pid: int) -> bool:
+    """Whether ``pid`` runs and is still one of the processes a `pdorch up` starts (not a
+    process that took the pid over since)."""
+    if not alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(mark in cmdline for mark in _OURS)
 
 
 def write_state(env: Mapping[str, str], state: ClusterState) -> Path:

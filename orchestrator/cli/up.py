@@ -175,6 +175,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             model=_served_model(cluster),
             logs=str(cluster.workdir),
             tls=str(cluster.tls_dir) if cluster.tls else "",
+            procs={name: proc.popen.pid for name, proc in cluster.procs.items()},
         )
         path = write_state(env, state)
         try:

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 
 from orchestrator.api import orchestrator_pb2_grpc
 from orchestrator.cli import main
-from orchestrator.cli.state import ClusterState, write_state
+from orchestrator.cli.state import ClusterState, alive, write_state
 from orchestrator.store.server import RedisServer
 
 DEAD_REDIS = "redis://127.0.0.1:1/0"
@@ -131,6 +132,51 @@ def test_a_second_up_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     write_state(os.environ, state)  # this process plays the running `pdorch up`
     assert _exit(["up", "--port", "0", "--http-port", "0"]) == FAILS
     assert "a `pdorch up` cluster is already running" in capsys.readouterr().err
+
+
+_LEFTOVER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_down_stops_what_a_killed_up_left_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdorch up` SIGKILLed leaves its process groups running (each leads its own): `down`
+    stops them from the state file, and removes it."""
+    monkeypatch.setenv("PDORCH_STATE", str(tmp_path / "up.json"))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the killed `pdorch up`
+    leader = subprocess.Popen(  # a worker: its group's leader, with a process of its own
+        [sys.executable, "-c", _LEFTOVER, "orchestrator.cli", "worker"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert leader.stdout is not None
+        grandchild = int(leader.stdout.readline())
+        procs = {"decode-0": leader.pid}
+        state = ClusterState(gone.pid, "127.0.0.1:7001", "redis://x:1/0", procs=procs)
+        write_state(os.environ, state)
+        assert _exit(["down", "--timeout", "5"]) == 0
+        assert leader.wait(5) is not None
+        for _ in range(100):  # the group's other process: SIGTERM reached it too
+            if not alive(grandchild):
+                break
+            time.sleep(0.05)
+        assert not alive(grandchild)
+    finally:
+        leader.kill()
+        leader.wait()
+        if leader.stdout is not None:
+            leader.stdout.close()
+    out = capsys.readouterr().out
+    assert f"`pdorch up` (pid {gone.pid}) was gone; stopped what it left running: decode-0" in out
+    assert not (tmp_path / "up.json").exists()
+    assert _exit(["down"]) == FAILS  # nothing left: as before
 
 
 @pytest.mark.usefixtures("no_cluster")
