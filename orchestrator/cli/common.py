@@ -217,6 +217,7 @@ class Parents:
         p = _parent()
         p.add_argument(
             "--orchestrator",
+            type=host_port,
             default=orchestrator_default(self._env, DEFAULT_ORCHESTRATOR),
             metavar="HOST:PORT",
             help="an orchestrator's gRPC address (default: $PDORCH_ORCHESTRATOR, else the "
@@ -416,6 +417,24 @@ def port(text: str) -> int:
     if not 0 <= value <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"a port is 0 to {MAX_PORT}, got {value}")
     return value
+
+
+def host_port(text: str) -> str:
+    """A gRPC server's address, HOST:PORT (``[v6]:PORT`` for an IPv6 literal; a port of 1
+    to 65535); a target naming its scheme (``dns:///…``, ``unix:…``) is taken as it is."""
+    if text.startswith("unix:") or "://" in text:
+        return text
+    host, colon, number = text.rpartition(":")
+    bare = host.removeprefix("[").removesuffix("]")
+    if not colon or not bare or any(c.isspace() for c in host):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    try:
+        value = int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}") from None
+    if not 1 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"a port is 1 to {MAX_PORT}, got {value}")
+    return text
 
 
 INSECURE_WARNING = (

@@ -62,9 +62,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
         default=0.0,
         help="0: greedy (default %(default)s)",
     )
-    g.add_argument(
-        "--seed", type=seed, default=0, help="sampling seed, 0 to 2^63-1 (default %(default)s)"
-    )
+    g.add_argument("--seed", type=seed, default=0, help="sampling seed (default %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop at this string (repeatable)")
     g.add_argument("--request-id", default="", help="idempotency key (default: one is made up)")
     g.add_argument(

@@ -84,13 +84,20 @@ class RequestLimits:
                 "chunk_window_ms",
                 f"must be in [0, {MAX_CHUNK_WINDOW_MS}], got {inp.chunk_window_ms}",
             )
-        if len(inp.stop) > self.max_stop_strings or any(not x for x in inp.stop):
-            raise InvalidRequestError("stop", f"at most {self.max_stop_strings} non-empty strings")
+        self._check_stop(inp.stop)
         texts = [("prompt", inp.text or ""), ("stop", *inp.stop)]
         texts += [("prompt", role, content) for role, content in inp.chat or ()]
         for name, *parts in texts:
             if any(not _is_text(p) for p in parts):
                 raise InvalidRequestError(name, "not valid Unicode (a lone surrogate)")
+
+    def _check_stop(self, stop: tuple[str, ...]) -> None:
+        if any(not x for x in stop):
+            raise InvalidRequestError("stop", "a stop string may not be empty")
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError(
+                "stop", f"at most {self.max_stop_strings} stop strings, got {len(stop)}"
+            )
 
     @staticmethod
     def check_vocab(ids: tuple[int, ...], model: WorkerInfo) -> None:

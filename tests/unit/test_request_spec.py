@@ -50,6 +50,13 @@ def test_limits_name_the_invalid_field(change: dict[str, object], field: str) ->
     assert err.value.field == field
 
 
+def test_a_stop_string_refused_says_why() -> None:
+    with pytest.raises(errors.InvalidRequestError, match="a stop string may not be empty"):
+        RequestLimits().check(replace(OK, stop=("x", "")))
+    with pytest.raises(errors.InvalidRequestError, match="at most 8 stop strings, got 9"):
+        RequestLimits().check(replace(OK, stop=tuple("abcdefghi")))
+
+
 def test_limits_are_settings() -> None:
     RequestLimits().check(OK)
     RequestLimits(max_tokens=8).check(OK)
