@@ -47,7 +47,7 @@ from orchestrator.control.leases import LeaseKeeper
 from orchestrator.control.ledger import Booking, Ledger
 from orchestrator.control.local import Local
 from orchestrator.control.metrics import ControlMetrics
-from orchestrator.control.relay import Relay
+from orchestrator.control.relay import Relay, failed_elsewhere
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.backoff import exponential_jitter
@@ -205,6 +205,8 @@ class Failover:
             run.lease_lost = True
             raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
+            if isinstance(exc, errors.InvalidTransitionError):  # (RequestEndedError too)
+                await failed_elsewhere(self.store, run.rid)  # a peer's reaper: its failure
             if isinstance(exc, errors.InvalidTransitionError) and await self._cancelled(run):
                 # A Cancel (here, or through another replica) landed while a transition
                 # was under way: the client's stream ends as a cancel's does.

@@ -29,7 +29,7 @@ from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import JournalEntry, RequestRecord
-from orchestrator.core.state import Edge
+from orchestrator.core.state import Edge, State
 from orchestrator.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,15 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
     output grows."""
     keep = max(0, max(map(len, stops), default=1) - 1)
     return text[max(0, len(text) - keep) :] if keep else ""
+
+
+async def failed_elsewhere(store: Store, rid: str) -> None:
+    """Raise `RequestFailedError` if the request's record says it failed (a peer's reaper
+    failed it while this replica drove it); nothing if it did not, or the store is away."""
+    with contextlib.suppress(errors.UnavailableError):
+        record = await store.get(rid)
+        if record is not None and record.state is State.FAILED:
+            raise errors.RequestFailedError(f"request failed: {record.error or '?'}")
 
 
 class Relay:
@@ -99,7 +108,7 @@ class Relay:
         finally:
             run.tap.take = None
         if isinstance(refused, errors.RequestEndedError):
-            yield self._ended_elsewhere(run)
+            yield await self._ended_elsewhere(run)
             return
         if refused is not None:
             raise refused
@@ -110,7 +119,7 @@ class Relay:
         try:
             await self.writer.flush(run)  # every chunk handed out before the end
         except errors.RequestEndedError:  # cancelled through another replica
-            yield self._ended_elsewhere(run)
+            yield await self._ended_elsewhere(run)
             return
         except errors.UnavailableError:
             pass  # handed out unjournalled; the end's record waits for the store (`finish`)
@@ -202,9 +211,11 @@ class Relay:
             run.timings["ttft_ms"] = (run.first_token_at - run.started) * 1000
         run.deliver(out)
 
-    @staticmethod
-    def _ended_elsewhere(run: Run) -> OutChunk:
-        """The stream's end when the request was cancelled through another replica."""
+    async def _ended_elsewhere(self, run: Run) -> OutChunk:
+        """The stream's end when the request ended through another replica: cancelled (a
+        client's Cancel there), or failed — a peer's deadline reaper — which is raised as
+        the failure it is (`failed_elsewhere`), not told as a cancel."""
+        await failed_elsewhere(self.store, run.rid)
         return OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings)
 
     async def complete(self, run: Run, finish: str) -> OutChunk:

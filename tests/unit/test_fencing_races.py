@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
+from orchestrator import errors
 from orchestrator.control.orchestrator import Orchestrator, OutChunk
+from orchestrator.core.deadlines import StateDeadlines
 from orchestrator.core.records import RequestRecord
 from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge, State
@@ -209,3 +211,35 @@ async def _terminal(store: MemoryStore) -> bool:
 async def _finish_journalled(store: MemoryStore, finish: str) -> bool:
     journal = await store.journal("r1")
     return bool(journal) and journal[-1].finish == finish
+
+
+def test_a_request_a_peers_reaper_failed_is_told_to_its_client_as_failed() -> None:
+    """b's deadline reaper fails a request a drives (no token for longer than the decoding
+    deadline, by the store's clock): a's next journal write is refused — the request ended
+    — and its client is told the request failed (`ABORTED`), not that it was cancelled."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        settings = StoreSettings(url="memory://", lease_ttl_s=LEASE_S)
+        store_a = MemoryStore(settings, clock=clock)
+        p0, d0 = FakeWorker("p0", "prefill"), FakeWorker("d0", "decode", delay_s=0.05)
+        a, _, _ = await setup(p0, d0, store=store_a, owner="a")
+        store_b = _peer(store_a, MemoryStore(settings, clock=clock))
+        reaping = replace(FAST, deadline_scan_s=0.0, deadlines=StateDeadlines(decoding_s=5.0))
+        b = Orchestrator(store_b, FakeFleet(p0, d0).as_clients(), reaping, "b")
+        got: list[OutChunk | BaseException] = []
+        client = asyncio.create_task(_drain(a.generate(inp(max_tokens=200)), got))
+        await eventually(lambda: _at_least(got, 2))
+        await b.start()
+        clock.advance(6.0)
+        await eventually(lambda: _terminal(store_b))
+        await asyncio.wait_for(client, 5)
+        await b.stop()
+        await a.stop()
+        record = await store_b.get("r1")
+        assert record is not None
+        assert record.state is State.FAILED
+        assert isinstance(got[-1], errors.RequestFailedError), got[-1]
+        assert "decoding" in str(got[-1])
+
+    run(main())
