@@ -17,8 +17,9 @@ WEIGHTS = (
     "pytorch_model.bin.index.json",
 )
 """Any one of these holds (or indexes) the weights."""
-TOKENIZERS = ("tokenizer.json", "tokenizer.model")
-"""Any one of these is a tokenizer the engines load without converting a slow one."""
+TOKENIZERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""Any one of these holds a tokenizer (a fast one's file, SentencePiece's, a BPE vocabulary
+with its merges.txt, WordPiece's)."""
 
 
 def gaps(path: Path) -> list[str]:

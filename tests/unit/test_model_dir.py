@@ -28,10 +28,10 @@ def test_a_directory_missing_weights_or_a_tokenizer_is_named_before_anything_sta
         model_name(str(tmp_path))
     assert str(caught.value).endswith(
         "it lacks weights (model.safetensors or pytorch_model.bin); "
-        "a tokenizer (tokenizer.json or tokenizer.model)"
+        "a tokenizer (tokenizer.json or tokenizer.model or vocab.json or vocab.txt)"
     )
     (tmp_path / "pytorch_model.bin.index.json").write_text("{}")
-    (tmp_path / "tokenizer.model").write_text("")
+    (tmp_path / "vocab.json").write_text("{}")  # a BPE tokenizer, as GPT-2's and OPT's
     assert model_name(str(tmp_path)) == str(tmp_path.resolve())
 
 
