@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import time
@@ -70,25 +71,25 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _stop_leftovers(state: ClusterState, timeout_s: float) -> list[str]:
-    """Stop the processes a killed `pdorch up` left running (each one's process group, if
-    it leads one): SIGTERM, SIGKILL after ``timeout_s``. Their names."""
-    running = {name: pid for name, pid in state.procs.items() if ours(pid)}
+    """Stop the processes a killed `pdorch up` left running — each one's process group (as
+    `cluster.Proc.stop` does): SIGTERM, then SIGKILL to what is left after ``timeout_s``.
+    Only processes that are still the ones it started (pid and start time). Their names."""
+    running = {name: pid for name, (pid, start) in state.procs.items() if ours(pid, start)}
     for pid in running.values():
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while any(alive(pid) for pid in running.values()) and time.monotonic() < deadline:
         time.sleep(0.1)  # polling their exits with a deadline (not our children)
     for pid in running.values():
-        if ours(pid):  # (one that exited meanwhile: its pid may be another's by now)
-            _signal(pid, signal.SIGKILL)
+        _signal(pid, signal.SIGKILL)  # stragglers of each group (its leader may be gone)
     return sorted(running)
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+    """``sig`` to the process group ``pid`` leads (each of `pdorch up`'s does), else to the
+    process; nothing if neither is there any more or it is not ours to signal."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)

@@ -42,10 +42,10 @@ class ClusterState:
     """Folder holding every process's log."""
     tls: str = ""
     """The cluster's TLS directory (its throwaway CA); "" when it runs plaintext."""
-    procs: dict[str, int] = field(default_factory=dict)
-    """Process name -> pid of every process it started (each worker, orchestrator and
-    gateway leads its own process group): what `pdorch down` stops when `pdorch up` itself
-    was killed (SIGKILL leaves them running)."""
+    procs: dict[str, list[int]] = field(default_factory=dict)
+    """Process name -> [pid, start time] (`started`) of every process it started (each
+    worker and orchestrator leads its own process group): what `pdorch down` stops when
+    `pdorch up` itself was killed (SIGKILL leaves them running)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -99,20 +99,21 @@ def stale_state(env: Mapping[str, str]) -> ClusterState | None:
     return None if alive(state.pid) else state
 
 
-_OURS = (b"orchestrator", b"redis-server")
-"""What a process `pdorch up` started has in its command line (`ours`)."""
-
-
-def ours(pid: int) -> bool:
-    """Whether ``pid`` runs and is still one of the processes a `pdorch up` starts (not a
-    process that took the pid over since)."""
-    if not alive(pid):
-        return False
+def started(pid: int) -> int:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/PID/stat``'s 22nd
+    field): with its pid, a process's identity — a pid reused later starts later. 0 when
+    it cannot be read (no such process; not Linux)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return any(mark in cmdline for mark in _OURS)
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+        return int(stat.rpartition(")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def ours(pid: int, start: int) -> bool:
+    """Whether the process that started as ``pid`` at ``start`` (`started`) still runs —
+    not another one that took the pid over since."""
+    return bool(start) and alive(pid) and started(pid) == start
 
 
 def write_state(env: Mapping[str, str], state: ClusterState) -> Path:

@@ -37,6 +37,7 @@ from orchestrator.cli.state import (
     ClusterState,
     read_state,
     remove_state,
+    started,
     state_path,
     write_state,
 )
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             model=_served_model(cluster),
             logs=str(cluster.workdir),
             tls=str(cluster.tls_dir) if cluster.tls else "",
-            procs={name: proc.popen.pid for name, proc in cluster.procs.items()},
+            procs={n: [p.popen.pid, started(p.popen.pid)] for n, p in cluster.procs.items()},
         )
         path = write_state(env, state)
         try:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 
 from orchestrator.api import orchestrator_pb2_grpc
 from orchestrator.cli import main
-from orchestrator.cli.state import ClusterState, alive, write_state
+from orchestrator.cli.state import ClusterState, alive, started, write_state
 from orchestrator.store.server import RedisServer
 
 DEAD_REDIS = "redis://127.0.0.1:1/0"
@@ -161,8 +162,15 @@ def test_down_stops_what_a_killed_up_left_running(
     try:
         assert leader.stdout is not None
         grandchild = int(leader.stdout.readline())
-        procs = {"decode-0": leader.pid}
+        procs = {"decode-0": [leader.pid, started(leader.pid)]}
         state = ClusterState(gone.pid, "127.0.0.1:7001", "redis://x:1/0", procs=procs)
+        write_state(os.environ, state)
+        # The same pids, started at another time: not ours (a pid reused since) — untouched.
+        other = {"decode-0": [leader.pid, started(leader.pid) - 1], "x": [grandchild, 1]}
+        write_state(os.environ, replace(state, procs=other))
+        assert _exit(["down", "--timeout", "5"]) == FAILS
+        assert alive(leader.pid)
+        assert alive(grandchild)
         write_state(os.environ, state)
         assert _exit(["down", "--timeout", "5"]) == 0
         assert leader.wait(5) is not None
