@@ -36,7 +36,7 @@ from transport.backends import UCX_READ, make_receiver, make_sender
 from transport.base import TransportSettings
 from transport.errors import TlsConfigError, TransportError
 from transport.security import LinkTls
-from transport.testing import apart as testing_apart
+from transport.testing import apart_in_arena as testing_apart
 from transport.testing import paged as testing_paged
 from transport.testing import synthetic_cache
 from transport.ucx import UcxConfig
@@ -71,7 +71,8 @@ class BenchResult:
     """Variant → median GB/s (4 significant digits: a 4 KiB transfer is ~0.005 GB/s; its
     latency in µs is what `human` shows). ``ours``: the default path, one contiguous KV;
     ``ours-tls``: the same with mutual TLS on the control link (``--tls-dir``); ``ours-32``:
-    32 layers allocated apart (a block list); ``ours-read``: UCX one-sided reads
+    32 layers apart in one allocation, as NIXL's 32 descriptors slice one buffer (a block
+    list: `testing.apart_in_arena`); ``ours-read``: UCX one-sided reads
     (transport v2, opt-in), ``ours-read-32`` the same of 32 layers apart;
     ``nixl-write``/``nixl-read`` (``-32``: 32 descriptors); ``ucx_perftest``: ``-t
     tag_bw``; ``copy`` and ``xxh3``: one copy and one hash pass of the same bytes in this
@@ -142,7 +143,7 @@ class _Ours:
         self.tls_dir = tls_dir
         self.settings = settings or TransportSettings()
         self.cache = synthetic_cache("bench", 1, size, n_layers=layers)
-        if apart:  # each layer in its own allocation: a block list, not one region
+        if apart:  # a page between layers: a block list, not one region
             self.cache = testing_apart(self.cache)
         tls = None if tls_dir is None else security.load_dir(tls_dir, "prefill")
         self.sender = make_sender(backend, self.settings, ucx, tls)

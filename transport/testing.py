@@ -75,6 +75,30 @@ def apart(cache: wire.KvCache) -> wire.KvCache:
     return wire.KvCache(cache.header, tuple(layers))
 
 
+APART_GAP = 4096
+"""Bytes left between two layers `apart_in_arena`: none touches the next, none joins its read."""
+
+
+def apart_in_arena(cache: wire.KvCache) -> wire.KvCache:
+    """The same KV with each layer's K and V apart (a block list: one region per layer),
+    in one allocation with a page between layers — as NIXL's 32-descriptor reference
+    slices one buffer (`pdorch bench transport`'s ``ours-32``), so both get the same pages
+    (numpy arrays of 4 MiB or more get transparent huge pages here; 32 allocations of
+    their own would not at 1–64 MiB) and one registration."""
+    sizes = [k.nbytes + v.nbytes for k, v in cache.layers]
+    arena = np.empty(sum(sizes) + APART_GAP * len(sizes), dtype=np.uint8)
+    layers = []
+    at = 0
+    for (k, v), size in zip(cache.layers, sizes, strict=True):
+        block = arena[at : at + size]
+        kk = block[: k.nbytes].view(k.dtype).reshape(k.shape)
+        vv = block[k.nbytes :].view(v.dtype).reshape(v.shape)
+        kk[...], vv[...] = k, v
+        layers.append((kk, vv))
+        at += size + APART_GAP
+    return wire.KvCache(cache.header, tuple(layers))
+
+
 @dataclass(frozen=True, slots=True)
 class Paged:
     """A KV scattered in pieces over one pool, as a paged engine holds it (vLLM's blocks):
