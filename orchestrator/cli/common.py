@@ -332,10 +332,7 @@ def add_command(
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -363,30 +360,35 @@ def model_name(text: str) -> str:
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
-def positive_float(text: str) -> float:
+def _integer(text: str, expected: str = "an integer") -> int:
     try:
-        value = float(text)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive (finite) number, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 or a positive (finite) number, got {text}")
     return value
@@ -396,10 +398,7 @@ def seed(text: str) -> int:
     """A sampling seed: an integer in [0, 2^63) (`SamplingParams`)."""
     from orchestrator.core.sampling import SEED_LIMIT  # noqa: PLC0415 - a light import
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text)
     if not 0 <= value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"must be in [0, 2^63), got {text}")
     return value
@@ -410,10 +409,7 @@ MAX_PORT = 65535
 
 def port(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    value = _integer(text, "a port number")
     if not 0 <= value <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"a port is 0 to {MAX_PORT}, got {value}")
     return value
@@ -426,12 +422,9 @@ def host_port(text: str) -> str:
         return text
     host, colon, number = text.rpartition(":")
     bare = host.removeprefix("[").removesuffix("]")
-    if not colon or not bare or any(c.isspace() for c in host):
+    if not colon or not bare or any(c.isspace() for c in host) or not number.isdigit():
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    try:
-        value = int(number)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}") from None
+    value = int(number)
     if not 1 <= value <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"a port is 1 to {MAX_PORT}, got {value}")
     return text

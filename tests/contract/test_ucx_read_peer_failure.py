@@ -160,6 +160,19 @@ def _line(proc: subprocess.Popen[str], lines: queue.Queue[str], prefix: str) -> 
     raise AssertionError(f"no {prefix!r} within {_WAIT_S} s")
 
 
+def _reap(*procs: subprocess.Popen[str] | None) -> None:
+    """Kill what still runs, wait for it and close its pipes."""
+    for proc in procs:
+        if proc is None:
+            continue
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
 def test_a_read_from_a_killed_peer_fails_with_the_ucx_error() -> None:
     target = _spawn("target")
     reader = None
@@ -180,15 +193,7 @@ def test_a_read_from_a_killed_peer_fails_with_the_ucx_error() -> None:
         assert "ucp_get_nbx failed" in result["error"], result
         print(f"UCX reported the killed peer after {result['lost_after_s'] * 1e3:.1f} ms")
     finally:
-        for proc in (target, reader):
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+        _reap(target, reader)
 
 
 @pytest.mark.slow
@@ -212,15 +217,7 @@ def test_a_failed_channel_issues_no_read_after() -> None:
             if r["error"] is None:
                 assert r["written"], reads
     finally:
-        for proc in (target, reader):
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+        _reap(target, reader)
 
 
 if __name__ == "__main__":
