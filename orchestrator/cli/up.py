@@ -160,7 +160,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     )
     if args.logs:
         cluster.workdir = Path(args.logs)
-        cluster.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            cluster.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = f"not a folder this can write in: {exc}"
+            raise CommandError(f"--logs {args.logs}: {why}") from None
     _interrupt_on_sigterm()
     try:
         try:

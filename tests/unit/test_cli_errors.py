@@ -61,6 +61,7 @@ CASES = [
     (["up", "--model", "/no/such/dir"], USAGE, "nor a model directory"),
     (["worker", "--role", "decode", "--model", "llama"], USAGE, "nor a model directory"),
     (["up", "--port", "7", "--http-port", "7"], FAILS, "must differ"),
+    (["up", "--logs", "/etc/passwd", "--port", "0"], FAILS, "--logs /etc/passwd: not a folder"),
     (["cost", "--redis", "notaurl"], USAGE, "not a Redis URL: 'notaurl'"),
     (["status", "--redis", "http://x"], USAGE, "not a Redis URL"),
     (["--log-level", "bogus", "plan"], USAGE, "unknown log level 'bogus'"),
