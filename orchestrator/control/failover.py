@@ -198,6 +198,8 @@ class Failover:
             raise
         except errors.LeaseLostError:
             raise  # the new owner records the end
+        except errors.RequestFailedError:
+            raise  # failed elsewhere (a peer's deadline reaper): its end is recorded
         except errors.StaleEpochError as exc:
             # Our writes are fenced off: another replica took the request over (our lease
             # lapsed while Redis stalled, say). Not a failure: the new owner continues it
