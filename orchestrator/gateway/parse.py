@@ -63,6 +63,9 @@ class Call:
     echo: bool = False
     """Completions: the answer starts with the prompt (and its log probabilities, when
     ``logprobs`` is set)."""
+    max_tokens_param: str = "max_tokens"
+    """The parameter the output's length came from (chat: ``max_completion_tokens``, when
+    given, as OpenAI names it now)."""
 
     @property
     def logprobs(self) -> bool:
@@ -72,7 +75,11 @@ class Call:
     def params(self) -> dict[str, str]:
         """Orchestrator field names → this call's parameter names, for error messages."""
         prompt = "messages" if self.chat else "prompt"
-        names = {"prompt": prompt, "request_id": REQUEST_ID_HEADERS[0]}
+        names = {
+            "prompt": prompt,
+            "request_id": REQUEST_ID_HEADERS[0],
+            "max_tokens": self.max_tokens_param,
+        }
         if self.chat:
             names["logprobs"] = "top_logprobs"
         return names | {"prompt_logprobs": "logprobs"}
@@ -237,14 +244,16 @@ def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> 
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
     chat = tuple(_message(m, i) for i, m in enumerate(messages))
-    max_tokens = _int_or_none(body, "max_completion_tokens")
+    param = "max_completion_tokens"
+    max_tokens = _int_or_none(body, param)
     if max_tokens is None:
-        max_tokens = _int_or_none(body, "max_tokens")
+        param = "max_tokens"
+        max_tokens = _int_or_none(body, param)
     top = _int_or_none(body, "top_logprobs")
     if top is not None and not _bool(body, "logprobs", default=False):
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (top or 0) if _bool(body, "logprobs", default=False) else None
-    return _call(
+    call = _call(
         body,
         rid,
         chat=True,
@@ -256,6 +265,7 @@ def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> 
             stop=_stop(body),
         ),
     )
+    return replace(call, max_tokens_param=param)
 
 
 # ----------------------------------------------------------------------------- parts

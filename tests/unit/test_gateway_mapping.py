@@ -123,6 +123,16 @@ def test_chat_messages_and_max_tokens() -> None:
     assert call.params["prompt"] == "messages"
 
 
+def test_a_refused_length_names_the_parameter_the_client_sent() -> None:
+    """A chat call's length may come as ``max_completion_tokens`` (OpenAI's name today) or
+    ``max_tokens``: an error about it names the one the client used."""
+    too_long = errors.InvalidRequestError("max_tokens", "must be in [1, 2048], got 0")
+    for given in ("max_completion_tokens", "max_tokens"):
+        call = chat(**{given: 0})
+        assert api_error_for(too_long, call.params).param == given
+    assert api_error_for(too_long, completion().params).param == "max_tokens"
+
+
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
