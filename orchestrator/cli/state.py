@@ -79,24 +79,26 @@ def alive(pid: int) -> bool:
     return True
 
 
+def _file_state(env: Mapping[str, str]) -> ClusterState | None:
+    """The state file's contents; None when there is none or it is unreadable."""
+    try:
+        return ClusterState.from_json(state_path(env).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def read_state(env: Mapping[str, str]) -> ClusterState | None:
     """The running cluster's state; None when there is no file, it is unreadable, or the
     `pdorch up` that wrote it is gone (a stale file from a killed run)."""
-    try:
-        state = ClusterState.from_json(state_path(env).read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return state if alive(state.pid) else None
+    state = _file_state(env)
+    return state if state is not None and alive(state.pid) else None
 
 
 def stale_state(env: Mapping[str, str]) -> ClusterState | None:
     """The state a `pdorch up` that is gone left behind (it was killed: it removes its file
     when it stops); None when there is none, or its `pdorch up` still runs."""
-    try:
-        state = ClusterState.from_json(state_path(env).read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return None if alive(state.pid) else state
+    state = _file_state(env)
+    return state if state is not None and not alive(state.pid) else None
 
 
 def started(pid: int) -> int:

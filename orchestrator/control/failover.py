@@ -47,7 +47,7 @@ from orchestrator.control.leases import LeaseKeeper
 from orchestrator.control.ledger import Booking, Ledger
 from orchestrator.control.local import Local
 from orchestrator.control.metrics import ControlMetrics
-from orchestrator.control.relay import Relay, failed_elsewhere
+from orchestrator.control.relay import Relay, ended_elsewhere
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.backoff import exponential_jitter
@@ -207,11 +207,10 @@ class Failover:
             run.lease_lost = True
             raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
-            if isinstance(exc, errors.InvalidTransitionError):  # (RequestEndedError too)
-                await failed_elsewhere(self.store, run.rid)  # a peer's reaper: its failure
             if isinstance(exc, errors.InvalidTransitionError) and await self._cancelled(run):
                 # A Cancel (here, or through another replica) landed while a transition
-                # was under way: the client's stream ends as a cancel's does.
+                # was under way: the client's stream ends as a cancel's does. (Failed
+                # there — a peer's deadline reaper —, `RequestFailedError` is raised.)
                 yield OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings)
                 return
             if run.lease_lost:
@@ -271,12 +270,10 @@ class Failover:
             self.unbook(booked)  # ended before its first attempt started
 
     async def _cancelled(self, run: Run) -> bool:
-        """Whether the request's record says it was cancelled."""
-        try:
-            record = await self.store.get(run.rid)
-        except errors.UnavailableError:
-            return run.cancelled
-        return record is not None and record.state is State.CANCELLED
+        """Whether the request's record says it was cancelled (the store away: whether it
+        was here); `RequestFailedError` if it says it failed (`ended_elsewhere`)."""
+        state = await ended_elsewhere(self.store, run.rid)
+        return run.cancelled if state is None else state is State.CANCELLED
 
     async def _reassign(self, run: Run) -> None:
         """Fence the failed attempt off: epoch + 1, back to queued (waiting out a store

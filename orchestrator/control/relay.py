@@ -59,13 +59,18 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
     return text[max(0, len(text) - keep) :] if keep else ""
 
 
-async def failed_elsewhere(store: Store, rid: str) -> None:
-    """Raise `RequestFailedError` if the request's record says it failed (a peer's reaper
-    failed it while this replica drove it); nothing if it did not, or the store is away."""
-    with contextlib.suppress(errors.UnavailableError):
+async def ended_elsewhere(store: Store, rid: str) -> State | None:
+    """How the request's record says it ended, when this replica's write was refused: the
+    state (None when the record is gone or the store away) — but `RequestFailedError` is
+    raised for a failed one (a peer's deadline reaper failed it while this replica drove
+    it: its clients are told so, not that it was cancelled)."""
+    try:
         record = await store.get(rid)
-        if record is not None and record.state is State.FAILED:
-            raise errors.RequestFailedError(f"request failed: {record.error or '?'}")
+    except errors.UnavailableError:
+        return None
+    if record is not None and record.state is State.FAILED:
+        raise errors.RequestFailedError(f"request failed: {record.error or '?'}")
+    return None if record is None else record.state
 
 
 class Relay:
@@ -214,8 +219,8 @@ class Relay:
     async def _ended_elsewhere(self, run: Run) -> OutChunk:
         """The stream's end when the request ended through another replica: cancelled (a
         client's Cancel there), or failed — a peer's deadline reaper — which is raised as
-        the failure it is (`failed_elsewhere`), not told as a cancel."""
-        await failed_elsewhere(self.store, run.rid)
+        the failure it is (`ended_elsewhere`), not told as a cancel."""
+        await ended_elsewhere(self.store, run.rid)
         return OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings)
 
     async def complete(self, run: Run, finish: str) -> OutChunk:
@@ -261,16 +266,13 @@ class Relay:
                     "cost": as_json(cost),
                 },
             )
-        except errors.StaleEpochError as exc:
-            if edge is not Edge.FINISH:
-                log.warning("request %s: could not record %s: %s", run.rid, state, exc)
-                return None
-            # Taken over before its end was recorded: the new owner records it (the end
-            # this run journalled, `JournalEntry.finish`, if that write landed; else it
-            # generates on) and this run's clients follow it, not an end of ours.
-            run.lease_lost = True
-            raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
         except errors.PdorchError as exc:
+            if edge is Edge.FINISH and isinstance(exc, errors.StaleEpochError):
+                # Taken over before its end was recorded: the new owner records it (the
+                # end this run journalled, `JournalEntry.finish`, if that write landed;
+                # else it generates on) and this run's clients follow it, not our end.
+                run.lease_lost = True
+                raise errors.LeaseLostError(f"request {run.rid!r} taken over: {exc}") from exc
             # A client's Cancel records the end itself, often first: the client's business,
             # not a warning.
             cancelled = edge is Edge.CANCEL and isinstance(exc, errors.InvalidTransitionError)
