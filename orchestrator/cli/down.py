@@ -13,8 +13,8 @@ from orchestrator.cli.common import CommandError, Commands, Parents, add_command
 from orchestrator.cli.state import (
     ClusterState,
     alive,
+    live_state,
     ours,
-    read_state,
     remove_state,
     stale_state,
     state_path,
@@ -44,7 +44,7 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    state = read_state(env)
+    state = live_state(env)
     if state is None:
         left = stale_state(env)
         if left is not None:
@@ -66,7 +66,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                 f"its logs: {state.logs}"
             )
         time.sleep(0.1)  # polling a process's exit with a deadline
-    print(f"stopped the cluster of pid {state.pid} ({state.orchestrator})")
+    if state.ready:
+        print(f"stopped the cluster of pid {state.pid} ({state.orchestrator})")
+    else:
+        print(f"stopped `pdorch up` (pid {state.pid}) while it was starting")
     return 0
 
 

@@ -41,18 +41,20 @@ class Progress:
                 target=self._tick, args=(what, detail, start, done), name="progress", daemon=True
             )
             ticker.start()
-        ok = False
+        outcome = "FAILED"
         try:
             yield
-            ok = True
+            outcome = "done"
+        except KeyboardInterrupt:
+            outcome = "interrupted"  # Ctrl-C (or `pdorch down`): not a failure
+            raise
         finally:
             done.set()
             if ticker is not None:
                 ticker.join()
             elapsed = time.monotonic() - start
             end = "\r\033[K" if self.live else ""
-            print(f"{end}{what}: {'done' if ok else 'FAILED'} in {elapsed:.1f} s",
-                  file=self.stream, flush=True)  # fmt: skip
+            print(f"{end}{what}: {outcome} in {elapsed:.1f} s", file=self.stream, flush=True)
 
     def _tick(
         self, what: str, detail: Callable[[], str] | None, start: float, done: threading.Event

@@ -45,7 +45,12 @@ class ClusterState:
     procs: dict[str, list[int]] = field(default_factory=dict)
     """Process name -> [pid, start time] (`started`) of every process it started (each
     worker and orchestrator leads its own process group): what `pdorch down` stops when
-    `pdorch up` itself was killed (SIGKILL leaves them running)."""
+    `pdorch up` itself was killed (SIGKILL leaves them running). Written as each one
+    starts, so a `pdorch up` killed while starting leaves them listed too."""
+    ready: bool = True
+    """False while `pdorch up` is still starting: the endpoints are not served yet (the
+    client commands see no cluster; `up` refuses a second one; `down` stops it). A file
+    without the field was written once the cluster was up."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -87,11 +92,18 @@ def _file_state(env: Mapping[str, str]) -> ClusterState | None:
         return None
 
 
-def read_state(env: Mapping[str, str]) -> ClusterState | None:
-    """The running cluster's state; None when there is no file, it is unreadable, or the
-    `pdorch up` that wrote it is gone (a stale file from a killed run)."""
+def live_state(env: Mapping[str, str]) -> ClusterState | None:
+    """The state of a `pdorch up` that runs, up or still starting; None when there is no
+    file, it is unreadable, or the `pdorch up` that wrote it is gone (a killed run's)."""
     state = _file_state(env)
     return state if state is not None and alive(state.pid) else None
+
+
+def read_state(env: Mapping[str, str]) -> ClusterState | None:
+    """The running cluster's state once it serves (`live_state`, ``ready``); None
+    otherwise."""
+    state = live_state(env)
+    return state if state is not None and state.ready else None
 
 
 def stale_state(env: Mapping[str, str]) -> ClusterState | None:

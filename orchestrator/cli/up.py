@@ -35,7 +35,7 @@ from orchestrator.cli.common import (
 from orchestrator.cli.progress import Progress
 from orchestrator.cli.state import (
     ClusterState,
-    read_state,
+    live_state,
     remove_state,
     started,
     state_path,
@@ -120,11 +120,12 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 def preflight(args: argparse.Namespace, env: Mapping[str, str]) -> None:
-    running = read_state(env)
+    running = live_state(env)
     if running is not None:
+        where = running.orchestrator if running.ready else "still starting"
         raise CommandError(
-            f"a `pdorch up` cluster is already running (pid {running.pid}, "
-            f"{running.orchestrator}); `pdorch down` stops it"
+            f"a `pdorch up` cluster is already running (pid {running.pid}, {where}); "
+            "`pdorch down` stops it"
         )
     check_engine(args.engine, args.model)
     check_transport(args.transport)
@@ -166,33 +167,21 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             why = f"not a folder this can write in: {exc}"
             raise CommandError(f"--logs {args.logs}: {why}") from None
     _interrupt_on_sigterm()
+    publish = _Publisher(env, cluster, metrics, gateway)
     try:
         try:
-            _start(cluster, progress, metrics, args.port or free_port())
+            _start(cluster, progress, metrics, args.port or free_port(), publish)
         except ClusterError as exc:
             raise CommandError(start_failure(str(exc), cluster.workdir)) from exc
-        state = ClusterState(
-            pid=os.getpid(),
-            orchestrator=cluster.orchestrator_addresses[0],
-            redis=_without_password(cluster.redis_url),  # a file others read: no secret
-            http=f"{cluster.gateway_urls[0]}/v1" if gateway else "",
-            metrics={name: f"http://{HOST}:{p}/metrics" for name, p in metrics.items()},
-            model=_served_model(cluster),
-            logs=str(cluster.workdir),
-            tls=str(cluster.tls_dir) if cluster.tls else "",
-            procs={n: [p.popen.pid, started(p.popen.pid)] for n, p in cluster.procs.items()},
-        )
-        path = write_state(env, state)
-        try:
-            if args.json:
-                print(json.dumps({"state_file": str(path), **json.loads(state.to_json())}))
-            else:
-                print(endpoints_text(state, path, gateway), flush=True)
-                progress.say("up; Ctrl-C, SIGTERM or `pdorch down` stops it")
-            if not serve_until_signalled(cluster, "pdorch up"):
-                return 1
-        finally:
-            remove_state(env, state.pid)
+        state = publish(ready=True)
+        path = state_path(env)
+        if args.json:
+            print(json.dumps({"state_file": str(path), **json.loads(state.to_json())}))
+        else:
+            print(endpoints_text(state, path, gateway), flush=True)
+            progress.say("up; Ctrl-C, SIGTERM or `pdorch down` stops it")
+        if not serve_until_signalled(cluster, "pdorch up"):
+            return 1
     finally:
         # Stopping is bounded (each process: SIGTERM, then SIGKILL after a grace); a second
         # Ctrl-C, `pdorch down` or a closed terminal must not interrupt it half way and leave
@@ -201,19 +190,60 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             signal.signal(sig, signal.SIG_IGN)
         with progress.step("stopping the cluster"):
             cluster.stop()
+        remove_state(env, os.getpid())  # only now: killed while stopping, `down` finishes
     return 0
 
 
+class _Publisher:
+    """Writes the state file: as each process starts (``ready`` False: what `pdorch down`
+    must stop should this `pdorch up` be killed while starting), then once it serves."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        cluster: LocalCluster,
+        metrics: Mapping[str, int],
+        gateway: bool,
+    ) -> None:
+        self.env = env
+        self.cluster = cluster
+        self.metrics = metrics
+        self.gateway = gateway
+
+    def __call__(self, *, ready: bool = False) -> ClusterState:
+        cluster = self.cluster
+        state = ClusterState(
+            pid=os.getpid(),
+            orchestrator=cluster.orchestrator_addresses[0] if ready else "",
+            redis=_without_password(cluster.redis_url) if ready else "",  # no secret
+            http=f"{cluster.gateway_urls[0]}/v1" if ready and self.gateway else "",
+            metrics={n: f"http://{HOST}:{p}/metrics" for n, p in self.metrics.items()},
+            model=_served_model(cluster) if ready else "",
+            logs=str(cluster.workdir),
+            tls=str(cluster.tls_dir) if cluster.tls else "",
+            procs={n: [p.popen.pid, started(p.popen.pid)] for n, p in cluster.procs.items()},
+            ready=ready,
+        )
+        write_state(self.env, state)
+        return state
+
+
 def _start(
-    cluster: LocalCluster, progress: Progress, metrics: dict[str, int], grpc_port: int
+    cluster: LocalCluster,
+    progress: Progress,
+    metrics: dict[str, int],
+    grpc_port: int,
+    publish: _Publisher,
 ) -> None:
-    """Start the processes step by step, each timed on stderr; on any failure stop them
-    and raise `ClusterError` with the failing process's last log lines."""
+    """Start the processes step by step, each timed on stderr and published in the state
+    file as it starts; on any failure stop them and raise `ClusterError` with the failing
+    process's last log lines."""
     from orchestrator.ports import free_port  # noqa: PLC0415
 
     try:
         with progress.step(f"Redis (logs in {cluster.workdir})"):
             cluster.start_redis()
+        publish()
         _check_interrupted()
         workers = cluster.prefill_workers + cluster.decode_workers
         what = (
@@ -232,10 +262,12 @@ def _start(
                 for i in range(count):
                     metrics[f"{role}-{i}"] = free_port()
                     cluster.start_worker(role, i, "--metrics-port", str(metrics[f"{role}-{i}"]))
+                    publish()
             cluster.wait_workers(cluster.prefill_workers, cluster.decode_workers)
         _check_interrupted()
         with progress.step("orchestrator"):
             cluster.start_orchestrator(0, grpc_port)
+        publish()
         _check_interrupted()
     except BaseException:
         cluster.stop()

@@ -78,28 +78,52 @@ def test_up_status_generate_cost_down(
         up.communicate(timeout=60)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_sigterm_while_starting_stops_what_started(tmp_path: Path) -> None:
-    """`pdorch down` (SIGTERM) or Ctrl-C while the workers load: the start is abandoned and
-    every process already started is stopped; no state file is left."""
-    env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
+def _starting_up(env: dict[str, str]) -> subprocess.Popen[str]:
+    """`pdorch up` of the tiny model, returned once its workers are loading (each started
+    process already in the state file, the cluster not up yet)."""
     argv = ["up", "--model", "tiny", "--transport", "tcp", "--port", "0", "--http-port", "0"]
-    with subprocess.Popen(
+    up = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", *argv],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
-    ) as up:  # fmt: skip
+    )  # fmt: skip
+    assert up.stderr is not None
+    for line in up.stderr:  # the progress lines of a log (not a terminal)
+        if "workers loading tiny" in line:
+            break
+    wait_for(lambda: len(_listed(env)) == 4, 60, "the state file lists every process")
+    return up
+
+
+def _listed(env: dict[str, str]) -> dict[str, list[int]]:
+    with contextlib.suppress(OSError, ValueError):
+        return dict(json.loads(Path(env["PDORCH_STATE"]).read_text())["procs"])
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_down_while_starting_stops_what_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdorch down` (SIGTERM) or Ctrl-C while the workers load: the start is abandoned,
+    said so (not reported as a failed step), and every process already started is stopped;
+    no state file is left. Meanwhile the cluster is not offered to client commands."""
+    env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
+    monkeypatch.setenv("PDORCH_STATE", env["PDORCH_STATE"])
+    with _starting_up(env) as up:
         try:
-            assert up.stderr is not None
-            for line in up.stderr:  # the progress lines of a log (not a terminal)
-                if "workers loading tiny" in line:
-                    break
+            assert read_state(env) is None  # starting: no endpoints yet
+            assert main(["up", "--port", "0", "--http-port", "0"]) == 1  # one at a time
+            assert "already running" in capsys.readouterr().err
             children = psutil.Process(up.pid).children(recursive=True)
             assert children  # Redis and the workers, starting
-            up.send_signal(signal.SIGTERM)
+            assert main(["down"]) == 0
+            assert "while it was starting" in capsys.readouterr().out
             _, err = up.communicate(timeout=60)
             assert up.returncode != 0  # interrupted, not up
+            assert "interrupted in" in err
+            assert "FAILED" not in err
             assert "stopping the cluster: done" in err
             _, alive = psutil.wait_procs(children, timeout=15)
             assert not alive
@@ -107,3 +131,32 @@ def test_sigterm_while_starting_stops_what_started(tmp_path: Path) -> None:
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(up.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_down_after_up_was_killed_while_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdorch up` SIGKILLed while its workers load leaves Redis and the workers running
+    (each worker leads its own process group): the state file lists them as they start, so
+    `pdorch down` stops them."""
+    env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
+    monkeypatch.setenv("PDORCH_STATE", env["PDORCH_STATE"])
+    children: list[psutil.Process] = []
+    with _starting_up(env) as up:
+        try:
+            children = psutil.Process(up.pid).children(recursive=True)
+            up.kill()
+            up.communicate(timeout=10)
+            assert any(c.is_running() for c in children)  # left running
+            assert main(["down", "--timeout", "10"]) == 0
+            out = capsys.readouterr().out
+            assert "stopped what it left running: decode-0, decode-1, prefill-0, redis" in out
+            _, alive = psutil.wait_procs(children, timeout=15)
+            assert not alive
+            assert not Path(env["PDORCH_STATE"]).exists()
+        finally:
+            for child in children:  # nothing left, unless the test failed
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
