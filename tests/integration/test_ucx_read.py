@@ -1,9 +1,11 @@
-"""``--transport ucx-read`` end to end: a real fleet (an orchestrator, a prefill and 2 decode
-reference workers: the chaos scenario decode-kill's, one process fewer per role where it
-has two, to keep the suite's time down) whose prefill worker moves KV by UCX one-sided
-reads. Tokens equal the aggregated run's (what ``ucx`` and ``tcp`` give,
-`test_end_to_end`); decode-kill on it loses, duplicates and skips nothing; a decode worker
-on ``tcp`` refuses their KV at once with a clear error."""
+"""``--transport ucx-read`` end to end: a real fleet (an orchestrator, 2 prefill and 2 decode
+reference workers: the chaos scenarios' shape with one orchestrator fewer, to keep the
+suite's time down) whose prefill workers move KV by UCX one-sided reads. Tokens equal the
+aggregated run's (what ``ucx`` and ``tcp`` give, `test_end_to_end`); the chaos scenarios
+that hit either side of a read in flight — decode-kill, prefill-kill-sending (the side
+read from SIGKILLed mid-transfer), prefill-stop-zombie (SIGSTOPped, back after its
+requests moved on) — lose, duplicate and skip nothing and leak no KV on it; a decode
+worker on ``tcp`` refuses their KV at once with a clear error."""
 
 from __future__ import annotations
 
@@ -31,12 +33,17 @@ from transport.ucx import ucx_available
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not ucx_available(), reason="no ucxx")]
 
-_SHIPPED = sc.with_transport(sc.load("decode-kill"), UCX_READ)
-DECODE_KILL = replace(
-    _SHIPPED,
-    cluster=replace(_SHIPPED.cluster, prefill=1, orchestrators=1),
-    late_bound_s=LATE_BOUND_S,
-)
+
+def _on_this_fleet(name: str) -> sc.Scenario:
+    """The shipped scenario ``name`` over ``ucx-read``, with one orchestrator."""
+    shipped = sc.with_transport(sc.load(name), UCX_READ)
+    return replace(
+        shipped, cluster=replace(shipped.cluster, orchestrators=1), late_bound_s=LATE_BOUND_S
+    )
+
+
+DECODE_KILL = _on_this_fleet("decode-kill")
+READ_FAULTS = [_on_this_fleet(n) for n in ("prefill-kill-sending", "prefill-stop-zombie")]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +93,30 @@ def test_decode_kill_on_ucx_read_loses_nothing(fleet: LocalCluster, tmp_path: Pa
     assert result.violations == []  # no_leaks included: every worker's KV back to 0
     assert report["faults"] == 1
     assert report["recoveries"] > 0  # the kill did hit streams
+
+
+@pytest.mark.slow
+@pytest.mark.failover
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", READ_FAULTS, ids=lambda s: s.name)
+def test_the_side_read_from_failing_mid_transfer_loses_nothing(
+    scenario: sc.Scenario, fleet: LocalCluster, tmp_path: Path
+) -> None:
+    """A prefill worker SIGKILLed with a transfer in flight (decode reading its registered
+    memory), or SIGSTOPped and continued after its requests moved on (its late KV of a
+    superseded epoch): every request completes once, contiguous, equal to the reference
+    tokens; every worker's KV back to 0; the fault did hit (failovers)."""
+    assert shareable(scenario, fleet)
+    runner = ChaosRunner(scenario, seed=0, out_dir=tmp_path, pictures=False, cluster=fleet)
+    result = asyncio.run(runner.run())
+    report = result.to_json()
+    print(scenario.name, "on ucx-read", json.dumps(report))
+    assert report["requests"] == scenario.workload.requests
+    assert (report["lost"], report["duplicates"], report["gaps"]) == (0, 0, 0), report
+    assert (report["mismatched"], report["failed"]) == (0, 0), report
+    assert result.violations == []  # no_leaks included
+    assert report["faults"] == len(scenario.faults)
+    assert report["failovers"] > 0  # the fault met transfers
 
 
 def test_a_tcp_receiver_refuses_ucx_read_kv_at_once(fleet: LocalCluster) -> None:
