@@ -49,10 +49,11 @@ lint: venv
 # runs in TEST_WORKERS processes, a file to each (its module-scoped clusters started once):
 # its tests wait on processes, sockets and timers as much as they compute (904 -> 580 s on
 # this machine); vLLM's run alone (two of its clusters at once starve each other's start).
-# --durations: the CI log names the slowest tests.
+# --durations: the CI log names the slowest tests. NIXL is installed so that the bench's
+# reference is tested too.
 TEST_WORKERS ?= 2
 test:
-	$(MAKE) -j2 lint venv-vllm
+	$(MAKE) -j2 lint venv-vllm nixl
 	$(VENV)/bin/pytest -m "not vllm" -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 	$(VENV_VLLM)/bin/pytest -m vllm --durations=10 $(VLLM_TESTS) $(PYTEST_ARGS)
 

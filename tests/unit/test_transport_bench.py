@@ -42,10 +42,28 @@ def test_without_nixl_the_report_says_nothing_of_it() -> None:
     assert "NIXL" not in r.human()
 
 
-@pytest.mark.skipif(nixl_ref.nixl_available(), reason="NIXL is installed here")
-def test_asking_for_nixl_where_it_is_missing_is_a_clear_error() -> None:
+def test_asking_for_nixl_where_it_is_missing_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(nixl_ref, "nixl_available", lambda: False)
     with pytest.raises(bench.BenchError, match="NIXL is not installed"):
         bench.run("tcp", 1 << 20, 1, nixl=True)
+
+
+@pytest.mark.slow  # NIXL agents in processes of their own, and ours (make test installs NIXL)
+@pytest.mark.ucx
+@pytest.mark.skipif(not ucx_available(), reason="no ucxx")
+@pytest.mark.skipif(not nixl_ref.nixl_available(), reason="NIXL is not installed (make nixl)")
+def test_nixl_is_timed_beside_ours_in_the_same_run() -> None:
+    """The reference the README's transport table compares with: NIXL's four variants (READ
+    and WRITE, one buffer and 32 descriptors) each move the bytes and time them, in the
+    run that times ours, and the report puts ours against the best of them."""
+    result = bench.run("ucx", 1 << 20, 2, rounds=1, nixl=True, only=["ours", "nixl"])
+    variants = ("nixl-write", "nixl-read", "nixl-write-32", "nixl-read-32")
+    assert set(result.gbps) == {"ours", *variants}, result.gbps
+    assert all(result.gbps[v] > 0 for v in variants), result.gbps
+    assert result.best_nixl == max(result.gbps[v] for v in variants)
+    assert "ours/best NIXL" in result.human()
 
 
 def test_bad_counts_are_refused_before_anything_starts() -> None:
