@@ -581,3 +581,40 @@ def test_the_ucx_workers_lock_is_a_mutex() -> None:
             await receiver.close()
 
     asyncio.run(body())
+
+
+def test_a_failed_transfers_memory_stays_registered_until_its_reader_gave_up() -> None:
+    """No late read lands in freed memory: a one-sided transfer that failed (here refused
+    as stale — the sender cannot know whether its receiver had reads in flight) keeps its
+    buffers referenced and registered for the receiver's idle deadline, even once the
+    caller dropped the KV; then both go."""
+    settings = TransportSettings(idle_timeout_s=0.5)
+
+    async def body() -> None:
+        from transport.sender import KvSender  # noqa: PLC0415
+
+        receiver = make_receiver(UCX_READ, settings)
+        address = await receiver.start()
+        sender = make_sender(UCX_READ, settings)
+        assert isinstance(sender, KvSender)
+        try:
+            await _send_and_take(sender, receiver, address, testing.synthetic_cache("q", 2, 64))
+            stale = testing.synthetic_cache("q", 1, READ_SIZE, n_layers=2)  # read, not inline
+            with pytest.raises(errors.StaleEpochError):
+                await sender.send(address, stale)
+            keys = set(sender.registry.live)
+            assert keys  # the stale KV's allocation
+            del stale
+            gc.collect()
+            sender.registry.collect()
+            assert set(sender.registry.live) == keys  # held: a late read finds it mapped
+            await asyncio.sleep(settings.idle_timeout_s + 0.3)
+            gc.collect()
+            sender.registry.collect()
+            assert not set(sender.registry.live) & keys  # released after the deadline
+            assert receiver.inbox.bytes_in_use == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(body())
