@@ -259,6 +259,16 @@ def decode_head(head: bytes) -> tuple[Kind, int]:
     return _check_head(*_HEAD.unpack(head))
 
 
+SMALL_BODY_BYTES = 32 * 1024
+"""The most a HELLO (an instance id and a UCX worker address: a few hundred bytes here, a few
+KiB on a host with many devices), ACCEPT, DONE, ERROR (a code and at most 1,000 characters),
+ABORT, LANDED or ALIVE may carry: refused from its head, so a peer cannot make a receiver
+(or a sender) take a large buffer for a message that is always small."""
+_SMALL_KINDS = frozenset(
+    (Kind.HELLO, Kind.ACCEPT, Kind.DONE, Kind.ERROR, Kind.ABORT, Kind.LANDED, Kind.ALIVE)
+)
+
+
 def _check_head(kind_code: int, length: int) -> tuple[Kind, int]:
     try:
         kind = Kind(kind_code)
@@ -266,6 +276,10 @@ def _check_head(kind_code: int, length: int) -> tuple[Kind, int]:
         raise errors.WireFormatError(f"unknown control message type {kind_code}") from None
     if length > MAX_BODY:
         raise errors.WireFormatError(f"control message of {length} bytes exceeds {MAX_BODY}")
+    if kind in _SMALL_KINDS and length > SMALL_BODY_BYTES:
+        raise errors.WireFormatError(
+            f"{kind.name} message of {length} bytes exceeds {SMALL_BODY_BYTES}"
+        )
     if kind is Kind.LAYER and length != LAYER_FRAME_SIZE:
         raise errors.WireFormatError(f"LAYER message of {length} bytes")
     if kind is Kind.LAYERS and (length == 0 or length % LAYER_FRAME_SIZE):

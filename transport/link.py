@@ -469,19 +469,26 @@ def tls_error(exc: ssl.SSLError) -> errors.TransportError:
 async def read_message(reader: LinkReader, bodies: Bodies | None = None) -> control.Message:
     """Read one control message. EOF and resets become PeerLostError. A body of at least
     `_IN_PLACE_BYTES` (an eager KV's OPEN) is read in place into its own buffer
-    (`LinkReader.read_into`), not through the stream's: an OPEN_READ2's from ``bodies``
-    when given (a memoryview of a recycled numpy buffer, `Link.bodies`; past their bound
-    the read waits for room), any other a bytearray."""
+    (`LinkReader.read_into`), not through the stream's: from ``bodies`` when given (a
+    receiver's link: a recycled numpy buffer, `Link.bodies`, kept as the body of an
+    OPEN_READ2, copied out of any other; past their bound the read waits for room — a
+    peer sending large heads and stalling holds no more than the bound over all links),
+    else a bytearray (a sender's link, which reads only its receivers' replies)."""
     try:
         head = await reader.readexactly(control.HEAD_SIZE)
         kind, length = control.decode_head(head)
         if length < _IN_PLACE_BYTES:
             body = await reader.readexactly(length) if length else b""
-        elif bodies is not None and kind is control.Kind.OPEN_READ2:
+        elif bodies is not None:  # a receiver's link: large bodies bounded over all links
             async with bodies.read(length) as buffer:  # may wait: the caller's deadline
                 view = buffer.data
                 await reader.read_into(view, None)  # the caller bounds the wait
-            body = cast(bytes, view)  # `control.parse_open_read2` takes views
+            if kind is control.Kind.OPEN_READ2:
+                body = cast(bytes, view)  # `control.parse_open_read2` takes views
+            else:  # a large KEYS, say: copied out, the buffer back at once
+                body = bytes(view)
+                view.release()
+                bodies.pool.release(buffer)
         else:
             into = bytearray(length)
             await reader.read_into(memoryview(into), None)  # the caller bounds the wait

@@ -382,8 +382,9 @@ class OutgoingTransfer:
             await self.abort("finished with missing layers")
             raise errors.WireFormatError(f"finish() with layers not sent: {missing[:8]}")
         try:
-            while self._in_flight:
-                await self._link.race(self._in_flight.pop(0), self._wait_s(), what="a layer send")
+            while self._in_flight:  # each popped once done: `_fail` reaps the rest
+                await self._link.race(self._in_flight[0], self._wait_s(), what="a layer send")
+                self._in_flight.pop(0)
             msg = await self._link.read_next(self._wait_s())
             while msg.kind is control.Kind.LANDED:  # one-sided: the receiver is reading
                 msg = await self._link.read_next(self._wait_s())

@@ -213,6 +213,9 @@ class UcxDataPlane(DataPlane):
             if ep is None:
                 if not peer.data_address:  # its receiver has no UCX data plane
                     raise errors.PeerLostError(NO_UCX_PEER)
+                check_worker_address(
+                    peer.data_address, bytes(self._ucxx.get_worker_address().tobytes())
+                )
                 try:
                     address = self._ucxx.get_ucx_address_from_buffer(peer.data_address)
                     ep = await self._ucxx.create_endpoint_from_worker_address(
@@ -558,6 +561,31 @@ class _Context:
 
 
 _CONTEXT = _Context()
+
+ADDRESS_VERSION_MASK = 0x0F
+"""A packed UCX worker address's first byte: its format version in the low four bits (UCX's
+``ucp/wireup/address.c``), flags above them."""
+ADDRESS_MIN_BYTES = 9
+"""The header byte and the worker's 64-bit uuid: no address is shorter."""
+
+
+def check_worker_address(theirs: bytes, ours: bytes) -> None:
+    """Refuse a peer's worker address (its HELLO's) that this UCX would not read: libucp
+    *asserts* on an address version it does not know — the process aborts, every stream
+    on the worker with it — so a peer's address must be at least a header and a uuid and
+    carry this worker's own address version (both ends run one release: README, KV
+    transport). What follows the header libucp checks itself and reports as an error."""
+    if len(theirs) < ADDRESS_MIN_BYTES:
+        raise errors.PeerLostError(
+            f"cannot reach peer over UCX: its worker address is {len(theirs)} bytes, "
+            f"not a UCX worker address"
+        )
+    version, own = theirs[0] & ADDRESS_VERSION_MASK, ours[0] & ADDRESS_VERSION_MASK
+    if version != own:
+        raise errors.PeerLostError(
+            f"cannot reach peer over UCX: its worker address is of format version {version}, "
+            f"this UCX's is {own} (both ends must run one UCX release)"
+        )
 
 
 def _reads_keep_cma(options: dict[str, str]) -> bool:
