@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.core.idents import check_request_id
+from orchestrator.core.idents import check_request_id, shown
 from orchestrator.core.records import RequestRecord, WorkerInfo, body_hash
 from orchestrator.core.sampling import SamplingParams
 from orchestrator.core.state import INITIAL
@@ -71,13 +71,14 @@ class RequestLimits:
             raise InvalidRequestError("prompt", "no token ids")
         if inp.max_tokens <= 0 or inp.max_tokens > self.max_tokens:
             raise InvalidRequestError(
-                "max_tokens", f"must be in [1, {self.max_tokens}], got {inp.max_tokens}"
+                "max_tokens", f"must be in [1, {self.max_tokens}], got {shown(inp.max_tokens)}"
             )
         for name, message in inp.sampling.problems():
             raise InvalidRequestError(name, message)
         if inp.sampling.min_tokens > inp.max_tokens:
             raise InvalidRequestError(
-                "min_tokens", f"{inp.sampling.min_tokens} exceeds max_tokens {inp.max_tokens}"
+                "min_tokens",
+                f"{shown(inp.sampling.min_tokens)} exceeds max_tokens {inp.max_tokens}",
             )
         if not 0 <= inp.chunk_window_ms <= MAX_CHUNK_WINDOW_MS:
             raise InvalidRequestError(

@@ -308,7 +308,7 @@ def _message(m: object, i: int) -> tuple[str, str]:
     if not isinstance(m, dict):
         raise ApiError(400, f"{where} must be an object", param=where)
     role = m.get("role")
-    if role not in _CHAT_ROLES:
+    if not isinstance(role, str) or role not in _CHAT_ROLES:
         raise ApiError(
             400,
             f"{where}.role {shown(role)} is not supported (system, developer, user, assistant)",
@@ -419,7 +419,10 @@ def _number_or_none(body: Mapping[str, Any], name: str) -> float | None:
         return None
     if not _is_number(value):
         raise ApiError(400, f"{name} must be a number", param=name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a float's range (JSON has no size limit)
+        raise ApiError(400, f"{name} is out of range", param=name) from None
 
 
 def _bool(body: Mapping[str, Any], name: str, *, default: bool, param: str = "") -> bool:

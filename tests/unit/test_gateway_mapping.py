@@ -141,6 +141,8 @@ def test_a_refused_length_names_the_parameter_the_client_sent() -> None:
         (["hi"], "messages[0]"),
         ([{"role": "tool", "content": "x"}], "messages[0].role"),
         ([{"content": "x"}], "messages[0].role"),
+        ([{"role": ["user"], "content": "x"}], "messages[0].role"),  # unhashable: not a 500
+        ([{"role": {}, "content": "x"}], "messages[0].role"),
         ([{"role": "user", "content": None}], "messages[0].content"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
         ([{"role": "assistant", "content": "", "tool_calls": [{}]}], "messages[0].tool_calls"),
@@ -181,6 +183,10 @@ def test_chat_bad_messages(messages: Any, param: str) -> None:
         ({"max_tokens": 5.0}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
         ({"temperature": True}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),  # past a float's range: not a 500
+        ({"top_p": -(10**400)}, "top_p"),
+        ({"min_p": 10**400}, "min_p"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
         ({"seed": 1.5}, "seed"),
         ({"stop": 3}, "stop"),
         ({"stop": ["a", 1]}, "stop"),

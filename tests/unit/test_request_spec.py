@@ -57,6 +57,16 @@ def test_a_stop_string_refused_says_why() -> None:
         RequestLimits().check(replace(OK, stop=tuple("abcdefghi")))
 
 
+def test_a_huge_number_refused_is_not_echoed_whole() -> None:
+    huge = 10**4000  # a client's JSON integer: no size limit
+    with pytest.raises(errors.InvalidRequestError) as info:
+        RequestLimits().check(replace(OK, max_tokens=huge))
+    assert len(str(info.value)) < 200
+    with pytest.raises(errors.InvalidRequestError) as info:
+        RequestLimits().check(replace(OK, sampling=replace(OK.sampling, min_tokens=huge)))
+    assert len(str(info.value)) < 200
+
+
 def test_limits_are_settings() -> None:
     RequestLimits().check(OK)
     RequestLimits(max_tokens=8).check(OK)
