@@ -22,6 +22,7 @@ follows it), then is cancelled.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -287,10 +288,17 @@ class Gateway:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > limit:
-                raise too_large
+        deadline = self.settings.body_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > limit:
+                        raise too_large
+        except TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {deadline:g}s", code="timeout"
+            ) from None
         try:
             body = json.loads(raw)
         except ValueError:

@@ -10,6 +10,13 @@ and, when required (``--client-cert required``, as the gRPC API), a client certi
 CA signed — one from another CA, or none, fails the handshake. Which identity a client
 certificate names is not checked here (uvicorn does not hand it to the app): the bearer
 token decides what an HTTP caller may do.
+
+A client cannot hold connections for free: a request's head (line and headers) must be in
+within `HEAD_TIMEOUT_S` of the connection's start or of the previous response's end (else
+the connection is closed — uvicorn has no such deadline, and any byte received restarted
+its keep-alive timer, so a head sent a byte at a time held a connection forever), and past
+`MAX_CONNECTIONS` open connections a new request is answered 503. (The body's deadline is
+the app's: `GatewaySettings.body_timeout_s`.)
 """
 
 from __future__ import annotations
@@ -26,8 +33,49 @@ from dataclasses import dataclass
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
+
+HEAD_TIMEOUT_S = 10.0
+"""A request's line and headers must arrive within this of the connection's start (or the
+previous response's end); a client that has not sent them by then is disconnected."""
+MAX_CONNECTIONS = 4096
+"""Open connections past which a new request is answered 503 (uvicorn's
+``limit_concurrency``): one client must not take every file descriptor of the process,
+which its Redis and worker connections need too."""
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head."""
+
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_head()  # the next request on this connection: its head, in time
+
+    def _await_head(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def _head_late(self) -> None:
+        self._head_deadline = None
+        waiting = self.cycle is None or self.cycle.response_complete  # no request under way
+        if waiting and not self.transport.is_closing():
+            log.info("closed an HTTP connection from %s: no request head within %gs",
+                     self.client, HEAD_TIMEOUT_S)  # fmt: skip
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -62,7 +110,8 @@ class HttpServer:
         self.drain_grace_s = drain_grace_s
         self._config = uvicorn.Config(
             app,
-            http="h11",
+            http=_Protocol,
+            limit_concurrency=MAX_CONNECTIONS,
             ws="none",  # no websockets: nothing to import (or to warn about)
             lifespan="off",
             log_config=None,  # the CLI configures logging; a library never does

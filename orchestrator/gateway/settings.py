@@ -17,3 +17,6 @@ class GatewaySettings:
     full"; a bound keeps one forgetful client from holding a decode slot for minutes."""
     max_body_bytes: int = 4 << 20
     """Larger request bodies are refused with 413 before they are parsed."""
+    body_timeout_s: float = 30.0
+    """A request's body must be in within this of its head (else 408): a body that never
+    ends must not hold a connection and its buffer."""

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from orchestrator.control.orchestrator import Orchestrator
+from orchestrator.gateway import server as http_server
 from orchestrator.gateway.app import Gateway
 from orchestrator.gateway.backend import OrchestratorBackend
 from orchestrator.gateway.parse import MAX_JSON_DEPTH
@@ -28,7 +29,7 @@ MODEL = "fake"  # what the fake workers serve
 Scenario = Callable[[httpx.AsyncClient, MemoryStore, HttpServer], Awaitable[None]]
 
 
-def serve(scenario: Scenario) -> None:
+def serve(scenario: Scenario, settings: GatewaySettings | None = None) -> None:
     async def main() -> None:
         store = MemoryStore()
         workers = [FakeWorker("p0", "prefill"), FakeWorker("d0", "decode")]
@@ -36,7 +37,10 @@ def serve(scenario: Scenario) -> None:
             await store.heartbeat(w.info, 1e6)
         orch = Orchestrator(store, FakeFleet(*workers).as_clients(), FAST, "r0")
         server = HttpServer(
-            Gateway(OrchestratorBackend(orch), GatewaySettings()).app, "127.0.0.1", 0, 1.0
+            Gateway(OrchestratorBackend(orch), settings or GatewaySettings()).app,
+            "127.0.0.1",
+            0,
+            1.0,
         )
         await server.start()
         try:
@@ -224,5 +228,68 @@ def test_a_bad_token_id_is_named(prompt: list[Any], named: str) -> None:
         assert "batch" not in err["message"].split(":")[0]
         assert err["param"] == "prompt"
         assert json.dumps(prompt)  # sent as JSON numbers and booleans
+
+    serve(scenario)
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slowloris: the head trickles in, each byte before the last one's deadline. The
+    connection is closed at the head's deadline (counted from the connection's start)."""
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 1.0)
+
+    async def scenario(client: httpx.AsyncClient, store: MemoryStore, s: HttpServer) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        started = asyncio.get_running_loop().time()
+        closed = False
+        for i in range(40):  # 8 s of trickle at most
+            writer.write(b"X-Slow-%d: y\r\n" % i if i else HEAD)
+            await writer.drain()
+            try:
+                if await asyncio.wait_for(reader.read(1), 0.2) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+        took = asyncio.get_running_loop().time() - started
+        writer.close()
+        assert closed, "the trickling head was never cut off"
+        assert took < 3.0, took
+        ok = await client.get("/health")  # the server serves on
+        assert ok.status_code == 200
+
+    serve(scenario)
+
+
+def test_a_body_that_never_ends_is_a_408() -> None:
+    async def scenario(client: httpx.AsyncClient, store: MemoryStore, s: HttpServer) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(HEAD + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        status, _, rest = answer.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"did not arrive within 1s" in rest
+
+    serve(scenario, GatewaySettings(body_timeout_s=1.0))
+
+
+def test_past_the_connection_cap_a_request_is_a_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_server, "MAX_CONNECTIONS", 3)
+
+    async def scenario(client: httpx.AsyncClient, store: MemoryStore, s: HttpServer) -> None:
+        idle = [await asyncio.open_connection("127.0.0.1", s.port) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        try:
+            resp = await client.get("/health")
+            assert resp.status_code == 503
+        finally:
+            for _, writer in idle:
+                writer.close()
+        await asyncio.sleep(0.2)
+        assert (await client.get("/health")).status_code == 200  # room again
 
     serve(scenario)
