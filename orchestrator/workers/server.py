@@ -38,6 +38,7 @@ from orchestrator.api.many import served
 from orchestrator.api.peers import RequirePeer
 from orchestrator.api.tls import Tls
 from orchestrator.api.undecodable import RefuseUndecodable, Undecodable
+from orchestrator.core.idents import shown
 from orchestrator.core.peers import Surface
 from orchestrator.core.records import WorkerInfo
 from orchestrator.workers.batcher import EngineRunner
@@ -49,7 +50,7 @@ from orchestrator.workers.metrics import WorkerMetrics
 from orchestrator.workers.mux import DecodeMany, Many
 from orchestrator.workers.reference_host import ReferenceHost
 from transport.receiver import KvReceiver
-from transport.sender import KvSender
+from transport.sender import KvSender, split_address
 
 __all__ = ["Publish", "Worker", "WorkerSettings"]
 
@@ -165,7 +166,12 @@ class Worker:
         self, request: worker_pb2.PrefillRequest, context: Context
     ) -> worker_pb2.PrefillResponse:
         """``Prefill``'s body (its own call, or one on a ``CallMany``)."""
-        if (problem := _check_tokens(self, list(request.token_ids), "token_ids")) is not None:
+        problem = (
+            _check_tokens(self, list(request.token_ids), "token_ids")
+            or _check_index(self, request.first_index)
+            or _check_target(request.kv_target)
+        )
+        if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         return await self.host.prefill(request, context)
 
@@ -246,6 +252,27 @@ class Worker:
         await self.host.close()
 
 
+def _check_index(worker: Worker, first_index: int) -> str | None:
+    """An output index is a count of tokens generated: within the model's context."""
+    if first_index >= worker.host.info.max_context:
+        limit = worker.host.info.max_context
+        return f"first_index: {first_index} is beyond the context of {limit}"
+    return None
+
+
+def _check_target(kv_target: str) -> str | None:
+    """Where a prefill sends its KV: a receiver's host:port (empty: refused by the host)."""
+    if not kv_target:
+        return None
+    try:
+        _, port = split_address(kv_target)
+    except ValueError:
+        port = 0
+    if not 0 < port < 1 << 16:
+        return f"kv_target: {shown(kv_target)} is not host:port"
+    return None
+
+
 def _check_tokens(worker: Worker, ids: list[int], field: str) -> str | None:
     info = worker.host.info
     if not ids:
@@ -301,7 +328,10 @@ class _General(worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(
         self, request: worker_pb2.AggregatedRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.TokenChunk]:
-        if (problem := _check_tokens(self.w, list(request.token_ids), "token_ids")) is not None:
+        problem = _check_tokens(self.w, list(request.token_ids), "token_ids") or _check_index(
+            self.w, request.first_index
+        )
+        if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         chunks = coalesced(self.w.host.generate(request, context), window_of(request.flush_ms))
         async for chunk in chunks:

@@ -99,3 +99,42 @@ def test_worker_answers_invalid_argument_to_undecodable_requests(
     assert len(refused) == 4  # Tokenize, Generate, DecodeMany, CallMany: one line each
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def _out_of_range() -> None:
+    engine = SimEngine(SimSpec.parse("llama-3-8b@L4"))
+
+    async def publish(_info: WorkerInfo) -> None:
+        return None
+
+    worker = Worker(engine, WorkerSettings(role="prefill"), publish, runner=SimRunner(engine))
+    address = await worker.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            generate = channel.unary_stream("/pdorch.v1.WorkerService/Generate")
+            req = worker_pb2.AggregatedRequest(
+                request_id="rid", epoch=1, token_ids=[1, 2, 3], max_tokens=2,
+                prompt_tokens=3, first_index=2**32 - 1,
+            )  # fmt: skip
+            code, details = await _code_of(generate(req.SerializeToString(), timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+            assert "first_index: 4294967295 is beyond the context" in details
+            prefill = channel.unary_unary("/pdorch.v1.PrefillService/Prefill")
+            for target in ("not an address", "127.0.0.1:0", "127.0.0.1:99999", ":1"):
+                req2 = worker_pb2.PrefillRequest(
+                    request_id="rid", epoch=1, token_ids=[1, 2], kv_target=target
+                )
+                code, details = await _code_of(prefill(req2.SerializeToString(), timeout=5))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (target, details)
+                assert "is not host:port" in details
+    finally:
+        await worker.stop()
+
+
+def test_worker_refuses_out_of_range_indices_and_malformed_kv_targets(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """INVALID_ARGUMENT naming the field — not UNKNOWN with a traceback logged."""
+    with caplog.at_level(logging.INFO):
+        asyncio.run(_out_of_range())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
