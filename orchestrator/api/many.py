@@ -273,8 +273,12 @@ class Many(Generic[CommandT, EventT, BatchT]):
             refused = StreamAborted(grpc.StatusCode.UNAVAILABLE, self._draining_details, ())
             self._emit(self._refusal(ident, refused))
         elif ident in self._tasks:
+            # ALREADY_EXISTS, not the running one's failure: it goes on, this start is refused.
             taken = StreamAborted(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{self._noun} {ident} is already running", ()
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"{self._noun} {ident} is already running: this start is refused, the "
+                "running one goes on",
+                (),
             )
             self._emit(self._refusal(ident, taken))
         else:

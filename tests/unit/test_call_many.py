@@ -102,7 +102,8 @@ def test_calls_run_apart_and_each_gets_one_reply() -> None:
         assert "engine broke" in failed[3][1]
         assert failed[6] == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "an empty command")
         assert replies[7][0].prefill.first_token == 2
-        assert replies[7][1].failure.details == "call 7 is already running"
+        assert replies[7][1].failure.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+        assert replies[7][1].failure.details.startswith("call 7 is already running: this start")
         assert 4 not in replies  # cancelled: no reply
         assert bodies.cancelled == ["r4"]
         await batches.aclose()
