@@ -6,9 +6,13 @@
     delete                           tear the children down (kopf holds a finalizer meanwhile)
 
 All passes over one resource are serialized by a lock, so a timer tick never interleaves
-with an update. Errors are translated here and only here into kopf's: a transient API error
-→ TemporaryError (kopf retries soon), anything else → PermanentError (logged and posted as
-an event; the next timer tick tries again anyway).
+with an update. A pass in which the API refused some objects still writes its status
+(`Reconciled` False, with the API's messages) and logs a warning (posted as an event); when
+a refusal was transient (a conflict, a busy server) the handler then raises TemporaryError
+so that kopf tries again soon (kopf writes the status patch either way). Errors that end a
+pass are translated here and only here into kopf's: a transient API error → TemporaryError
+(kopf retries soon), anything else → PermanentError (logged and posted as an event; the
+next timer tick tries again anyway).
 
 Settings we give kopf, and why:
 - scanning disabled: kopf would otherwise list/watch namespaces and CRDs cluster-wide;
@@ -196,6 +200,12 @@ def _register_resource(
                 logger.info("applied %s; pruned %s", outcome.changes(), list(outcome.pruned))
             if outcome.foreign():
                 logger.warning("names taken by objects we don't control: %s", outcome.foreign())
+            if outcome.failures:
+                logger.warning("refused by the API: %s", outcome.failed())
+                if outcome.retry_soon:
+                    raise kopf.TemporaryError(
+                        f"refused for now: {sorted(outcome.failures)}", delay=config.retry_delay_s
+                    )
 
     @kopf.on.create(*_RESOURCE, id="create", registry=registry)
     @kopf.on.update(*_RESOURCE, id="update", field="spec", registry=registry)

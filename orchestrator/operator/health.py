@@ -9,13 +9,30 @@ when a pool has no live workers, per ``--fallback``):
     unavailable          no pool has a ready pod, or one has none and the policy is fail
 
 Conditions (metav1.Condition shape): Ready, PrefillPoolReady, DecodePoolReady, Degraded,
-and with ``tls.mode: cert-manager`` CertificatesReady (each Certificate's own Ready
-condition, as cert-manager sets it). A pool is ready with at least one ready pod (fewer
-than desired shows in the message and the counts). Degraded is True with the first reason
-that applies, in this order: ForeignObjects (a child's name is taken by an object we don't
-control), CertificatesNotReady (pods cannot start without their Secret; a failed renewal
-will expire), OrchestratorUnavailable, RedisUnavailable, NoWorkers, PrefillPoolUnavailable,
-DecodePoolUnavailable. A condition's lastTransitionTime changes only when its status does.
+Progressing, Reconciled, and with ``tls.mode: cert-manager`` CertificatesReady (each
+Certificate's own Ready condition, as cert-manager sets it). A pool is ready with at least
+one ready pod (fewer than desired shows in the message and the counts).
+
+Ready is True when the service serves (an orchestrator, a mode other than unavailable, the
+dev Redis if any) *and* what serves is what the spec asks for: not when an object was
+refused by the API (ApplyFailed) or a rollout is stuck (RolloutStuck) — the previous pods
+may still serve, which the message says.
+
+Progressing is True while a workload rolls out (its controller has not seen the latest
+spec, or fewer pods run the current template than desired, or old pods remain), False with
+the controller's reason when one stopped (a Deployment's Progressing False, e.g.
+ProgressDeadlineExceeded: new pods that never become ready), else False RolloutComplete.
+
+Reconciled is False when an object could not be applied: ApplyFailed (the API's messages)
+or ForeignObjects (a child's name is taken by an object we don't control); InvalidSpec
+when nothing was.
+
+Degraded is True with the first reason that applies, in this order: ApplyFailed,
+ForeignObjects, CertificatesNotReady (pods cannot start without their Secret; a failed
+renewal will expire), OrchestratorUnavailable, RedisUnavailable, NoWorkers,
+PrefillPoolUnavailable, DecodePoolUnavailable, RolloutStuck; else False, reason
+RollingUpdate during a rollout, AllComponentsReady after it. A condition's
+lastTransitionTime changes only when its status does.
 """
 
 from __future__ import annotations
@@ -29,6 +46,10 @@ AGGREGATED_FALLBACK = "aggregated-fallback"
 UNAVAILABLE = "unavailable"
 
 
+# Longest API message kept per refused object in the Reconciled condition.
+_MESSAGE_LIMIT = 400
+
+
 @dataclass(frozen=True)
 class Workload:
     """What the API says of one child workload (a Deployment or StatefulSet)."""
@@ -36,10 +57,27 @@ class Workload:
     desired: int
     ready: int = 0
     exists: bool = True
+    # The rollout, as the controller reports it. None: not reported (no controller has
+    # written a status yet; the tests' API emulator runs none).
+    updated: int | None = None  # pods running the current template
+    current: int | None = None  # every pod, old template or new
+    observed: bool = True  # the controller has seen the latest spec (observedGeneration)
+    stalled: str | None = None  # why the controller stopped rolling out (Progressing False)
 
     @property
     def up(self) -> bool:
         return self.exists and self.ready > 0
+
+    @property
+    def rolling(self) -> bool:
+        """A rollout (or scaling) is under way and has not stopped."""
+        if not self.exists or self.stalled is not None:
+            return False
+        if not self.observed:
+            return True
+        if self.updated is None:
+            return False
+        return self.updated < self.desired or (self.current or 0) > self.updated
 
     def counts(self) -> dict[str, int]:
         return {"replicas": self.desired, "readyReplicas": self.ready if self.exists else 0}
@@ -54,8 +92,31 @@ def certificate_ready(live: Mapping[str, Any] | None) -> bool:
 def workload_from(live: Mapping[str, Any] | None, desired: int) -> Workload:
     if live is None:
         return Workload(desired=desired, exists=False)
-    ready = live.get("status", {}).get("readyReplicas") or 0
-    return Workload(desired=desired, ready=int(ready))
+    status = live.get("status") or {}
+    generation = (live.get("metadata") or {}).get("generation")
+    seen = status.get("observedGeneration")
+    observed = generation is None or (seen is not None and int(seen) >= int(generation))
+
+    def count(key: str) -> int | None:
+        # The API omits zero counts: once the controller has written a status, absent is 0.
+        value = status.get(key)
+        if value is None:
+            return 0 if seen is not None else None
+        return int(value)
+
+    stalled = None
+    if observed:  # a condition from before the latest spec says nothing of its rollout
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "Progressing" and cond.get("status") == "False":
+                stalled = str(cond.get("reason") or "ProgressStopped")
+    return Workload(
+        desired=desired,
+        ready=count("readyReplicas") or 0,
+        updated=count("updatedReplicas"),
+        current=count("replicas"),
+        observed=observed,
+        stalled=stalled,
+    )
 
 
 def assess(
@@ -69,35 +130,54 @@ def assess(
     previous: Sequence[Mapping[str, Any]],
     now: str,
     foreign: Sequence[str] = (),
+    failed: Mapping[str, str] | None = None,
     certificates: Mapping[str, bool] | None = None,
 ) -> dict[str, Any]:
     """The status to write. ``redis`` is None when Redis is external (a Secret's URL):
     the operator cannot see it, the orchestrators' readiness covers it. ``foreign``: the
     children that could not be applied because someone else's object has their name.
+    ``failed``: the children the API refused → its message.
     ``certificates``: each Certificate's name → ready; None without cert-manager."""
+    failed = failed or {}
     if certificates is None:  # TLS off (or not from cert-manager): no stale condition
         previous = [c for c in previous if c.get("type") != "CertificatesReady"]
+    workloads = {"orchestrator": orchestrator, "prefill": prefill, "decode": decode}
+    if redis is not None:
+        workloads["redis"] = redis
+    stuck = {name: w.stalled for name, w in workloads.items() if w.stalled is not None}
+    rolling = [name for name, w in workloads.items() if w.rolling]
     mode = _mode(prefill, decode, fallback)
     unissued = sorted(name for name, ok in (certificates or {}).items() if not ok)
-    degraded = "ForeignObjects" if foreign else None
+    degraded = "ApplyFailed" if failed else None
+    degraded = degraded or ("ForeignObjects" if foreign else None)
     degraded = degraded or ("CertificatesNotReady" if unissued else None)
     degraded = degraded or _degraded_reason(orchestrator, prefill, decode, redis)
-    ready = orchestrator.up and mode != UNAVAILABLE and (redis is None or redis.up)
+    degraded = degraded or ("RolloutStuck" if stuck else None)
+    serving = orchestrator.up and mode != UNAVAILABLE and (redis is None or redis.up)
+    ready = serving and not failed and not stuck
+    if ready:
+        ready_message = f"serving {mode}"
+    elif serving:
+        ready_message = f"serving {mode}, but not as specified: {degraded}"
+    else:
+        ready_message = "not serving"
     conditions = [
         _condition(
             "Ready",
             ready,
             _mode_reason(mode) if ready else (degraded or "NotReady"),
-            f"serving {mode}" if ready else "not serving",
+            ready_message,
         ),
         _pool_condition("PrefillPoolReady", prefill),
         _pool_condition("DecodePoolReady", decode),
         _condition(
             "Degraded",
             degraded is not None,
-            degraded or "AllComponentsReady",
-            _degraded_message(degraded, mode, foreign),
+            degraded or ("RollingUpdate" if rolling else "AllComponentsReady"),
+            _degraded_message(degraded, mode, foreign, failed, stuck),
         ),
+        _progressing(workloads, stuck, rolling),
+        _reconciled(foreign, failed),
     ]
     if certificates is not None:
         conditions.append(
@@ -129,6 +209,7 @@ def invalid_spec(
     conditions = [
         _condition("Ready", False, "InvalidSpec", message),
         _condition("Degraded", True, "InvalidSpec", message),
+        _condition("Reconciled", False, "InvalidSpec", message),
     ]
     status: dict[str, Any] = {"conditions": merge_conditions(previous, conditions, now, generation)}
     if generation is not None:
@@ -190,12 +271,58 @@ def _degraded_reason(
     return None
 
 
-def _degraded_message(reason: str | None, mode: str, foreign: Sequence[str]) -> str:
+def _degraded_message(
+    reason: str | None,
+    mode: str,
+    foreign: Sequence[str],
+    failed: Mapping[str, str],
+    stuck: Mapping[str, str],
+) -> str:
     if reason is None:
         return "every component has a ready pod"
+    if failed:
+        return f"refused by the API (see Reconciled): {', '.join(failed)}; mode {mode}"
     if foreign:
         return f"not ours, left alone: {', '.join(foreign)}; mode {mode}"
+    if reason == "RolloutStuck":
+        return f"rollout stopped: {_stuck_list(stuck)}; mode {mode}"
     return f"{reason}; mode {mode}"
+
+
+def _stuck_list(stuck: Mapping[str, str]) -> str:
+    return ", ".join(f"{name} ({why})" for name, why in stuck.items())
+
+
+def _progressing(
+    workloads: Mapping[str, Workload], stuck: Mapping[str, str], rolling: Sequence[str]
+) -> dict[str, Any]:
+    if stuck:
+        reason = next(iter(stuck.values()))
+        return _condition(
+            "Progressing",
+            False,
+            reason,
+            f"rollout stopped: {_stuck_list(stuck)}; the previous pods, if any, keep serving",
+        )
+    if rolling:
+        parts = []
+        for name in rolling:
+            w = workloads[name]
+            detail = "spec not yet seen" if not w.observed else f"{w.updated}/{w.desired} updated"
+            parts.append(f"{name} {detail}")
+        return _condition("Progressing", True, "RollingUpdate", "rolling out: " + ", ".join(parts))
+    return _condition("Progressing", False, "RolloutComplete", "every workload runs the spec")
+
+
+def _reconciled(foreign: Sequence[str], failed: Mapping[str, str]) -> dict[str, Any]:
+    if failed:
+        messages = "; ".join(f"{ref}: {msg[:_MESSAGE_LIMIT]}" for ref, msg in failed.items())
+        return _condition("Reconciled", False, "ApplyFailed", messages)
+    if foreign:
+        return _condition(
+            "Reconciled", False, "ForeignObjects", f"not ours, left alone: {', '.join(foreign)}"
+        )
+    return _condition("Reconciled", True, "Applied", "every object applied")
 
 
 def _pool_condition(kind: str, pool: Workload) -> dict[str, Any]:

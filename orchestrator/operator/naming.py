@@ -23,12 +23,17 @@ PLURAL = "disaggregatedservices"
 
 COMPONENTS = ("orchestrator", "prefill", "decode", "redis")
 
-# The longest suffix is "-orchestrator" (13 characters); Service names are DNS-1035 labels
-# of at most 63 characters.
-MAX_NAME_LENGTH = 50
+# What caps the resource's name: the StatefulSet controller labels the dev Redis's pods
+# controller-revision-hash=<name>-redis-<hash of up to 10 characters>, a label value of at
+# most 63 characters (kubernetes/kubernetes#64023: over it, the pods are refused), so
+# 63 - len("-redis") - 1 - 10 = 46. Children's names (the longest suffix is "-orchestrator",
+# 13 characters) stay DNS-1035 labels of at most 63 with room to spare.
+REVISION_HASH_LENGTH = 10
+MAX_NAME_LENGTH = 63 - len("-redis") - 1 - REVISION_HASH_LENGTH
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 LABEL_NAME = "app.kubernetes.io/name"
+APP_NAME = "pdorch"  # the value of LABEL_NAME on every child and pod
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -113,17 +118,20 @@ def tls_secret(identity: Identity, component: str) -> str:
     return f"{identity.name}-{component}-tls"
 
 
+def service_pods(identity: Identity) -> dict[str, str]:
+    """The labels every pod of the service carries, whatever its component. Both: another
+    application's pods may carry the same instance label (a Helm release of the same name),
+    and must be neither isolated nor admitted by our NetworkPolicies."""
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: identity.name}
+
+
 def selector(identity: Identity, component: str) -> dict[str, str]:
     """The labels a component's pods are selected by (never changes for a resource)."""
-    return {
-        LABEL_NAME: "pdorch",
-        LABEL_INSTANCE: identity.name,
-        LABEL_COMPONENT: component,
-    }
+    return {**service_pods(identity), LABEL_COMPONENT: component}
 
 
 def labels(identity: Identity, component: str | None = None) -> dict[str, str]:
-    out = {LABEL_NAME: "pdorch", LABEL_INSTANCE: identity.name, LABEL_MANAGED_BY: MANAGED_BY}
+    out = {LABEL_NAME: APP_NAME, LABEL_INSTANCE: identity.name, LABEL_MANAGED_BY: MANAGED_BY}
     if component is not None:
         out[LABEL_COMPONENT] = component
     return out

@@ -1,12 +1,17 @@
 """render(identity, spec) → every child object of a DisaggregatedService (pure).
 
-The same input gives the same objects, in the order they are applied: identity and config
-first, then what pods need to exist (Services, Redis), the workloads, then the policies
-around them. Every object carries an owner reference to the resource and the labels of
-`naming`; nothing here talks to the API (see `reconcile`).
+The same input gives the same objects, in the order they are applied: the NetworkPolicies
+first (they select pods by label, so they can exist before the pods, and a pod of the
+password-less dev Redis never runs unguarded, even when a later object is refused), then
+identity and config, what pods need to exist (Services, Redis), the workloads and their
+disruption budgets. Every object carries an owner reference to the resource and the labels
+of `naming`; nothing here talks to the API (see `reconcile`).
 
 Objects:
 
+    NetworkPolicy       <name>-orchestrator     only the gRPC port, from anywhere
+    NetworkPolicy       <name>-workers          from this service's pods only
+    NetworkPolicy       <name>-redis            (dev Redis) from this service's pods only
     ServiceAccount      <name>                  pods run as it; no API token mounted
     ConfigMap           <name>-config           environment of every pdorch process
     Certificate         <name>-orchestrator|prefill|decode   (tls.mode cert-manager) one
@@ -18,9 +23,9 @@ Objects:
                                                 goes through Redis heartbeats)
     Deployment          <name>-orchestrator|prefill|decode
     PodDisruptionBudget <name>-orchestrator|prefill|decode   one pod down at a time
-    NetworkPolicy       <name>-orchestrator     only the gRPC port, from anywhere
-    NetworkPolicy       <name>-workers          from this service's pods only
-    NetworkPolicy       <name>-redis            (dev Redis) from this service's pods only
+
+Pods select by two labels, name and instance (`naming.service_pods`), never the instance
+alone: another application's pods may share an instance label.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def render(identity: Identity, spec: ServiceSpec) -> tuple[Obj, ...]:
     config = config_map(identity, spec)
     config_hash = _digest(config["data"])
     objects: list[Obj] = [
+        *_network_policies(identity, spec),
         _object("v1", "ServiceAccount", naming.object_meta(identity, n.service_account))
         | {"automountServiceAccountToken": False},
         config,
@@ -65,7 +71,6 @@ def render(identity: Identity, spec: ServiceSpec) -> tuple[Obj, ...]:
         objects.append(workloads.worker_deployment(identity, spec, role, config_hash))
     for component in _DISRUPTED:
         objects.append(_pdb(identity, f"{identity.name}-{component}", component))
-    objects.extend(_network_policies(identity, spec))
     return tuple(objects)
 
 
@@ -75,6 +80,10 @@ def child_refs(identity: Identity) -> tuple[Ref, ...]:
     n = naming.names(identity)
     ns = identity.namespace
     refs = [
+        *(
+            Ref("networking.k8s.io/v1", "NetworkPolicy", ns, name)
+            for name in (n.netpol_orchestrator, n.netpol_workers, n.netpol_redis)
+        ),
         Ref("v1", "ServiceAccount", ns, n.service_account),
         Ref("v1", "ConfigMap", ns, n.config),
         *(
@@ -92,10 +101,6 @@ def child_refs(identity: Identity) -> tuple[Ref, ...]:
     ]
     refs += [
         Ref("policy/v1", "PodDisruptionBudget", ns, f"{identity.name}-{c}") for c in _DISRUPTED
-    ]
-    refs += [
-        Ref("networking.k8s.io/v1", "NetworkPolicy", ns, name)
-        for name in (n.netpol_orchestrator, n.netpol_workers, n.netpol_redis)
     ]
     return tuple(refs)
 
@@ -164,7 +169,7 @@ def _pdb(identity: Identity, name: str, component: str) -> Obj:
 
 def _network_policies(identity: Identity, spec: ServiceSpec) -> list[Obj]:
     n = naming.names(identity)
-    same_service = {"podSelector": {"matchLabels": {naming.LABEL_INSTANCE: identity.name}}}
+    same_service = {"podSelector": {"matchLabels": naming.service_pods(identity)}}
 
     def policy(name: str, pod_selector: Obj, ingress: list[Obj]) -> Obj:
         meta = naming.object_meta(identity, name)
@@ -185,7 +190,7 @@ def _network_policies(identity: Identity, spec: ServiceSpec) -> list[Obj]:
         policy(
             n.netpol_workers,
             {
-                "matchLabels": {naming.LABEL_INSTANCE: identity.name},
+                "matchLabels": naming.service_pods(identity),
                 "matchExpressions": [
                     {"key": naming.LABEL_COMPONENT, "operator": "In", "values": list(POOLS)}
                 ],

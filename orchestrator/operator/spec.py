@@ -33,8 +33,28 @@ TLS_MODES = ("disabled", "cert-manager", "secrets")
 TLS_COMPONENTS = ("orchestrator", "prefill", "decode")  # one identity (and key) each
 ISSUER_KINDS = ("Issuer", "ClusterIssuer")
 TOKENS_KEY = "tokens.yaml"  # auth.tokensSecret's default key
+# What the API server checks of the values we pass on, written once here and once in the
+# CRD's schema (a test holds them to the same cases): a value the CRD let through and the
+# API refused would fail the object it goes into at every pass, far from its cause.
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_1123_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")  # Secret, Issuer names
+# Secret, ConfigMap, PVC and Issuer names (at most 253 characters).
+_DNS_1123_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+# A key of a Secret or ConfigMap (at most 253 characters).
+_CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+# A label value (at most 63 characters): node selectors, nvidia.com/gpu.product. Non-empty.
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+# A label key: an optional DNS subdomain prefix and "/", then a name of at most 63.
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+# A resource quantity (500m, 2, 16Gi, 1e3), as the API server parses it; no sign: requests,
+# limits and storage are never negative.
+_QUANTITY = re.compile(
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+INT32_MAX = 2**31 - 1  # replicas are int32 in a Deployment
+# A pod's grace period: long enough to drain long generations, short enough that a node
+# drain or rollout is not held up for days by a typo.
+MAX_GRACE_S = 3600
 # A Go duration, as cert-manager's duration and renewBefore take it (e.g. 2160h, 1h30m).
 _GO_DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$")
 
@@ -68,10 +88,18 @@ class Pool:
     engine: str = "reference"  # `--engine`: reference (transformers) or vllm (the image's extra)
 
 
+# The orchestrators' requests when the spec gives none: a scheduler that knows nothing of
+# a pod places it anywhere, and evicts it first under memory pressure. An orchestrator is a
+# Python process relaying tokens (grpc, Redis); a busy one uses about a core.
+ORCHESTRATOR_REQUESTS: Mapping[str, str] = {"cpu": "500m", "memory": "512Mi"}
+
+
 @dataclass(frozen=True)
 class OrchestratorPool:
     replicas: int = 2
-    resources: Resources = field(default_factory=Resources)
+    resources: Resources = field(
+        default_factory=lambda: Resources(requests=dict(ORCHESTRATOR_REQUESTS))
+    )
 
 
 @dataclass(frozen=True)
@@ -202,11 +230,11 @@ def parse_spec(raw: Mapping[str, Any]) -> ServiceSpec:
     model.only("name", "cache")
     cache = model.child("cache")
     cache.only("persistentVolumeClaim")
-    grace = r.integer("terminationGracePeriodSeconds", 30, minimum=5)
+    grace = r.integer("terminationGracePeriodSeconds", 30, minimum=5, maximum=MAX_GRACE_S)
     spec = ServiceSpec(
         image=r.string("image", required=True),
         model=model.choice("name", MODELS, "smollm2"),
-        model_cache_claim=cache.string("persistentVolumeClaim") or None,
+        model_cache_claim=cache.object_name("persistentVolumeClaim") or None,
         image_pull_policy=r.choice("imagePullPolicy", PULL_POLICIES, "IfNotPresent"),
         log_level=r.choice("logLevel", LOG_LEVELS, "INFO"),
         termination_grace_period_s=grace,
@@ -240,7 +268,8 @@ def _check_engines(spec: ServiceSpec) -> None:
 def _orchestrator(r: _Reader) -> OrchestratorPool:
     r.only("replicas", "resources")
     return OrchestratorPool(
-        replicas=r.integer("replicas", 2, minimum=1), resources=_resources(r.child("resources"))
+        replicas=r.integer("replicas", 2, minimum=1, maximum=INT32_MAX),
+        resources=_resources(r.child("resources"), ORCHESTRATOR_REQUESTS),
     )
 
 
@@ -253,23 +282,49 @@ def _pool(r: _Reader, *, decode: bool) -> Pool:
     gpu = r.child("gpu")
     gpu.only("product", "count")
     return Pool(
-        replicas=r.integer("replicas", 1, minimum=0),
-        gpu=Gpu(gpu.string("product", required=True), gpu.integer("count", 1, minimum=1))
+        replicas=r.integer("replicas", 1, minimum=0, maximum=INT32_MAX),
+        gpu=Gpu(gpu.label_value("product", required=True), gpu.integer("count", 1, minimum=1))
         if gpu.present
         else None,
         resources=_resources(r.child("resources")),
         image=r.string("image") or None,
-        node_selector=r.string_map("nodeSelector"),
-        tolerations=r.objects("tolerations"),
+        node_selector=r.label_map("nodeSelector"),
+        tolerations=_tolerations(r, "tolerations"),
         torch_threads=r.integer("torchThreads", 0, minimum=0),
         kv_capacity_mib=r.integer("kvCapacityMiB", 2048, minimum=1),
         engine=r.choice("engine", ENGINES, "reference"),
     )
 
 
-def _resources(r: _Reader) -> Resources:
+def _resources(r: _Reader, default_requests: Mapping[str, str] | None = None) -> Resources:
+    """Requests and limits as given. Without requests, `default_requests` for every
+    resource the limits leave out (for those, Kubernetes takes the limit as the request)."""
     r.only("requests", "limits")
-    return Resources(requests=r.quantities("requests"), limits=r.quantities("limits"))
+    limits = r.quantities("limits")
+    if "requests" in r.raw or not default_requests:
+        requests = r.quantities("requests")
+    else:
+        requests = {k: v for k, v in default_requests.items() if k not in limits}
+    return Resources(requests=requests, limits=limits)
+
+
+_TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+
+
+def _tolerations(r: _Reader, key: str) -> tuple[Mapping[str, Any], ...]:
+    """Tolerations as given, after the API server's own checks of each."""
+    out = r.objects(key)
+    for i, toleration in enumerate(out):
+        at = f"{r.path}.{key}[{i}]"
+        _Reader(toleration, at).only(*_TOLERATION_KEYS)
+        exists = toleration.get("operator") == "Exists"
+        if exists and toleration.get("value"):
+            raise SpecError(f"{at}.value", "must be empty with operator: Exists")
+        if not toleration.get("key") and not exists:
+            raise SpecError(f"{at}.operator", "must be Exists when the key is empty")
+        if "tolerationSeconds" in toleration and toleration.get("effect") != "NoExecute":
+            raise SpecError(f"{at}.tolerationSeconds", "only applies to effect: NoExecute")
+    return out
 
 
 def _redis(r: _Reader) -> Redis:
@@ -279,7 +334,7 @@ def _redis(r: _Reader) -> Redis:
         raise SpecError(r.path, "set exactly one of urlSecret and dev")
     if secret.present:
         secret.only("name", "key")
-        ref = SecretKey(secret.string("name", required=True), secret.string("key", "url"))
+        ref = SecretKey(secret.object_name("name", required=True), secret.config_key("key", "url"))
         return Redis(url_secret=ref)
     dev.only("image", "storage", "appendFsync")
     return Redis(
@@ -327,7 +382,7 @@ def _auth(r: _Reader) -> Auth:
     secret.only("name", "key")
     return Auth(
         tokens_secret=SecretKey(
-            secret.object_name("name", required=True), secret.string("key", TOKENS_KEY)
+            secret.object_name("name", required=True), secret.config_key("key", TOKENS_KEY)
         )
     )
 
@@ -376,7 +431,7 @@ def _ca(r: _Reader) -> CaSource:
     if ("secret" in r.raw) == ("configMap" in r.raw):
         raise SpecError(r.path, "set exactly one of secret and configMap")
     return CaSource(
-        key=r.string("key", "ca.crt"),
+        key=r.config_key("key", "ca.crt"),
         secret=r.object_name("secret") or None,
         config_map=r.object_name("configMap") or None,
     )
@@ -421,12 +476,14 @@ class _Reader:
             raise SpecError(self._at(key), f"must be one of {', '.join(choices)}")
         return value
 
-    def integer(self, key: str, default: int, *, minimum: int) -> int:
+    def integer(self, key: str, default: int, *, minimum: int, maximum: int = INT32_MAX) -> int:
         value = self.raw.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecError(self._at(key), "must be an integer")
         if value < minimum:
             raise SpecError(self._at(key), f"must be at least {minimum}")
+        if value > maximum:
+            raise SpecError(self._at(key), f"must be at most {maximum}")
         return value
 
     def number(self, key: str, default: float, *, minimum: float) -> float:
@@ -444,6 +501,36 @@ class _Reader:
             raise SpecError(self._at(key), "must be a Kubernetes object name (DNS-1123 subdomain)")
         return value
 
+    def config_key(self, key: str, default: str) -> str:
+        """A key of a Secret or ConfigMap."""
+        value = self.string(key, default)
+        if len(value) > 253 or not _CONFIG_KEY.match(value):
+            raise SpecError(self._at(key), "must be a Secret key (letters, digits, '-', '_', '.')")
+        return value
+
+    def label_value(self, key: str, *, required: bool = False) -> str:
+        value = self.string(key, required=required)
+        if value and (len(value) > 63 or not _LABEL_VALUE.match(value)):
+            raise SpecError(
+                self._at(key),
+                "must be a label value: at most 63 letters, digits, '-', '_' or '.', "
+                "starting and ending with a letter or digit",
+            )
+        return value
+
+    def label_map(self, key: str) -> dict[str, str]:
+        """Labels (a node selector): label keys → label values."""
+        r = self.child(key)
+        for name in r.raw:
+            prefix, _, local = str(name).rpartition("/")
+            if (
+                len(local) > 63
+                or not _LABEL_NAME.match(local)
+                or (prefix and (len(prefix) > 253 or not _DNS_1123_SUBDOMAIN.match(prefix)))
+            ):
+                raise SpecError(r._at(str(name)), "must be a label key (e.g. example.com/zone)")
+        return {name: r.label_value(name, required=True) for name in sorted(r.raw)}
+
     def duration(self, key: str) -> str | None:
         value = self.string(key) or None
         if value is not None and not _GO_DURATION.match(value):
@@ -452,17 +539,16 @@ class _Reader:
 
     def quantity(self, key: str, default: str) -> str:
         value = self.raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, str | int | float) or value == "":
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
+            isinstance(value, str) and _QUANTITY.match(value)
+        )
+        if not ok:
             raise SpecError(self._at(key), "must be a quantity (e.g. 500m, 2, 16Gi)")
         return str(value)
 
     def quantities(self, key: str) -> dict[str, str]:
         r = self.child(key)
         return {name: r.quantity(name, "") for name in sorted(r.raw)}
-
-    def string_map(self, key: str) -> dict[str, str]:
-        r = self.child(key)
-        return {name: r.string(name, required=True) for name in sorted(r.raw)}
 
     def strings(self, key: str) -> tuple[str, ...]:
         value = self.raw.get(key, [])

@@ -22,6 +22,10 @@ the CLI's own parser). The mapping from the spec:
     tls                          the component's own key mounted read-only, env
                                  PDORCH_TLS_DIR (see `tls`); TCP probes (below)
 
+Every container's root filesystem is read-only. pdorch processes write only to an emptyDir
+at /tmp (the image's HOME, so library caches such as Hugging Face's and pip's land there
+too), the model cache, and the dev Redis to its PVC at /data.
+
 Workers advertise ``--host $(POD_IP)`` (they publish host:port into Redis, so it must be
 routable); the orchestrator binds every interface so that `kubectl port-forward` reaches it.
 Probes are native gRPC probes (grpc.health.v1) on each process's gRPC port — without TLS:
@@ -45,6 +49,7 @@ WORKER_PORT = 50061
 KV_PORT = 50062
 REDIS_PORT = 6379
 MODEL_CACHE_PATH = "/var/cache/pdorch/models"
+TMP_PATH = "/tmp"  # noqa: S108 - an emptyDir of the pod's own, the image's HOME too
 AUTH_DIR = "/etc/pdorch/auth"
 TOKENS_FILE = "tokens.yaml"  # in AUTH_DIR; YAML or JSON, whatever the Secret's key holds
 TOKENS_FILE_ENV = "PDORCH_TOKENS_FILE"  # the orchestrator's --tokens-file
@@ -134,12 +139,16 @@ def worker_deployment(identity: Identity, spec: ServiceSpec, role: str, config_h
         gpus=pool.gpu.count if pool.gpu else 0,
         startup_budget_s=WORKER_STARTUP_BUDGET_S,
     )
-    container["volumeMounts"] = [{"name": "model-cache", "mountPath": MODEL_CACHE_PATH}]
+    container["volumeMounts"] = [
+        {"name": "model-cache", "mountPath": MODEL_CACHE_PATH},
+        *container["volumeMounts"],
+    ]
     pod = _pod_spec(identity, n, spec, role, [container])
     pod["volumes"] = [
         {"name": "model-cache", "persistentVolumeClaim": {"claimName": spec.model_cache_claim}}
         if spec.model_cache_claim
-        else {"name": "model-cache", "emptyDir": {}}
+        else {"name": "model-cache", "emptyDir": {}},
+        *pod["volumes"],
     ]
     _mount_tls(identity, spec, role, pod)
     _schedule_on_gpus(pod, pool)
@@ -150,9 +159,21 @@ def worker_deployment(identity: Identity, spec: ServiceSpec, role: str, config_h
         pool.replicas,
         pod,
         config_hash,
-        # GPU nodes rarely have a spare device for a surge pod: replace one pod at a time.
-        strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+        strategy=_pool_strategy(pool.replicas),
     )
+
+
+def _pool_strategy(replicas: int) -> Obj:
+    """A pool's rollout. Of several pods, replace one at a time without a surge pod (GPU
+    nodes rarely have a spare device). Of one, bring the new pod up first: taking the only
+    pod down would leave the pool empty for a whole model load (minutes). Without a spare
+    GPU the new pod stays Pending and the old one serves on: the status reports the rollout
+    stuck once the Deployment's progress deadline passes."""
+    if replicas <= 1:
+        rolling = {"maxSurge": 1, "maxUnavailable": 0}
+    else:
+        rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    return {"type": "RollingUpdate", "rollingUpdate": rolling}
 
 
 def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
@@ -190,6 +211,13 @@ def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
         "spec": {
             "serviceName": n.redis,
             "replicas": 1,
+            # The PVC goes with the StatefulSet (deleted with the resource): a dev Redis's
+            # data is not worth a volume nobody owns (Kubernetes 1.27+; older clusters
+            # ignore the field and keep the PVC).
+            "persistentVolumeClaimRetentionPolicy": {
+                "whenDeleted": "Delete",
+                "whenScaled": "Retain",
+            },
             "selector": {"matchLabels": naming.selector(identity, "redis")},
             "template": {
                 "metadata": {"labels": _pod_labels(identity, "redis")},
@@ -304,6 +332,7 @@ def _container(
         "readinessProbe": {**probe, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": 2},
         "livenessProbe": {**probe, "periodSeconds": 10, "timeoutSeconds": 2, "failureThreshold": 3},
         "securityContext": _container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": TMP_PATH}],
     }
     if startup_budget_s:
         container["startupProbe"] = {
@@ -363,6 +392,7 @@ def _pod_spec(
             }
         ],
         "containers": containers,
+        "volumes": [{"name": "tmp", "emptyDir": {}}],  # the read-only root's one writable dir
     }
 
 
@@ -377,7 +407,11 @@ def _pod_security(user: int) -> Obj:
 
 
 def _container_security() -> Obj:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def _deployment(

@@ -28,6 +28,7 @@ def _status(
     previous: list[dict[str, Any]] | None = None,
     now: str = T0,
     foreign: tuple[str, ...] = (),
+    failed: dict[str, str] | None = None,
     certificates: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     return assess(
@@ -40,6 +41,7 @@ def _status(
         previous=previous or [],
         now=now,
         foreign=foreign,
+        failed=failed,
         certificates=certificates,
     )
 
@@ -120,11 +122,18 @@ def test_transition_time_changes_only_with_the_status() -> None:
     assert {c["lastTransitionTime"] for c in same["conditions"]} == {T0}
     degraded = _status(decode=DOWN, previous=same["conditions"], now=T1)
     times = {c["type"]: c["lastTransitionTime"] for c in degraded["conditions"]}
-    assert times == {"Ready": T0, "PrefillPoolReady": T0, "DecodePoolReady": T1, "Degraded": T1}
+    assert times == {
+        "Ready": T0,
+        "PrefillPoolReady": T0,
+        "DecodePoolReady": T1,
+        "Degraded": T1,
+        "Progressing": T0,
+        "Reconciled": T0,
+    }
 
 
 def test_conditions_of_other_types_are_kept() -> None:
-    other = {"type": "Progressing", "status": "True", "reason": "X", "lastTransitionTime": T0}
+    other = {"type": "Available", "status": "True", "reason": "X", "lastTransitionTime": T0}
     status = _status(previous=[other])
     assert other in status["conditions"]
 
@@ -179,3 +188,79 @@ def test_certificate_ready_reads_cert_managers_ready_condition() -> None:
             }
         }
     )
+
+
+def _deployment(generation: int, **status: Any) -> dict[str, Any]:
+    return {"metadata": {"generation": generation}, "status": status}
+
+
+def test_workload_from_reads_the_rollout() -> None:
+    # The API omits zero counts once the controller has written a status.
+    fresh = workload_from(_deployment(2, observedGeneration=2, readyReplicas=1), 2)
+    assert (fresh.updated, fresh.current, fresh.rolling) == (0, 0, True)
+    behind = workload_from(_deployment(3, observedGeneration=2, updatedReplicas=2), 2)
+    assert (behind.observed, behind.rolling) == (False, True)
+    done = workload_from(
+        _deployment(2, observedGeneration=2, replicas=2, updatedReplicas=2, readyReplicas=2), 2
+    )
+    assert (done.rolling, done.stalled) == (False, None)
+    old_pods_left = workload_from(
+        _deployment(2, observedGeneration=2, replicas=3, updatedReplicas=2, readyReplicas=2), 2
+    )
+    assert old_pods_left.rolling
+    stuck = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}
+    stalled = workload_from(
+        _deployment(2, observedGeneration=2, updatedReplicas=1, conditions=[stuck]), 2
+    )
+    assert (stalled.stalled, stalled.rolling) == ("ProgressDeadlineExceeded", False)
+    # A stuck condition from before the latest spec says nothing about its rollout.
+    stale = workload_from(_deployment(3, observedGeneration=2, conditions=[stuck]), 2)
+    assert (stale.stalled, stale.rolling) == (None, True)
+
+
+ROLLING = Workload(desired=2, ready=2, updated=1, current=3)
+STUCK = Workload(desired=2, ready=1, updated=1, current=2, stalled="ProgressDeadlineExceeded")
+
+
+def test_a_stuck_rollout_is_neither_ready_nor_all_components_ready() -> None:
+    """New pods that never become ready (an image typo): the old pods serve, but the spec
+    is not what runs."""
+    status = _status(prefill=STUCK)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert status["mode"] == "disaggregated"
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == (
+        "False",
+        "RolloutStuck",
+    )
+    assert "serving disaggregated" in conditions["Ready"]["message"]
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == (
+        "True",
+        "RolloutStuck",
+    )
+    assert (conditions["Progressing"]["status"], conditions["Progressing"]["reason"]) == (
+        "False",
+        "ProgressDeadlineExceeded",
+    )
+    assert "prefill" in conditions["Progressing"]["message"]
+
+
+def test_a_rollout_under_way_is_progressing_not_all_components_ready() -> None:
+    conditions = _conditions(_status(decode=ROLLING))
+    assert conditions["Progressing"] == ("True", "RollingUpdate")
+    assert conditions["Degraded"] == ("False", "RollingUpdate")
+    assert conditions["Ready"] == ("True", "Disaggregated")  # it serves meanwhile
+    assert _conditions(_status())["Progressing"] == ("False", "RolloutComplete")
+
+
+def test_refused_objects_are_not_reconciled_and_not_ready() -> None:
+    failed = {"Deployment/llama-decode": "422 Invalid: spec.template: bad"}
+    status = _status(failed=failed)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert (conditions["Reconciled"]["status"], conditions["Reconciled"]["reason"]) == (
+        "False",
+        "ApplyFailed",
+    )
+    assert "422 Invalid: spec.template: bad" in conditions["Reconciled"]["message"]
+    assert _conditions(status)["Ready"] == ("False", "ApplyFailed")
+    assert _conditions(status)["Degraded"] == ("True", "ApplyFailed")
+    assert _conditions(_status())["Reconciled"] == ("True", "Applied")

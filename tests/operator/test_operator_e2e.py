@@ -306,6 +306,58 @@ def test_pool_without_ready_pods_degrades_and_recovers(api: Api, apply: Apply) -
     )
 
 
+def test_a_stuck_rollout_is_not_reported_ready(api: Api, apply: Apply) -> None:
+    """A spec change whose new pods never become ready (an image typo): the old pods keep
+    serving, but the status must not say the new generation is Ready."""
+    apply("lima", {**SPEC, "prefill": {"replicas": 2}, "decode": {"replicas": 2}})
+    wait_for("every child", lambda: all_exist(api, children("lima")))
+    workloads = [
+        (DEPLOYMENTS, "lima-orchestrator", 1),
+        (DEPLOYMENTS, "lima-prefill", 2),
+        (DEPLOYMENTS, "lima-decode", 2),
+        (STATEFULSETS, "lima-redis", 1),
+    ]
+    for resource, name, n in workloads:  # rolled out: what the controllers report
+        done = {"observedGeneration": 1, "replicas": n, "readyReplicas": n, "updatedReplicas": n}
+        api.patch(resource, name, {"status": done}, status=True)
+    wait_for(
+        "ready, rolled out",
+        lambda: (
+            condition(status_of(api, "lima"), "Progressing") == ("False", "RolloutComplete")
+            and condition(status_of(api, "lima"), "Ready") == ("True", "Disaggregated")
+        ),
+    )
+    edit_spec(api, "lima", {"image": "pdorch:typo"}, generation=2)
+
+    def image(name: str) -> str:
+        pod = (api.get(DEPLOYMENTS, name) or {})["spec"]["template"]["spec"]
+        return str(pod["containers"][0]["image"])
+
+    wait_for("the new image", lambda: image("lima-prefill") == "pdorch:typo")
+    # New pods in ImagePullBackOff past the deadline; the strategy kept old pods serving.
+    stuck = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}
+    for _, name, n in workloads[:3]:
+        rollout = {
+            "observedGeneration": 2,
+            "replicas": n + 1 if n == 1 else n,
+            "readyReplicas": 1,
+            "updatedReplicas": 1,
+            "unavailableReplicas": 1,
+            "conditions": [stuck],
+        }
+        api.patch(DEPLOYMENTS, name, {"status": rollout}, status=True)
+    status = wait_for(
+        "the stuck rollout reported",
+        lambda: status_where(
+            api, "lima", lambda s: condition(s, "Degraded") == ("True", "RolloutStuck")
+        ),
+    )
+    assert status["observedGeneration"] == 2
+    assert status["mode"] == "disaggregated"  # the old pods serve
+    assert condition(status, "Ready") == ("False", "RolloutStuck")
+    assert condition(status, "Progressing") == ("False", "ProgressDeadlineExceeded")
+
+
 def test_deleted_resource_takes_its_children_along(api: Api, apply: Apply) -> None:
     apply("echo", SPEC)
     wanted = children("echo")

@@ -285,11 +285,55 @@ def test_network_policies_admit_clients_to_orchestrators_and_only_peers_to_worke
     assert workers["podSelector"]["matchExpressions"] == [
         {"key": naming.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}
     ]
-    assert workers["ingress"] == [
-        {"from": [{"podSelector": {"matchLabels": {naming.LABEL_INSTANCE: "llama"}}}]}
-    ]
+    same_service = {naming.LABEL_NAME: "pdorch", naming.LABEL_INSTANCE: "llama"}
+    assert workers["ingress"] == [{"from": [{"podSelector": {"matchLabels": same_service}}]}]
     redis = objs["NetworkPolicy", "llama-redis"]["spec"]
     assert redis["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 6379}]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions with In) matched against labels."""
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        ok = ok and labels.get(expr["key"]) in expr["values"]
+    return ok
+
+
+def test_network_policies_neither_isolate_nor_admit_another_apps_pods() -> None:
+    """Another application in the namespace whose pods share our instance label (a Helm
+    release also named llama): our policies don't select its pods, nor let them in."""
+    objs = rendered(MINIMAL_SPEC)
+    other = {
+        naming.LABEL_NAME: "grafana",
+        naming.LABEL_INSTANCE: "llama",
+        naming.LABEL_COMPONENT: "prefill",
+    }
+    for name in ("llama-orchestrator", "llama-workers", "llama-redis"):
+        policy = objs["NetworkPolicy", name]["spec"]
+        assert not _selects(policy["podSelector"], other), name
+        for rule in policy["ingress"]:
+            for peer in rule.get("from", []):
+                assert not _selects(peer["podSelector"], other), name
+    # ... while every pod of ours is selected by its policy and admitted to its peers.
+    for (kind, name), obj in objs.items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        component = labels[naming.LABEL_COMPONENT]
+        policy = {"orchestrator": "llama-orchestrator", "redis": "llama-redis"}.get(
+            component, "llama-workers"
+        )
+        assert _selects(objs["NetworkPolicy", policy]["spec"]["podSelector"], labels), name
+        redis_from = objs["NetworkPolicy", "llama-redis"]["spec"]["ingress"][0]["from"][0]
+        assert _selects(redis_from["podSelector"], labels), name
+
+
+def test_network_policies_come_first() -> None:
+    """Applied before any pod exists (nothing runs unguarded if a later object fails)."""
+    kinds = [o["kind"] for o in render(IDENTITY, parse_spec(MINIMAL_SPEC))]
+    assert kinds[:3] == ["NetworkPolicy"] * 3
+    assert "NetworkPolicy" not in kinds[3:]
 
 
 def test_pods_run_unprivileged_without_api_credentials() -> None:
@@ -303,3 +347,57 @@ def test_pods_run_unprivileged_without_api_credentials() -> None:
         assert pod["securityContext"]["runAsNonRoot"] is True
         for container in pod["containers"]:
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_the_longest_name_fits_every_generated_label() -> None:
+    """Labels the controllers derive from our names stay within 63 characters, for the
+    longest name the CRD and the operator allow."""
+    identity = naming.Identity("a" * naming.MAX_NAME_LENGTH, "ml", "uid")
+    objs = rendered(MINIMAL_SPEC, identity)
+    (sts,) = [name for kind, name in objs if kind == "StatefulSet"]
+    # controller-revision-hash=<statefulset>-<hash of up to 10 characters>
+    assert len(sts) + 1 + naming.REVISION_HASH_LENGTH <= 63
+    for (_, name), obj in objs.items():
+        assert len(name) <= 63, name
+        assert all(len(v) <= 63 for v in obj["metadata"]["labels"].values()), name
+
+
+def test_root_filesystems_are_read_only_with_a_writable_tmp() -> None:
+    for (kind, name), obj in rendered(MINIMAL_SPEC).items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, name
+        if kind == "Deployment":  # pdorch: HOME and tempfiles are /tmp, an emptyDir
+            (container,) = pod["containers"]
+            assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+            assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+
+
+def test_orchestrators_request_resources_by_default() -> None:
+    def resources(raw: dict[str, Any]) -> Any:
+        return _container(rendered(raw), "llama-orchestrator")["resources"]
+
+    assert resources(MINIMAL_SPEC) == {"requests": {"cpu": "500m", "memory": "512Mi"}}
+    # Limits alone: Kubernetes takes them as the requests, no default may exceed them.
+    limited = spec_with(MINIMAL_SPEC, "orchestrator.resources", {"limits": {"memory": "256Mi"}})
+    assert resources(limited) == {"requests": {"cpu": "500m"}, "limits": {"memory": "256Mi"}}
+    given = spec_with(MINIMAL_SPEC, "orchestrator.resources", {"requests": {"cpu": "2"}})
+    assert resources(given) == {"requests": {"cpu": "2"}}
+
+
+def test_the_dev_redis_pvc_goes_with_the_resource() -> None:
+    sts = rendered(MINIMAL_SPEC)["StatefulSet", "llama-redis"]["spec"]
+    assert sts["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
+
+
+@pytest.mark.parametrize(("replicas", "floor"), [(1, 1), (2, 1), (5, 4)])
+def test_a_pool_rollout_keeps_pods_serving(replicas: int, floor: int) -> None:
+    """A rollout never takes a pool below `floor` pods (one pod: none at all); more than
+    one pod: no surge pod, which a GPU node would have no device for."""
+    objs = rendered(spec_with(MINIMAL_SPEC, "prefill.replicas", replicas))
+    strategy = objs["Deployment", "llama-prefill"]["spec"]["strategy"]
+    rolling = strategy["rollingUpdate"]
+    assert replicas - rolling["maxUnavailable"] >= floor
+    assert rolling["maxSurge"] == (1 if replicas == 1 else 0)

@@ -17,7 +17,8 @@ import yaml
 from kubernetes_validate import utils as kubernetes_validate_utils
 
 from orchestrator.cli import build_parser
-from orchestrator.operator.naming import Identity
+from orchestrator.operator.errors import SpecError
+from orchestrator.operator.naming import MAX_NAME_LENGTH, Identity
 from orchestrator.operator.render import render
 from orchestrator.operator.spec import parse_spec
 from tests.operator.certmanager import validate_certificate
@@ -156,6 +157,85 @@ def test_crd_schema_rejects_what_the_parser_rejects(path: str, value: Any) -> No
     obj = spec_with({"spec": FULL_SPEC}, path, value)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(_crd_schema()).validate(obj)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("prefill.replicas", 2**31),  # a Deployment's replicas is an int32
+        ("orchestrator.replicas", 2**31),
+        ("terminationGracePeriodSeconds", 10**9),  # would hold a node drain for decades
+        ("orchestrator.resources", {"requests": {"cpu": "lots"}}),
+        ("decode.resources", {"limits": {"memory": "-1Gi"}}),
+        ("decode.resources", {"limits": {"memory": -1}}),
+        ("redis", {"dev": {"storage": "1 GB"}}),
+        ("decode.nodeSelector", {"zone": "not a label value"}),
+        ("decode.nodeSelector", {"zone": "x" * 64}),
+        ("decode.gpu", {"product": "NVIDIA H100 80GB"}),  # label values have no spaces
+        ("redis", {"urlSecret": {"name": "Bad_Name"}}),
+        ("redis", {"urlSecret": {"name": "redis", "key": "a/b"}}),
+        ("model.cache", {"persistentVolumeClaim": "Bad Name"}),
+        ("auth", {"tokensSecret": {"name": "tokens!"}}),
+        ("tls", {**TLS_SECRETS, "secrets": {"decode": "Decode-Keys"}}),
+        ("tls", {**TLS_SECRETS, "ca": {"configMap": "ca bundle"}}),
+        ("tls", {"mode": "cert-manager", "issuerRef": {"name": "CA"}}),
+    ],
+)
+def test_crd_and_parser_both_reject_what_kubernetes_rejects(path: str, value: Any) -> None:
+    """A value the CRD let through and the API server refuses fails its object at every
+    pass; the CRD refuses it at `kubectl apply`, and the parser (for input that skipped
+    the CRD) says which field."""
+    raw = spec_with(MINIMAL_SPEC, path, value)
+    with pytest.raises(SpecError):
+        parse_spec(raw)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(_crd_schema()).validate({"spec": raw})
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("prefill.replicas", 2**31 - 1),
+        ("terminationGracePeriodSeconds", 3600),
+        ("orchestrator.resources", {"requests": {"cpu": "1.5", "memory": "1e9"}}),
+        ("decode.resources", {"limits": {"memory": 0, "cpu": ".5"}}),
+        ("decode.nodeSelector", {"example.com/zone": "eu-west-1a", "tier": "A_1.b"}),
+        ("model.cache", {"persistentVolumeClaim": "models.v2"}),
+        ("redis", {"urlSecret": {"name": "redis", "key": "REDIS_URL.txt"}}),
+    ],
+)
+def test_crd_and_parser_both_accept_what_kubernetes_accepts(path: str, value: Any) -> None:
+    raw = spec_with(MINIMAL_SPEC, path, value)
+    parse_spec(raw)
+    jsonschema.Draft7Validator(_crd_schema()).validate({"spec": raw})
+    for child in render(IDENTITY, parse_spec(raw)):
+        validate_rendered(child)
+
+
+@pytest.mark.parametrize(
+    "toleration",
+    [
+        {"key": "k", "operator": "Exists", "value": "v", "effect": "NoSchedule"},
+        {"operator": "Equal", "value": "v"},  # an empty key needs Exists
+        {"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 5},
+    ],
+)
+def test_parser_rejects_tolerations_kubernetes_rejects(toleration: dict[str, Any]) -> None:
+    """Checked by the parser only (a CEL rule per item of an unbounded list risks the API
+    server's cost budget): the status says InvalidSpec, naming the toleration."""
+    with pytest.raises(SpecError, match=r"tolerations\[0\]"):
+        parse_spec(spec_with(MINIMAL_SPEC, "decode.tolerations", [toleration]))
+
+
+def test_crd_caps_the_name_where_identity_does() -> None:
+    """The CRD's rule on metadata.name and the operator's own check agree."""
+    (crd,) = load_yaml_documents(CRD_PATH)
+    (version,) = crd["spec"]["versions"]
+    rules = [v["rule"] for v in version["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]]
+    assert f"self.metadata.name.size() <= {MAX_NAME_LENGTH}" in rules
+    Identity("a" * MAX_NAME_LENGTH, "ml", "uid")
+    with pytest.raises(SpecError):
+        Identity("a" * (MAX_NAME_LENGTH + 1), "ml", "uid")
 
 
 def _closed(schema: Any) -> Any:
