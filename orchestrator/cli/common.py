@@ -493,6 +493,8 @@ def client_token(env: Mapping[str, str]) -> str | None:
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 REDIS_PASSWORD_FILE_ENV = "PDORCH_REDIS_PASSWORD_FILE"  # noqa: S105 - a variable name
 REDIS_URL_ENV = "PDORCH_REDIS_URL"
+# A file holding the whole URL (password included): a Kubernetes Secret mounted read-only.
+REDIS_URL_FILE_ENV = "PDORCH_REDIS_URL_FILE"
 
 
 def _redis_password_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -506,14 +508,41 @@ def _redis_password_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> 
 
 
 def resolve_redis(args: argparse.Namespace, env: Mapping[str, str]) -> None:
-    """Fold ``--redis-password-file`` into ``args.redis`` (in memory only) and warn when a
-    password came on the command line, where every user of the host can read it."""
+    """Settle ``args.redis`` (in memory only): the URL from ``$PDORCH_REDIS_URL_FILE`` if
+    set, ``--redis-password-file`` folded in; warn when a password came on the command
+    line, where every user of the host can read it.
+
+    ``$PDORCH_REDIS_URL_FILE`` names a file holding the whole URL, read once here: a Secret
+    mounted read-only keeps the password out of the process's environment (which
+    ``/proc/PID/environ``, crash reports and a pod's spec show). It stands in for
+    ``$PDORCH_REDIS_URL``: both set is an error, and so is a ``--redis`` that differs from
+    it (two sources, and no telling which one was meant)."""
     url = getattr(args, "redis", None)
     if url is None:
         return
-    from orchestrator.store.url import has_password, with_password  # noqa: PLC0415
+    from orchestrator.store.redis_store import StoreSettings  # noqa: PLC0415 - imports redis
+    from orchestrator.store.url import has_password, redacted, with_password  # noqa: PLC0415
 
-    if has_password(url) and url != env.get(REDIS_URL_ENV):
+    url_file = env.get(REDIS_URL_FILE_ENV, "")
+    if url_file:
+        if env.get(REDIS_URL_ENV):
+            raise CommandError(f"set one of ${REDIS_URL_ENV} and ${REDIS_URL_FILE_ENV}, not both")
+        try:
+            text = Path(url_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CommandError(f"${REDIS_URL_FILE_ENV} {url_file}: {exc}") from None
+        if not text:
+            raise CommandError(f"${REDIS_URL_FILE_ENV} {url_file}: empty")
+        try:
+            from_file = redis_url(text)
+        except argparse.ArgumentTypeError as exc:
+            raise CommandError(f"${REDIS_URL_FILE_ENV} {url_file}: {exc}") from None
+        if url not in (from_file, default(StoreSettings, "url")):
+            raise CommandError(
+                f"--redis {redacted(url)} and ${REDIS_URL_FILE_ENV} {url_file}: give one"
+            )
+        args.redis = url = from_file
+    elif has_password(url) and url != env.get(REDIS_URL_ENV):
         log.warning(
             "--redis carries a password on the command line (visible to every user of this "
             "host): use $%s or --redis-password-file",

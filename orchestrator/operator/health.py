@@ -4,8 +4,10 @@ Modes follow what the orchestrators do on their own (placement falls back to agg
 when a pool has no live workers, per ``--fallback``):
 
     disaggregated        both pools have a ready pod
-    aggregated-fallback  one pool has none and failover.fallback is local: requests run
-                         whole on the other pool's workers
+    aggregated           one pool is scaled to 0 replicas by the spec, the other has a
+                         ready pod and failover.fallback is local: requests run whole on
+                         the other pool's workers, as asked (not degraded)
+    aggregated-fallback  the same, but the pool with no ready pod should have some
     unavailable          no pool has a ready pod, or one has none and the policy is fail
 
 Conditions (metav1.Condition shape): Ready, PrefillPoolReady, DecodePoolReady, Degraded,
@@ -31,8 +33,11 @@ Degraded is True with the first reason that applies, in this order: ApplyFailed,
 ForeignObjects, CertificatesNotReady (pods cannot start without their Secret; a failed
 renewal will expire), OrchestratorUnavailable, RedisUnavailable, NoWorkers,
 PrefillPoolUnavailable, DecodePoolUnavailable, RolloutStuck; else False, reason
-RollingUpdate during a rollout, AllComponentsReady after it. A condition's
-lastTransitionTime changes only when its status does.
+RollingUpdate during a rollout, ScaledToZero when a pool is at 0 replicas by the spec,
+AllComponentsReady otherwise. A pool the spec scales to 0 is never a reason to be
+degraded: its pool condition reads ScaledToZero, and with no serving pool left (both at 0,
+or one at 0 with failover.fallback fail) Ready is False, reason ScaledToZero.
+A condition's lastTransitionTime changes only when its status does.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ from dataclasses import dataclass
 from typing import Any
 
 DISAGGREGATED = "disaggregated"
+AGGREGATED = "aggregated"
 AGGREGATED_FALLBACK = "aggregated-fallback"
 UNAVAILABLE = "unavailable"
+MODES = (DISAGGREGATED, AGGREGATED, AGGREGATED_FALLBACK, UNAVAILABLE)  # the CRD's enum
 
 
 # Longest API message kept per refused object in the Reconciled condition.
@@ -67,6 +74,11 @@ class Workload:
     @property
     def up(self) -> bool:
         return self.exists and self.ready > 0
+
+    @property
+    def scaled_to_zero(self) -> bool:
+        """The spec asks for no pod: its absence is no fault."""
+        return self.desired == 0
 
     @property
     def rolling(self) -> bool:
@@ -153,19 +165,26 @@ def assess(
     degraded = degraded or ("CertificatesNotReady" if unissued else None)
     degraded = degraded or _degraded_reason(orchestrator, prefill, decode, redis)
     degraded = degraded or ("RolloutStuck" if stuck else None)
+    zero = [name for name, w in (("prefill", prefill), ("decode", decode)) if w.scaled_to_zero]
+    at_zero = f"{' and '.join(zero)} scaled to 0 by the spec" if zero else ""
     serving = orchestrator.up and mode != UNAVAILABLE and (redis is None or redis.up)
     ready = serving and not failed and not stuck
     if ready:
-        ready_message = f"serving {mode}"
+        ready_message = f"serving {mode} ({at_zero})" if zero else f"serving {mode}"
     elif serving:
         ready_message = f"serving {mode}, but not as specified: {degraded}"
+    elif degraded is None and zero:
+        ready_message = f"not serving: {at_zero}" + (
+            f" and failover.fallback is {fallback}" if len(zero) == 1 else ""
+        )
     else:
         ready_message = "not serving"
+    calm = "RollingUpdate" if rolling else ("ScaledToZero" if zero else "AllComponentsReady")
     conditions = [
         _condition(
             "Ready",
             ready,
-            _mode_reason(mode) if ready else (degraded or "NotReady"),
+            _mode_reason(mode) if ready else (degraded or ("ScaledToZero" if zero else "NotReady")),
             ready_message,
         ),
         _pool_condition("PrefillPoolReady", prefill),
@@ -173,8 +192,8 @@ def assess(
         _condition(
             "Degraded",
             degraded is not None,
-            degraded or ("RollingUpdate" if rolling else "AllComponentsReady"),
-            _degraded_message(degraded, mode, foreign, failed, stuck),
+            degraded or calm,
+            _degraded_message(degraded, mode, foreign, failed, stuck, at_zero),
         ),
         _progressing(workloads, stuck, rolling),
         _reconciled(foreign, failed),
@@ -244,15 +263,20 @@ def merge_conditions(
 
 
 def _mode(prefill: Workload, decode: Workload, fallback: str) -> str:
+    """What the orchestrators do: their placement falls back to aggregated when a pool has
+    no live worker, whatever the reason (README "Failover")."""
     if prefill.up and decode.up:
         return DISAGGREGATED
     if (prefill.up or decode.up) and fallback == "local":
-        return AGGREGATED_FALLBACK
+        missing = decode if prefill.up else prefill
+        return AGGREGATED if missing.scaled_to_zero else AGGREGATED_FALLBACK
     return UNAVAILABLE
 
 
 def _mode_reason(mode: str) -> str:
-    return "Disaggregated" if mode == DISAGGREGATED else "AggregatedFallback"
+    return {DISAGGREGATED: "Disaggregated", AGGREGATED: "Aggregated"}.get(
+        mode, "AggregatedFallback"
+    )
 
 
 def _degraded_reason(
@@ -262,11 +286,14 @@ def _degraded_reason(
         return "OrchestratorUnavailable"
     if redis is not None and not redis.up:
         return "RedisUnavailable"
-    if not prefill.up and not decode.up:
+    # A pool is missing only if the spec wants pods in it.
+    prefill_missing = not prefill.up and not prefill.scaled_to_zero
+    decode_missing = not decode.up and not decode.scaled_to_zero
+    if prefill_missing and decode_missing:
         return "NoWorkers"
-    if not prefill.up:
+    if prefill_missing:
         return "PrefillPoolUnavailable"
-    if not decode.up:
+    if decode_missing:
         return "DecodePoolUnavailable"
     return None
 
@@ -277,9 +304,10 @@ def _degraded_message(
     foreign: Sequence[str],
     failed: Mapping[str, str],
     stuck: Mapping[str, str],
+    at_zero: str,
 ) -> str:
     if reason is None:
-        return "every component has a ready pod"
+        return f"{at_zero}; mode {mode}" if at_zero else "every component has a ready pod"
     if failed:
         return f"refused by the API (see Reconciled): {', '.join(failed)}; mode {mode}"
     if foreign:
@@ -326,6 +354,9 @@ def _reconciled(foreign: Sequence[str], failed: Mapping[str, str]) -> dict[str, 
 
 
 def _pool_condition(kind: str, pool: Workload) -> dict[str, Any]:
+    if pool.scaled_to_zero:
+        still = f" ({pool.ready} pods still ready)" if pool.up else ""
+        return _condition(kind, False, "ScaledToZero", f"scaled to 0 by the spec{still}")
     if not pool.exists:
         return _condition(kind, False, "NotCreated", "the Deployment does not exist yet")
     message = f"{pool.ready}/{pool.desired} pods ready"

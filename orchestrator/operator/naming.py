@@ -31,6 +31,12 @@ COMPONENTS = ("orchestrator", "prefill", "decode", "redis")
 REVISION_HASH_LENGTH = 10
 MAX_NAME_LENGTH = 63 - len("-redis") - 1 - REVISION_HASH_LENGTH
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Every suffix `names` (and `certificate`) appends to the resource's name. A resource named
+# with one of them would share names with another resource's children (`a`'s headless
+# Service `a-prefill` is the Service of a resource named `a-prefill`), each operator pass
+# patching the other's object back: such names are refused, here and by the CRD's rule
+# (which a test holds to this list).
+CHILD_SUFFIXES = ("-config", "-orchestrator", "-prefill", "-decode", "-redis", "-workers")
 
 LABEL_NAME = "app.kubernetes.io/name"
 APP_NAME = "pdorch"  # the value of LABEL_NAME on every child and pod
@@ -56,6 +62,13 @@ class Identity:
                 "metadata.name",
                 f"must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters",
             )
+        for suffix in CHILD_SUFFIXES:
+            if self.name.endswith(suffix):
+                raise SpecError(
+                    "metadata.name",
+                    f"must not end in {suffix}: children of a resource named "
+                    f"{self.name.removesuffix(suffix)!r} have that name",
+                )
 
 
 @dataclass(frozen=True)

@@ -73,13 +73,20 @@ class Gpu:
     count: int = 1  # `nvidia.com/gpu` devices per pod
 
 
+# A worker's requests (beside its GPUs) when the spec gives none: a namespace with a
+# ResourceQuota on requests refuses pods without them, and a scheduler that knows nothing of
+# a pod places it anywhere. A worker holds torch, the model's weights on the host while it
+# loads them, and its KV buffers; a core keeps the gRPC and KV I/O going beside the engine.
+WORKER_REQUESTS: Mapping[str, str] = {"cpu": "1", "memory": "2Gi"}
+
+
 @dataclass(frozen=True)
 class Pool:
     """One worker pool (prefill or decode)."""
 
     replicas: int = 1
     gpu: Gpu | None = None
-    resources: Resources = field(default_factory=Resources)
+    resources: Resources = field(default_factory=lambda: Resources(requests=dict(WORKER_REQUESTS)))
     image: str | None = None  # overrides the service's image
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -108,6 +115,11 @@ class SecretKey:
     key: str
 
 
+# The dev Redis's requests when the spec gives none (see WORKER_REQUESTS): a development
+# Redis holds the requests in flight and their journals, megabytes.
+DEV_REDIS_REQUESTS: Mapping[str, str] = {"cpu": "100m", "memory": "256Mi"}
+
+
 @dataclass(frozen=True)
 class DevRedis:
     """A one-replica Redis StatefulSet with AOF on, for development clusters."""
@@ -115,6 +127,9 @@ class DevRedis:
     image: str = "redis:7.4"
     storage: str = "1Gi"
     append_fsync: str = "everysec"  # `always` closes the ~1 s loss window at a throughput cost
+    resources: Resources = field(
+        default_factory=lambda: Resources(requests=dict(DEV_REDIS_REQUESTS))
+    )
 
 
 @dataclass(frozen=True)
@@ -286,7 +301,7 @@ def _pool(r: _Reader, *, decode: bool) -> Pool:
         gpu=Gpu(gpu.label_value("product", required=True), gpu.integer("count", 1, minimum=1))
         if gpu.present
         else None,
-        resources=_resources(r.child("resources")),
+        resources=_resources(r.child("resources"), WORKER_REQUESTS),
         image=r.string("image") or None,
         node_selector=r.label_map("nodeSelector"),
         tolerations=_tolerations(r, "tolerations"),
@@ -336,12 +351,13 @@ def _redis(r: _Reader) -> Redis:
         secret.only("name", "key")
         ref = SecretKey(secret.object_name("name", required=True), secret.config_key("key", "url"))
         return Redis(url_secret=ref)
-    dev.only("image", "storage", "appendFsync")
+    dev.only("image", "storage", "appendFsync", "resources")
     return Redis(
         dev=DevRedis(
             image=dev.string("image", "redis:7.4"),
             storage=dev.quantity("storage", "1Gi"),
             append_fsync=dev.choice("appendFsync", ("everysec", "always"), "everysec"),
+            resources=_resources(dev.child("resources"), DEV_REDIS_REQUESTS),
         )
     )
 

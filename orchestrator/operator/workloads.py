@@ -16,7 +16,10 @@ the CLI's own parser). The mapping from the spec:
     <pool>.engine                worker --engine (reference | vllm)
     <pool>.torchThreads          worker --torch-threads
     <pool>.gpu                   node selector nvidia.com/gpu.product + nvidia.com/gpu limit
-    redis                        env PDORCH_REDIS_URL (from the Secret, or the dev Service)
+    redis.urlSecret              the Secret's key mounted read-only as a file, env
+                                 PDORCH_REDIS_URL_FILE (the URL carries the password: never
+                                 an environment variable nor an argument)
+    redis.dev                    env PDORCH_REDIS_URL (the dev Service; no password)
     auth.tokensSecret            orchestrators: the Secret's key mounted read-only as a
                                  file, env PDORCH_TOKENS_FILE (never an argument)
     tls                          the component's own key mounted read-only, env
@@ -53,6 +56,9 @@ TMP_PATH = "/tmp"  # noqa: S108 - an emptyDir of the pod's own, the image's HOME
 AUTH_DIR = "/etc/pdorch/auth"
 TOKENS_FILE = "tokens.yaml"  # in AUTH_DIR; YAML or JSON, whatever the Secret's key holds
 TOKENS_FILE_ENV = "PDORCH_TOKENS_FILE"  # the orchestrator's --tokens-file
+REDIS_DIR = "/etc/pdorch/redis"
+REDIS_URL_FILE = "url"  # in REDIS_DIR
+REDIS_URL_FILE_ENV = "PDORCH_REDIS_URL_FILE"  # read once, at the process's start
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # The orchestrator's gRPC drain ends this long before the kubelet's SIGKILL, leaving time
@@ -91,6 +97,7 @@ def orchestrator_deployment(identity: Identity, spec: ServiceSpec, config_hash: 
         probe_port=ORCHESTRATOR_PORT,
     )
     pod = _pod_spec(identity, n, spec, "orchestrator", [container])
+    _mount_redis_url(spec, pod)
     _mount_tokens(spec, pod)
     _mount_tls(identity, spec, "orchestrator", pod)
     return _deployment(
@@ -150,6 +157,7 @@ def worker_deployment(identity: Identity, spec: ServiceSpec, role: str, config_h
         else {"name": "model-cache", "emptyDir": {}},
         *pod["volumes"],
     ]
+    _mount_redis_url(spec, pod)
     _mount_tls(identity, spec, role, pod)
     _schedule_on_gpus(pod, pool)
     return _deployment(
@@ -203,6 +211,7 @@ def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
         "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10},
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
         "securityContext": _container_security(),
+        "resources": _resources(dev.resources, 0),
     }
     return {
         "apiVersion": "apps/v1",
@@ -243,6 +252,29 @@ def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
 
 
 # ------------------------------------------------------------------------------- parts
+
+
+def _mount_redis_url(spec: ServiceSpec, pod: Obj) -> None:
+    """The external Redis's URL (its password included), read-only, from its Secret: a
+    file, not an environment variable (which the process's /proc/PID/environ, crash
+    dumps and anything that logs the environment would show). Read once at start: a
+    rotated URL reaches the processes as their pods restart."""
+    ref = spec.redis.url_secret
+    if ref is None:
+        return
+    secret = {
+        "secretName": ref.name,
+        "items": [{"key": ref.key, "path": REDIS_URL_FILE}],
+        "defaultMode": tls.FILE_MODE,  # the pods' group reads it, no one else
+    }
+    pod["volumes"] = [*pod.get("volumes", []), {"name": "redis-url", "secret": secret}]
+    (container,) = pod["containers"]
+    mount = {"name": "redis-url", "mountPath": REDIS_DIR, "readOnly": True}
+    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    container["env"] = [
+        *container["env"],
+        {"name": REDIS_URL_FILE_ENV, "value": f"{REDIS_DIR}/{REDIS_URL_FILE}"},
+    ]
 
 
 def _mount_tokens(spec: ServiceSpec, pod: Obj) -> None:
@@ -311,14 +343,6 @@ def _container(
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    if spec.redis.url_secret is not None:
-        ref = spec.redis.url_secret
-        env.append(
-            {
-                "name": "PDORCH_REDIS_URL",
-                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-            }
-        )
     container: Obj = {
         "name": name,
         "image": image,

@@ -7,12 +7,14 @@ from typing import Any
 import pytest
 
 from orchestrator.operator.health import (
+    MODES,
     Workload,
     assess,
     certificate_ready,
     invalid_spec,
     workload_from,
 )
+from tests.operator.conftest import MANIFESTS, load_yaml_documents
 
 UP, DOWN = Workload(desired=2, ready=2), Workload(desired=2, ready=0)
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -264,3 +266,80 @@ def test_refused_objects_are_not_reconciled_and_not_ready() -> None:
     assert _conditions(status)["Ready"] == ("False", "ApplyFailed")
     assert _conditions(status)["Degraded"] == ("True", "ApplyFailed")
     assert _conditions(_status())["Reconciled"] == ("True", "Applied")
+
+
+ZERO = Workload(desired=0)  # a pool the spec scales to 0 replicas
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "mode", "ready", "degraded"),
+    [
+        ({"prefill": ZERO}, "aggregated", ("True", "Aggregated"), ("False", "ScaledToZero")),
+        ({"decode": ZERO}, "aggregated", ("True", "Aggregated"), ("False", "ScaledToZero")),
+        (
+            {"prefill": ZERO, "fallback": "fail"},
+            "unavailable",
+            ("False", "ScaledToZero"),
+            ("False", "ScaledToZero"),
+        ),
+        (
+            {"prefill": ZERO, "decode": ZERO},
+            "unavailable",
+            ("False", "ScaledToZero"),
+            ("False", "ScaledToZero"),
+        ),
+        # A pool at 0 hides no fault of the other one.
+        (
+            {"prefill": ZERO, "decode": DOWN},
+            "unavailable",
+            ("False", "DecodePoolUnavailable"),
+            ("True", "DecodePoolUnavailable"),
+        ),
+        (
+            {"prefill": ZERO, "decode": ROLLING},
+            "aggregated",
+            ("True", "Aggregated"),
+            ("False", "RollingUpdate"),
+        ),
+    ],
+    ids=[
+        "prefill-0",
+        "decode-0",
+        "prefill-0-fail-policy",
+        "both-0",
+        "prefill-0-decode-down",
+        "prefill-0-decode-rolling",
+    ],
+)
+def test_a_pool_scaled_to_zero_by_the_spec_is_not_degraded(
+    kwargs: dict[str, Any], mode: str, ready: tuple[str, str], degraded: tuple[str, str]
+) -> None:
+    status = _status(**kwargs)
+    conditions = _conditions(status)
+    assert status["mode"] == mode
+    assert conditions["Ready"] == ready
+    assert conditions["Degraded"] == degraded
+
+
+def test_a_pool_scaled_to_zero_says_so() -> None:
+    status = _status(prefill=ZERO)
+    messages = {c["type"]: c["message"] for c in status["conditions"]}
+    assert _conditions(status)["PrefillPoolReady"] == ("False", "ScaledToZero")
+    assert messages["PrefillPoolReady"] == "scaled to 0 by the spec"
+    assert messages["Degraded"] == "prefill scaled to 0 by the spec; mode aggregated"
+    assert messages["Ready"] == "serving aggregated (prefill scaled to 0 by the spec)"
+    assert status["prefill"] == {"replicas": 0, "readyReplicas": 0}
+    failing = _status(prefill=ZERO, fallback="fail")
+    (ready,) = [c for c in failing["conditions"] if c["type"] == "Ready"]
+    assert ready["message"] == (
+        "not serving: prefill scaled to 0 by the spec and failover.fallback is fail"
+    )
+    # Scaling back up: its pods not ready yet is a fault again, as before.
+    assert _conditions(_status(prefill=DOWN))["Degraded"] == ("True", "PrefillPoolUnavailable")
+
+
+def test_every_mode_is_in_the_crds_status_enum() -> None:
+    (crd,) = load_yaml_documents(MANIFESTS / "crd" / "disaggregatedservices.pdorch.io.yaml")
+    (version,) = crd["spec"]["versions"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert status["properties"]["mode"]["enum"] == list(MODES)

@@ -383,12 +383,13 @@ def test_switching_to_an_external_redis_prunes_the_dev_one(api: Api, apply: Appl
         )
         config = (api.get(CONFIGMAPS, "foxtrot-config") or {}).get("data", {})
         decode = api.get(DEPLOYMENTS, "foxtrot-decode") or {}
-        env = decode["spec"]["template"]["spec"]["containers"][0]["env"]
-        from_secret = {"secretKeyRef": {"name": "redis", "key": "url"}}
+        pod = decode["spec"]["template"]["spec"]
+        from_secret = {"name": "redis-url", "secret": {"secretName": "redis", "items": [
+            {"key": "url", "path": "url"}], "defaultMode": 0o440}}  # fmt: skip
         return (
             gone
             and "PDORCH_REDIS_URL" not in config
-            and any(e.get("valueFrom") == from_secret for e in env)
+            and from_secret in pod.get("volumes", [])
             and "redis" not in status_of(api, "foxtrot")  # nothing to count any more
         )
 
@@ -450,6 +451,21 @@ def test_invalid_spec_is_reported_and_nothing_is_applied(api: Api, apply: Apply)
     assert condition(status, "Degraded") == ("True", "InvalidSpec")
     assert "spec.redis" in status["conditions"][0]["message"]
     assert api.get(DEPLOYMENTS, "golf-orchestrator") is None
+
+
+def test_a_name_ending_in_a_childs_suffix_is_reported_and_nothing_is_applied(
+    api: Api, apply: Apply
+) -> None:
+    """`kilo-redis` would share its Service with the dev Redis of a resource `kilo`."""
+    apply("kilo-redis", SPEC)  # kmock does not evaluate the CRD's rule either
+
+    def reported(status: dict[str, Any]) -> bool:
+        return condition(status, "Degraded") is not None
+
+    status = wait_for("a status", lambda: status_where(api, "kilo-redis", reported))
+    assert condition(status, "Reconciled") == ("False", "InvalidSpec")
+    assert "metadata.name: must not end in -redis" in status["conditions"][0]["message"]
+    assert api.get(DEPLOYMENTS, "kilo-redis-orchestrator") is None
 
 
 def test_someone_elses_object_is_left_alone(api: Api, apply: Apply) -> None:

@@ -93,3 +93,47 @@ def test_the_operator_cannot_read_secrets() -> None:
     """Pods get Secrets (the Redis URL, TLS keys) from the kubelet; the operator never
     holds one."""
     assert not [key for key in _grants() if key[1] == "secrets"]
+
+
+def _aggregated() -> dict[str, dict[str, Any]]:
+    docs = load_yaml_documents(MANIFESTS / "crd" / "aggregated-clusterroles.yaml")
+    return {doc["metadata"]["name"]: doc for doc in docs}
+
+
+def _aggregates_to(role: dict[str, Any]) -> set[str]:
+    prefix = "rbac.authorization.k8s.io/aggregate-to-"
+    labels = role["metadata"]["labels"]
+    return {
+        k.removeprefix(prefix) for k, v in labels.items() if k.startswith(prefix) and v == "true"
+    }
+
+
+def test_namespace_users_get_the_custom_resource_through_aggregated_roles() -> None:
+    """`edit` (and `admin`) users of a namespace manage DisaggregatedServices there, `view`
+    users read them: ClusterRoles that the built-in roles aggregate by label."""
+    roles = _aggregated()
+    assert set(roles) == {"pdorch-disaggregatedservices-edit", "pdorch-disaggregatedservices-view"}
+    edit, view = (
+        roles["pdorch-disaggregatedservices-edit"],
+        roles["pdorch-disaggregatedservices-view"],
+    )
+    assert _aggregates_to(edit) == {"edit", "admin"}
+    assert _aggregates_to(view) == {"view", "edit", "admin"}
+    assert edit["rules"] == [
+        {
+            "apiGroups": ["pdorch.io"],
+            "resources": ["disaggregatedservices"],  # never the status: the operator's
+            "verbs": [
+                "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"
+            ],
+        }
+    ]  # fmt: skip
+    (rule,) = view["rules"]
+    assert rule["apiGroups"] == ["pdorch.io"]
+    assert set(rule["resources"]) == {"disaggregatedservices", "disaggregatedservices/status"}
+    assert set(rule["verbs"]) == {"get", "list", "watch"}
+
+
+def test_the_aggregated_roles_are_installed_with_the_crd() -> None:
+    (kustomization,) = load_yaml_documents(MANIFESTS / "crd" / "kustomization.yaml")
+    assert "aggregated-clusterroles.yaml" in kustomization["resources"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from orchestrator.cli import build_parser
+from orchestrator.cli.common import resolve_redis
 from orchestrator.operator import naming
 from orchestrator.operator.naming import Ref
 from orchestrator.operator.render import child_refs, render
@@ -206,16 +208,39 @@ def test_cpu_pools_have_no_gpu_scheduling() -> None:
     pod = rendered(MINIMAL_SPEC)["Deployment", "llama-decode"]["spec"]["template"]["spec"]
     assert "nodeSelector" not in pod
     assert "tolerations" not in pod
-    assert pod["containers"][0]["resources"] == {}
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
 
 
-def test_external_redis_url_comes_from_the_secret_in_every_process() -> None:
+def test_external_redis_url_is_a_file_from_the_secret_in_every_process(tmp_path: Path) -> None:
+    """The URL carries the password: mounted read-only from its Secret and named by
+    PDORCH_REDIS_URL_FILE, never an environment variable (secretKeyRef) — and the real CLI,
+    given the container's environment and arguments, takes its URL from that file."""
     objs = rendered(FULL_SPEC)
+    url = "rediss://pdorch:pw@redis.example:6380/0"
     for name in ("llama-orchestrator", "llama-prefill", "llama-decode"):
-        env = {e["name"]: e for e in _container(objs, name)["env"]}
-        assert env["PDORCH_REDIS_URL"]["valueFrom"] == {
-            "secretKeyRef": {"name": "redis-credentials", "key": "uri"}
+        pod = objs["Deployment", name]["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "redis-url"]
+        assert volume["secret"] == {
+            "secretName": "redis-credentials",
+            "items": [{"key": "uri", "path": "url"}],
+            "defaultMode": 0o440,
         }
+        container = _container(objs, name)
+        mount = {"name": "redis-url", "mountPath": "/etc/pdorch/redis", "readOnly": True}
+        assert mount in container["volumeMounts"]
+        assert "secretKeyRef" not in json.dumps(container)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PDORCH_REDIS_URL_FILE"] == "/etc/pdorch/redis/url"
+        assert "PDORCH_REDIS_URL" not in env
+        # The file as the kubelet would project it, here; the CLI as the pod runs it.
+        (tmp_path / "url").write_text(url + "\n")
+        literal_env = {k: v for k, v in env.items() if v is not None}
+        literal_env["PDORCH_REDIS_URL_FILE"] = str(tmp_path / "url")
+        argv = [a.replace("$(POD_NAME)", "p").replace("$(POD_IP)", "10.0.0.1") for a in
+                container["args"]]  # fmt: skip
+        args = build_parser(literal_env).parse_args(argv)
+        resolve_redis(args, literal_env)
+        assert args.redis == url
     assert "PDORCH_REDIS_URL" not in objs["ConfigMap", "llama-config"]["data"]
 
 
@@ -329,6 +354,24 @@ def test_network_policies_neither_isolate_nor_admit_another_apps_pods() -> None:
         assert _selects(redis_from["podSelector"], labels), name
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [MINIMAL_SPEC, FULL_SPEC, spec_with(FULL_SPEC, "tls", TLS_CERT_MANAGER)],
+    ids=["minimal", "full", "cert-manager"],
+)
+def test_every_child_is_named_with_a_reserved_suffix(raw: dict[str, Any]) -> None:
+    """What makes names of resources unique to each: a child is the resource's name or
+    that plus one of `CHILD_SUFFIXES` (which no resource's name may end in), so two
+    resources of one namespace never render an object of the same kind and name."""
+    for kind, name in rendered(raw):
+        suffix = name.removeprefix(IDENTITY.name)
+        assert name.startswith(IDENTITY.name), (kind, name)
+        assert suffix == "" or suffix in naming.CHILD_SUFFIXES, (kind, name)
+    a = set(rendered(MINIMAL_SPEC, naming.Identity("a", "ml", "uid-a")))
+    b = set(rendered(MINIMAL_SPEC, naming.Identity("a-prefill-x", "ml", "uid-b")))
+    assert not a & b
+
+
 def test_network_policies_come_first() -> None:
     """Applied before any pod exists (nothing runs unguarded if a later object fails)."""
     kinds = [o["kind"] for o in render(IDENTITY, parse_spec(MINIMAL_SPEC))]
@@ -385,6 +428,45 @@ def test_orchestrators_request_resources_by_default() -> None:
     assert resources(limited) == {"requests": {"cpu": "500m"}, "limits": {"memory": "256Mi"}}
     given = spec_with(MINIMAL_SPEC, "orchestrator.resources", {"requests": {"cpu": "2"}})
     assert resources(given) == {"requests": {"cpu": "2"}}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_request_cpu_and_memory_by_default(role: str) -> None:
+    """A namespace's ResourceQuota on requests refuses a pod without them."""
+
+    def resources(raw: dict[str, Any]) -> Any:
+        return _container(rendered(raw), f"llama-{role}")["resources"]
+
+    assert resources(MINIMAL_SPEC) == {"requests": {"cpu": "1", "memory": "2Gi"}}
+    gpu = spec_with(MINIMAL_SPEC, f"{role}.gpu", {"product": "NVIDIA-L4"})
+    assert resources(gpu) == {
+        "requests": {"cpu": "1", "memory": "2Gi"},
+        "limits": {"nvidia.com/gpu": "1"},  # GPUs are the gpu field's, never defaulted
+    }
+    limited = spec_with(MINIMAL_SPEC, f"{role}.resources", {"limits": {"cpu": "500m"}})
+    assert resources(limited) == {"requests": {"memory": "2Gi"}, "limits": {"cpu": "500m"}}
+    given = spec_with(MINIMAL_SPEC, f"{role}.resources", {"requests": {"memory": "8Gi"}})
+    assert resources(given) == {"requests": {"memory": "8Gi"}}
+
+
+def test_the_dev_redis_requests_resources_and_takes_the_specs() -> None:
+    def resources(raw: dict[str, Any]) -> Any:
+        sts = rendered(raw)["StatefulSet", "llama-redis"]
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        return container["resources"]
+
+    assert resources(MINIMAL_SPEC) == {"requests": {"cpu": "100m", "memory": "256Mi"}}
+    limited = spec_with(MINIMAL_SPEC, "redis.dev.resources", {"limits": {"memory": "128Mi"}})
+    assert resources(limited) == {"requests": {"cpu": "100m"}, "limits": {"memory": "128Mi"}}
+    given = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+    assert resources(spec_with(MINIMAL_SPEC, "redis.dev.resources", given)) == given
+
+
+def test_every_container_requests_resources_by_default() -> None:
+    for (kind, name), obj in rendered(MINIMAL_SPEC).items():
+        if kind in ("Deployment", "StatefulSet"):
+            for container in obj["spec"]["template"]["spec"]["containers"]:
+                assert set(container["resources"]["requests"]) == {"cpu", "memory"}, name
 
 
 def test_the_dev_redis_pvc_goes_with_the_resource() -> None:

@@ -18,7 +18,7 @@ from kubernetes_validate import utils as kubernetes_validate_utils
 
 from orchestrator.cli import build_parser
 from orchestrator.operator.errors import SpecError
-from orchestrator.operator.naming import MAX_NAME_LENGTH, Identity
+from orchestrator.operator.naming import CHILD_SUFFIXES, MAX_NAME_LENGTH, Identity
 from orchestrator.operator.render import render
 from orchestrator.operator.spec import parse_spec
 from tests.operator.certmanager import validate_certificate
@@ -35,7 +35,14 @@ from tests.operator.conftest import (
     spec_with,
 )
 
-FULL_DEV_REDIS = {"dev": {"image": "redis:7.2", "storage": "3Gi", "appendFsync": "always"}}
+FULL_DEV_REDIS = {
+    "dev": {
+        "image": "redis:7.2",
+        "storage": "3Gi",
+        "appendFsync": "always",
+        "resources": {"requests": {"cpu": "200m"}, "limits": {"memory": "1Gi"}},
+    }
+}
 CRD_PATH = MANIFESTS / "crd" / "disaggregatedservices.pdorch.io.yaml"
 OVERLAYS = sorted(p.parent for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
 
@@ -238,6 +245,16 @@ def test_crd_caps_the_name_where_identity_does() -> None:
         Identity("a" * (MAX_NAME_LENGTH + 1), "ml", "uid")
 
 
+def test_crd_refuses_the_names_identity_refuses() -> None:
+    """The CRD's rule on the name's suffix names exactly `CHILD_SUFFIXES` (CEL is not
+    evaluated here; the rule is checked for its text, the parser for its behaviour)."""
+    (crd,) = load_yaml_documents(CRD_PATH)
+    (version,) = crd["spec"]["versions"]
+    rules = [v["rule"] for v in version["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]]
+    expected = " && ".join(f"!self.metadata.name.endsWith('{s}')" for s in CHILD_SUFFIXES)
+    assert expected in rules
+
+
 def _closed(schema: Any) -> Any:
     """The schema with additionalProperties: false on every object with properties."""
     if isinstance(schema, dict):
@@ -315,10 +332,12 @@ def test_kustomize_overlay_builds_and_validates(overlay: Path) -> None:
     ).stdout
     objects = [doc for doc in yaml.safe_load_all(built) if doc]
     kinds = {o["kind"] for o in objects}
-    assert {"CustomResourceDefinition", "Deployment", "Role", "RoleBinding", "Namespace"} <= kinds
+    wanted = {"CustomResourceDefinition", "ClusterRole", "Deployment", "Role", "RoleBinding"}
+    assert wanted | {"Namespace"} <= kinds  # ClusterRole: the users' aggregated roles
     for obj in objects:
         validate_any(obj)
-        if obj["kind"] not in ("CustomResourceDefinition", "Namespace", "PriorityClass"):
+        cluster_scoped = ("CustomResourceDefinition", "Namespace", "PriorityClass", "ClusterRole")
+        if obj["kind"] not in cluster_scoped:
             assert obj["metadata"]["namespace"] == overlay_namespace(overlay)
 
 

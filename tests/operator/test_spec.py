@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from orchestrator.operator.errors import SpecError
-from orchestrator.operator.naming import Identity
+from orchestrator.operator.naming import CHILD_SUFFIXES, Identity
 from orchestrator.operator.spec import (
     DevRedis,
     Failover,
@@ -155,3 +155,27 @@ def test_resource_name_must_fit_every_child_name(name: str) -> None:
 
 def test_longest_allowed_name_is_accepted() -> None:
     assert Identity(name="a" * 46, namespace="ml", uid="u").name == "a" * 46
+
+
+@pytest.mark.parametrize("suffix", CHILD_SUFFIXES)
+def test_a_name_ending_in_a_childs_suffix_is_refused(suffix: str) -> None:
+    """`a` names its children `a-prefill`, `a-redis`, …: a resource of such a name would
+    share objects with another's (the headless Service `a-prefill` is also the Service of
+    the resource `a-prefill`), each pass patching the other's back."""
+    with pytest.raises(SpecError, match=rf"metadata\.name: must not end in {suffix}: .*'a'"):
+        Identity(name=f"a{suffix}", namespace="ml", uid="u")
+    # Only as a suffix: inside a name it collides with nothing.
+    assert Identity(name=f"a{suffix}-x", namespace="ml", uid="u")
+
+
+@pytest.mark.parametrize(
+    ("resources", "field"),
+    [
+        ({"requests": {"cpu": "lots"}}, "spec.redis.dev.resources.requests.cpu"),
+        ({"claims": []}, "spec.redis.dev.resources.claims"),
+    ],
+)
+def test_invalid_dev_redis_resources_are_named(resources: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec_with(MINIMAL_SPEC, "redis.dev.resources", resources))
+    assert info.value.field == field
