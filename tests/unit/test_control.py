@@ -120,8 +120,18 @@ def test_a_body_at_the_limit_is_accepted(kind: Kind) -> None:
         Kind.LAYER: LAYER_FRAME_SIZE,
         Kind.LAYERS: MAX_BODY - MAX_BODY % LAYER_FRAME_SIZE,
         Kind.PAYLOAD: control.EAGER_BYTES,
+        **dict.fromkeys(SMALL, control.SMALL_BODY_BYTES),
     }.get(kind, MAX_BODY)
     assert control.decode_head(HEAD.pack(kind, length)) == (kind, length)
+
+
+SMALL = (Kind.HELLO, Kind.ACCEPT, Kind.DONE, Kind.ERROR, Kind.ABORT, Kind.LANDED, Kind.ALIVE)
+
+
+@pytest.mark.parametrize("kind", SMALL)
+def test_a_message_that_is_always_small_is_refused_from_a_large_head(kind: Kind) -> None:
+    with pytest.raises(errors.WireFormatError, match=f"{kind.name} message of"):
+        control.decode_head(HEAD.pack(kind, control.SMALL_BODY_BYTES + 1))
 
 
 @pytest.mark.parametrize("length", [0, 1, LAYER_FRAME_SIZE - 1, LAYER_FRAME_SIZE + 1, MAX_BODY])
