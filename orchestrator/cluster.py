@@ -43,7 +43,15 @@ from orchestrator.store.connect import sync_client
 from orchestrator.store.keys import Keys
 from orchestrator.store.server import RedisServer, RedisServerError
 
-__all__ = ["ClusterError", "LocalCluster", "Proc", "connect", "free_port", "spawn"]
+__all__ = [
+    "ClusterError",
+    "LocalCluster",
+    "Proc",
+    "connect",
+    "free_port",
+    "group_runs",
+    "spawn",
+]
 
 
 class ClusterError(Exception):
@@ -111,21 +119,121 @@ class Proc:
         except ChildProcessError:  # reaped meanwhile
             return True
 
+    def _reaped(self) -> bool:
+        """The leader was reaped: its pid no longer holds its group's id for it."""
+        if self.popen.returncode is not None:
+            return True
+        try:
+            os.waitid(os.P_PID, self.popen.pid, _EXITED_NOWAIT)
+        except ChildProcessError:  # reaped by someone else than `popen`
+            return True
+        return False
+
+    def exit_status(self) -> str | None:
+        """How the process ended ("exited with 1", "killed by SIGKILL"); None while it runs.
+        It is not reaped: its pid keeps naming its group, which `stop` then still reaches."""
+        code = self.popen.returncode
+        if code is None:
+            try:
+                info = os.waitid(os.P_PID, self.popen.pid, _EXITED_NOWAIT)
+            except ChildProcessError:
+                return "exited"  # reaped by someone else: its status went with it
+            if info is None:
+                return None
+            killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+            code = -info.si_status if killed else info.si_status
+        return f"killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
+
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM (the leader drains and stops its children), SIGKILL after ``grace_s``;
         the group is killed before the leader is reaped, so nothing it started is left
-        running, whatever the leader left behind."""
-        if self.popen.returncode is not None:
-            return  # reaped already (a fault's kill reached its whole group)
-        if not self._exited():
+        running, whatever the leader left behind.
+
+        A leader gone already (killed alone, ``kill -9 PID`` or an OOM kill; or crashed) may
+        have left its group running — a vLLM worker's engine core and model workers, GBs of
+        memory: that group gets SIGTERM, then SIGKILL after ``grace_s``, reaped or not."""
+        if self.popen.returncode is None and not self._exited():
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             while not self._exited() and time.monotonic() < deadline:
                 time.sleep(0.02)  # polling the exit with a deadline (not reaping it yet)
-        if self.group or not self._exited():
-            self.signal(signal.SIGKILL)  # the leader, or the stragglers of its group
+            if self.group or not self._exited():
+                self.signal(signal.SIGKILL)  # the leader, or the stragglers of its group
+        elif self.group:
+            self._stop_orphans(grace_s)
         self.popen.wait()
+
+    def _stop_orphans(self, grace_s: float) -> None:
+        """Stop what the exited leader's group still runs: SIGTERM, SIGKILL after ``grace_s``."""
+        if not self._signal_group(signal.SIGCONT):
+            return  # nothing left of the group
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self._orphans_run() and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling their exits with a deadline (not our children)
+        self._signal_group(signal.SIGKILL)
+
+    def _group_gone(self) -> bool:
+        """Whether the leader's pid has been handed to another process since it was reaped.
+        Linux gives out no pid that is in use as a process group's id, so while the group
+        has members the pid stays free: taken, the group is empty and the pid is a
+        newcomer's (whose group of the same id is not ours to signal)."""
+        return self._reaped() and _pid_taken(self.popen.pid)
+
+    def _signal_group(self, sig: int) -> bool:
+        """``sig`` to the group of the exited leader; False when there is none to signal."""
+        if self._group_gone():
+            return False
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def _orphans_run(self) -> bool:
+        return not self._group_gone() and group_runs(self.popen.pid)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _pid_taken(pid: int) -> bool:
+    """Whether a process (running, or a zombie) has pid ``pid``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def group_runs(pgid: int) -> bool:
+    """Whether a process of process group ``pgid`` runs. A zombie does not count: the
+    group's exited leader before it is reaped, or an orphan a container's init never
+    reaps. Read from ``/proc`` (Linux); elsewhere any member counts."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        pids = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return True
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+            state, _ppid, pgrp = stat.rpartition(")")[2].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                return True
+    return False
 
 
 _EXITED_NOWAIT = os.WEXITED | os.WNOHANG | os.WNOWAIT
@@ -465,7 +573,10 @@ class LocalCluster:
         return address
 
     def stop(self) -> None:
-        for name in sorted(self.procs, key=lambda n: n == "redis"):  # redis last
+        """Stop every process, in phases: the orchestrators first (each drains its clients'
+        streams within its grace, while the workers still serve them), then the workers,
+        then Redis (which every other process uses until it stops)."""
+        for name in sorted(self.procs, key=_stop_phase):
             self.procs[name].stop()
         with contextlib.suppress(ValueError):
             _LIVE.remove(self)
@@ -512,6 +623,13 @@ class LocalCluster:
             out.append(f"--- {name}: last lines")
             out += lines[-8:]
         return "\n".join(out)
+
+
+def _stop_phase(name: str) -> int:
+    """When `LocalCluster.stop` stops process ``name``: orchestrators, workers, Redis."""
+    if name.startswith("orchestrator"):
+        return 0
+    return 2 if name == "redis" else 1
 
 
 _LIVE: list[LocalCluster] = []

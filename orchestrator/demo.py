@@ -312,19 +312,40 @@ def _example(base_url: str, model: str) -> str:
     return f"  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
-def serve_until_signalled(cluster: LocalCluster, who: str) -> bool:
-    """Wait for SIGINT/SIGTERM/SIGHUP (True), or for a cluster process to die (False).
-    The cluster's processes lead their own process groups: a Ctrl-C or a closed terminal
-    reaches this process only, which then stops them all."""
+WORKER_ROLES = ("prefill", "decode")
+"""A process whose name starts with one of these is a worker: the cluster serves on
+without it (its requests fail over to the others)."""
+
+
+def serve_until_signalled(
+    cluster: LocalCluster, who: str, stops_the_rest: str = "Ctrl-C stops the rest"
+) -> bool:
+    """Wait for SIGINT/SIGTERM/SIGHUP (True), or for Redis or an orchestrator to exit
+    (False: nothing serves without them). A worker that exits is told in one line and the
+    cluster serves on without it: its requests fail over to the workers left, and its
+    process (its group: what it started) is stopped with the rest. ``stops_the_rest`` says
+    how (that line's end). The cluster's processes lead their own process groups: a Ctrl-C
+    or a closed terminal reaches this process only, which then stops them all."""
     stop = threading.Event()
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in signals}
+    told: set[str] = set()
     try:
         while not stop.wait(0.5):  # checks the processes twice a second
-            dead = [n for n, p in cluster.procs.items() if p.popen.poll() is not None]
-            if dead and not stop.is_set():
-                print(f"{who}: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                return False
+            for name, proc in list(cluster.procs.items()):
+                how = proc.exit_status()  # not reaped: `stop` still reaches its group
+                if how is None or name in told or stop.is_set():
+                    continue
+                if not name.startswith(WORKER_ROLES):
+                    print(f"{who}: {name} exited ({how}); stopping", file=sys.stderr)
+                    return False
+                told.add(name)
+                print(
+                    f"{who}: {name} exited ({how}); the cluster serves on without it "
+                    f"\N{EM DASH} {stops_the_rest}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -79,8 +79,21 @@ def check_transport(name: str) -> None:
 
 
 def check_engine(engine: str, model: str) -> None:
-    if engine == "vllm" and model not in VLLM_MODELS:
+    """CommandError, before anything starts, for a model `--engine vllm` does not serve or
+    when vLLM is not installed here: the workers run on this interpreter (a worker is this
+    process; `LocalCluster` starts them with ``sys.executable``), so without vLLM each
+    would fail only once started (found without importing it: that takes seconds)."""
+    if engine != "vllm":
+        return
+    if model not in VLLM_MODELS:
         raise CommandError(f"--engine vllm serves --model {', '.join(VLLM_MODELS)}, not {model}")
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("vllm") is None:
+        raise CommandError(
+            f"--engine vllm: vLLM is not installed in this environment ({sys.prefix}); run "
+            "it from the vllm environment: `make venv-vllm`, then `.venv-vllm/bin/pdorch`"
+        )
 
 
 class HelpFormatter(argparse.HelpFormatter):

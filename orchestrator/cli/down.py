@@ -13,6 +13,7 @@ from orchestrator.cli.common import CommandError, Commands, Parents, add_command
 from orchestrator.cli.state import (
     ClusterState,
     alive,
+    group_ours,
     live_state,
     ours,
     remove_state,
@@ -76,23 +77,40 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _stop_leftovers(state: ClusterState, timeout_s: float) -> list[str]:
     """Stop the processes a killed `pdorch up` left running — each one's process group (as
     `cluster.Proc.stop` does): SIGTERM, then SIGKILL to what is left after ``timeout_s``.
-    Only processes that are still the ones it started (pid and start time). Their names."""
-    running = {name: pid for name, (pid, start) in state.procs.items() if ours(pid, start)}
-    for pid in running.values():
-        _signal(pid, signal.SIGTERM)
+    Their names.
+
+    Only what is still its own: a group while its leader is the process it started (pid and
+    start time) or while no process has that pid — a worker killed alone (``kill -9``) has
+    left its group running (a vLLM worker's engine core), and Linux reuses no pid that is
+    still a group's id; a pid that another process has taken means the group is empty.
+    Redis, in `pdorch up`'s own group, while it is the process it started."""
+    from orchestrator.cluster import group_runs  # noqa: PLC0415 - imports grpc, redis
+
+    alone = set(state.in_our_group)
+
+    def left(name: str) -> bool:
+        pid, start = state.procs[name]
+        if ours(pid, start):
+            return True
+        return name not in alone and group_ours(pid, start) and group_runs(pid)
+
+    def signal_all(names: list[str], sig: int) -> None:
+        for name in names:
+            if not left(name):  # checked again each time: its pid may be reused meanwhile
+                continue
+            pid, start = state.procs[name]
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if name not in alone:
+                    os.killpg(pid, sig)
+                    continue
+            if ours(pid, start):  # in `pdorch up`'s group, or leading none after all
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+
+    running = sorted(name for name in state.procs if left(name))
+    signal_all(running, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while any(alive(pid) for pid in running.values()) and time.monotonic() < deadline:
+    while any(left(name) for name in running) and time.monotonic() < deadline:
         time.sleep(0.1)  # polling their exits with a deadline (not our children)
-    for pid in running.values():
-        _signal(pid, signal.SIGKILL)  # stragglers of each group (its leader may be gone)
-    return sorted(running)
-
-
-def _signal(pid: int, sig: int) -> None:
-    """``sig`` to the process group ``pid`` leads (each of `pdorch up`'s does), else to the
-    process; nothing if neither is there any more or it is not ours to signal."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
+    signal_all(running, signal.SIGKILL)  # what is left of each group
+    return running

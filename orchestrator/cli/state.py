@@ -47,6 +47,9 @@ class ClusterState:
     worker and orchestrator leads its own process group): what `pdorch down` stops when
     `pdorch up` itself was killed (SIGKILL leaves them running). Written as each one
     starts, so a `pdorch up` killed while starting leaves them listed too."""
+    in_our_group: list[str] = field(default_factory=list)
+    """The names in ``procs`` that run in `pdorch up`'s own process group instead of leading
+    one (its Redis). `pdorch down` signals those alone, and only while they still run."""
     ready: bool = True
     """False while `pdorch up` is still starting: the endpoints are not served yet (the
     client commands see no cluster; `up` refuses a second one; `down` stops it). A file
@@ -128,6 +131,23 @@ def ours(pid: int, start: int) -> bool:
     """Whether the process that started as ``pid`` at ``start`` (`started`) still runs —
     not another one that took the pid over since."""
     return bool(start) and alive(pid) and started(pid) == start
+
+
+def group_ours(pid: int, start: int) -> bool:
+    """Whether process group ``pid`` is still the one led by the process that started as
+    ``pid`` at ``start`` (`started`): that process is still there (running, or exited and
+    not reaped), or no process has the pid any more. Linux hands out no pid in use as a
+    process group's id, so while the group has members its killed leader's pid is not
+    reused; a pid another process has taken since means the group is empty."""
+    if start and started(pid) == start:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def write_state(env: Mapping[str, str], state: ClusterState) -> Path:

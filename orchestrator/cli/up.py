@@ -2,7 +2,8 @@
 an orchestrator serving gRPC and the OpenAI-compatible gateway, as processes on loopback
 (`orchestrator.cluster.LocalCluster`) — print every endpoint and what to run next, and
 publish them in the state file (`orchestrator.cli.state`) so that `generate`, `cost`,
-`status` and `down` find the cluster without flags. Stops on Ctrl-C, SIGTERM or `pdorch down`.
+`status` and `down` find the cluster without flags. Stops on Ctrl-C, SIGTERM or `pdorch down`,
+or when Redis or the orchestrator exits; a worker that exits is told and the rest serve on.
 """
 
 from __future__ import annotations
@@ -180,7 +181,9 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         else:
             print(endpoints_text(state, path, gateway), flush=True)
             progress.say("up; Ctrl-C, SIGTERM or `pdorch down` stops it")
-        if not serve_until_signalled(cluster, "pdorch up"):
+        # A worker that exits leaves the cluster serving on the others (its requests fail
+        # over); Redis or the orchestrator exiting stops it.
+        if not serve_until_signalled(cluster, "pdorch up", "`pdorch down` stops the rest"):
             return 1
     finally:
         # Stopping is bounded (each process: SIGTERM, then SIGKILL after a grace); a second
@@ -222,6 +225,7 @@ class _Publisher:
             logs=str(cluster.workdir),
             tls=str(cluster.tls_dir) if cluster.tls else "",
             procs={n: [p.popen.pid, started(p.popen.pid)] for n, p in cluster.procs.items()},
+            in_our_group=sorted(n for n, p in cluster.procs.items() if not p.group),
             ready=ready,
         )
         write_state(self.env, state)

@@ -8,15 +8,21 @@ case proper is `tests/vllm/test_vllm_failover.py`.
 
 from __future__ import annotations
 
+import io
+import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
-from orchestrator.cluster import Proc, spawn
+from orchestrator.cluster import LocalCluster, Proc, spawn
+from orchestrator.demo import serve_until_signalled
 
 LEADER = """
 import signal, subprocess, sys, time
@@ -93,3 +99,119 @@ def test_leader_only_signals_stay_with_the_leader(leader: tuple[Proc, int]) -> N
     _wait(lambda: "usr1" in _log(proc), "the leader never saw SIGUSR1")
     assert _alive(child)
     assert proc.popen.poll() is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "not-reaped"])
+def test_stop_stops_the_group_of_a_leader_killed_alone(
+    leader: tuple[Proc, int], reaped: bool
+) -> None:
+    """``kill -9`` on a worker's pid alone (an OOM kill): its children (a vLLM worker's
+    engine core and model workers, GBs) live on in its group. `stop` stops them, whether
+    the dead leader was reaped already (a ``poll``) or not."""
+    proc, child = leader
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    _wait(proc._exited, "the leader outlived SIGKILL")
+    if reaped:
+        proc.popen.wait()
+    assert _alive(child)
+    proc.stop(grace_s=5.0)
+    _wait(lambda: not _alive(child), "stop left the killed leader's group running")
+
+
+@pytest.mark.slow
+def test_stop_leaves_alone_a_group_whose_pid_was_reused(tmp_path: Path) -> None:
+    """Once the leader is reaped and its group empty, its pid may go to a newcomer leading a
+    group of that id: not ours to signal."""
+    gone = spawn("decode-0", [sys.executable, "-c", "pass"], tmp_path / "gone.log")
+    gone.popen.wait()
+    other = spawn("other", [sys.executable, "-c", LEADER], tmp_path / "other.log")
+    try:
+        _wait(lambda: "child " in _log(other), "the child never started")
+        child = int(_log(other).split("child ", 1)[1].split()[0])
+        gone.popen.pid = other.popen.pid  # as if the pid had been handed out again
+        gone.stop(grace_s=1.0)
+        assert other.popen.poll() is None
+        assert _alive(child)
+    finally:
+        other.stop(grace_s=1.0)
+
+
+def test_cluster_stops_orchestrators_then_workers_then_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestrators drain their streams while the workers still serve them (workers
+    first gave a client "no workers registered" mid-stream); Redis serves everyone to the
+    end."""
+    stopped: list[str] = []
+    monkeypatch.setattr(Proc, "stop", lambda self, grace_s=5.0: stopped.append(self.name))
+    cluster = LocalCluster(workdir=tmp_path)
+    for name in ("decode-0", "orchestrator-0", "redis", "prefill-0", "orchestrator-1"):
+        cluster.procs[name] = Proc(name, cast("subprocess.Popen[bytes]", None), tmp_path / name)
+    cluster.stop()
+    assert stopped[:2] == ["orchestrator-0", "orchestrator-1"]
+    assert sorted(stopped[2:4]) == ["decode-0", "prefill-0"]
+    assert stopped[4:] == ["redis"]
+
+
+class _Cluster:
+    """What `serve_until_signalled` looks at: the processes by name."""
+
+    def __init__(self, procs: dict[str, Proc]) -> None:
+        self.procs = procs
+
+
+class _Stderr(io.StringIO):
+    """Captures what is written and wakes a waiter on each line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrote = threading.Condition()
+
+    def write(self, text: str) -> int:
+        with self.wrote:
+            n = super().write(text)
+            self.wrote.notify_all()
+        return n
+
+    def wait_for(self, fragment: str, timeout_s: float) -> bool:
+        with self.wrote:
+            return self.wrote.wait_for(lambda: fragment in self.getvalue(), timeout_s)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_serving_goes_on_when_a_worker_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed (``kill -9``) is told in one line and the cluster serves on: its
+    requests fail over to the workers left. Its orchestrator exiting stops the cluster."""
+    script = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = {n: spawn(n, script, tmp_path / f"{n}.log") for n in ("decode-1", "orchestrator-0")}
+    err = _Stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    outcome: list[str] = []
+
+    def kill_them() -> None:
+        os.kill(procs["decode-1"].popen.pid, signal.SIGKILL)
+        if err.wait_for("decode-1 exited", 10):
+            outcome.append("told")
+            os.kill(procs["orchestrator-0"].popen.pid, signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_them, name="kill-them")
+    try:
+        killer.start()
+        served = serve_until_signalled(cast("LocalCluster", _Cluster(procs)), "pdorch up",
+                                       "`pdorch down` stops the rest")  # fmt: skip
+        killer.join(15)
+    finally:
+        for proc in procs.values():
+            proc.stop(grace_s=1.0)
+    lines = err.getvalue().splitlines()
+    assert outcome == ["told"]
+    assert not served
+    assert lines == [
+        "pdorch up: decode-1 exited (killed by SIGKILL); the cluster serves on without it "
+        "\N{EM DASH} `pdorch down` stops the rest",
+        "pdorch up: orchestrator-0 exited (killed by SIGTERM); stopping",
+    ]

@@ -18,7 +18,7 @@ import redis
 
 from orchestrator.cli import main
 from orchestrator.cli.state import read_state
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import outlive_the_workers_listing, wait_for
 
 
 @pytest.mark.slow  # a cluster of five processes: ~45 s on a busy 2-core machine
@@ -59,12 +59,30 @@ def test_up_status_generate_cost_down(
         assert main(["cost", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["default"]["requests"] == 1.0
 
+        # A worker killed alone (kill -9): said in one line, and the cluster serves on.
+        os.kill(state.procs["decode-1"][0], signal.SIGKILL)
+
+        def decode_1_gone() -> bool:
+            assert main(["status", "--json"]) == 0
+            workers = json.loads(capsys.readouterr().out)["workers"]
+            return "decode-1" not in {w["worker_id"] for w in workers}
+
+        wait_for(decode_1_gone, 30, "decode-1's heartbeat to expire")
+        outlive_the_workers_listing()
+        assert main(["generate", "hello again", "--max-tokens", "4"]) == 0
+        assert "[stopped: --max-tokens reached]" in capsys.readouterr().err
+        assert up.poll() is None  # still up
+
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 5  # redis, orchestrator, 1 prefill + 2 decode workers
         assert main(["down"]) == 0
         _out, err = up.communicate(timeout=30)  # closes the pipes too
         assert up.returncode == 0, err
         assert "stopping the cluster: done" not in err  # --json: quiet
+        assert (
+            "pdorch up: decode-1 exited (killed by SIGKILL); the cluster serves on without it "
+            "\N{EM DASH} `pdorch down` stops the rest"
+        ) in err
         assert not Path(env["PDORCH_STATE"]).exists()
         _, alive = psutil.wait_procs(children, timeout=15)
         assert not alive  # every process it started is gone, its Redis too

@@ -191,6 +191,82 @@ def test_down_stops_what_a_killed_up_left_running(
     assert _exit(["down"]) == FAILS  # nothing left: as before
 
 
+@pytest.mark.slow  # starts processes
+def test_down_stops_the_group_of_a_worker_killed_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker killed alone (``kill -9 PID``: a vLLM worker's engine core and model workers
+    live on in its group), then its `pdorch up`: `down` stops the group the dead leader left
+    — its pid is free, and Linux reuses no pid that still names a group — and Redis, which
+    runs in `pdorch up`'s own group, alone."""
+    monkeypatch.setenv("PDORCH_STATE", str(tmp_path / "up.json"))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the killed `pdorch up`
+    leader = subprocess.Popen(  # a worker: its group's leader, with a process of its own
+        [sys.executable, "-c", _LEFTOVER], stdout=subprocess.PIPE, start_new_session=True
+    )
+    redis_like = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert leader.stdout is not None
+        grandchild = int(leader.stdout.readline())
+        procs = {
+            "decode-0": [leader.pid, started(leader.pid)],
+            "redis": [redis_like.pid, started(redis_like.pid)],
+        }
+        leader.kill()  # the worker alone
+        leader.wait()  # reaped: its pid stays free while its group has a member
+        assert alive(grandchild)
+        state = ClusterState(gone.pid, "127.0.0.1:7001", "redis://x:1/0", procs=procs,
+                             in_our_group=["redis"])  # fmt: skip
+        write_state(os.environ, state)
+        assert _exit(["down", "--timeout", "5"]) == 0
+        assert redis_like.wait(5) is not None
+        for _ in range(100):
+            if not alive(grandchild):
+                break
+            time.sleep(0.05)  # polling another process's exit (not our child)
+        assert not alive(grandchild)
+    finally:
+        for proc in (leader, redis_like):
+            proc.kill()
+            proc.wait()
+        if leader.stdout is not None:
+            leader.stdout.close()
+    out = capsys.readouterr().out
+    assert "stopped what it left running: decode-0, redis" in out
+
+
+@pytest.mark.usefixtures("no_cluster")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["up", "--engine", "vllm", "--model", "smollm2", "--port", "0", "--http-port", "0"],
+        ["demo", "--engine", "vllm", "--model", "smollm2"],
+        ["worker", "--role", "decode", "--engine", "vllm", "--model", "smollm2"],
+    ],
+    ids=" ".join,
+)
+def test_engine_vllm_without_vllm_is_refused_at_once(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every worker runs on this interpreter: without vLLM here they would fail one by one
+    after starting (`ModuleNotFoundError`); refused in one line instead, saying where to run
+    it."""
+    import importlib.util  # noqa: PLC0415
+
+    find_spec = importlib.util.find_spec
+
+    def without_vllm(name: str, *args: Any) -> Any:
+        return None if name == "vllm" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_vllm)
+    assert _exit(argv) == FAILS
+    err = capsys.readouterr().err
+    assert "--engine vllm: vLLM is not installed in this environment" in err
+    assert "`make venv-vllm`, then `.venv-vllm/bin/pdorch`" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.usefixtures("no_cluster")
 def test_cost_against_a_redis_without_costs_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
