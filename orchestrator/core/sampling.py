@@ -56,6 +56,14 @@ MAX_LOGPROBS = 20
 """Most alternatives a request may ask per token (OpenAI's ``top_logprobs`` bound; vLLM's
 default ``max_logprobs``)."""
 MAX_REPETITION_PENALTY = 100.0
+MAX_TEMPERATURE = 100.0
+"""Highest ``temperature`` a request may ask: far past any useful one (at 100 a 49k
+vocabulary's draw is all but uniform), and a bound that survives the wire's 32-bit float
+(1e39 would arrive as inf)."""
+FLOAT32_TINY = 2.0**-126
+"""The smallest normal 32-bit float (~1.18e-38), the least ``top_p`` may be: ``temperature``
+and ``top_p`` travel in protobuf ``float`` fields, where a smaller positive value becomes a
+subnormal, or 0 (out of its rule: a worker would refuse what the front admitted)."""
 
 
 SEED_LIMIT = 2**63
@@ -97,10 +105,12 @@ class SamplingParams:
     def problems(self) -> list[tuple[str, str]]:
         """(field, message) for every invalid value; empty when valid."""
         out = []
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            out.append(("temperature", "must be a finite number >= 0"))
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            out.append(("top_p", "must be in (0, 1]"))
+        # Both bounds are 32-bit floats: every value inside them rounds to one inside them
+        # (rounding is monotonic), so what a front admits a worker accepts.
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            out.append(("temperature", f"must be in [0, {MAX_TEMPERATURE:g}]"))
+        if not FLOAT32_TINY <= self.top_p <= 1.0:
+            out.append(("top_p", f"must be in (0, 1], at least {FLOAT32_TINY:.8g}"))
         if not 0 <= self.seed < SEED_LIMIT:
             out.append(("seed", "must be in [0, 2^63)"))
         if not 0 <= self.top_k < 2**31:

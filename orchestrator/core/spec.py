@@ -115,11 +115,22 @@ class RequestLimits:
         if not ids:
             raise InvalidRequestError("prompt", "tokenizes to nothing")
         if len(ids) + max_tokens > model.max_context:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                f"context of {model.max_context}",
-            )
+            raise ContextExceededError(len(ids), max_tokens, model.max_context)
+
+
+class ContextExceededError(InvalidRequestError):
+    """`RequestLimits.check_prompt`'s refusal, with its numbers: a front may explain it in
+    its own terms (the gateway, when ``max_tokens`` is its default, not the client's)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int) -> None:
+        super().__init__(
+            "prompt",
+            f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} exceed the model's "
+            f"context of {context}",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context = context
 
 
 def _is_text(s: str) -> bool:

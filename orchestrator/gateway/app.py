@@ -329,7 +329,7 @@ async def _next(source: AsyncIterator[OutChunk], call: parse.Call) -> OutChunk:
             500, "the request ended without a finish", kind=SERVER, code="no_finish"
         ) from None
     except errors.PdorchError as exc:
-        raise api_error_for(exc, call.params) from exc
+        raise api_error_for(call.explained(exc), call.params) from exc
 
 
 async def _events(

@@ -13,13 +13,17 @@ probabilities: what log-likelihood evaluations read).
 
 What pdorch cannot honour is refused, not ignored: ``n`` or ``best_of`` above 1, batched
 prompts, ``suffix``, ``echo`` on chat, ``presence_penalty``/``frequency_penalty``,
-``logit_bias``, tools and structured output. Parameters that change nothing here
+``logit_bias``, tools and structured output, and vLLM's other extensions unless neutral
+(`_VLLM_NEUTRAL`: guided decoding, beam search, ``stop_token_ids``, prompt truncation, ...).
+Parameters that change nothing here
 (``metadata``, ``store``, ``service_tier``, ...) are accepted and ignored, as
 OpenAI-compatible servers do. The tenant
 billed (and held to its limits) is the ``x-pdorch-tenant`` header, else the body's ``user``,
 else "default".
 
-Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1. A call without ``seed`` gets one
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1. ``max_tokens`` defaults to
+`GatewaySettings`' (a call that names none and does not fit the context is refused saying
+so, and how much room the prompt leaves: `Call.explained`). A call without ``seed`` gets one
 derived from its request id, so a retry under the same ``Idempotency-Key`` is the same
 request (pdorch refuses a reused id with a different body) and different calls differ.
 """
@@ -35,8 +39,8 @@ from typing import Any
 from orchestrator.control.orchestrator import GenerateInput
 from orchestrator.core.idents import ECHO_CHARS, check_request_id, check_tenant, shown
 from orchestrator.core.sampling import SamplingParams
-from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS
-from orchestrator.errors import InvalidRequestError
+from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS, ContextExceededError
+from orchestrator.errors import InvalidRequestError, PdorchError
 from orchestrator.gateway.errors import ApiError
 from orchestrator.gateway.settings import GatewaySettings
 
@@ -66,6 +70,8 @@ class Call:
     max_tokens_param: str = "max_tokens"
     """The parameter the output's length came from (chat: ``max_completion_tokens``, when
     given, as OpenAI names it now)."""
+    max_tokens_default: bool = False
+    """The client named no ``max_tokens``: the call asks the gateway's default."""
 
     @property
     def logprobs(self) -> bool:
@@ -83,6 +89,29 @@ class Call:
         if self.chat:
             names["logprobs"] = "top_logprobs"
         return names | {"prompt_logprobs": "logprobs"}
+
+    def explained(self, exc: PdorchError) -> PdorchError:
+        """``exc`` in this call's terms, for `errors.api_error_for`. A prompt too long for
+        the context with the gateway's default ``max_tokens`` says that the client sent
+        none, and what it may send instead (the orchestrator's own message cites a
+        ``max_tokens`` the client never wrote)."""
+        if not (self.max_tokens_default and isinstance(exc, ContextExceededError)):
+            return exc
+        room, kind = exc.context - exc.prompt_tokens, "chat" if self.chat else "completions"
+        if room < 1:
+            message = (
+                f"{exc.prompt_tokens} prompt tokens leave no room for output in the model's "
+                f"context of {exc.context}"
+            )
+        else:
+            names = "max_completion_tokens (or max_tokens)" if self.chat else "max_tokens"
+            message = (
+                f"{exc.prompt_tokens} prompt tokens leave {room} of the model's context of "
+                f"{exc.context} for output, less than this gateway's default max_tokens "
+                f"{exc.max_tokens} for a {kind} call that sends none: send {names} of at "
+                f"most {room}"
+            )
+        return InvalidRequestError(exc.field, message)
 
 
 def request_id(headers: Mapping[str, str]) -> str:
@@ -234,7 +263,7 @@ def parse_completion(body: Mapping[str, Any], rid: str, settings: GatewaySetting
             stop=_stop(body),
         ),
     )
-    return replace(call, echo=echo)
+    return replace(call, echo=echo, max_tokens_default=max_tokens is None)
 
 
 def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> Call:
@@ -265,7 +294,7 @@ def parse_chat(body: Mapping[str, Any], rid: str, settings: GatewaySettings) -> 
             stop=_stop(body),
         ),
     )
-    return replace(call, max_tokens_param=param)
+    return replace(call, max_tokens_param=param, max_tokens_default=max_tokens is None)
 
 
 # ----------------------------------------------------------------------------- parts
@@ -366,6 +395,56 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     raise ApiError(400, "stop must be a string or a list of strings", param="stop")
 
 
+_VLLM_NEUTRAL: dict[str, tuple[object, ...]] = {
+    # Structured output, vLLM's and its older names.
+    "structured_outputs": (),
+    "guided_choice": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    # Sampling and stopping pdorch's draw does not do.
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "stop_token_ids": ([],),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "logits_processors": (),
+    "repetition_detection": (),
+    "watermarking": (),
+    "vllm_xargs": (),
+    # The prompt as pdorch tokenizes it: whole, never with added special tokens, chat with
+    # the model's template and its generation prompt.
+    "truncate_prompt_tokens": (),
+    "add_special_tokens": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": (),
+    "prompt_embeds": (),
+    # The answer as pdorch renders it: text without special tokens, stop strings cut.
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "prompt_logprobs": (),  # completions' echo + logprobs is pdorch's
+    "logprob_token_ids": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "return_token_offsets": (False,),
+    "return_prompt_text": (False,),
+    # Scheduling, caching and KV movement are pdorch's own.
+    "priority": (0,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
+}
+"""vLLM's extensions to OpenAI's bodies that pdorch does not honour, with their neutral
+values (none: any value is refused). Those it does honour are read by `_sampling` and
+`_call`; the rest of vLLM's (``request_id``, ``stream_interval``, ...) change no output."""
+
+
 def _refuse_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
     """A parameter pdorch cannot honour, set to anything but a neutral value, is a 400."""
     for name in ("n", "best_of"):
@@ -389,7 +468,7 @@ def _refuse_unsupported(body: Mapping[str, Any], *, chat: bool) -> None:
         neutral["echo"] = (False,)
     else:  # chat's parameter; completions' alternatives are ``logprobs``
         neutral["top_logprobs"] = (0,)
-    for name, allowed in neutral.items():
+    for name, allowed in (neutral | _VLLM_NEUTRAL).items():
         value = body.get(name)
         # Same type too: ``True == 1`` and ``0 == False`` must not pass for each other.
         if value is not None and not any(type(value) is type(a) and value == a for a in allowed):

@@ -11,7 +11,7 @@ from orchestrator import errors
 from orchestrator.control.orchestrator import OutChunk
 from orchestrator.core.logprobs import TokenLogprob, TopLogprob
 from orchestrator.core.records import RequestRecord
-from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS
+from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS, ContextExceededError
 from orchestrator.core.state import State
 from orchestrator.gateway import parse, render
 from orchestrator.gateway.errors import ApiError, api_error_for
@@ -133,6 +133,31 @@ def test_a_refused_length_names_the_parameter_the_client_sent() -> None:
     assert api_error_for(too_long, completion().params).param == "max_tokens"
 
 
+def test_a_context_overflow_with_the_default_length_says_it_is_the_default() -> None:
+    """QA vLLM #3: a long chat prompt with no ``max_tokens`` was refused citing
+    "max_tokens 100" (the gateway's default) as if the client had sent it."""
+    exc = ContextExceededError(1631, 100, 1700)
+    error = api_error_for(chat().explained(exc), chat().params)
+    assert (error.status, error.param) == (400, "messages")
+    assert "this gateway's default max_tokens 100 for a chat call that sends none" in (
+        error.message
+    )
+    assert "69 of the model's context of 1700" in error.message
+    assert "send max_completion_tokens (or max_tokens) of at most 69" in error.message
+    message = completion().explained(ContextExceededError(1690, 16, 1700)).args[0]
+    assert "default max_tokens 16 for a completions call" in message
+    assert "send max_tokens of at most 10" in message
+    full = chat().explained(ContextExceededError(1700, 100, 1700))
+    assert "leave no room for output in the model's context of 1700" in str(full)
+    assert "max_tokens" not in str(full)
+    # The client's own max_tokens, or another error: the orchestrator's words.
+    assert chat(max_tokens=100).explained(exc) is exc
+    assert chat(max_completion_tokens=100).explained(exc) is exc
+    assert completion(max_tokens=100).explained(exc) is exc
+    other = errors.InvalidRequestError("prompt", "empty")
+    assert chat().explained(other) is other
+
+
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
@@ -194,10 +219,52 @@ def test_chat_bad_messages(messages: Any, param: str) -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": []}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        # vLLM's extensions pdorch does not honour (QA vLLM #2: were 200, unconstrained).
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"stop_token_ids": [28]}, "stop_token_ids"),
+        ({"bad_words": ["no"]}, "bad_words"),
+        ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"add_special_tokens": True}, "add_special_tokens"),
+        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"priority": 1}, "priority"),
+        ({"cache_salt": "s"}, "cache_salt"),
+        ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+        ({"vllm_xargs": {"a": 1}}, "vllm_xargs"),
     ],
 )
 def test_refused_parameters(body: dict[str, Any], param: str) -> None:
     refused(completion, param, **body)
+
+
+def test_vllm_extensions_at_their_neutral_values_are_accepted() -> None:
+    neutral: dict[str, Any] = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "stop_token_ids": [],
+        "bad_words": [],
+        "include_stop_str_in_output": False,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "guided_json": None,
+        "prompt_logprobs": None,
+        "priority": 0,
+    }
+    completion(**neutral)
+    chat(**neutral, add_generation_prompt=True, chat_template_kwargs={})
+    refused(chat, "add_generation_prompt", add_generation_prompt=False)
+    refused(chat, "chat_template_kwargs", chat_template_kwargs={"enable_thinking": False})
+    refused(chat, "continue_final_message", continue_final_message=True)
 
 
 def test_chat_logprobs_false_is_neutral() -> None:

@@ -14,7 +14,7 @@ from orchestrator.api import protocol
 from orchestrator.control.failover import CAUSES, Verdict, retryable, verdict
 from orchestrator.core.records import RequestRecord, WorkerInfo
 from orchestrator.core.sampling import SamplingParams
-from orchestrator.core.spec import GenerateInput, RequestLimits, RequestSpec
+from orchestrator.core.spec import ContextExceededError, GenerateInput, RequestLimits, RequestSpec
 from orchestrator.core.state import State
 from transport import errors as terr
 
@@ -38,6 +38,8 @@ OK = GenerateInput("r", token_ids=(1, 2), max_tokens=8, stop=("\n",))
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 2049}, "max_tokens"),
         ({"sampling": SamplingParams(temperature=math.nan)}, "temperature"),
+        ({"sampling": SamplingParams(temperature=1e39)}, "temperature"),  # inf as float32
+        ({"sampling": SamplingParams(temperature=0.5, top_p=1e-46)}, "top_p"),  # 0 as float32
         ({"stop": ("",)}, "stop"),
         ({"stop": tuple("abcdefghi")}, "stop"),
         ({"chunk_window_ms": 1001}, "chunk_window_ms"),
@@ -79,8 +81,11 @@ def test_the_prompt_is_checked_against_the_model() -> None:
     with pytest.raises(errors.InvalidRequestError, match="vocabulary"):
         RequestLimits.check_vocab((50,), MODEL)
     RequestLimits.check_prompt((1,) * 92, 8, MODEL)
-    with pytest.raises(errors.InvalidRequestError, match="context of 100"):
+    with pytest.raises(ContextExceededError, match="context of 100") as info:
         RequestLimits.check_prompt((1,) * 93, 8, MODEL)
+    assert (info.value.prompt_tokens, info.value.max_tokens, info.value.context) == (93, 8, 100)
+    assert isinstance(info.value, errors.InvalidRequestError)
+    assert info.value.field == "prompt"
     with pytest.raises(errors.InvalidRequestError, match="tokenizes to nothing"):
         RequestLimits.check_prompt((), 8, MODEL)
 

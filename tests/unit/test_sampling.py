@@ -8,7 +8,14 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.core.sampling import SamplingParams, _pick, sample
+from orchestrator.api import convert
+from orchestrator.core.sampling import (
+    FLOAT32_TINY,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    _pick,
+    sample,
+)
 
 # Probabilities 0.5, 0.3, 0.15, 0.05: nucleus boundaries at 0.5, 0.8, 0.95, 1.0.
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -95,12 +102,35 @@ def test_float32_and_float64_logits_agree() -> None:
         (SamplingParams(temperature=float("nan")), "temperature"),
         (SamplingParams(top_p=0.0), "top_p"),
         (SamplingParams(top_p=1.5), "top_p"),
+        # Finite in a Python float, but inf / 0 in the wire's 32-bit float (QA vLLM #1).
+        (SamplingParams(temperature=1e39), "temperature"),
+        (SamplingParams(temperature=MAX_TEMPERATURE * 1.001), "temperature"),
+        (SamplingParams(temperature=math.inf), "temperature"),
+        (SamplingParams(top_p=1e-46), "top_p"),
+        (SamplingParams(top_p=FLOAT32_TINY / 2), "top_p"),
         (SamplingParams(seed=-1), "seed"),
         (SamplingParams(seed=2**63), "seed"),
     ],
 )
 def test_problems_name_the_invalid_field(params: SamplingParams, field: str) -> None:
     assert [f for f, _ in params.problems()] == [field]
+
+
+_EDGES = [1e-46, FLOAT32_TINY / 2, FLOAT32_TINY, math.nextafter(FLOAT32_TINY, 1.0), 0.1]
+_EDGES += [math.nextafter(1.0, 0.0), 1.0, 2.0, MAX_TEMPERATURE, 1e38, 1e39, 3.5e38]
+
+
+@pytest.mark.parametrize("temperature", [0.0, *_EDGES])
+@pytest.mark.parametrize("top_p", _EDGES)
+def test_what_the_front_admits_the_worker_accepts(temperature: float, top_p: float) -> None:
+    """QA vLLM #1: the fronts check Python floats; the worker gets them through protobuf's
+    32-bit ``float`` fields (1e39 arrived as inf, 1e-46 as 0, and the worker refused them).
+    Whatever passes the rule must pass it again on the far side."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=1)
+    if params.problems():
+        return
+    on_the_wire = convert.sampling_from_pb(convert.sampling_to_pb(params))
+    assert on_the_wire.problems() == [], on_the_wire
 
 
 def test_valid_params_have_no_problems() -> None:

@@ -56,13 +56,14 @@ from vllm import SamplingParams as VllmSampling
 from vllm import TokensPrompt
 from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from orchestrator.api import common_pb2, convert, worker_pb2
-from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET
+from orchestrator.api.protocol import BLAME_KEY, BLAME_KV_TARGET, REFUSABLE_FIELDS, refusal
 from orchestrator.core.logprobs import TokenLogprob
 from orchestrator.core.prefix import DEFAULT_REPORT_BLOCKS
 from orchestrator.workers.engine import ModelInfo
@@ -334,8 +335,12 @@ class VllmHost(EngineHost):
                     mark = now
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM engine died: {exc}")
-        except ValueError as exc:  # vLLM's validation (VLLMValidationError is one)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"vLLM refused: {exc}")
+        except (ValueError, VLLMValidationError) as exc:
+            # vLLM refusing the request (its admission checks; a logits processor's
+            # validate_params). VLLMValidationError is no ValueError since vLLM 0.32: the
+            # client's error, answered as one — never a worker failure, nor a traceback.
+            log.info("%s: vLLM refused the request: %s", request_id, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refused(exc))
         finally:
             self._active -= 1
 
@@ -517,6 +522,16 @@ class VllmHost(EngineHost):
         if self._control is None:
             return False
         return bool(await self._control.release(request.request_id, int(request.epoch)))
+
+
+def _refused(exc: Exception) -> str:
+    """The INVALID_ARGUMENT details for vLLM refusing a request: `protocol.refusal` when
+    vLLM names a parameter pdorch lets workers refuse (the client's error then names it),
+    else ``vLLM refused: ...`` (the orchestrator names the prompt)."""
+    parameter = getattr(exc, "parameter", None)
+    if parameter in REFUSABLE_FIELDS:
+        return refusal(parameter, f"vLLM refused: {exc}")
+    return f"vLLM refused: {exc}"
 
 
 def _eos(info: ModelInfo, msg: common_pb2.SamplingParams) -> tuple[int, ...]:
