@@ -26,7 +26,7 @@ from orchestrator.aio import cancel_and_wait
 from orchestrator.control.failover import Failover
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.local import Local
-from orchestrator.control.relay import Relay, stop_tail
+from orchestrator.control.relay import Relay
 from orchestrator.control.run import Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.deadlines import overdue
@@ -126,7 +126,7 @@ class Ownership:
             entries = await self.store.journal(rid)
             run = Run(RequestSpec.from_record(record), epoch, time.monotonic())
             run.output = [t for e in entries for t in e.token_ids]
-            run.text = stop_tail("".join(e.text for e in entries), run.spec.stop)
+            run.held = entries[-1].held if entries else ""  # not given out yet
             run.timings = dict(record.timings)
             log.warning(
                 "request %s: taken over at epoch %d from token %d", rid, epoch, len(run.output)

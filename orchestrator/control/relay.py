@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -28,6 +28,7 @@ from orchestrator.control.journal import JournalWriter
 from orchestrator.control.metrics import ControlMetrics
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
+from orchestrator.core import stops
 from orchestrator.core.records import JournalEntry, RequestRecord
 from orchestrator.core.state import Edge, State
 from orchestrator.store.base import Store
@@ -37,26 +38,6 @@ log = logging.getLogger(__name__)
 
 def as_json(d: Mapping[str, Any]) -> str:
     return json.dumps(d, sort_keys=True)
-
-
-def stop_cut(before: str, delta: str, stops: Sequence[str]) -> int | None:
-    """Offset in ``delta`` where the earliest stop string begins (it may start in ``before``)."""
-    text = before + delta
-    best: int | None = None
-    for s in stops:
-        pos = text.find(s, max(0, len(before) - len(s) + 1))
-        if pos != -1 and (best is None or pos < best):
-            best = pos
-    return None if best is None else max(0, best - len(before))
-
-
-def stop_tail(text: str, stops: Sequence[str]) -> str:
-    """What of ``text`` a later stop string may still begin in: its last (longest stop
-    string - 1) characters — all `stop_cut` reads of the text before a chunk (a stop string
-    wholly inside it would have ended the stream), so a run keeps no more, however long its
-    output grows."""
-    keep = max(0, max(map(len, stops), default=1) - 1)
-    return text[max(0, len(text) - keep) :] if keep else ""
 
 
 async def ended_elsewhere(store: Store, rid: str) -> State | None:
@@ -141,7 +122,7 @@ class Relay:
             or run.lease_lost
             or run.cancelled
             or run.journal.refused is not None
-            or (spec.stop and chunk.text and stop_cut(run.text, chunk.text, spec.stop) is not None)
+            or (spec.stop and chunk.text and stops.found(run.held, chunk.text, spec.stop))
             or (spec.sampling.logprobs is not None and len(chunk.logprobs) != len(chunk.token_ids))
         ):
             return False
@@ -157,20 +138,23 @@ class Relay:
         reason = convert.finish_from_pb(chunk.finish_reason)
         if chunk.compute_ms:
             run.usage.computed(chunk.compute_ms / 1000)
-        if spec.stop and delta:
-            cut = stop_cut(run.text, delta, spec.stop)
-            if cut is not None:
-                delta, reason = delta[:cut], "stop"
+        if spec.stop and (delta or run.held):
+            # Text that may begin a stop string waits for the next chunk (`core.stops`).
+            part = stops.split(run.held, delta, spec.stop, end=bool(reason))
+            delta, run.held = part.out, part.held
+            if part.stopped:
+                reason = "stop"
         scores = convert.logprobs_from_pb(chunk.logprobs) if chunk.logprobs else ()
         prompt = convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
         produced = len(run.output)
-        if not (ids or delta or prompt):
-            if reason and reason != "length":
-                # The end alone, before the request's last token: journalled all the same
-                # (`JournalEntry.finish`: a write more). A length's needs none: a replica
-                # taking the request over finds every token journalled.
-                end = OutChunk(run.rid, produced, [], "", prompt_tokens=len(spec.prompt))
-                self.writer.submit(run, JournalEntry(produced, (), "", finish=reason), end)
+        if not (ids or prompt):
+            if delta or (reason and reason != "length"):
+                # The end alone, before the request's last token (with the text held until
+                # then): journalled all the same (`JournalEntry.finish`: a write more). A
+                # length's needs none: a replica taking the request over finds every
+                # token journalled.
+                end = OutChunk(run.rid, produced, [], delta, prompt_tokens=len(spec.prompt))
+                self.writer.submit(run, JournalEntry(produced, (), delta, finish=reason), end)
             return reason
         if chunk.index != produced:
             raise errors.WorkerError(
@@ -186,7 +170,7 @@ class Relay:
                 retryable=False,
                 phase="stream",
             )
-        entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt, reason)
+        entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt, reason, run.held)
         out = OutChunk(
             run.rid,
             chunk.index,
@@ -200,8 +184,6 @@ class Relay:
         first = bool(ids) and not run.output and run.first_token_at is None
         self.writer.submit(run, entry, out, first=first)
         run.output.extend(ids)
-        if spec.stop:
-            run.text = stop_tail(run.text + delta, spec.stop)
         return reason
 
     @staticmethod

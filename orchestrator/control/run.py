@@ -146,9 +146,9 @@ class Run:
     epoch: int
     started: float
     output: list[int] = field(default_factory=list)
-    text: str = ""
-    """The output text's tail a stop string may begin in (`relay.stop_tail`); empty when
-    the request has no stop strings."""
+    held: str = ""
+    """Output text not given to the clients yet: it may begin a stop string
+    (`core.stops`); empty when the request has no stop strings."""
     first_token_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     lease_lost: bool = False

@@ -147,7 +147,8 @@ class JournalEntry:
 
     JSON: ``[index, ids, text]``, with a fourth element ``{"logprobs": [...], "prompt":
     [...]}`` only when there are log-probabilities (so journals of requests without them
-    are what they always were), and ``"finish"`` in it on the request's last chunk."""
+    are what they always were), ``"finish"`` in it on the request's last chunk and
+    ``"held"`` when text waits."""
 
     index: int
     token_ids: tuple[int, ...]
@@ -159,9 +160,13 @@ class JournalEntry:
     """The request's finish reason, on the chunk that ended it (a stop string, EOS, the
     length): a replica taking the request over before its end was recorded ends it so,
     rather than generating past it. An empty chunk carries it when the end came alone."""
+    held: str = ""
+    """Output text produced by this chunk's tokens and before, not given out yet: it may
+    begin a stop string (`core.stops`). ``text`` is what the clients got; a replica taking
+    the request over carries on from the last chunk's ``held``."""
 
     def to_json(self) -> str:
-        if not (self.logprobs or self.prompt_logprobs or self.finish):
+        if not (self.logprobs or self.prompt_logprobs or self.finish or self.held):
             # What `json.dumps` writes for [index, ids, text], without its machinery
             # (every relayed chunk is journalled: ~1 µs a chunk less). The same only for
             # int ids — as they are: a worker's chunk carries them as protobuf integers.
@@ -173,6 +178,8 @@ class JournalEntry:
             more["prompt"] = [lp.to_json() for lp in self.prompt_logprobs]
         if self.finish:
             more["finish"] = self.finish
+        if self.held:
+            more["held"] = self.held
         return json.dumps([self.index, list(self.token_ids), self.text, more])
 
     @classmethod
@@ -186,6 +193,7 @@ class JournalEntry:
             tuple(TokenLogprob.from_json(x) for x in more.get("logprobs", ())),
             tuple(TokenLogprob.from_json(x) for x in more.get("prompt", ())),
             str(more.get("finish", "")),
+            str(more.get("held", "")),
         )
 
 

@@ -243,3 +243,60 @@ def test_a_request_a_peers_reaper_failed_is_told_to_its_client_as_failed() -> No
         assert "decoding" in str(got[-1])
 
     run(main())
+
+
+class _StallingAfterHeld(MemoryStore):
+    """A replica that freezes after journalling a chunk whose text waits (it may begin a
+    stop string: `JournalEntry.held`) — its lease lapses with that text given to no one."""
+
+    def __init__(self, settings: StoreSettings, **kw: Any) -> None:
+        super().__init__(settings, **kw)
+        self.frozen = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def append_many(self, *args: Any, **kw: Any) -> Any:
+        if self.frozen.is_set():
+            await self.gate.wait()  # frozen until the test wakes it (its writes then late)
+        got = await super().append_many(*args, **kw)
+        journal = await super().journal("r1")
+        if journal and journal[-1].held:
+            self.frozen.set()
+        return got
+
+
+def test_text_held_for_a_stop_string_is_given_out_by_the_new_owner() -> None:
+    """The text of token 2 might begin the stop string "<2>!" (it never does): a holds it,
+    journals it as held, and freezes. b takes the request over from the journal and gives
+    that text out with the rest — the client following b misses nothing."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        settings = StoreSettings(url="memory://", lease_ttl_s=LEASE_S)
+        store_a = _StallingAfterHeld(settings, clock=clock)
+        p0 = FakeWorker("p0", "prefill")
+        d0 = FakeWorker("d0", "decode", delay_s=0.05)  # a write per chunk
+        a, _, _ = await setup(p0, d0, store=store_a, owner="a")
+        store_b = _peer(store_a, MemoryStore(settings, clock=clock))
+        b = Orchestrator(store_b, FakeFleet(p0, d0).as_clients(), FAST, "b")
+        got: list[OutChunk | BaseException] = []
+        client = asyncio.create_task(
+            _drain(a.generate(replace(inp(max_tokens=6), stop=("<2>!",))), got)
+        )
+        await asyncio.wait_for(store_a.frozen.wait(), 10)
+        assert (await store_b.journal("r1"))[-1].held == "<2>"
+        await b.start()
+        clock.advance(LEASE_S + 1)
+        await eventually(lambda: _terminal(store_b))
+        store_a.gate.set()  # a wakes up: its writes are refused, its client follows b
+        await asyncio.wait_for(client, 10)
+        await b.stop()
+        await a.stop()
+        record = await store_b.get("r1")
+        assert record is not None
+        assert (record.state, record.finish_reason) == (State.DONE, "length")
+        journal = await store_b.journal("r1")
+        whole = "".join(f"<{i}>" for i in range(6))
+        assert "".join(e.text for e in journal) == whole
+        assert "".join(c.text for c in got if isinstance(c, OutChunk)) == whole, got
+
+    run(main())

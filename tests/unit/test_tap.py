@@ -16,15 +16,13 @@ from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, cast
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from orchestrator import errors
 from orchestrator.api import common_pb2, worker_pb2
 from orchestrator.control.journal import JournalWriter
 from orchestrator.control.legs import WorkerLegs
 from orchestrator.control.mux import MuxStream, Tap
-from orchestrator.control.relay import Relay, stop_cut, stop_tail
+from orchestrator.control.relay import Relay
 from orchestrator.control.run import OutChunk, Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.records import WorkerInfo
@@ -218,10 +216,10 @@ def test_a_stream_whose_chunks_all_go_past_the_reader_is_not_silent() -> None:
     run(main())
 
 
-def test_a_stop_string_split_over_many_chunks_is_found_and_the_text_kept_is_bounded() -> None:
-    """The run keeps only the tail a stop string may begin in (`relay.stop_tail`), however
-    long the output: a stop string spread over three chunks, after 200 chunks of text, is
-    still cut where it begins."""
+def test_a_stop_string_split_over_many_chunks_is_found_and_none_of_it_given_out() -> None:
+    """The run holds only the text a stop string may begin in (`core.stops`), however long
+    the output: a stop string spread over three chunks, after 200 chunks of text, is cut
+    where it begins — its beginning, in chunks relayed before, was held, never given out."""
 
     async def main() -> None:
         d = Driven(ControlSettings(), stop=("<<STOP>>", "no"))
@@ -230,50 +228,12 @@ def test_a_stop_string_split_over_many_chunks_is_found_and_the_text_kept_is_boun
         await d.first()
         for i in range(1, 200):
             d.stream._deliver(chunk(i, text=f"word{i} "))
-            assert len(d.run.text) <= len("<<STOP>>") - 1
+            assert len(d.run.held) <= len("<<STOP>>") - 1
         for i, piece in enumerate(("tail <<S", "TOP", ">> more"), start=200):
             d.stream._deliver(chunk(i, text=piece))
         ends = await relaying
         assert [(e.finish_reason, e.index) for e in ends] == [("stop", 203)]
-        # Found in its last chunk (the chunks before it were handed out already: a stop
-        # string across chunks is cut where the chunk that completes it begins).
-        assert "".join(c.text for c in d.handed).endswith("word199 tail <<STOP")
-        assert d.handed[-1].text == ""
+        assert "".join(c.text for c in d.handed).endswith("word199 tail ")
+        assert d.run.held == ""
 
     run(main())
-
-
-@pytest.mark.parametrize(
-    ("text", "stops", "kept"),
-    [
-        ("abcdef", ("xyz",), "ef"),
-        ("abcdef", ("x", "long-stop"), "abcdef"),
-        ("abcdef", ("x",), ""),
-        ("", ("xyz",), ""),
-        ("abcdef", (), ""),
-        ("abcdef", ("",), ""),
-    ],
-)
-def test_stop_tail_keeps_the_longest_stop_string_less_one(
-    text: str, stops: tuple[str, ...], kept: str
-) -> None:
-    assert stop_tail(text, stops) == kept
-
-
-@given(
-    st.lists(st.text(alphabet="ab<>é😀", max_size=6), max_size=12),
-    st.lists(st.text(alphabet="ab<>é😀", min_size=1, max_size=5), min_size=1, max_size=3),
-)
-@settings(max_examples=500, deadline=None)
-def test_a_stop_string_is_cut_where_the_whole_text_would_cut_it(
-    deltas: list[str], stops: list[str]
-) -> None:
-    """`stop_cut` over the kept tail answers as over the whole text, chunk after chunk."""
-    whole = kept = ""
-    for delta in deltas:
-        assert stop_cut(kept, delta, stops) == stop_cut(whole, delta, stops)
-        if stop_cut(whole, delta, stops) is not None:
-            break
-        whole += delta
-        kept = stop_tail(kept + delta, stops)
-        assert kept == stop_tail(whole, stops)

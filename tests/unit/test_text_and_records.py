@@ -370,3 +370,12 @@ def test_body_hash_shape() -> None:
     h = body_hash(BODY)
     assert len(h) == 32
     assert all(c in "0123456789abcdef" for c in h)
+
+
+def test_a_journal_entry_carries_the_text_held_for_a_stop_string() -> None:
+    """Text that may begin a stop string (`core.stops`) rides in the fourth element as
+    "held" — what a replica taking the request over gives out first; none, none written."""
+    waiting = JournalEntry(3, (9,), "ab", held="<s")
+    assert json.loads(waiting.to_json()) == [3, [9], "ab", {"held": "<s"}]
+    assert JournalEntry.from_json(waiting.to_json()) == waiting
+    assert json.loads(JournalEntry(3, (9,), "ab").to_json()) == [3, [9], "ab"]

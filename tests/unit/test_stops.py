@@ -1,0 +1,68 @@
+"""Stop strings over a stream of deltas (`orchestrator.core.stops`): the text given out is
+the whole text cut where the first stop string begins — however it is split into chunks —
+none of a stop string is ever given out, and what is held stays shorter than the longest
+stop string."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.core import stops
+
+
+def _cut(whole: str, strings: list[str]) -> tuple[str, bool]:
+    at = [whole.find(s) for s in strings if s and s in whole]
+    return (whole[: min(at)], True) if at else (whole, False)
+
+
+@given(
+    st.lists(st.text(alphabet="ab<>é😀 ", max_size=6), max_size=12),
+    st.lists(st.text(alphabet="ab<>é😀 ", min_size=1, max_size=5), min_size=1, max_size=3),
+)
+@settings(max_examples=800, deadline=None)
+def test_what_is_given_out_is_the_whole_text_cut_at_the_first_stop_string(
+    deltas: list[str], strings: list[str]
+) -> None:
+    held, out, stopped = "", "", False
+    for i, delta in enumerate(deltas):
+        part = stops.split(held, delta, strings, end=i == len(deltas) - 1)
+        out += part.out
+        held = part.held
+        assert len(held) < max(map(len, strings))
+        assert not any(s in out for s in strings)  # never a stop string given out
+        if part.stopped:
+            stopped = True
+            break
+    expected, expected_stop = _cut("".join(deltas), strings)
+    assert (out + held, stopped) == (expected, expected_stop) or (
+        not deltas and (out, stopped) == ("", False)
+    )
+
+
+@pytest.mark.parametrize(
+    ("deltas", "strings", "given_out"),
+    [
+        ([" ", "5", ",", " ", "6"], [" 5"], ""),  # begins in the first chunk: nothing leaks
+        ([" ", "5", ",", " ", "6", ",", " ", "7", ","], ["6, 7"], " 5, "),
+        ([" ", "5", ",", " ", "6", ",", " ", "7", ","], ["5, 6"], " "),
+        (["ab", "c"], ["bd"], "abc"),  # held "b" goes out when "c" shows it is no stop
+    ],
+)
+def test_a_stop_string_spanning_chunks_leaves_nothing_of_itself(
+    deltas: list[str], strings: list[str], given_out: str
+) -> None:
+    held, out = "", ""
+    for i, delta in enumerate(deltas):
+        part = stops.split(held, delta, strings, end=i == len(deltas) - 1)
+        out, held = out + part.out, part.held
+        if part.stopped:
+            break
+    assert out + held == given_out
+
+
+def test_found_says_whether_the_chunk_completes_a_stop_string() -> None:
+    assert stops.found("<<S", "TOP>>", ["<<STOP>>"])
+    assert not stops.found("<<S", "TO", ["<<STOP>>"])
+    assert not stops.found("abc", "def", [""])  # an empty stop string matches nothing
