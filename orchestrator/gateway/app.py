@@ -79,6 +79,22 @@ def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> J
     )
 
 
+def _log_server_side(request: Request, exc: ApiError) -> None:
+    """One line for an answer that is the service's failure, not the client's (5xx: no
+    workers, Redis away, a request failed): the operator's log must say so, with the
+    request's id when the client gave one (a 4xx is the client's business, not logged)."""
+    if exc.status >= 500:
+        rid = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
+        log.warning(
+            "%s %s answered %d%s: %s",
+            request.method,
+            shown(request.url.path),
+            exc.status,
+            f" (request {shown(rid)})" if rid else "",
+            shown(exc.message),
+        )
+
+
 def _answering_errors(handler: Handler) -> Handler:
     """Answer `ApiError`s and orchestrator errors in the OpenAI shape; anything else is a
     bug, logged, and a 500 in the same shape."""
@@ -87,9 +103,12 @@ def _answering_errors(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except ApiError as exc:
+            _log_server_side(request, exc)
             return _error_response(exc)
         except errors.PdorchError as exc:
-            return _error_response(api_error_for(exc))
+            failed = api_error_for(exc)
+            _log_server_side(request, failed)
+            return _error_response(failed)
         except ClientDisconnect:
             # The client's business: it went away mid-request (its body unread). Nobody
             # reads this answer; nginx would log 499.

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 import grpc
 
 from orchestrator.api import worker_pb2
+from orchestrator.core.idents import shown
 from orchestrator.workers.host import Context
 from orchestrator.workers.mux import Many, StreamAborted, StreamContext, batches
 
@@ -83,7 +84,12 @@ class CallMany(Many[worker_pb2.CallCommand, worker_pb2.CallReply, worker_pb2.Cal
             except StreamAborted as exc:
                 reply = self._refusal(cid, exc)
             except Exception as exc:  # what an unhandled error in a unary call would be
-                log.exception("a %s call failed", command.WhichOneof("command"))
+                rid = command.prefill.request_id if command.HasField("prefill") else ""
+                log.exception(
+                    "a %s call failed%s",
+                    command.WhichOneof("command"),
+                    f" (request {shown(rid)})" if rid else "",
+                )
                 failed = StreamAborted(
                     grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}", ()
                 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -266,3 +267,19 @@ def test_usage_carries_the_cost_when_known() -> None:
         "total_tokens": 5,
         "pdorch_cost_usd": 0.0025,
     }
+
+
+def test_a_server_side_failure_is_one_warning_with_the_request_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A 5xx is the service's failure: the orchestrator's log says so, with the client's
+    id; a 4xx is the client's business and logs nothing."""
+    with caplog.at_level(logging.INFO, logger="orchestrator.gateway.app"):
+        headers = {"x-request-id": "req-503"}
+        backend = FakeBackend(models=())
+        error_of(post(backend, "/v1/completions", TEXT, headers=headers), 503, "unavailable")
+        error_of(post(FakeBackend(), "/v1/chat/completions", CHAT | {"n": 2}), 400)
+    lines = [r for r in caplog.records if r.name == "orchestrator.gateway.app"]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].levelno == logging.WARNING
+    assert "answered 503 (request 'req-503')" in lines[0].getMessage()
