@@ -28,6 +28,8 @@ from orchestrator.cli.common import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    positive_ints,
+    request_max_tokens,
     write_out,
 )
 from orchestrator.cli.orchestrator import ServerSettings
@@ -471,8 +473,9 @@ def _engine(be: argparse.ArgumentParser) -> None:
     )
     be.add_argument(
         "--concurrency",
-        default=",".join(str(c) for c in default(EngineBench, "concurrency")),
-        help="comma-separated stream counts",
+        type=positive_ints,
+        default=default(EngineBench, "concurrency"),
+        help="comma-separated stream counts (default %(default)s)",
     )
     be.add_argument(
         "--rounds", type=positive_int, default=default(EngineBench, "rounds"),
@@ -480,7 +483,7 @@ def _engine(be: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     be.add_argument(
         "--max-tokens",
-        type=positive_int,
+        type=request_max_tokens,
         default=default(EngineBench, "max_tokens"),
         help="tokens per request",
     )
@@ -507,7 +510,7 @@ def engine_bench(args: argparse.Namespace) -> EngineBench:
 
     return EngineBench(
         engine=args.engine,
-        concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
+        concurrency=tuple(args.concurrency),
         rounds=args.rounds,
         max_tokens=args.max_tokens,
     )

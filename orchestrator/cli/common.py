@@ -351,6 +351,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (``1,4,16``): at least one."""
+    values = tuple(positive_int(part.strip()) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated positive integers")
+    return values
+
+
+def request_max_tokens(text: str) -> int:
+    """A request's ``max_tokens``: 1 up to what the orchestrator admits."""
+    from orchestrator.core.spec import RequestLimits  # noqa: PLC0415 - keeps the CLI light
+
+    value = positive_int(text)
+    limit = RequestLimits().max_tokens
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"at most {limit} (a request's limit), got {value}")
+    return value
+
+
 def model_name(text: str) -> str:
     """One of `ENGINE_MODELS`, or a directory a model was saved into (by absolute path, so
     processes started elsewhere find it)."""

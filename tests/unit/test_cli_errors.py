@@ -54,6 +54,10 @@ FAILS = 1
 CASES = [
     # --- flags checked by the parser, before anything starts
     (["demo", "--max-tokens", "0"], USAGE, "--max-tokens: must be at least 1, got 0"),
+    (["bench", "engine", "--concurrency", "abc"], USAGE, "--concurrency: expected an integer"),
+    (["bench", "engine", "--concurrency", "4,0"], USAGE, "--concurrency: must be at least 1"),
+    (["bench", "engine", "--concurrency", ","], USAGE, "--concurrency: expected comma-sep"),
+    (["bench", "engine", "--max-tokens", "5000"], USAGE, "--max-tokens: at most 2048"),
     (["demo", "--http-port", "99999"], USAGE, "--http-port: a port is 0 to 65535, got 99999"),
     (["up", "--http-port", "-1"], USAGE, "--http-port: a port is 0 to 65535, got -1"),
     (["up", "--decode", "0"], USAGE, "--decode: must be at least 1"),
