@@ -30,7 +30,7 @@ from orchestrator.control.relay import Relay
 from orchestrator.control.run import Run
 from orchestrator.control.settings import ControlSettings
 from orchestrator.core.deadlines import overdue
-from orchestrator.core.records import RequestRecord, WorkerInfo
+from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.scheduler import Mode
 from orchestrator.core.spec import RequestSpec
 from orchestrator.core.state import Edge
@@ -136,6 +136,10 @@ class Ownership:
                 # The old owner journalled the request's end (a stop string, EOS) or every
                 # token, then lost its lease before recording it: record it — generating
                 # on would go past the end its clients were told.
+                if run.held:  # every token in, its text held for a stop string: the end's
+                    tail = JournalEntry(len(run.output), (), run.held, finish="length")
+                    await self.store.append(rid, epoch, tail)
+                    run.held = ""
                 await self.relay.finish(run, Edge.FINISH, finished or "length", "")
                 return
             async for _ in self.failover.drive(run, workers):

@@ -52,6 +52,7 @@ def _wanted(chunk: OutChunk, resume_from: int) -> bool:
     return (
         chunk.index + len(chunk.token_ids) > resume_from
         or bool(chunk.finish_reason)
+        or bool(chunk.text and not chunk.token_ids and chunk.index >= resume_from)  # held text
         or bool(chunk.prompt_logprobs and not resume_from)
     )
 

@@ -55,6 +55,9 @@ class RequestLimits:
     max_tokens: int = 2048
     """Largest ``max_tokens`` a request may ask for."""
     max_stop_strings: int = 8
+    max_stop_chars: int = 256
+    """Longest stop string: the text held back while it may begin one (`core.stops`), and
+    journalled with every chunk meanwhile, is at most this less one character."""
 
     def check(self, inp: GenerateInput) -> None:
         """Raise InvalidRequestError (naming the field) for the first invalid part of ``inp``."""
@@ -98,6 +101,11 @@ class RequestLimits:
         if len(stop) > self.max_stop_strings:
             raise InvalidRequestError(
                 "stop", f"at most {self.max_stop_strings} stop strings, got {len(stop)}"
+            )
+        longest = max(map(len, stop), default=0)
+        if longest > self.max_stop_chars:
+            raise InvalidRequestError(
+                "stop", f"a stop string is at most {self.max_stop_chars} characters, got {longest}"
             )
 
     @staticmethod

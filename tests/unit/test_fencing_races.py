@@ -300,3 +300,57 @@ def test_text_held_for_a_stop_string_is_given_out_by_the_new_owner() -> None:
         assert "".join(c.text for c in got if isinstance(c, OutChunk)) == whole, got
 
     run(main())
+
+
+class _StallingBeforeTheEnd(MemoryStore):
+    """Journals entries up to the end's; freezes before writing the entry with the finish."""
+
+    def __init__(self, settings: StoreSettings, **kw: Any) -> None:
+        super().__init__(settings, **kw)
+        self.frozen = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def append_many(self, items: Any, **kw: Any) -> Any:
+        ended = [i for i, (_, _, e) in enumerate(items) if e.finish]
+        if ended:
+            before = list(items[: ended[0]])
+            got = await super().append_many(before, **kw) if before else []
+            self.frozen.set()
+            await self.gate.wait()
+            return got + await super().append_many(list(items[ended[0] :]), **kw)
+        return await super().append_many(items, **kw)
+
+
+def test_held_text_of_the_last_token_is_given_out_after_takeover() -> None:
+    """Every token journalled, the last one's text held (it may begin "<5>!"), the end not
+    yet: the new owner ends the request and gives out what was held."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        settings = StoreSettings(url="memory://", lease_ttl_s=LEASE_S)
+        store_a = _StallingBeforeTheEnd(settings, clock=clock)
+        p0 = FakeWorker("p0", "prefill")
+        d0 = FakeWorker("d0", "decode", delay_s=0.05)
+        a, _, _ = await setup(p0, d0, store=store_a, owner="a")
+        store_b = _peer(store_a, MemoryStore(settings, clock=clock))
+        b = Orchestrator(store_b, FakeFleet(p0, d0).as_clients(), FAST, "b")
+        got: list[OutChunk | BaseException] = []
+        # token 5's text "<5>" may begin "<5>!": held; the end (length) comes alone
+        client = asyncio.create_task(
+            _drain(a.generate(replace(inp(max_tokens=6), stop=("<5>!",))), got)
+        )
+        await asyncio.wait_for(store_a.frozen.wait(), 10)
+        assert (await store_b.journal("r1"))[-1].held == "<5>"
+        await b.start()
+        clock.advance(LEASE_S + 1)
+        await eventually(lambda: _terminal(store_b))
+        store_a.gate.set()
+        await asyncio.wait_for(client, 10)
+        await b.stop()
+        await a.stop()
+        whole = "".join(f"<{i}>" for i in range(6))
+        journal = await store_b.journal("r1")
+        assert "".join(e.text for e in journal) == whole
+        assert "".join(c.text for c in got if isinstance(c, OutChunk)) == whole, got
+
+    run(main())

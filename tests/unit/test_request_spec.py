@@ -57,6 +57,9 @@ def test_a_stop_string_refused_says_why() -> None:
         RequestLimits().check(replace(OK, stop=("x", "")))
     with pytest.raises(errors.InvalidRequestError, match="at most 8 stop strings, got 9"):
         RequestLimits().check(replace(OK, stop=tuple("abcdefghi")))
+    with pytest.raises(errors.InvalidRequestError, match="at most 256 characters, got 257"):
+        RequestLimits().check(replace(OK, stop=("x" * 257,)))
+    RequestLimits().check(replace(OK, stop=("x" * 256,)))
 
 
 def test_a_huge_number_refused_is_not_echoed_whole() -> None:

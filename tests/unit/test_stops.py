@@ -66,3 +66,16 @@ def test_found_says_whether_the_chunk_completes_a_stop_string() -> None:
     assert stops.found("<<S", "TOP>>", ["<<STOP>>"])
     assert not stops.found("<<S", "TO", ["<<STOP>>"])
     assert not stops.found("abc", "def", [""])  # an empty stop string matches nothing
+
+
+def test_a_client_that_has_every_token_is_still_owed_the_text_held_until_the_end() -> None:
+    """The end gives out the text it held in a chunk with no tokens, at the index after the
+    last one: a client resuming with every token is owed it (the journal's readers give it
+    too), not one resuming earlier than that chunk's index only."""
+    from orchestrator.control.run import OutChunk  # noqa: PLC0415
+    from orchestrator.control.sessions import _wanted  # noqa: PLC0415
+
+    held_out = OutChunk("r", 6, [], "<5>")
+    assert _wanted(held_out, 6)
+    assert _wanted(held_out, 0)
+    assert not _wanted(OutChunk("r", 6, [], ""), 6)
