@@ -291,6 +291,9 @@ class LocalCluster:
     """Worker name -> KV address to publish instead of its own (TCP transport only)."""
     on_worker_ports: Callable[[str, int, int], None] | None = None
     """Told each (re)started worker's real gRPC and KV ports (proxies retarget to them)."""
+    on_spawn: Callable[[], object] | None = None
+    """Called as each process has been started, before it is ready (`pdorch up` lists it
+    in its state file there: killed while waiting, it leaves nothing `down` cannot find)."""
     gateway: bool = False
     """Every orchestrator also serves the OpenAI-compatible gateway (`--http-port`)."""
     gateway_port: int = 0
@@ -369,6 +372,8 @@ class LocalCluster:
         self.procs[name] = proc
         if self not in _LIVE:
             _LIVE.append(self)
+        if self.on_spawn is not None:
+            self.on_spawn()
         return proc
 
     def _pdorch(self, *args: str) -> list[str]:
@@ -396,13 +401,19 @@ class LocalCluster:
         if old is not None:
             old.stop()  # reap a killed predecessor before replacing it
         log = self.workdir / "redis.log"
-        server = RedisServer(self.workdir, port=self.redis_port, appendonly=appendonly, log=log)
+        # Its own session, as every process here: a Ctrl-C at the terminal reaches `pdorch
+        # up` alone, which stops the orchestrators (draining into Redis) before Redis.
+        server = RedisServer(
+            self.workdir, port=self.redis_port, appendonly=appendonly, log=log, new_session=True
+        )
         try:
             server.start()
         except RedisServerError as exc:
             raise ClusterError(str(exc)) from exc
         self.redis_port = server.port
-        self.procs["redis"] = Proc("redis", server.process, log, server.argv)
+        self.procs["redis"] = Proc("redis", server.process, log, server.argv, group=True)
+        if self.on_spawn is not None:
+            self.on_spawn()
 
     def worker_args(self, role: str, index: int) -> list[str]:
         if self.engine == "sim":  # one simulated worker with a prefix cache, no model

@@ -169,9 +169,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
             raise CommandError(f"--logs {args.logs}: {why}") from None
     _interrupt_on_sigterm()
     publish = _Publisher(env, cluster, metrics, gateway)
+    cluster.on_spawn = publish  # each process listed as it starts
     try:
         try:
-            _start(cluster, progress, metrics, args.port or free_port(), publish)
+            _start(cluster, progress, metrics, args.port or free_port())
         except ClusterError as exc:
             raise CommandError(start_failure(str(exc), cluster.workdir)) from exc
         state = publish(ready=True)
@@ -237,17 +238,15 @@ def _start(
     progress: Progress,
     metrics: dict[str, int],
     grpc_port: int,
-    publish: _Publisher,
 ) -> None:
-    """Start the processes step by step, each timed on stderr and published in the state
-    file as it starts; on any failure stop them and raise `ClusterError` with the failing
-    process's last log lines."""
+    """Start the processes step by step, each timed on stderr (and published in the state
+    file as it starts: `LocalCluster.on_spawn`); on any failure stop them and raise
+    `ClusterError` with the failing process's last log lines."""
     from orchestrator.ports import free_port  # noqa: PLC0415
 
     try:
         with progress.step(f"Redis (logs in {cluster.workdir})"):
             cluster.start_redis()
-        publish()
         _check_interrupted()
         workers = cluster.prefill_workers + cluster.decode_workers
         what = (
@@ -266,12 +265,10 @@ def _start(
                 for i in range(count):
                     metrics[f"{role}-{i}"] = free_port()
                     cluster.start_worker(role, i, "--metrics-port", str(metrics[f"{role}-{i}"]))
-                    publish()
             cluster.wait_workers(cluster.prefill_workers, cluster.decode_workers)
         _check_interrupted()
         with progress.step("orchestrator"):
             cluster.start_orchestrator(0, grpc_port)
-        publish()
         _check_interrupted()
     except BaseException:
         cluster.stop()

@@ -63,8 +63,12 @@ class RedisServer:
         log: Path | None = None,
         config: Sequence[str] = (),
         password: str | None = None,
+        new_session: bool = False,
     ) -> None:
         self.workdir = workdir
+        self.new_session = new_session
+        """Start it in a session (and process group) of its own: a terminal's Ctrl-C to
+        its starter's group does not reach it."""
         self.port = port or free_port()
         self.appendonly = appendonly
         """With an AOF a killed server restarts without loss: the AOF is written before
@@ -111,7 +115,11 @@ class RedisServer:
                 conf.write("\n".join(self.config) + "\n")
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.new_session,
             )
         try:
             self._wait_serving(timeout_s)

@@ -215,3 +215,22 @@ def test_serving_goes_on_when_a_worker_exits(
         "\N{EM DASH} `pdorch down` stops the rest",
         "pdorch up: orchestrator-0 exited (killed by SIGTERM); stopping",
     ]
+
+
+@pytest.mark.slow
+def test_every_process_is_announced_as_it_starts_before_it_is_ready(tmp_path: Path) -> None:
+    """`LocalCluster.on_spawn` runs once a process is started and in `procs` — before the
+    wait for it to be ready (`pdorch up` lists it in its state file there) — Redis, which
+    leads a process group of its own (a terminal's Ctrl-C does not reach it), included."""
+    cluster = LocalCluster(workdir=tmp_path)
+    seen: list[list[str]] = []
+    cluster.on_spawn = lambda: seen.append(sorted(cluster.procs))
+    try:
+        cluster.start_redis()
+        redis = cluster.procs["redis"]
+        assert redis.group
+        assert os.getpgid(redis.popen.pid) == redis.popen.pid != os.getpgid(0)
+        cluster._spawn("orchestrator-0", [sys.executable, "-c", "import time; time.sleep(30)"])
+        assert seen == [["redis"], ["orchestrator-0", "redis"]]
+    finally:
+        cluster.stop()
