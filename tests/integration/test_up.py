@@ -105,11 +105,17 @@ def _starting_up(env: dict[str, str]) -> subprocess.Popen[str]:
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
-    assert up.stderr is not None
-    for line in up.stderr:  # the progress lines of a log (not a terminal)
-        if "workers loading tiny" in line:
-            break
-    wait_for(lambda: len(_listed(env)) == 4, 60, "the state file lists every process")
+    try:
+        assert up.stderr is not None
+        for line in up.stderr:  # the progress lines of a log (not a terminal)
+            if "workers loading tiny" in line:
+                break
+        wait_for(lambda: len(_listed(env)) == 4, 60, "the state file lists every process")
+    except BaseException:
+        up.terminate()  # while starting: it stops what it started (workers lead own groups)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            up.communicate(timeout=60)
+        raise
     return up
 
 
