@@ -138,9 +138,10 @@ class Relay:
         reason = convert.finish_from_pb(chunk.finish_reason)
         if chunk.compute_ms:
             run.usage.computed(chunk.compute_ms / 1000)
-        if spec.stop and (delta or run.held):
+        held = run.held
+        if spec.stop and (delta or held):
             # Text that may begin a stop string waits for the next chunk (`core.stops`).
-            part = stops.split(run.held, delta, spec.stop, end=bool(reason))
+            part = stops.split(held, delta, spec.stop, end=bool(reason))
             delta, run.held = part.out, part.held
             if part.stopped:
                 reason = "stop"
@@ -148,13 +149,14 @@ class Relay:
         prompt = convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
         produced = len(run.output)
         if not (ids or prompt):
-            if delta or (reason and reason != "length"):
+            if delta or run.held != held or (reason and reason != "length"):
                 # The end alone, before the request's last token (with the text held until
-                # then): journalled all the same (`JournalEntry.finish`: a write more). A
-                # length's needs none: a replica taking the request over finds every
-                # token journalled.
+                # then), or text without a token: journalled all the same
+                # (`JournalEntry.finish`, `held`: a write more). A length's end needs none:
+                # a replica taking the request over finds every token journalled.
                 end = OutChunk(run.rid, produced, [], delta, prompt_tokens=len(spec.prompt))
-                self.writer.submit(run, JournalEntry(produced, (), delta, finish=reason), end)
+                alone = JournalEntry(produced, (), delta, finish=reason, held=run.held)
+                self.writer.submit(run, alone, end)
             return reason
         if chunk.index != produced:
             raise errors.WorkerError(

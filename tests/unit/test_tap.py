@@ -237,3 +237,27 @@ def test_a_stop_string_split_over_many_chunks_is_found_and_none_of_it_given_out(
         assert d.run.held == ""
 
     run(main())
+
+
+def test_text_without_a_token_journals_what_it_leaves_held() -> None:
+    """A chunk of text alone (no token) that extends the text held for a stop string: the
+    journal says what is held now (a replica taking over gives it out), and the end gives
+    it out."""
+
+    async def main() -> None:
+        d = Driven(ControlSettings(), stop=("<<S!",))
+        await d.start()
+        relaying = asyncio.create_task(d.relayed())
+        await d.first()
+        d.stream._deliver(chunk(1, text="x <<"))
+        d.stream._deliver(worker_pb2.TokenChunk(index=2, text="S"))
+        d.stream._deliver(chunk(2, finish=True, text="."))
+        d.stream._finish(None)
+        ends = await relaying
+        assert [(e.finish_reason, e.index) for e in ends] == [("length", 3)]
+        journal = await d.store.journal("r")
+        assert [e.held for e in journal] == ["", "<<", "<<S", ""]
+        assert "".join(e.text for e in journal) == "<0>x <<S."
+        assert "".join(c.text for c in d.handed) == "<0>x <<S."
+
+    run(main())
