@@ -38,6 +38,7 @@ from redis.exceptions import RedisClusterException
 from orchestrator.api.tls import Tls, secure_channel
 from orchestrator.core.peers import CA_FILE, ORCHESTRATOR_SERVER_NAME, WORKER_SERVER_NAME, Role
 from orchestrator.ports import free_port
+from orchestrator.procs import group_runs, pid_taken
 from orchestrator.rpc.client import channel as client_channel
 from orchestrator.store.connect import sync_client
 from orchestrator.store.keys import Keys
@@ -49,7 +50,6 @@ __all__ = [
     "Proc",
     "connect",
     "free_port",
-    "group_runs",
     "spawn",
 ]
 
@@ -179,7 +179,7 @@ class Proc:
         Linux gives out no pid that is in use as a process group's id, so while the group
         has members the pid stays free: taken, the group is empty and the pid is a
         newcomer's (whose group of the same id is not ours to signal)."""
-        return self._reaped() and _pid_taken(self.popen.pid)
+        return self._reaped() and pid_taken(self.popen.pid)
 
     def _signal_group(self, sig: int) -> bool:
         """``sig`` to the group of the exited leader; False when there is none to signal."""
@@ -200,40 +200,6 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-def _pid_taken(pid: int) -> bool:
-    """Whether a process (running, or a zombie) has pid ``pid``."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def group_runs(pgid: int) -> bool:
-    """Whether a process of process group ``pgid`` runs. A zombie does not count: the
-    group's exited leader before it is reaped, or an orphan a container's init never
-    reaps. Read from ``/proc`` (Linux); elsewhere any member counts."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        pids = [entry for entry in os.listdir("/proc") if entry.isdigit()]
-    except OSError:
-        return True
-    for pid in pids:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-            state, _ppid, pgrp = stat.rpartition(")")[2].split()[:3]
-            if int(pgrp) == pgid and state != "Z":
-                return True
-    return False
 
 
 _EXITED_NOWAIT = os.WEXITED | os.WNOHANG | os.WNOWAIT

@@ -511,15 +511,18 @@ def client_token(env: Mapping[str, str]) -> str | None:
     if env.get(TOKEN_ENV):
         return env[TOKEN_ENV].strip()
     path = env.get(TOKEN_FILE_ENV)
-    if not path:
-        return None
+    return _secret_file(TOKEN_FILE_ENV, path) if path else None
+
+
+def _secret_file(variable: str, path: str) -> str:
+    """The one value in the file ``$variable`` names (a mounted Secret), stripped."""
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
+        text = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise CommandError(f"${TOKEN_FILE_ENV} {path}: {exc}") from None
-    if not token:
-        raise CommandError(f"${TOKEN_FILE_ENV} {path}: empty")
-    return token
+        raise CommandError(f"${variable} {path}: {exc}") from None
+    if not text:
+        raise CommandError(f"${variable} {path}: empty")
+    return text
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -559,12 +562,7 @@ def resolve_redis(args: argparse.Namespace, env: Mapping[str, str]) -> None:
     if url_file:
         if env.get(REDIS_URL_ENV):
             raise CommandError(f"set one of ${REDIS_URL_ENV} and ${REDIS_URL_FILE_ENV}, not both")
-        try:
-            text = Path(url_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CommandError(f"${REDIS_URL_FILE_ENV} {url_file}: {exc}") from None
-        if not text:
-            raise CommandError(f"${REDIS_URL_FILE_ENV} {url_file}: empty")
+        text = _secret_file(REDIS_URL_FILE_ENV, url_file)
         try:
             from_file = redis_url(text)
         except argparse.ArgumentTypeError as exc:

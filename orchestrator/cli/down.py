@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from orchestrator.cli.common import CommandError, Commands, Parents, add_command, positive_float
 from orchestrator.cli.state import (
     ClusterState,
-    alive,
     group_ours,
     live_state,
     ours,
@@ -20,6 +19,7 @@ from orchestrator.cli.state import (
     stale_state,
     state_path,
 )
+from orchestrator.procs import alive, group_runs
 
 NAME = "down"
 HELP = "stop the cluster `pdorch up` started"
@@ -83,16 +83,14 @@ def _stop_leftovers(state: ClusterState, timeout_s: float) -> list[str]:
     start time) or while no process has that pid — a worker killed alone (``kill -9``) has
     left its group running (a vLLM worker's engine core), and Linux reuses no pid that is
     still a group's id; a pid that another process has taken means the group is empty.
-    Redis, in `pdorch up`'s own group, while it is the process it started."""
-    from orchestrator.cluster import group_runs  # noqa: PLC0415 - imports grpc, redis
-
-    alone = set(state.in_our_group)
+    A process leading no group (the Redis of an older `pdorch up`) is signalled alone,
+    while it is the process it started."""
 
     def left(name: str) -> bool:
         pid, start = state.procs[name]
         if ours(pid, start):
             return True
-        return name not in alone and group_ours(pid, start) and group_runs(pid)
+        return group_ours(pid, start) and group_runs(pid)
 
     def signal_all(names: list[str], sig: int) -> None:
         for name in names:
@@ -100,10 +98,9 @@ def _stop_leftovers(state: ClusterState, timeout_s: float) -> list[str]:
                 continue
             pid, start = state.procs[name]
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if name not in alone:
-                    os.killpg(pid, sig)
-                    continue
-            if ours(pid, start):  # in `pdorch up`'s group, or leading none after all
+                os.killpg(pid, sig)
+                continue
+            if ours(pid, start):  # leading no group after all (a Redis of an older `up`)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from orchestrator.procs import alive, pid_taken, started
 
 ORCHESTRATOR_ENV = "PDORCH_ORCHESTRATOR"
 REDIS_ENV = "PDORCH_REDIS_URL"
@@ -47,9 +48,6 @@ class ClusterState:
     worker and orchestrator leads its own process group): what `pdorch down` stops when
     `pdorch up` itself was killed (SIGKILL leaves them running). Written as each one
     starts, so a `pdorch up` killed while starting leaves them listed too."""
-    in_our_group: list[str] = field(default_factory=list)
-    """The names in ``procs`` that run in `pdorch up`'s own process group instead of leading
-    one (its Redis). `pdorch down` signals those alone, and only while they still run."""
     ready: bool = True
     """False while `pdorch up` is still starting: the endpoints are not served yet (the
     client commands see no cluster; `up` refuses a second one; `down` stops it). A file
@@ -71,20 +69,6 @@ def state_path(env: Mapping[str, str]) -> Path:
         Path(env.get("HOME", "~")).expanduser() / ".local/state"
     )
     return Path(base) / "pdorch" / "up.json"
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (an exited one its parent has not reaped yet does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError, IndexError):  # Linux: state after "(comm)"
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-        return stat.rpartition(")")[2].split()[0] != "Z"
-    return True
 
 
 def _file_state(env: Mapping[str, str]) -> ClusterState | None:
@@ -116,17 +100,6 @@ def stale_state(env: Mapping[str, str]) -> ClusterState | None:
     return state if state is not None and not alive(state.pid) else None
 
 
-def started(pid: int) -> int:
-    """When process ``pid`` started (clock ticks after boot, ``/proc/PID/stat``'s 22nd
-    field): with its pid, a process's identity — a pid reused later starts later. 0 when
-    it cannot be read (no such process; not Linux)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-        return int(stat.rpartition(")")[2].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def ours(pid: int, start: int) -> bool:
     """Whether the process that started as ``pid`` at ``start`` (`started`) still runs —
     not another one that took the pid over since."""
@@ -141,13 +114,7 @@ def group_ours(pid: int, start: int) -> bool:
     reused; a pid another process has taken since means the group is empty."""
     if start and started(pid) == start:
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not pid_taken(pid)
 
 
 def write_state(env: Mapping[str, str], state: ClusterState) -> Path:

@@ -38,10 +38,10 @@ from orchestrator.cli.state import (
     ClusterState,
     live_state,
     remove_state,
-    started,
     state_path,
     write_state,
 )
+from orchestrator.procs import started
 
 if TYPE_CHECKING:
     from orchestrator.cluster import LocalCluster
@@ -226,7 +226,6 @@ class _Publisher:
             logs=str(cluster.workdir),
             tls=str(cluster.tls_dir) if cluster.tls else "",
             procs={n: [p.popen.pid, started(p.popen.pid)] for n, p in cluster.procs.items()},
-            in_our_group=sorted(n for n, p in cluster.procs.items() if not p.group),
             ready=ready,
         )
         write_state(self.env, state)

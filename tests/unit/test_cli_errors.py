@@ -24,7 +24,8 @@ import pytest
 
 from orchestrator.api import orchestrator_pb2_grpc
 from orchestrator.cli import main
-from orchestrator.cli.state import ClusterState, alive, started, write_state
+from orchestrator.cli.state import ClusterState, write_state
+from orchestrator.procs import alive, started
 from orchestrator.store.server import RedisServer
 
 DEAD_REDIS = "redis://127.0.0.1:1/0"
@@ -220,8 +221,7 @@ def test_down_stops_the_group_of_a_worker_killed_alone(
         leader.kill()  # the worker alone
         leader.wait()  # reaped: its pid stays free while its group has a member
         assert alive(grandchild)
-        state = ClusterState(gone.pid, "127.0.0.1:7001", "redis://x:1/0", procs=procs,
-                             in_our_group=["redis"])  # fmt: skip
+        state = ClusterState(gone.pid, "127.0.0.1:7001", "redis://x:1/0", procs=procs)
         write_state(os.environ, state)
         assert _exit(["down", "--timeout", "5"]) == 0
         assert redis_like.wait(5) is not None
