@@ -34,6 +34,7 @@ import asyncio
 import copy
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from typing import Protocol
@@ -46,7 +47,7 @@ from orchestrator.api.many import Many, StreamAborted, batches
 from orchestrator.control.orchestrator import GenerateInput, OutChunk, Sink
 from orchestrator.core.idents import shown
 
-__all__ = ["GenerateMany", "ManyCalls", "failure_of"]
+__all__ = ["GenerateMany", "ManyCalls", "failure_of", "named"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,15 @@ Input = Callable[[orchestrator_pb2.GenerateRequest, float | None], GenerateInput
 """A request's input, given its deadline (`time.monotonic` seconds; None: none)."""
 Fill = Callable[[orchestrator_pb2.GenerateChunk, OutChunk], None]
 """Write an `OutChunk` into a `GenerateChunk` (`rpc.service`)."""
+
+
+def named(request: orchestrator_pb2.GenerateRequest) -> str:
+    """``request``'s id: the client's, else one assigned here and written into ``request``
+    before anything can fail, so its input, its chunks and every log line about it carry the
+    same id (never ``''``), as the HTTP gateway's requests do (`gateway.parse.request_id`)."""
+    if not request.request_id:
+        request.request_id = uuid.uuid4().hex
+    return request.request_id
 
 
 def failure_of(aborted: StreamAborted) -> orchestrator_pb2.StreamFailure:
@@ -210,6 +220,7 @@ class GenerateMany(
 
     async def _run(self, sid: int, command: orchestrator_pb2.GenerateCommand) -> None:
         request = command.start
+        rid = named(request)
         deadline = self._deadline(command)
         loop = asyncio.get_running_loop()
         scope = asyncio.timeout_at(
@@ -228,7 +239,7 @@ class GenerateMany(
             else:
                 self._bug(sid, request)
         except errors.PdorchError as exc:
-            log.info("request %s failed: %s", shown(request.request_id), exc)
+            log.info("request %s failed: %s", shown(rid), exc)
             self._end(sid, self._failed(exc))
         except asyncio.CancelledError:
             if self._own(sid):  # not the client's stop nor the call's end

@@ -7,7 +7,9 @@ interceptor, which `server` installs; with a tokens file, `rpc.auth.Authenticate
 of it, and the tenant comes from the credential (`_tenant`): GetRequest and Cancel of
 another tenant's request answer NOT_FOUND, as an unknown id does. The call's deadline
 travels with the input: a request whose deadline passes before it is created is refused
-(DEADLINE_EXCEEDED) and nothing runs for it. Client strings in logs go through `shown`.
+(DEADLINE_EXCEEDED) and nothing runs for it. Client strings in logs go through `shown`; a
+request sent without an id is named on arrival (`many.named`), so every log line about it
+carries the id it runs under.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from orchestrator.core.idents import check_tenant, shown
 from orchestrator.core.peers import Surface
 from orchestrator.core.records import RequestRecord
 from orchestrator.rpc.auth import Authenticate, Authenticator, caller
-from orchestrator.rpc.many import GenerateMany, ManyCalls
+from orchestrator.rpc.many import GenerateMany, ManyCalls, named
 from orchestrator.rpc.status import status_for
 
 log = logging.getLogger(__name__)
@@ -188,12 +190,13 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[orchestrator_pb2.GenerateChunk]:
+        rid = named(request)
         try:
             inp = _input(request, _tenant(context), _deadline(context))
             async for chunk in self.o.generate(inp):
                 yield _chunk_pb(chunk)
         except errors.PdorchError as exc:
-            log.info("request %s failed: %s", shown(request.request_id), exc)
+            log.info("request %s failed: %s", shown(rid), exc)
             aborted = _aborted(exc)
             if aborted.trailing:
                 context.set_trailing_metadata(aborted.trailing)
