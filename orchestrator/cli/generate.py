@@ -19,6 +19,7 @@ from orchestrator.cli.common import (
     positive_int,
     seed,
 )
+from orchestrator.cli.state import orphaned_state, stale_state, state_path
 
 NAME = "generate"
 HELP = "stream a completion from an orchestrator"
@@ -80,6 +81,35 @@ def finish_line(reason: str, ttft_ms: float, tpot_ms: float, kv_bytes: int, rout
     return f"[{why}] ttft {ttft_ms:.0f} ms, tpot {tpot_ms:.1f} ms, kv {kv_bytes:,} bytes, {route}"
 
 
+def orphan_note(env: Mapping[str, str], address: str) -> str | None:
+    """A line for a call to the cluster a killed `pdorch up` left serving (`orphaned_state`)
+    at ``address``: it serves, but nothing supervises it; None for any other."""
+    state = orphaned_state(env)
+    if state is None or state.orchestrator != address:
+        return None
+    return (
+        f"pdorch generate: `pdorch up` (pid {state.pid}) is gone (killed); its cluster at "
+        f"{address} serves on without it \N{EM DASH} `pdorch down` stops it"
+    )
+
+
+def no_answer(env: Mapping[str, str], address: str, tls_hint: str) -> str:
+    """Why no orchestrator answers at ``address``: a `pdorch up` killed with its
+    orchestrator gone too left a state file (and maybe processes) that `pdorch down`
+    clears; else the usual suspects."""
+    left = stale_state(env)
+    if left is not None and orphaned_state(env) is None:
+        return (
+            f"no orchestrator answers at {address}: the `pdorch up` of {state_path(env)} "
+            f"(pid {left.pid}) is gone (killed) and its orchestrator is not running; "
+            "`pdorch down` stops what it left running, then `pdorch up` starts a new cluster"
+        )
+    return (
+        f"no orchestrator answers at {address} (is `pdorch up` running? "
+        f"--orchestrator or $PDORCH_ORCHESTRATOR name another{tls_hint})"
+    )
+
+
 async def run(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
 
@@ -98,6 +128,9 @@ async def run(args: argparse.Namespace) -> int:
     from orchestrator.rpc.client import channel as client_channel  # noqa: PLC0415
 
     tls = client_tls(args)
+    note = orphan_note(os.environ, args.orchestrator)
+    if note is not None:
+        print(note, file=sys.stderr)
     async with client_channel(args.orchestrator, client_token(os.environ), tls=tls) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         tokens = 0
@@ -127,10 +160,7 @@ async def run(args: argparse.Namespace) -> int:
                     if tls is not None
                     else "; one serving TLS needs --tls-dir"
                 )
-                raise CommandError(
-                    f"no orchestrator answers at {args.orchestrator} (is `pdorch up` running? "
-                    f"--orchestrator or $PDORCH_ORCHESTRATOR name another{tls_hint})"
-                ) from None
+                raise CommandError(no_answer(os.environ, args.orchestrator, tls_hint)) from None
             print(f"\npdorch generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0

@@ -2,7 +2,9 @@
 client commands (`generate`, `cost`, `status`, `down`) find their endpoints without flags.
 
 An endpoint comes from, in order: the flag, the environment (``PDORCH_ORCHESTRATOR``,
-``PDORCH_REDIS_URL``), the state file of a `pdorch up` still running, the built-in default.
+``PDORCH_REDIS_URL``), the state file of a `pdorch up` still running — or of one killed
+(SIGKILL: it could not stop its processes) whose orchestrator still serves, the cluster
+`pdorch down` stops — the built-in default.
 The file lives at ``$PDORCH_STATE`` if set, else ``$XDG_STATE_HOME/pdorch/up.json`` (else
 ``~/.local/state/pdorch/up.json``); one `pdorch up` at a time owns it.
 """
@@ -21,6 +23,8 @@ ORCHESTRATOR_ENV = "PDORCH_ORCHESTRATOR"
 REDIS_ENV = "PDORCH_REDIS_URL"
 STATE_ENV = "PDORCH_STATE"
 TLS_ENV = "PDORCH_TLS_DIR"
+ORCHESTRATOR_PROC = "orchestrator-0"
+"""The process serving `ClusterState.orchestrator` (`LocalCluster.start_orchestrator`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +91,25 @@ def live_state(env: Mapping[str, str]) -> ClusterState | None:
 
 
 def read_state(env: Mapping[str, str]) -> ClusterState | None:
-    """The running cluster's state once it serves (`live_state`, ``ready``); None
-    otherwise."""
+    """The state of the cluster the client commands talk to: the running `pdorch up`'s once
+    it serves (`live_state`, ``ready``), else the one a killed `pdorch up` left serving
+    (`orphaned_state`); None otherwise."""
     state = live_state(env)
-    return state if state is not None and state.ready else None
+    if state is not None:
+        return state if state.ready else None
+    return orphaned_state(env)
+
+
+def orphaned_state(env: Mapping[str, str]) -> ClusterState | None:
+    """The state a `pdorch up` killed once its cluster served left behind (`stale_state`,
+    ``ready``), while the orchestrator serving its endpoint (`ORCHESTRATOR_PROC`) still
+    runs — the process it started, not one that took the pid over since (`ours`); None
+    otherwise. `pdorch down` stops such a cluster."""
+    state = stale_state(env)
+    if state is None or not state.ready:
+        return None
+    pid, start = state.procs.get(ORCHESTRATOR_PROC, (0, 0))
+    return state if ours(pid, start) else None
 
 
 def stale_state(env: Mapping[str, str]) -> ClusterState | None:

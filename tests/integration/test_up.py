@@ -96,6 +96,55 @@ def test_up_status_generate_cost_down(
         up.communicate(timeout=60)
 
 
+@pytest.mark.slow  # a cluster of five processes: ~45 s on a busy 2-core machine
+@pytest.mark.timeout(300)
+def test_generate_finds_the_cluster_of_a_killed_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdorch up` SIGKILLed once it serves leaves its cluster running (each process leads
+    its own group): `generate` still finds it by the state file — as `down` does — and
+    says nothing supervises it; `down` then stops every process it left."""
+    env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
+    for name in ("PDORCH_ORCHESTRATOR", "PDORCH_REDIS_URL", "PDORCH_TLS_DIR"):
+        env.pop(name, None)
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PDORCH_STATE", env["PDORCH_STATE"])
+    argv = ["up", "--model", "tiny", "--transport", "tcp", "--prefill", "0", "--decode", "1",
+            "--port", "0", "--http-port", "0", "--json"]  # fmt: skip
+    up = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *argv],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    children: list[psutil.Process] = []
+    try:
+        wait_for(lambda: read_state(env) is not None or up.poll() is not None, 240, "pdorch up")
+        state = read_state(env)
+        assert state is not None, up.communicate()[1]
+        children = psutil.Process(up.pid).children(recursive=True)
+        up.kill()
+        up.communicate(timeout=10)
+        assert read_state(env) == state  # its orchestrator serves on
+
+        assert main(["generate", "hello", "--max-tokens", "4"]) == 0
+        err = capsys.readouterr().err
+        assert f"`pdorch up` (pid {up.pid}) is gone" in err
+        assert "[stopped: --max-tokens reached]" in err
+
+        assert main(["down", "--timeout", "10"]) == 0
+        assert "orchestrator-0" in capsys.readouterr().out
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive
+        assert not Path(env["PDORCH_STATE"]).exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGKILL)
+        up.communicate(timeout=60)
+        for child in children:  # nothing left, unless the test failed
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
 def _starting_up(env: dict[str, str]) -> subprocess.Popen[str]:
     """`pdorch up` of the tiny model, returned once its workers are loading (each started
     process already in the state file, the cluster not up yet)."""

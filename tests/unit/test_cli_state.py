@@ -13,9 +13,10 @@ import pytest
 
 from orchestrator.cli import build_parser
 from orchestrator.cli.common import DEFAULT_ORCHESTRATOR
-from orchestrator.cli.generate import finish_line
+from orchestrator.cli.generate import finish_line, no_answer, orphan_note
 from orchestrator.cli.state import ClusterState, read_state, remove_state, write_state
 from orchestrator.cli.status import Snapshot, WorkerRow, format_status, pools
+from orchestrator.procs import started
 from orchestrator.store.settings import StoreSettings
 
 BUILTIN_REDIS = StoreSettings().url
@@ -48,6 +49,63 @@ def test_the_state_of_a_dead_pdorch_up_is_ignored(tmp_path: Path) -> None:
     write_state(env, _state(gone.pid))
     assert read_state(env) is None
     assert _endpoints(env) == (DEFAULT_ORCHESTRATOR, BUILTIN_REDIS)
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_a_killed_pdorch_ups_cluster_is_found_while_its_orchestrator_serves(
+    tmp_path: Path, ready: bool
+) -> None:
+    """`pdorch up` SIGKILLed once its cluster served leaves the orchestrator running (its
+    own process group): the client commands find it, as `pdorch down` does, and
+    `generate` says that nothing supervises it and what stops it. Killed while starting
+    (``ready`` False), there is no endpoint to offer."""
+    env = {"PDORCH_STATE": str(tmp_path / "up.json")}
+    me = os.getpid()  # stands for the orchestrator it started, still running
+    state = ClusterState(
+        pid=_dead_pid(), orchestrator="127.0.0.1:7001", redis="redis://127.0.0.1:7002/0",
+        procs={"orchestrator-0": [me, started(me)], "redis": [me, started(me)]}, ready=ready,
+    )  # fmt: skip
+    write_state(env, state)
+    if not ready:
+        assert read_state(env) is None
+        assert _endpoints(env) == (DEFAULT_ORCHESTRATOR, BUILTIN_REDIS)
+        return
+    assert read_state(env) == state
+    assert _endpoints(env) == ("127.0.0.1:7001", "redis://127.0.0.1:7002/0")
+    note = orphan_note(env, "127.0.0.1:7001")
+    assert note is not None
+    assert f"`pdorch up` (pid {state.pid}) is gone" in note
+    assert "`pdorch down` stops it" in note
+    assert orphan_note(env, "127.0.0.1:9") is None  # another orchestrator: nothing to say
+
+
+def test_a_killed_pdorch_up_whose_orchestrator_is_gone_too_points_at_down(
+    tmp_path: Path,
+) -> None:
+    """Its orchestrator exited, or its pid now names another process (a later start): no
+    endpoint is offered, and `generate` failing to connect says what to run."""
+    env = {"PDORCH_STATE": str(tmp_path / "up.json")}
+    me = os.getpid()
+    for orchestrator in ([_dead_pid(), 1], [me, started(me) + 1]):
+        state = ClusterState(
+            pid=_dead_pid(), orchestrator="127.0.0.1:7001", redis="redis://127.0.0.1:7002/0",
+            procs={"orchestrator-0": orchestrator},
+        )  # fmt: skip
+        write_state(env, state)
+        assert read_state(env) is None
+        assert _endpoints(env) == (DEFAULT_ORCHESTRATOR, BUILTIN_REDIS)
+        assert orphan_note(env, "127.0.0.1:7001") is None
+        text = no_answer(env, DEFAULT_ORCHESTRATOR, "")
+        assert f"(pid {state.pid}) is gone (killed)" in text
+        assert "`pdorch down` stops what it left running" in text
+    Path(env["PDORCH_STATE"]).unlink()
+    assert "is `pdorch up` running?" in no_answer(env, DEFAULT_ORCHESTRATOR, "")
 
 
 def test_the_state_file_round_trips_and_is_removed_only_by_its_owner(tmp_path: Path) -> None:
