@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from orchestrator.api import common_pb2 as pdorch_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdorch/v1/worker.proto\x12\tpdorch.v1\x1a\x16pdorch/v1/common.proto\"\xfb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x13\n\x0b\x66irst_index\x18\x05 \x01(\r\x12\x11\n\tkv_target\x18\x06 \x01(\t\x12$\n\x08kv_dtype\x18\x07 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_prefix_hash\x18\t \x01(\x0c\"\xb5\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12$\n\x08kv_dtype\x18\x05 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12.\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x18\n\x10kv_prefix_tokens\x18\t \x01(\r\x12\x19\n\x11kv_prefix_refused\x18\n \x01(\x08\"\xec\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nlast_token\x18\x04 \x01(\r\x12\x11\n\tgenerated\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x14\n\x0ckv_timeout_s\x18\x08 \x01(\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x10\n\x08\x66lush_ms\x18\n \x01(\x01\"\x80\x01\n\rDecodeCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.pdorch.v1.DecodeRequestH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.pdorch.v1.DecodeCancelH\x00\x42\t\n\x07\x63ommand\"\x0e\n\x0c\x44\x65\x63odeCancel\"5\n\x0b\x44\x65\x63odeBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.pdorch.v1.DecodeEvent\"}\n\x0b\x44\x65\x63odeEvent\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.pdorch.v1.TokenChunk\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x18.pdorch.v1.DecodeFailure\"\x99\x01\n\rDecodeFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x38\n\x08trailing\x18\x03 \x03(\x0b\x32&.pdorch.v1.DecodeFailure.TrailingEntry\x1a/\n\rTrailingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xdd\x01\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x0c\x43\x61llCommands\x12(\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x16.pdorch.v1.CallCommand\"\xad\x01\n\x0b\x43\x61llCommand\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12.\n\x08tokenize\x18\x02 \x01(\x0b\x32\x1a.pdorch.v1.TokenizeRequestH\x00\x12,\n\x07prefill\x18\x03 \x01(\x0b\x32\x19.pdorch.v1.PrefillRequestH\x00\x12\'\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x15.pdorch.v1.CallCancelH\x00\x42\t\n\x07\x63ommand\"\x0c\n\nCallCancel\"2\n\tCallBatch\x12%\n\x07replies\x18\x01 \x03(\x0b\x32\x14.pdorch.v1.CallReply\"\xaf\x01\n\tCallReply\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12/\n\x08tokenize\x18\x02 \x01(\x0b\x32\x1b.pdorch.v1.TokenizeResponseH\x00\x12-\n\x07prefill\x18\x03 \x01(\x0b\x32\x1a.pdorch.v1.PrefillResponseH\x00\x12+\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x18.pdorch.v1.DecodeFailureH\x00\x42\x07\n\x05reply\"\xc8\x01\n\x11\x41ggregatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x10\n\x08\x66lush_ms\x18\x08 \x01(\x01\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.pdorch.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04\x32R\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdorch.v1.PrefillRequest\x1a\x1a.pdorch.v1.PrefillResponse2\xd2\x01\n\rDecodeService\x12;\n\x06\x44\x65\x63ode\x12\x18.pdorch.v1.DecodeRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12\x42\n\nDecodeMany\x12\x18.pdorch.v1.DecodeCommand\x1a\x16.pdorch.v1.DecodeBatch(\x01\x30\x01\x12@\n\x07Release\x12\x19.pdorch.v1.ReleaseRequest\x1a\x1a.pdorch.v1.ReleaseResponse2\xd6\x01\n\rWorkerService\x12\x41\n\x08Generate\x12\x1c.pdorch.v1.AggregatedRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdorch.v1.TokenizeRequest\x1a\x1b.pdorch.v1.TokenizeResponse\x12=\n\x08\x43\x61llMany\x12\x17.pdorch.v1.CallCommands\x1a\x14.pdorch.v1.CallBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdorch/v1/worker.proto\x12\tpdorch.v1\x1a\x16pdorch/v1/common.proto\"\xfb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x13\n\x0b\x66irst_index\x18\x05 \x01(\r\x12\x11\n\tkv_target\x18\x06 \x01(\t\x12$\n\x08kv_dtype\x18\x07 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12\x1c\n\x14\x64\x65\x63ode_prefix_tokens\x18\x08 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_prefix_hash\x18\t \x01(\x0c\"\xb5\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12$\n\x08kv_dtype\x18\x05 \x01(\x0e\x32\x12.pdorch.v1.KvDtype\x12.\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x18\n\x10kv_prefix_tokens\x18\t \x01(\r\x12\x19\n\x11kv_prefix_refused\x18\n \x01(\x08\"\xec\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nlast_token\x18\x04 \x01(\r\x12\x11\n\tgenerated\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x14\n\x0ckv_timeout_s\x18\x08 \x01(\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x10\n\x08\x66lush_ms\x18\n \x01(\x01\"\x80\x01\n\rDecodeCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.pdorch.v1.DecodeRequestH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.pdorch.v1.DecodeCancelH\x00\x42\t\n\x07\x63ommand\"\x0e\n\x0c\x44\x65\x63odeCancel\"5\n\x0b\x44\x65\x63odeBatch\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.pdorch.v1.DecodeEvent\"}\n\x0b\x44\x65\x63odeEvent\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.pdorch.v1.TokenChunk\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x18.pdorch.v1.DecodeFailure\"\x99\x01\n\rDecodeFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x38\n\x08trailing\x18\x03 \x03(\x0b\x32&.pdorch.v1.DecodeFailure.TrailingEntry\x1a/\n\rTrailingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf0\x01\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pdorch.v1.FinishReason\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.pdorch.v1.TokenLogprob\x12\x11\n\ttext_ends\x18\x08 \x03(\r\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x0c\x43\x61llCommands\x12(\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x16.pdorch.v1.CallCommand\"\xad\x01\n\x0b\x43\x61llCommand\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12.\n\x08tokenize\x18\x02 \x01(\x0b\x32\x1a.pdorch.v1.TokenizeRequestH\x00\x12,\n\x07prefill\x18\x03 \x01(\x0b\x32\x19.pdorch.v1.PrefillRequestH\x00\x12\'\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x15.pdorch.v1.CallCancelH\x00\x42\t\n\x07\x63ommand\"\x0c\n\nCallCancel\"2\n\tCallBatch\x12%\n\x07replies\x18\x01 \x03(\x0b\x32\x14.pdorch.v1.CallReply\"\xaf\x01\n\tCallReply\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12/\n\x08tokenize\x18\x02 \x01(\x0b\x32\x1b.pdorch.v1.TokenizeResponseH\x00\x12-\n\x07prefill\x18\x03 \x01(\x0b\x32\x1a.pdorch.v1.PrefillResponseH\x00\x12+\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x18.pdorch.v1.DecodeFailureH\x00\x42\x07\n\x05reply\"\xc8\x01\n\x11\x41ggregatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pdorch.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_index\x18\x06 \x01(\r\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x10\n\x08\x66lush_ms\x18\x08 \x01(\x01\"S\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.pdorch.v1.ChatMessagesH\x00\x42\x07\n\x05input\"\x1f\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04\x32R\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.pdorch.v1.PrefillRequest\x1a\x1a.pdorch.v1.PrefillResponse2\xd2\x01\n\rDecodeService\x12;\n\x06\x44\x65\x63ode\x12\x18.pdorch.v1.DecodeRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12\x42\n\nDecodeMany\x12\x18.pdorch.v1.DecodeCommand\x1a\x16.pdorch.v1.DecodeBatch(\x01\x30\x01\x12@\n\x07Release\x12\x19.pdorch.v1.ReleaseRequest\x1a\x1a.pdorch.v1.ReleaseResponse2\xd6\x01\n\rWorkerService\x12\x41\n\x08Generate\x12\x1c.pdorch.v1.AggregatedRequest\x1a\x15.pdorch.v1.TokenChunk0\x01\x12\x43\n\x08Tokenize\x12\x1a.pdorch.v1.TokenizeRequest\x1a\x1b.pdorch.v1.TokenizeResponse\x12=\n\x08\x43\x61llMany\x12\x17.pdorch.v1.CallCommands\x1a\x14.pdorch.v1.CallBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEFAILURE_TRAILINGENTRY']._loaded_options = None
   _globals['_DECODEFAILURE_TRAILINGENTRY']._serialized_options = b'8\001'
-  _globals['_KVDTYPE']._serialized_start=2465
-  _globals['_KVDTYPE']._serialized_end=2593
+  _globals['_KVDTYPE']._serialized_start=2484
+  _globals['_KVDTYPE']._serialized_end=2612
   _globals['_PREFILLREQUEST']._serialized_start=62
   _globals['_PREFILLREQUEST']._serialized_end=313
   _globals['_PREFILLRESPONSE']._serialized_start=316
@@ -55,31 +55,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEFAILURE_TRAILINGENTRY']._serialized_start=1302
   _globals['_DECODEFAILURE_TRAILINGENTRY']._serialized_end=1349
   _globals['_TOKENCHUNK']._serialized_start=1352
-  _globals['_TOKENCHUNK']._serialized_end=1573
-  _globals['_RELEASEREQUEST']._serialized_start=1575
-  _globals['_RELEASEREQUEST']._serialized_end=1626
-  _globals['_RELEASERESPONSE']._serialized_start=1628
-  _globals['_RELEASERESPONSE']._serialized_end=1663
-  _globals['_CALLCOMMANDS']._serialized_start=1665
-  _globals['_CALLCOMMANDS']._serialized_end=1721
-  _globals['_CALLCOMMAND']._serialized_start=1724
-  _globals['_CALLCOMMAND']._serialized_end=1897
-  _globals['_CALLCANCEL']._serialized_start=1899
-  _globals['_CALLCANCEL']._serialized_end=1911
-  _globals['_CALLBATCH']._serialized_start=1913
-  _globals['_CALLBATCH']._serialized_end=1963
-  _globals['_CALLREPLY']._serialized_start=1966
-  _globals['_CALLREPLY']._serialized_end=2141
-  _globals['_AGGREGATEDREQUEST']._serialized_start=2144
-  _globals['_AGGREGATEDREQUEST']._serialized_end=2344
-  _globals['_TOKENIZEREQUEST']._serialized_start=2346
-  _globals['_TOKENIZEREQUEST']._serialized_end=2429
-  _globals['_TOKENIZERESPONSE']._serialized_start=2431
-  _globals['_TOKENIZERESPONSE']._serialized_end=2462
-  _globals['_PREFILLSERVICE']._serialized_start=2595
-  _globals['_PREFILLSERVICE']._serialized_end=2677
-  _globals['_DECODESERVICE']._serialized_start=2680
-  _globals['_DECODESERVICE']._serialized_end=2890
-  _globals['_WORKERSERVICE']._serialized_start=2893
-  _globals['_WORKERSERVICE']._serialized_end=3107
+  _globals['_TOKENCHUNK']._serialized_end=1592
+  _globals['_RELEASEREQUEST']._serialized_start=1594
+  _globals['_RELEASEREQUEST']._serialized_end=1645
+  _globals['_RELEASERESPONSE']._serialized_start=1647
+  _globals['_RELEASERESPONSE']._serialized_end=1682
+  _globals['_CALLCOMMANDS']._serialized_start=1684
+  _globals['_CALLCOMMANDS']._serialized_end=1740
+  _globals['_CALLCOMMAND']._serialized_start=1743
+  _globals['_CALLCOMMAND']._serialized_end=1916
+  _globals['_CALLCANCEL']._serialized_start=1918
+  _globals['_CALLCANCEL']._serialized_end=1930
+  _globals['_CALLBATCH']._serialized_start=1932
+  _globals['_CALLBATCH']._serialized_end=1982
+  _globals['_CALLREPLY']._serialized_start=1985
+  _globals['_CALLREPLY']._serialized_end=2160
+  _globals['_AGGREGATEDREQUEST']._serialized_start=2163
+  _globals['_AGGREGATEDREQUEST']._serialized_end=2363
+  _globals['_TOKENIZEREQUEST']._serialized_start=2365
+  _globals['_TOKENIZEREQUEST']._serialized_end=2448
+  _globals['_TOKENIZERESPONSE']._serialized_start=2450
+  _globals['_TOKENIZERESPONSE']._serialized_end=2481
+  _globals['_PREFILLSERVICE']._serialized_start=2614
+  _globals['_PREFILLSERVICE']._serialized_end=2696
+  _globals['_DECODESERVICE']._serialized_start=2699
+  _globals['_DECODESERVICE']._serialized_end=2909
+  _globals['_WORKERSERVICE']._serialized_start=2912
+  _globals['_WORKERSERVICE']._serialized_end=3126
 # @@protoc_insertion_point(module_scope)

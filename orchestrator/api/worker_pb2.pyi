@@ -411,6 +411,7 @@ class TokenChunk(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TEXT_ENDS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Index of the first token in this chunk."""
     text: _builtins.str
@@ -433,6 +434,14 @@ class TokenChunk(_message.Message):
     def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """The prompt's, when sampling.prompt_logprobs is set (aggregated: the first chunk)."""
 
+    @_builtins.property
+    def text_ends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """One per token in token_ids: where that token's text ends in `text`, in characters
+        (Unicode code points), not decreasing. The orchestrator keeps only the tokens up to the
+        one completing a stop string (the rest are neither relayed nor counted); empty when the
+        worker does not say (then every token of a stopped chunk counts).
+        """
+
     def __init__(
         self,
         *,
@@ -443,10 +452,11 @@ class TokenChunk(_message.Message):
         compute_ms: _builtins.float = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        text_ends: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_ms", b"compute_ms", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_ms", b"compute_ms", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "text_ends", b"text_ends", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,7 +1,8 @@
 """The relay: a worker's token chunks to the client's, journalled first; and the request's end.
 
 Each chunk from a worker is checked (its index must be the next one the client is owed —
-across failovers the client sees contiguous indices), cut at a stop string, and submitted to
+across failovers the client sees contiguous indices), cut at a stop string (its text, and
+its tokens after the one completing the stop string), and submitted to
 the journal (`JournalWriter.submit`), which hands it to the clients once it is written —
 the relay reads the next chunk meanwhile. A write refused (a stale epoch, the request ended
 elsewhere) is raised at the next chunk, or before the end is recorded: no chunk after it
@@ -139,12 +140,15 @@ class Relay:
         if chunk.compute_ms:
             run.usage.computed(chunk.compute_ms / 1000)
         held = run.held
+        kept = len(ids)
         if spec.stop and (delta or held):
             # Text that may begin a stop string waits for the next chunk (`core.stops`).
             part = stops.split(held, delta, spec.stop, end=bool(reason))
             delta, run.held = part.out, part.held
             if part.stopped:
                 reason = "stop"
+                # The tokens after the one completing it are not the client's.
+                kept = stops.tokens_kept(chunk.text_ends, kept, part.stop_end)
         scores = convert.logprobs_from_pb(chunk.logprobs) if chunk.logprobs else ()
         prompt = convert.logprobs_from_pb(chunk.prompt_logprobs) if chunk.prompt_logprobs else ()
         produced = len(run.output)
@@ -172,6 +176,9 @@ class Relay:
                 retryable=False,
                 phase="stream",
             )
+        if kept < len(ids):
+            del ids[kept:]
+            scores = scores[:kept]
         entry = JournalEntry(chunk.index, tuple(ids), delta, scores, prompt, reason, run.held)
         out = OutChunk(
             run.rid,

@@ -13,10 +13,16 @@ goes out). The stream's end gives out what is held.
 Why the held text is all a search needs: a stop string found later begins in the held text
 or after it. One beginning before it would have made a longer end of the text the
 beginning of a stop string, and that end would be held.
+
+The tokens a stopped chunk keeps (`tokens_kept`): those up to the one whose text completes
+the stop string, as vLLM counts them — the tokens a worker produced after it are not the
+client's output (not relayed, journalled or counted), when the worker says where each
+token's text ends in the chunk (`TokenChunk.text_ends`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,28 +30,44 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Split:
     """One delta, split: ``out`` for the clients now, ``held`` kept for later; ``stopped``
-    when a stop string was found (``out`` ends where it begins, nothing is held)."""
+    when a stop string was found (``out`` ends where it begins, nothing is held), and
+    ``stop_end``: where it ends in the delta (characters; 0 when none was found)."""
 
     out: str
     held: str
     stopped: bool
+    stop_end: int = 0
 
 
 def split(held: str, delta: str, stops: Sequence[str], *, end: bool = False) -> Split:
     """The text before ``delta`` that was held, and ``delta``: what goes out now. At the
     stream's ``end`` (with no stop string found) everything goes out."""
     text = held + delta
-    first = -1
+    first, length = -1, 0
     for s in stops:
         at = text.find(s) if s else -1
         if at != -1 and (first == -1 or at < first):
-            first = at
+            first, length = at, len(s)
     if first != -1:
-        return Split(text[:first], "", True)
+        # A stop string ends in the delta: none fits in the held text alone (it is shorter).
+        return Split(text[:first], "", True, max(first + length - len(held), 0))
     if end:
         return Split(text, "", False)
     keep = _beginning_kept(text, stops)
     return Split(text[: len(text) - keep], text[len(text) - keep :], False)
+
+
+def tokens_kept(text_ends: Sequence[int], tokens: int, stop_end: int) -> int:
+    """Of a chunk's ``tokens`` whose texts end at ``text_ends`` (characters into the chunk's
+    text, one per token, not decreasing), how many a stop string ending at ``stop_end``
+    keeps: up to the first whose text reaches it. All of them when the ends are not one per
+    token (a worker that does not report them) or out of order."""
+    if len(text_ends) != tokens or any(b < a for a, b in itertools.pairwise(text_ends)):
+        return tokens
+    for i, end in enumerate(text_ends):
+        if end >= stop_end:
+            return i + 1
+    return tokens
 
 
 def found(held: str, delta: str, stops: Sequence[str]) -> bool:

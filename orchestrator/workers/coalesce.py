@@ -47,7 +47,13 @@ _End = BaseException | None
 
 
 def merge(into: worker_pb2.TokenChunk, later: worker_pb2.TokenChunk) -> None:
-    """Append ``later`` (the next chunk of the same stream) to ``into``."""
+    """Append ``later`` (the next chunk of the same stream) to ``into``; its tokens' text
+    ends move by ``into``'s text (dropped when either chunk lacks them)."""
+    if len(into.text_ends) == len(into.token_ids) and len(later.text_ends) == len(later.token_ids):
+        base = len(into.text)
+        into.text_ends.extend(base + end for end in later.text_ends)
+    else:
+        del into.text_ends[:]
     into.token_ids.extend(later.token_ids)
     into.text += later.text
     into.compute_ms += later.compute_ms

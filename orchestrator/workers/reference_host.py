@@ -160,10 +160,12 @@ class ReferenceHost(EngineHost):
             )
             return
         scored = first.first_logprob if first else None
+        delta, ends = text.push_ends([last])
         yield worker_pb2.TokenChunk(
             index=index,
             token_ids=[last],
-            text=text.push([last]),
+            text=delta,
+            text_ends=ends,
             compute_ms=first_ms,
             logprobs=[self._named(scored)] if scored is not None else [],
             prompt_logprobs=prompt,
@@ -204,12 +206,13 @@ class ReferenceHost(EngineHost):
                         finish = common_pb2.FINISH_REASON_LENGTH
                         break
                 if ids:
-                    delta = text.push(ids)
+                    delta, ends = text.push_ends(ids)
                     scores = [state.logprobs.pop(index + 1 + i, None) for i in range(len(ids))]
                     yield worker_pb2.TokenChunk(
                         index=index + 1,
                         token_ids=ids,
                         text=delta,
+                        text_ends=ends,
                         compute_ms=spent(),
                         logprobs=[self._named(lp) for lp in scores if lp is not None],
                     )

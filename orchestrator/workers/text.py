@@ -30,6 +30,23 @@ class TextDeltas:
         self._emitted = max(self._emitted, len(text))
         return delta
 
+    def push_ends(self, new: Sequence[int]) -> tuple[str, list[int]]:
+        """`push`, and where each new token's text ends in the delta (characters; a token
+        whose text waits for the next one to complete a character ends where the one
+        before it did): `TokenChunk.text_ends`. A token at a time beyond the first."""
+        if len(new) == 1:
+            delta = self.push(new)
+            return delta, [len(delta)]
+        parts: list[str] = []
+        ends: list[int] = []
+        end = 0
+        for token in new:
+            part = self.push([token])
+            parts.append(part)
+            end += len(part)
+            ends.append(end)
+        return "".join(parts), ends
+
     def flush(self) -> str:
         """At the end of the stream: whatever is left but an unfinished last character."""
         text = self._safe(self._detok(self.tokens))

@@ -99,6 +99,27 @@ def test_top_k_min_p_and_repetition_penalty_change_the_draw(http: httpx.Client) 
     assert penalised["choices"][0]["text"] != text
 
 
+def test_a_stop_string_counts_the_tokens_up_to_the_one_completing_it(http: httpx.Client) -> None:
+    """A non-streamed answer comes in chunks of many tokens (its window is a second): the
+    tokens the worker produced after the one completing the stop string are not the
+    client's — not counted in the usage — as one vLLM stopping itself would count them."""
+    base = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    full = _post(http, "/completions", base | {"max_tokens": 24})["choices"][0]["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert len(stop) == 3, full
+    assert full.find(stop) > 0, full
+    needed = next(
+        k
+        for k in range(1, 25)
+        if stop in _post(http, "/completions", base | {"max_tokens": k})["choices"][0]["text"]
+    )
+    assert needed < 24  # else nothing after it to leave out
+    got = _post(http, "/completions", base | {"max_tokens": 24, "stop": [stop]})
+    assert got["choices"][0]["text"] == full[: full.find(stop)]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"]["completion_tokens"] == needed
+
+
 def test_continuous_usage_stats_in_every_chunk(http: httpx.Client) -> None:
     events = _events(
         http,

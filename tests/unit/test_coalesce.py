@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from orchestrator.api import common_pb2, worker_pb2
-from orchestrator.workers.coalesce import MAX_FLUSH_S, coalesced, due, window_of
+from orchestrator.workers.coalesce import MAX_FLUSH_S, coalesced, due, merge, window_of
 
 LIMIT_S = 5.0
 
@@ -215,3 +215,13 @@ def test_aligned_streams_started_apart_send_at_the_same_instants() -> None:
         assert len(slots[0] & slots[1]) >= 2  # both streams in the same slots
 
     run(main())
+
+
+def test_merged_chunks_keep_each_tokens_text_end_in_the_merged_text() -> None:
+    into = worker_pb2.TokenChunk(index=0, token_ids=[1, 2], text="ab", text_ends=[1, 2])
+    merge(into, worker_pb2.TokenChunk(index=2, text="", token_ids=[]))  # nothing to move
+    merge(into, worker_pb2.TokenChunk(index=2, token_ids=[3], text="cde", text_ends=[3]))
+    assert list(into.text_ends) == [1, 2, 5]
+    assert into.text == "abcde"
+    merge(into, worker_pb2.TokenChunk(index=3, token_ids=[4], text="f"))  # says nothing
+    assert list(into.text_ends) == []  # no longer one per token: dropped

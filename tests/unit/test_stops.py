@@ -5,6 +5,8 @@ stop string."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,3 +81,48 @@ def test_a_client_that_has_every_token_is_still_owed_the_text_held_until_the_end
     assert _wanted(held_out, 6)
     assert _wanted(held_out, 0)
     assert not _wanted(OutChunk("r", 6, [], ""), 6)
+
+
+@given(
+    st.lists(st.text(alphabet="ab<>é😀 ", max_size=3), min_size=1, max_size=12),
+    st.text(alphabet="ab<>é😀 ", min_size=1, max_size=4),
+    st.data(),
+)
+@settings(max_examples=800, deadline=None)
+def test_a_stopped_chunk_keeps_its_tokens_up_to_the_one_completing_the_stop_string(
+    tokens: list[str], stop: str, data: st.DataObject
+) -> None:
+    """Tokens (their texts) in chunks of any sizes, each chunk saying where its tokens'
+    texts end: the tokens counted are those up to the first whose text completes the stop
+    string in the whole text (all of them when it never appears)."""
+    cuts: list[int] = []
+    if len(tokens) > 1:
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, len(tokens) - 1), max_size=6))))
+    bounds = [0, *cuts, len(tokens)]
+    held, counted = "", 0
+    for a, b in itertools.pairwise(bounds):
+        texts = tokens[a:b]
+        ends = [sum(map(len, texts[: i + 1])) for i in range(len(texts))]
+        part = stops.split(held, "".join(texts), [stop], end=b == len(tokens))
+        held = part.held
+        if part.stopped:
+            counted += stops.tokens_kept(ends, len(texts), part.stop_end)
+            break
+        counted += len(texts)
+    whole = "".join(tokens)
+    if stop in whole:
+        stop_end = whole.find(stop) + len(stop)
+        expected = next(
+            k for k in range(1, len(tokens) + 1) if len("".join(tokens[:k])) >= stop_end
+        )
+    else:
+        expected = len(tokens)
+    assert counted == expected
+
+
+def test_without_one_text_end_per_token_every_token_is_kept() -> None:
+    assert stops.tokens_kept([], 4, 3) == 4  # a worker that does not say
+    assert stops.tokens_kept([1, 2], 4, 1) == 4  # not one per token
+    assert stops.tokens_kept([3, 1, 4, 5], 4, 1) == 4  # out of order
+    assert stops.tokens_kept([0, 0, 2, 5], 4, 1) == 3  # tokens without text before it
+    assert stops.tokens_kept([1, 2, 3, 4], 4, 9) == 4  # never reached: all

@@ -261,3 +261,30 @@ def test_text_without_a_token_journals_what_it_leaves_held() -> None:
         assert "".join(c.text for c in d.handed) == "<0>x <<S."
 
     run(main())
+
+
+def test_the_tokens_after_the_one_completing_a_stop_string_are_not_the_clients() -> None:
+    """A chunk of four tokens whose third completes the stop string: the clients, the
+    journal and the request's count get three (the worker said where each token's text
+    ends: `TokenChunk.text_ends`); without the ends, all four count as before."""
+
+    async def main(ends: list[int], expected: int) -> None:
+        d = Driven(ControlSettings(), stop=("END",))
+        await d.start()
+        relaying = asyncio.create_task(d.relayed())
+        await d.first()
+        d.stream._deliver(
+            worker_pb2.TokenChunk(
+                index=1, token_ids=[7, 8, 9, 10], text="aabENDcdd", text_ends=ends
+            )
+        )
+        ends_out = await relaying
+        assert [(e.finish_reason, e.index) for e in ends_out] == [("stop", 1 + expected)]
+        assert d.handed[-1].token_ids == [7, 8, 9, 10][:expected]
+        assert d.handed[-1].text == "aab"
+        journal = await d.store.journal("r")
+        assert journal[-1].token_ids == (7, 8, 9, 10)[:expected]
+        assert len(d.run.output) == 1 + expected
+
+    asyncio.run(asyncio.wait_for(main([2, 4, 7, 9], 3), LIMIT_S))
+    asyncio.run(asyncio.wait_for(main([], 4), LIMIT_S))  # a worker that does not say

@@ -115,6 +115,15 @@ def test_resuming_mid_character_holds_the_partial_back() -> None:
     assert td.tokens == [1, 4, 5]
 
 
+def test_push_ends_says_where_each_tokens_text_ends_in_the_delta() -> None:
+    td = TextDeltas(detok)
+    # "h", the two halves of "é" (the first ends where "h" did), "€" in three, "i"
+    assert td.push_ends([1, 4, 5, 6, 7, 8, 2]) == ("hé€i", [1, 1, 2, 2, 2, 3, 4])
+    assert td.push_ends([3]) == (" ", [1])
+    assert td.push_ends([]) == ("", [])
+    assert "".join(deltas([[1, 4, 5, 6, 7, 8, 2], [3]])) == "hé€i "  # as push would
+
+
 def test_push_of_nothing_is_empty() -> None:
     td = TextDeltas(detok)
     assert td.push([]) == ""

@@ -61,6 +61,13 @@ def test_chunks_end_at_the_request_limit_counting_prior_tokens() -> None:
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_a_chunk_says_where_each_tokens_text_ends() -> None:
+    s = ChunkStream(lambda ids: "".join("xy"[int(i) % 2] * int(i) for i in ids), first_index=0,
+                    max_tokens=10, eos=[])  # fmt: skip
+    (chunk,) = s.push([1, 2, 3], None, 1.0)
+    assert (chunk.text, list(chunk.text_ends)) == ("yxxyyy", [1, 3, 6])
+
+
 def test_vllm_length_and_stop_without_a_token_and_abort() -> None:
     s = ChunkStream(_detok, first_index=0, max_tokens=10, eos=[])
     (end,) = s.push([], "length", 2.0)

@@ -160,12 +160,13 @@ class ChunkStream:
             reason = _FINISH[finish]
         out = []
         if ids:
-            delta = self._text.push(ids)
+            delta, ends = self._text.push_ends(ids)
             out.append(
                 worker_pb2.TokenChunk(
                     index=self.index,
                     token_ids=ids,
                     text=delta,
+                    text_ends=ends,
                     compute_ms=compute_ms,
                     logprobs=list(logprobs[: len(ids)]),
                 )
