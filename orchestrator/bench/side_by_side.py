@@ -81,15 +81,18 @@ class ServingBench:
 
 @dataclass(slots=True)
 class _Target:
-    """A started system: its OpenAI base URL and how to read KV transfer times."""
+    """A started system: its OpenAI base URL, the model id its calls name (every system
+    serves SmolLM2 under the same one) and how to read KV transfer times."""
 
     url: str
+    model: str
     kv_per_request: Callable[[Sequence[str]], list[float | None]] | None = None
     kv_mean_ms: Callable[[], float | None] | None = None
     kv_note: str = ""
 
 
 def run(bench: ServingBench, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    from orchestrator.core.models import SMOLLM2_NAME  # noqa: PLC0415
     from orchestrator.workers.model_files import ensure_smollm2  # noqa: PLC0415
 
     if bench.model != "smollm2":
@@ -102,7 +105,7 @@ def run(bench: ServingBench, progress: Callable[[str], None] = lambda _m: None) 
         progress(f"{system}: starting")
         row = Row(system)
         try:
-            with _started(system, bench, model_dir, workdir) as target:
+            with _started(system, bench, model_dir, SMOLLM2_NAME, workdir) as target:
                 row.kv_note = target.kv_note
                 row.levels = _measure(target, bench, prompt_for, system, progress)
         except (NotRun, ClusterError, ServeError, OSError, httpx.HTTPError) as exc:
@@ -141,7 +144,7 @@ def _measure(
     w = bench.workload
     n_levels = len(w.concurrency)
     warm = make_calls(prompt_for, n_levels * w.requests, w.warmup, WARMUP_TOKENS, "warmup")
-    pairs, _ = asyncio.run(run_level(target.url, bench.model, warm, 1, min(w.timeout_s, 300)))
+    pairs, _ = asyncio.run(run_level(target.url, target.model, warm, 1, min(w.timeout_s, 300)))
     failed = [s.error for _, s in pairs if not s.ok]
     if failed:
         raise NotRun(f"warm-up request failed: {failed[0]}")
@@ -150,7 +153,7 @@ def _measure(
         calls = make_calls(prompt_for, i * w.requests, w.requests, w.max_tokens, f"c{c}")
         if target.kv_mean_ms is not None:
             target.kv_mean_ms()  # moves its mark: the mean below is this level's alone
-        pairs, wall = asyncio.run(run_level(target.url, bench.model, calls, c, w.timeout_s))
+        pairs, wall = asyncio.run(run_level(target.url, target.model, calls, c, w.timeout_s))
         samples = [s for _, s in pairs]
         if target.kv_per_request is not None:
             kv = target.kv_per_request([call.request_id for call, _ in pairs])
@@ -168,13 +171,17 @@ def _measure(
 
 
 @contextlib.contextmanager
-def _started(system: str, bench: ServingBench, model_dir: Path, workdir: Path) -> Iterator[_Target]:
+def _started(
+    system: str, bench: ServingBench, model_dir: Path, served: str, workdir: Path
+) -> Iterator[_Target]:
+    """``system`` started, serving ``model_dir`` as ``served`` (pdorch's workers serve it
+    under that name: `orchestrator.workers.model_files.SMOLLM2_NAME`)."""
     sysdir = workdir / system
     sysdir.mkdir()
     if system == "vllm":
-        server = VllmServer(model_dir, bench.model, sysdir, ready_timeout_s=bench.ready_timeout_s)
+        server = VllmServer(model_dir, served, sysdir, ready_timeout_s=bench.ready_timeout_s)
         with server:
-            yield _Target(server.url)
+            yield _Target(server.url, served)
     elif system in ("pdorch-agg", "pdorch-pd"):
         cluster = LocalCluster(
             model=bench.model,
@@ -192,10 +199,11 @@ def _started(system: str, bench: ServingBench, model_dir: Path, workdir: Path) -
             address = cluster.orchestrator_addresses[0]
             yield _Target(
                 cluster.gateway_urls[0],
+                served,
                 kv_per_request=lambda ids: _pdorch_transfer_ms(address, ids),
             )
     elif system == "vllm-nixl":
-        with _nixl(bench, model_dir, sysdir) as target:
+        with _nixl(bench, model_dir, served, sysdir) as target:
             yield target
     else:
         raise NotRun(f"unknown system {system!r}")
@@ -249,7 +257,7 @@ def check_nixl(nixl_path: str) -> None:
 
 
 @contextlib.contextmanager
-def _nixl(bench: ServingBench, model_dir: Path, sysdir: Path) -> Iterator[_Target]:
+def _nixl(bench: ServingBench, model_dir: Path, served: str, sysdir: Path) -> Iterator[_Target]:
     check_nixl(bench.nixl_path)
     servers = []
     for role in ("producer", "consumer"):
@@ -259,7 +267,7 @@ def _nixl(bench: ServingBench, model_dir: Path, sysdir: Path) -> Iterator[_Targe
         servers.append(
             VllmServer(
                 model_dir,
-                bench.model,
+                served,
                 sysdir,
                 log_name=f"vllm-{role}",
                 extra_args=("--kv-transfer-config", json.dumps(config)),
@@ -295,7 +303,7 @@ def _nixl(bench: ServingBench, model_dir: Path, sysdir: Path) -> Iterator[_Targe
             mark[0] = now
             return (s1 - s0) / (c1 - c0) * 1000 if c1 > c0 else None
 
-        yield _Target(url, kv_mean_ms=kv_mean_ms, kv_note=NIXL_KV_NOTE)
+        yield _Target(url, served, kv_mean_ms=kv_mean_ms, kv_note=NIXL_KV_NOTE)
 
 
 def _metrics(url: str) -> str:

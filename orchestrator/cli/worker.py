@@ -387,7 +387,10 @@ def _kv_tls(tls: Tls | None) -> LinkTls | None:
 
 
 def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics, tls: Tls | None) -> EngineHost:
-    """``--engine vllm``: vLLM's async engine, hosted in this process (the vllm extra)."""
+    """``--engine vllm``: vLLM's async engine, hosted in this process (the vllm extra),
+    serving SmolLM2 (``--model smollm2``, the one it takes) under the name the reference
+    engine gives it (`SMOLLM2_NAME`): a client names the same model on either engine."""
+    from orchestrator.core.models import SMOLLM2_NAME  # noqa: PLC0415
     from orchestrator.workers.model_files import ensure_smollm2  # noqa: PLC0415
     from orchestrator.workers.vllm.cpu import reserved_cpus_env  # noqa: PLC0415
     from orchestrator.workers.vllm.engine import VllmHost, VllmSettings  # noqa: PLC0415
@@ -397,7 +400,7 @@ def _vllm_host(args: argparse.Namespace, metrics: WorkerMetrics, tls: Tls | None
     model_dir = ensure_smollm2(Path(args.model_cache) if args.model_cache else None)
     settings = VllmSettings(
         model_dir=model_dir,
-        name=args.model,
+        name=SMOLLM2_NAME,
         role=args.role,
         kv_cache_bytes=(args.kv_capacity_mib or VLLM_KV_MIB) << 20,
         transport=transport(args),

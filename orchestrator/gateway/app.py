@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}`` and ``GET /health`` (open, for probes). Every error is answered
-in the OpenAI shape through `orchestrator.gateway.errors`.
+in the OpenAI shape through `orchestrator.gateway.errors`. A call may name a model by an
+alias (`GatewaySettings.model_aliases`, `served_name`): it is served, and answered, as the
+model the alias stands for; ``/v1/models`` lists the served names only.
 
 Auth: with a tokens file (`control.tokens`), every ``/v1`` call needs ``Authorization:
 Bearer <token>`` (401 without a listed one) and the tenant comes from the token; a tenant
@@ -27,7 +29,14 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Mapping,
+)
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -189,11 +198,13 @@ class Gateway:
         return JSONResponse({"object": "list", "data": [_model_card(n) for n in names]})
 
     async def model(self, request: Request) -> Response:
+        """A served model's card; an alias's is its served model's (the name it stands for)."""
         self._authorize(request)
         name = request.path_params["model"]
-        if name not in await self.backend.models():
+        served = served_name(name, await self.backend.models(), self.settings.model_aliases)
+        if served is None:
             raise _model_not_found(name)
-        return JSONResponse(_model_card(name))
+        return JSONResponse(_model_card(served))
 
     async def health(self, request: Request) -> Response:
         """Ready: the store answers and at least one worker is registered (else 503)."""
@@ -212,10 +223,10 @@ class Gateway:
         call = reader(body, rid, self.settings)
         tenant = self._tenant(request, caller, body)
         call = replace(call, inp=replace(call.inp, tenant=tenant))
-        await self._check_model(call.model)
+        model = await self._served_model(call.model)
         renderer = render.Renderer(
             chat,
-            call.model,
+            model,
             rid,
             int(time.time()),
             logprobs=call.logprobs,
@@ -331,12 +342,27 @@ class Gateway:
         parse.check_json(body)
         return body
 
-    async def _check_model(self, name: str) -> None:
-        served = await self.backend.models()
-        if not served:
+    async def _served_model(self, name: str) -> str:
+        """The served model a call's ``model`` names (`served_name`): what it is answered
+        with; 503 without workers, 404 for a name no worker serves."""
+        names = await self.backend.models()
+        if not names:
             raise errors.UnavailableError("no workers registered")
-        if name not in served:
+        served = served_name(name, names, self.settings.model_aliases)
+        if served is None:
             raise _model_not_found(name)
+        return served
+
+
+def served_name(name: str, served: Collection[str], aliases: Mapping[str, str]) -> str | None:
+    """The served model ``name`` stands for: itself when a worker serves it under that
+    name, else the model it is an alias of (`GatewaySettings.model_aliases`) when that is
+    served; None when neither. The one place a model name is read: gRPC's Generate names
+    no model."""
+    if name in served:
+        return name
+    target = aliases.get(name)
+    return target if target is not None and target in served else None
 
 
 async def _next(source: AsyncIterator[OutChunk], call: parse.Call) -> OutChunk:

