@@ -35,8 +35,10 @@ from orchestrator.cli.common import (
 )
 from orchestrator.cli.progress import Progress
 from orchestrator.cli.state import (
+    ORCHESTRATOR_PROC,
     ClusterState,
     live_state,
+    orphaned_state,
     remove_state,
     state_path,
     write_state,
@@ -121,12 +123,22 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 def preflight(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Refuse before anything starts: a `pdorch up` that runs, or the cluster a killed one
+    left serving (`orphaned_state`) — starting would overwrite the state file, the only
+    place `pdorch down` finds that cluster by — and flags this machine cannot serve."""
     running = live_state(env)
     if running is not None:
         where = running.orchestrator if running.ready else "still starting"
         raise CommandError(
             f"a `pdorch up` cluster is already running (pid {running.pid}, {where}); "
             "`pdorch down` stops it"
+        )
+    orphan = orphaned_state(env)
+    if orphan is not None:  # its state file is what `pdorch down` stops it by: keep it
+        pid = orphan.procs[ORCHESTRATOR_PROC][0]
+        raise CommandError(
+            f"the cluster of a killed `pdorch up` (pid {orphan.pid}) still runs (orchestrator "
+            f"{orphan.orchestrator}, pid {pid}); run `pdorch down` first"
         )
     check_engine(args.engine, args.model)
     check_transport(args.transport)

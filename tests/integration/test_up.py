@@ -103,7 +103,8 @@ def test_generate_finds_the_cluster_of_a_killed_up(
 ) -> None:
     """`pdorch up` SIGKILLed once it serves leaves its cluster running (each process leads
     its own group): `generate` still finds it by the state file — as `down` does — and
-    says nothing supervises it; `down` then stops every process it left."""
+    says nothing supervises it; a second `up` refuses to start over it; `down` then stops
+    every process it left."""
     env = dict(os.environ, PDORCH_STATE=str(tmp_path / "up.json"))
     for name in ("PDORCH_ORCHESTRATOR", "PDORCH_REDIS_URL", "PDORCH_TLS_DIR"):
         env.pop(name, None)
@@ -130,6 +131,13 @@ def test_generate_finds_the_cluster_of_a_killed_up(
         err = capsys.readouterr().err
         assert f"`pdorch up` (pid {up.pid}) is gone" in err
         assert "[stopped: --max-tokens reached]" in err
+
+        # A second `up` would overwrite the state file `down` finds this cluster by.
+        assert main(["up", "--model", "tiny", "--port", "0", "--http-port", "0"]) == 1
+        err = capsys.readouterr().err
+        assert f"killed `pdorch up` (pid {up.pid}) still runs" in err
+        assert err.strip().endswith("run `pdorch down` first")
+        assert read_state(env) == state
 
         assert main(["down", "--timeout", "10"]) == 0
         assert "orchestrator-0" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import build_parser
+from orchestrator.cli import build_parser, main
 from orchestrator.cli.common import DEFAULT_ORCHESTRATOR
 from orchestrator.cli.generate import finish_line, no_answer, orphan_note
 from orchestrator.cli.state import ClusterState, read_state, remove_state, write_state
@@ -83,6 +83,38 @@ def test_a_killed_pdorch_ups_cluster_is_found_while_its_orchestrator_serves(
     assert f"`pdorch up` (pid {state.pid}) is gone" in note
     assert "`pdorch down` stops it" in note
     assert orphan_note(env, "127.0.0.1:9") is None  # another orchestrator: nothing to say
+
+
+def test_up_refuses_while_a_killed_pdorch_ups_cluster_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second `pdorch up` must not overwrite the state file of the cluster a killed one
+    left serving: `pdorch down` finds that cluster by it alone. One line naming it and
+    `pdorch down`, exit 1, nothing started, the file as it was."""
+    import orchestrator.cluster  # noqa: PLC0415
+
+    def started_a_cluster(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pdorch up started a cluster")
+
+    monkeypatch.setattr(orchestrator.cluster, "LocalCluster", started_a_cluster)
+    path = tmp_path / "up.json"
+    monkeypatch.setenv("PDORCH_STATE", str(path))
+    for name in ("PDORCH_REDIS_URL", "PDORCH_ORCHESTRATOR"):
+        monkeypatch.delenv(name, raising=False)
+    me = os.getpid()  # stands for the orchestrator it started, still running
+    state = ClusterState(
+        pid=_dead_pid(), orchestrator="127.0.0.1:7001", redis="redis://127.0.0.1:7002/0",
+        procs={"orchestrator-0": [me, started(me)]},
+    )  # fmt: skip
+    write_state({"PDORCH_STATE": str(path)}, state)
+    written = path.read_text(encoding="utf-8")
+    assert main(["up", "--port", "0", "--http-port", "0", "--insecure"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert f"killed `pdorch up` (pid {state.pid})" in err
+    assert f"orchestrator 127.0.0.1:7001, pid {me}" in err
+    assert err.endswith("run `pdorch down` first")
+    assert path.read_text(encoding="utf-8") == written
 
 
 def test_a_killed_pdorch_up_whose_orchestrator_is_gone_too_points_at_down(
