@@ -26,6 +26,7 @@ from orchestrator.cli import (
     down,
     event_loop,
     generate,
+    log_file,
     migrate,
     operator,
     orchestrator,
@@ -145,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     traceback."""
     args = build_parser(only=_chosen(argv)).parse_args(argv)
     _configure_logging(args.log_level, args.log_format)
+    log_file.follow(os.environ)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     try:
         resolve_redis(args, os.environ)

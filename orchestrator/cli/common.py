@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeAlias
 
+from orchestrator.core.environment import LOG_LEVEL_ENV, REDIS_URL_FILE_ENV
 from orchestrator.errors import ConfigError
 from transport.backend_names import BACKENDS, DEFAULT, needs_ucx
 
@@ -316,7 +317,7 @@ def add_logging_flags(p: argparse.ArgumentParser, env: Mapping[str, str], *, top
     p.add_argument(
         "--log-level",
         type=log_level,
-        default=env.get("PDORCH_LOG_LEVEL", "WARNING") if top else argparse.SUPPRESS,
+        default=env.get(LOG_LEVEL_ENV, "WARNING") if top else argparse.SUPPRESS,
         help="DEBUG, INFO, WARNING, ERROR (default: $PDORCH_LOG_LEVEL, else WARNING)",
     )
     p.add_argument(
@@ -528,8 +529,6 @@ def _secret_file(variable: str, path: str) -> str:
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 REDIS_PASSWORD_FILE_ENV = "PDORCH_REDIS_PASSWORD_FILE"  # noqa: S105 - a variable name
 REDIS_URL_ENV = "PDORCH_REDIS_URL"
-# A file holding the whole URL (password included): a Kubernetes Secret mounted read-only.
-REDIS_URL_FILE_ENV = "PDORCH_REDIS_URL_FILE"
 
 
 def _redis_password_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:

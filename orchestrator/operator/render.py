@@ -34,6 +34,7 @@ import hashlib
 import json
 from typing import Any
 
+from orchestrator.core.environment import LOG_LEVEL_ENV
 from orchestrator.operator import naming, tls, workloads
 from orchestrator.operator.naming import Identity, Ref
 from orchestrator.operator.spec import TLS_COMPONENTS, ServiceSpec
@@ -47,7 +48,8 @@ _DISRUPTED = ("orchestrator", *POOLS)
 def render(identity: Identity, spec: ServiceSpec) -> tuple[Obj, ...]:
     n = naming.names(identity)
     config = config_map(identity, spec)
-    config_hash = _digest(config["data"])
+    # A key the pods follow while they run is no reason to roll them.
+    config_hash = _digest({k: v for k, v in config["data"].items() if k not in workloads.LIVE_KEYS})
     objects: list[Obj] = [
         *_network_policies(identity, spec),
         _object("v1", "ServiceAccount", naming.object_meta(identity, n.service_account))
@@ -109,7 +111,7 @@ def config_map(identity: Identity, spec: ServiceSpec) -> Obj:
     """The environment every pdorch process of the service reads at start."""
     n = naming.names(identity)
     data = {
-        "PDORCH_LOG_LEVEL": spec.log_level,
+        LOG_LEVEL_ENV: spec.log_level,
         "PDORCH_MODEL_CACHE": workloads.MODEL_CACHE_PATH,
     }
     if spec.redis.dev is not None:

@@ -24,6 +24,9 @@ the CLI's own parser). The mapping from the spec:
                                  file, env PDORCH_TOKENS_FILE (never an argument)
     tls                          the component's own key mounted read-only, env
                                  PDORCH_TLS_DIR (see `tls`); TCP probes (below)
+    logLevel                     the ConfigMap's PDORCH_LOG_LEVEL, and mounted as a file
+                                 (env PDORCH_LOG_LEVEL_FILE) each process follows: a
+                                 change rolls no pod
 
 Every container's root filesystem is read-only. pdorch processes write only to an emptyDir
 at /tmp (the image's HOME, so library caches such as Hugging Face's and pip's land there
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.core.environment import LOG_LEVEL_ENV, LOG_LEVEL_FILE_ENV, REDIS_URL_FILE_ENV
 from orchestrator.operator import naming, tls
 from orchestrator.operator.naming import Identity, Names
 from orchestrator.operator.spec import Pool, Resources, ServiceSpec
@@ -58,7 +62,11 @@ TOKENS_FILE = "tokens.yaml"  # in AUTH_DIR; YAML or JSON, whatever the Secret's 
 TOKENS_FILE_ENV = "PDORCH_TOKENS_FILE"  # the orchestrator's --tokens-file
 REDIS_DIR = "/etc/pdorch/redis"
 REDIS_URL_FILE = "url"  # in REDIS_DIR
-REDIS_URL_FILE_ENV = "PDORCH_REDIS_URL_FILE"  # read once, at the process's start
+CONFIG_DIR = "/etc/pdorch/config"
+LOG_LEVEL_FILE = "log-level"  # in CONFIG_DIR: the ConfigMap's PDORCH_LOG_LEVEL
+LIVE_KEYS = (LOG_LEVEL_ENV,)
+"""ConfigMap keys the processes follow while they run (`_mount_log_level`): a change of
+one reaches the pods without rolling them, so it is left out of the config hash."""
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # The orchestrator's gRPC drain ends this long before the kubelet's SIGKILL, leaving time
@@ -97,6 +105,7 @@ def orchestrator_deployment(identity: Identity, spec: ServiceSpec, config_hash: 
         probe_port=ORCHESTRATOR_PORT,
     )
     pod = _pod_spec(identity, n, spec, "orchestrator", [container])
+    _mount_log_level(n.config, pod)
     _mount_redis_url(spec, pod)
     _mount_tokens(spec, pod)
     _mount_tls(identity, spec, "orchestrator", pod)
@@ -157,6 +166,7 @@ def worker_deployment(identity: Identity, spec: ServiceSpec, role: str, config_h
         else {"name": "model-cache", "emptyDir": {}},
         *pod["volumes"],
     ]
+    _mount_log_level(n.config, pod)
     _mount_redis_url(spec, pod)
     _mount_tls(identity, spec, role, pod)
     _schedule_on_gpus(pod, pool)
@@ -254,6 +264,22 @@ def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
 # ------------------------------------------------------------------------------- parts
 
 
+def _mount_log_level(config_name: str, pod: Obj) -> None:
+    """The ConfigMap's log level as a file too (no subPath: the kubelet swaps in a changed
+    ConfigMap's new version), which the process follows (`orchestrator.cli.log_file`): a
+    changed ``logLevel`` reaches running pods within a minute or so, without a restart."""
+    items = [{"key": LOG_LEVEL_ENV, "path": LOG_LEVEL_FILE}]
+    volume = {"name": "config", "configMap": {"name": config_name, "items": items}}
+    pod["volumes"] = [*pod.get("volumes", []), volume]
+    (container,) = pod["containers"]
+    mount = {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
+    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    container["env"] = [
+        *container["env"],
+        {"name": LOG_LEVEL_FILE_ENV, "value": f"{CONFIG_DIR}/{LOG_LEVEL_FILE}"},
+    ]
+
+
 def _mount_redis_url(spec: ServiceSpec, pod: Obj) -> None:
     """The external Redis's URL (its password included), read-only, from its Secret: a
     file, not an environment variable (which the process's /proc/PID/environ, crash
@@ -311,7 +337,7 @@ def _mount_tls(identity: Identity, spec: ServiceSpec, component: str, pod: Obj) 
 
 
 def _global_args() -> list[str]:
-    return ["--log-format", "json"]  # the log level comes from PDORCH_LOG_LEVEL (ConfigMap)
+    return ["--log-format", "json"]  # the log level: the ConfigMap's (`_mount_log_level`)
 
 
 def _num(value: float) -> str:
@@ -459,7 +485,8 @@ def _deployment(
             "template": {
                 "metadata": {
                     "labels": _pod_labels(identity, component),
-                    # A changed ConfigMap rolls the pods (env is read only at start).
+                    # A changed ConfigMap rolls the pods (env is read only at start), but
+                    # for the keys they follow (`LIVE_KEYS`: the hash leaves them out).
                     "annotations": {naming.ANNOTATION_CONFIG_HASH: config_hash},
                 },
                 "spec": pod,

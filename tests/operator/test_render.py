@@ -279,11 +279,33 @@ def _config_hash(objs: dict[tuple[str, str], Any], name: str) -> str:
 
 def test_a_config_change_rolls_the_pods_and_a_replica_change_does_not() -> None:
     base = rendered(MINIMAL_SPEC)
-    relogged = rendered(spec_with(MINIMAL_SPEC, "logLevel", "DEBUG"))
+    moved = rendered(spec_with(MINIMAL_SPEC, "transport.ucx", {"transports": ["tcp"]}))
     rescaled = rendered(spec_with(MINIMAL_SPEC, "prefill.replicas", 7))
     for name in ("llama-orchestrator", "llama-prefill", "llama-decode"):
-        assert _config_hash(relogged, name) != _config_hash(base, name)
+        assert _config_hash(moved, name) != _config_hash(base, name)
         assert _config_hash(rescaled, name) == _config_hash(base, name)
+
+
+def test_a_log_level_change_reaches_the_pods_as_a_file_and_rolls_none() -> None:
+    """The ConfigMap's level changes; no pod template does (the processes follow the file:
+    `orchestrator.cli.log_file`)."""
+    base = rendered(MINIMAL_SPEC)
+    relogged = rendered(spec_with(MINIMAL_SPEC, "logLevel", "DEBUG"))
+    assert relogged["ConfigMap", "llama-config"]["data"]["PDORCH_LOG_LEVEL"] == "DEBUG"
+    assert base["ConfigMap", "llama-config"]["data"]["PDORCH_LOG_LEVEL"] == "INFO"
+    for name in ("llama-orchestrator", "llama-prefill", "llama-decode"):
+        assert relogged["Deployment", name] == base["Deployment", name]
+        pod = base["Deployment", name]["spec"]["template"]["spec"]
+        items = [{"key": "PDORCH_LOG_LEVEL", "path": "log-level"}]
+        assert {"name": "config", "configMap": {"name": "llama-config", "items": items}} in pod[
+            "volumes"
+        ]
+        container = _container(base, name)
+        mount = {"name": "config", "mountPath": "/etc/pdorch/config", "readOnly": True}
+        assert mount in container["volumeMounts"]
+        assert "subPath" not in str(container["volumeMounts"])  # a subPath is never updated
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PDORCH_LOG_LEVEL_FILE"] == "/etc/pdorch/config/log-level"
 
 
 @pytest.mark.parametrize("component", ["orchestrator", "prefill", "decode"])

@@ -336,7 +336,8 @@ def test_orchestrators_read_their_tokens_file_from_the_secret() -> None:
 
 def test_without_auth_nothing_is_mounted() -> None:
     pod = _pod(rendered(MINIMAL_SPEC), "orchestrator")
-    assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # the read-only root's /tmp
+    # the read-only root's /tmp, the log level's file (no Secret)
+    assert [v["name"] for v in pod["volumes"]] == ["tmp", "config"]
     assert "PDORCH_TOKENS_FILE" not in json.dumps(pod)
 
 

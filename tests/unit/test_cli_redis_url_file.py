@@ -8,12 +8,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cli import build_parser
-from orchestrator.cli.common import (
-    REDIS_URL_ENV,
-    REDIS_URL_FILE_ENV,
-    CommandError,
-    resolve_redis,
-)
+from orchestrator.cli.common import REDIS_URL_ENV, CommandError, resolve_redis
+from orchestrator.core.environment import REDIS_URL_FILE_ENV
 
 URL = "rediss://pdorch:s3cr%3At@redis.example:6380/2"
 WORKER = ("worker", "--role", "decode", "--model", "tiny")
