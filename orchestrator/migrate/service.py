@@ -14,6 +14,7 @@ from orchestrator.migrate.control import Control
 from orchestrator.migrate.proxy import Proxy
 from orchestrator.migrate.settings import MigrationSettings, parse_listen
 from orchestrator.migrate.state import MigrationState
+from orchestrator.store.url import redacted
 
 log = logging.getLogger(__name__)
 
@@ -25,25 +26,26 @@ async def serve(settings: MigrationSettings, redis_url: str, stop: asyncio.Event
     host, port = parse_listen(settings.listen)
     state = MigrationState(redis_url, settings.name)
     control = Control(settings, state)
-    proxy: Proxy | None = None
+    proxy = Proxy(control)
     try:
-        await control.start()
-        proxy = Proxy(control)
         server = HttpServer(proxy.app, host, port, settings.drain_grace_s)
+        # Listen first: a proxy that cannot (its port taken, say by the migration's running
+        # proxy) must leave the migration's settings in Redis as they are — writing them
+        # first let a failed start change a live canary's share, mode and upstreams.
         await server.start()
-        log.info(
-            "migration %s (%s) listening on %s: existing %s, pdorch %s",
-            settings.name, settings.mode, server.url,
-            settings.upstreams.existing, settings.upstreams.pdorch,
-        )  # fmt: skip
-        print(f"pdorch migrate {settings.mode}: listening on {server.url}", flush=True)
         try:
+            await control.start()
+            log.info(
+                "migration %s (%s) listening on %s: existing %s, pdorch %s",
+                settings.name, settings.mode, server.url,
+                redacted(settings.upstreams.existing), redacted(settings.upstreams.pdorch),
+            )  # fmt: skip
+            print(f"pdorch migrate {settings.mode}: listening on {server.url}", flush=True)
             await stop.wait()
         finally:
             await server.stop()
     finally:
-        if proxy is not None:
-            await proxy.stop()
+        await proxy.stop()
         await control.stop()
         await state.close()
 
@@ -105,8 +107,9 @@ def format_status(snap: dict[str, Any]) -> str:
         ),
         f"  existing {up.get('existing', '?')}   pdorch {up.get('pdorch', '?')}",
         f"  limits: error rate {lim.get('max_error_rate')}, TTFT p99 "
-        f"{lim.get('max_ttft_p99_ms') or 'off'} ms, TPOT p99 {lim.get('max_tpot_p99_ms') or 'off'}"
-        f" ms, window {lim.get('window')} (min {lim.get('min_samples')})",
+        f"{_limit_ms(lim.get('max_ttft_p99_ms'))}, TPOT p99 "
+        f"{_limit_ms(lim.get('max_tpot_p99_ms'))}, window {lim.get('window')} "
+        f"(min {lim.get('min_samples')})",
     ]
     for path in ("existing", "pdorch"):
         w = snap.get("windows", {}).get(path)
@@ -130,3 +133,8 @@ def format_status(snap: dict[str, Any]) -> str:
     lines.append(f"  rollbacks: {len(rollbacks)}")
     lines += [f"    {r['percent_before']:g}% -> 0%: {r['reason']}" for r in rollbacks[-5:]]
     return "\n".join(lines)
+
+
+def _limit_ms(value: Any) -> str:
+    """A latency limit as status shows it: ``1500 ms``, or ``off`` for 0 (no limit)."""
+    return f"{value:g} ms" if value else "off"

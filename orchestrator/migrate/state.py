@@ -120,7 +120,10 @@ class MigrationState:
             "mode": settings.mode,
             "percent": str(settings.percent if settings.mode == "canary" else 0.0),
             "sample": str(settings.sample if settings.mode == "shadow" else 0.0),
-            "upstreams": json.dumps({"existing": up.existing, "pdorch": up.pdorch}),
+            # as `status` and the report show them: a password in a URL is not kept
+            "upstreams": json.dumps(
+                {"existing": redacted(up.existing), "pdorch": redacted(up.pdorch)}
+            ),
             "limits": json.dumps(_fields(settings.limits)),
             "pricing": json.dumps(_fields(settings.pricing)),
             "updated_at": str(now),
