@@ -381,8 +381,8 @@ def load(name_or_path: str) -> Scenario:
     import yaml  # noqa: PLC0415 - only the chaos tool needs YAML
 
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ScenarioError(f"{path}: {exc}") from exc
     return parse(data, str(path))
 

@@ -55,12 +55,20 @@ async def run(args: argparse.Namespace) -> int:
           f"{'reused tok':>11s} {'saved USD':>12s}")  # fmt: skip
     for tenant, t in totals.items():
         n = t.get("requests", 0.0)
-        usd = t.get("usd", 0.0)
+        usd, saved = t.get("usd", 0.0), t.get("reuse_saved_usd", 0.0)
         print(
-            f"{tenant:20s} {n:9.0f} {usd:12.6f} {usd / n * 1000 if n else 0:11.4f} "
+            f"{tenant:20s} {n:9.0f} {_usd(usd, 12, 6)} {_usd(usd / n * 1000 if n else 0, 11, 4)} "
             f"{t.get('prefill_gpu_s', 0.0):14.2f} "
             f"{t.get('decode_gpu_s', 0.0) + t.get('aggregated_gpu_s', 0.0):13.2f} "
             f"{t.get('transfer_bytes', 0.0) / 1e9:8.3f} "
-            f"{t.get('prefill_reused_tokens', 0.0):11.0f} {t.get('reuse_saved_usd', 0.0):12.6f}"
+            f"{t.get('prefill_reused_tokens', 0.0):11.0f} {_usd(saved, 12, 6)}"
         )
     return 0
+
+
+def _usd(value: float, width: int, places: int) -> str:
+    """``value`` in ``places`` decimals, or in 3 significant digits where those decimals would
+    show fewer (a few requests on CPU workers at $0.10/h cost 4e-7 USD, not 0.000000)."""
+    if value == 0 or abs(value) >= 10 ** (2 - places):
+        return f"{value:{width}.{places}f}"
+    return f"{value:{width}.3g}"

@@ -85,8 +85,14 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 def _read(path: str) -> dict[str, object]:
+    from orchestrator.errors import ConfigError  # noqa: PLC0415
+
     fmt = "json" if path.endswith(".json") else "toml"
-    return planconfig.parse_text(Path(path).read_text(encoding="utf-8"), fmt)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    return planconfig.parse_text(text, fmt)
 
 
 def run(args: argparse.Namespace) -> int:

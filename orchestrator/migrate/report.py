@@ -162,7 +162,10 @@ def _ms(v: float | None) -> str:
 
 
 def _usd(v: float | None) -> str:
-    return "—" if v is None else f"${v:.6f}"
+    if v is None:
+        return "—"
+    # at least 3 significant digits: a cost that is not 0 never shows as $0.000000
+    return f"${v:.6f}" if v == 0 or abs(v) >= 1e-4 else f"${v:.3g}"
 
 
 def _pct(v: float | None) -> str:

@@ -476,8 +476,11 @@ def _disaggregated(request: PlanRequest, prefill: GpuProfile, decode: GpuProfile
 
 def plan(request: PlanRequest) -> Plan:
     """Plan every layout of ``request`` and recommend the cheapest feasible one."""
-    kinds = [get_gpu(request.gpus, k) for k in request.kinds]
-    prefills = [get_gpu(request.gpus, k) for k in request.prefill_kinds]
+    # a kind named twice (--gpus H100,H100, or h100 beside H100) is planned once
+    kinds = list({g.name: g for g in (get_gpu(request.gpus, k) for k in request.kinds)}.values())
+    prefills = list(
+        {g.name: g for g in (get_gpu(request.gpus, k) for k in request.prefill_kinds)}.values()
+    )
     if not kinds:
         raise ConfigError("plan.kinds", "needs at least one GPU kind")
     layouts = [_colocated(request, g) for g in kinds]
@@ -520,7 +523,8 @@ def _explain(
     rival = rivals[0]
     r = rival.estimate
     assert r is not None
-    saving = 1 - e.usd_per_1k / r.usd_per_1k
+    # e <= r (cheapest first): r is 0 only when both are free (--price KIND=0)
+    saving = 1 - e.usd_per_1k / r.usd_per_1k if r.usd_per_1k > 0 else 0.0
     if abs(saving) < 0.005:
         compare = f"the same cost as the best {other} layout, {rival.name}"
     else:
