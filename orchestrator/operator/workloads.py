@@ -264,20 +264,35 @@ def redis_statefulset(identity: Identity, spec: ServiceSpec) -> Obj:
 # ------------------------------------------------------------------------------- parts
 
 
-def _mount_log_level(config_name: str, pod: Obj) -> None:
-    """The ConfigMap's log level as a file too (no subPath: the kubelet swaps in a changed
-    ConfigMap's new version), which the process follows (`orchestrator.cli.log_file`): a
-    changed ``logLevel`` reaches running pods within a minute or so, without a restart."""
-    items = [{"key": LOG_LEVEL_ENV, "path": LOG_LEVEL_FILE}]
-    volume = {"name": "config", "configMap": {"name": config_name, "items": items}}
+def _mount(pod: Obj, volume: Obj, mount: Obj, env: Obj) -> None:
+    """``volume`` into ``pod``, mounted in its one container, and ``env`` for it."""
     pod["volumes"] = [*pod.get("volumes", []), volume]
     (container,) = pod["containers"]
-    mount = {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
     container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
-    container["env"] = [
-        *container["env"],
-        {"name": LOG_LEVEL_FILE_ENV, "value": f"{CONFIG_DIR}/{LOG_LEVEL_FILE}"},
-    ]
+    container["env"] = [*container["env"], env]
+
+
+def _file_mount(name: str, directory: str, file: str, env_name: str) -> tuple[Obj, Obj]:
+    """A volume's read-only mount at ``directory`` (no subPath: the kubelet swaps in a
+    changed version), and the variable naming its ``file`` there."""
+    mount = {"name": name, "mountPath": directory, "readOnly": True}
+    return mount, {"name": env_name, "value": f"{directory}/{file}"}
+
+
+def _mount_log_level(config_name: str, pod: Obj) -> None:
+    """The ConfigMap's log level as a file too, which the process follows
+    (`orchestrator.cli.log_file`): a changed ``logLevel`` reaches running pods within a
+    minute or so, without a restart."""
+    items = [{"key": LOG_LEVEL_ENV, "path": LOG_LEVEL_FILE}]
+    volume = {"name": "config", "configMap": {"name": config_name, "items": items}}
+    _mount(pod, volume, *_file_mount("config", CONFIG_DIR, LOG_LEVEL_FILE, LOG_LEVEL_FILE_ENV))
+
+
+def _secret_volume(name: str, secret_name: str, key: str, path: str) -> Obj:
+    items = [{"key": key, "path": path}]
+    # the pods' group reads it, no one else
+    secret = {"secretName": secret_name, "items": items, "defaultMode": tls.FILE_MODE}
+    return {"name": name, "secret": secret}
 
 
 def _mount_redis_url(spec: ServiceSpec, pod: Obj) -> None:
@@ -288,52 +303,25 @@ def _mount_redis_url(spec: ServiceSpec, pod: Obj) -> None:
     ref = spec.redis.url_secret
     if ref is None:
         return
-    secret = {
-        "secretName": ref.name,
-        "items": [{"key": ref.key, "path": REDIS_URL_FILE}],
-        "defaultMode": tls.FILE_MODE,  # the pods' group reads it, no one else
-    }
-    pod["volumes"] = [*pod.get("volumes", []), {"name": "redis-url", "secret": secret}]
-    (container,) = pod["containers"]
-    mount = {"name": "redis-url", "mountPath": REDIS_DIR, "readOnly": True}
-    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
-    container["env"] = [
-        *container["env"],
-        {"name": REDIS_URL_FILE_ENV, "value": f"{REDIS_DIR}/{REDIS_URL_FILE}"},
-    ]
+    volume = _secret_volume("redis-url", ref.name, ref.key, REDIS_URL_FILE)
+    _mount(pod, volume, *_file_mount("redis-url", REDIS_DIR, REDIS_URL_FILE, REDIS_URL_FILE_ENV))
 
 
 def _mount_tokens(spec: ServiceSpec, pod: Obj) -> None:
-    """The tokens file, read-only, from its Secret (no subPath: the orchestrator re-reads
-    the file when the kubelet swaps in a new version of the Secret)."""
+    """The tokens file, read-only, from its Secret (the orchestrator re-reads the file when
+    the kubelet swaps in a new version of the Secret)."""
     ref = spec.auth.tokens_secret
     if ref is None:
         return
-    secret = {
-        "secretName": ref.name,
-        "items": [{"key": ref.key, "path": TOKENS_FILE}],
-        "defaultMode": tls.FILE_MODE,  # the pods' group reads it, no one else
-    }
-    volume = {"name": "auth", "secret": secret}
-    pod["volumes"] = [*pod.get("volumes", []), volume]
-    (container,) = pod["containers"]
-    mount = {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True}
-    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
-    container["env"] = [
-        *container["env"],
-        {"name": TOKENS_FILE_ENV, "value": f"{AUTH_DIR}/{TOKENS_FILE}"},
-    ]
+    volume = _secret_volume("auth", ref.name, ref.key, TOKENS_FILE)
+    _mount(pod, volume, *_file_mount("auth", AUTH_DIR, TOKENS_FILE, TOKENS_FILE_ENV))
 
 
 def _mount_tls(identity: Identity, spec: ServiceSpec, component: str, pod: Obj) -> None:
     """The component's own TLS Secret, read-only, and where the process finds it."""
     volume = tls.volume(identity, spec, component)
-    if volume is None:
-        return
-    pod["volumes"] = [*pod.get("volumes", []), volume]
-    (container,) = pod["containers"]
-    container["volumeMounts"] = [*container.get("volumeMounts", []), tls.mount()]
-    container["env"] = [*container["env"], tls.env()]
+    if volume is not None:
+        _mount(pod, volume, tls.mount(), tls.env())
 
 
 def _global_args() -> list[str]:
