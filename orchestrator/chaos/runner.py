@@ -155,20 +155,11 @@ class ChaosRunner:
         self.transport = _transport(scenario.cluster.transport)
         if cluster is not None and not shareable(scenario, cluster):
             raise ScenarioError(f"scenario {scenario.name} cannot run on the given cluster")
-        if redis and _faults_redis(scenario, seed, runs):
-            raise ScenarioError(f"scenario {scenario.name} faults Redis: not with --redis")
-        if redis and scenario.cluster.redis_cluster is not None:
-            raise ScenarioError(
-                f"scenario {scenario.name} starts its own Redis Cluster: not with --redis"
-            )
+        check_runnable(scenario, seed=seed, runs=runs, redis=redis)
         self.shared = cluster is not None
         self.cluster = cluster or cluster_for(scenario.cluster, model_cache, redis)
         self.links = scenario.links()
         self.kv_injector = "kv" in self.links and needs_ucx(self.transport)
-        if self.kv_injector and scenario.cluster.engine == "vllm":
-            raise ScenarioError(
-                f"scenario {scenario.name}: KV-link faults with engine vllm need transport tcp"
-            )
         self.proxies: dict[str, dict[str, FaultProxy]] = {}
         self.kv_file: Path | None = (
             self.cluster.workdir / "kv-fault" if scenario.cluster.engine == "reference" else None
@@ -501,6 +492,22 @@ class ChaosRunner:
             picture = path.with_suffix(".png")
             draw(history, verdict, picture, title=f"{self.scenario.name} — run {history.run}")
             result.pictures.append(picture)
+
+
+def check_runnable(scenario: Scenario, *, seed: int, runs: int, redis: str = "") -> None:
+    """Raise `ScenarioError` if ``scenario`` cannot run with these options: a front end calls
+    it before announcing the run (`ChaosRunner` calls it again)."""
+    if redis and _faults_redis(scenario, seed, runs):
+        raise ScenarioError(f"scenario {scenario.name} faults Redis: not with --redis")
+    if redis and scenario.cluster.redis_cluster is not None:
+        raise ScenarioError(
+            f"scenario {scenario.name} starts its own Redis Cluster: not with --redis"
+        )
+    transport = _transport(scenario.cluster.transport)
+    if "kv" in scenario.links() and needs_ucx(transport) and scenario.cluster.engine == "vllm":
+        raise ScenarioError(
+            f"scenario {scenario.name}: KV-link faults with engine vllm need transport tcp"
+        )
 
 
 def _faults_redis(scenario: Scenario, seed: int, runs: int) -> bool:

@@ -90,7 +90,7 @@ def _list(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace  # noqa: PLC0415
 
-    from orchestrator.chaos.runner import run_chaos  # noqa: PLC0415
+    from orchestrator.chaos.runner import check_runnable, run_chaos  # noqa: PLC0415
     from orchestrator.chaos.scenario import (  # noqa: PLC0415
         MIN_LATE_BOUND_S,
         ScenarioError,
@@ -106,7 +106,10 @@ def _run(args: argparse.Namespace) -> int:
             if args.late_bound < MIN_LATE_BOUND_S:
                 raise ScenarioError(f"--late-bound: at least {MIN_LATE_BOUND_S} s")
             scenario = replace(scenario, late_bound_s=args.late_bound)
-    except ScenarioError as exc:
+        check_runnable(scenario, seed=args.seed, runs=args.runs, redis=args.redis or "")
+        if args.out:
+            _out_folder(Path(args.out))
+    except ScenarioError as exc:  # refused before the run is announced
         print(f"pdorch chaos: {exc}", file=sys.stderr)
         return 2
     progress = Progress(quiet=args.json)
@@ -124,3 +127,17 @@ def _run(args: argparse.Namespace) -> int:
         steps=progress.step,
         redis=args.redis or "",
     )
+
+
+def _out_folder(out: Path) -> None:
+    """Create ``--out`` (a folder: the runs' histories and timelines go in it) or raise
+    `ScenarioError` saying why it cannot be one."""
+    from orchestrator.chaos.scenario import ScenarioError  # noqa: PLC0415
+
+    if out.exists() and not out.is_dir():
+        raise ScenarioError(f"--out {out}: must be a folder, and it is a file")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = f"must be a folder, and cannot be created: {exc.strerror or exc}"
+        raise ScenarioError(f"--out {out}: {why}") from None

@@ -4,6 +4,7 @@ step starts and one when it ends elsewhere (logs, CI), nothing at all when quiet
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 import threading
@@ -45,8 +46,11 @@ class Progress:
         try:
             yield
             outcome = "done"
-        except KeyboardInterrupt:
-            outcome = "interrupted"  # Ctrl-C (or `pdorch down`): not a failure
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            # Ctrl-C (or `pdorch down`): not a failure. Under `asyncio.run` (`pdorch chaos
+            # run`) Ctrl-C reaches the step as the main task's cancellation, not as
+            # KeyboardInterrupt (asyncio.Runner turns SIGINT into `Task.cancel`).
+            outcome = "interrupted"
             raise
         finally:
             done.set()
