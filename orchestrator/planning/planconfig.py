@@ -240,6 +240,9 @@ def plan_request_from_mapping(data: Mapping[str, Any]) -> PlanRequest:
         str(kind): _num(f"prices.{kind}", price, default=math.nan)
         for kind, price in _section(data, "prices").items()
     }
+    for kind in prices:  # the price's error (`--price`, [prices]), not the GPU table's
+        if not any(known.lower() == kind.strip().lower() for known in gpus):
+            raise ConfigError("price", f"unknown GPU kind {kind!r} (known: {', '.join(gpus)})")
     return PlanRequest(
         model, traffic, slo, with_prices(gpus, prices), kinds, prefill_kinds, options
     )

@@ -500,6 +500,10 @@ def _rank(layout: LayoutPlan) -> tuple[float, float, int, str]:
 _LIMITS = {"tpot": "TPOT", "ttft": "TTFT", "memory": "KV memory", "max_batch": "max batch"}
 
 
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
 def _explain(
     best: LayoutPlan | None, feasible: Sequence[LayoutPlan], infeasible: Sequence[LayoutPlan]
 ) -> str:
@@ -511,7 +515,7 @@ def _explain(
     pools = " + ".join(p.label() for p in e.pools)
     head = (
         f"{best.name} is the cheapest feasible layout: ${e.usd_per_1k:.4f} per 1,000 requests "
-        f"on {e.gpus} GPUs ({pools})"
+        f"on {_gpus(e.gpus)} ({pools})"
     )
     other = "disaggregated" if best.kind == "colocated" else "colocated"
     rivals = [lay for lay in feasible if lay.kind == other]
@@ -554,8 +558,8 @@ def _explain(
         detail = (
             f"splitting would cost less per request at scale (${r.ideal_usd_per_1k:.4f} against "
             f"${e.ideal_usd_per_1k:.4f} per 1,000 with fractional replicas), but at this rate "
-            f"its whole replicas cost ${r.usd_per_hour:.2f}/h ({r.gpus} GPUs) against "
-            f"${e.usd_per_hour:.2f}/h ({e.gpus} GPUs)"
+            f"its whole replicas cost ${r.usd_per_hour:.2f}/h ({_gpus(r.gpus)}) against "
+            f"${e.usd_per_hour:.2f}/h ({_gpus(e.gpus)})"
         )
     else:
         c, d = e.decode_pool, r.decode_pool
