@@ -695,6 +695,13 @@ def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None
             f"{flag} {redacted(url)}: Redis refused the credentials (sent {who}; "
             f"--redis-password-file or ${REDIS_URL_ENV} give them): {exc}"
         ) from None
+    except redis.ResponseError as exc:
+        # Redis answered, with an error reply to the connection's settings (a DB index it
+        # lacks, a user the ACL refuses a command): reachable, so not "does not answer".
+        from orchestrator.store.url import redacted  # noqa: PLC0415
+
+        why = f"Redis refused the connection's settings: {exc}"
+        raise CommandError(f"{flag} {redacted(url)}: {why}") from None
     except (redis.RedisError, RedisClusterException, OSError, ValueError) as exc:
         from orchestrator.store.url import redacted  # noqa: PLC0415
 
