@@ -236,8 +236,11 @@ class VllmHost(EngineHost):
         if self._control is not None:
             await self._control.close()
         if self._llm is not None:
-            await asyncio.to_thread(self._llm.shutdown)
-            self._llm = None
+            llm, self._llm = self._llm, None
+            started = time.perf_counter()
+            await _stop_output_handler(llm)
+            await asyncio.to_thread(llm.shutdown)
+            log.info("vLLM engine shut down in %.1f s", time.perf_counter() - started)
 
     def pool(self) -> BlockPool:
         return BlockPool(
@@ -522,6 +525,24 @@ class VllmHost(EngineHost):
         if self._control is None:
             return False
         return bool(await self._control.release(request.request_id, int(request.epoch)))
+
+
+async def _stop_output_handler(llm: Any) -> None:
+    """Cancel ``AsyncLLM``'s output handler (its task on this loop) before the engine is
+    shut down. ``AsyncLLM.shutdown``, run in a thread, stops the engine core, then cancels
+    the task that reads its outputs — which turns that cancellation into an
+    `EngineDeadError` for the handler — and only then cancels the handler, from its thread:
+    whenever this loop turned between the two (a GIL switch is enough), the handler took
+    the error and vLLM logged "AsyncLLM output_handler failed." with a traceback, on every
+    clean stop of a worker that had served a request. Cancelled here first, the handler
+    sees only its cancellation. A handler that already ended — the engine died while
+    running — was reported by vLLM then, as an error, and is left as it is. By now the
+    worker's server has stopped: no request waits on the handler's outputs."""
+    handler = getattr(llm, "output_handler", None)
+    if not isinstance(handler, asyncio.Task) or handler.done():
+        return
+    handler.cancel()
+    await asyncio.wait({handler})  # (its outcome is its own: our cancellation still propagates)
 
 
 def _refused(exc: Exception) -> str:
