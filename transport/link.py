@@ -6,6 +6,16 @@ read, so a peer that dies (EOF/RST, seen by the kernel within milliseconds of SI
 reports an error is noticed at once, whichever backend carries the payload. A peer that
 stalls (SIGSTOP) is caught by the idle deadline instead.
 
+**An idle deadline is the peer's silence, not our loop's lateness** (`Link.silent_for`):
+when `read_next`'s deadline comes (`next_message`'s wait already counts a read that
+completed in the turn its deadline came), the link first asks when the peer's bytes last came — or
+whether some wait on the socket, unread — and only silence for the whole deadline ends the
+read. A loop that ran late (another thread holding the GIL or the core: a vLLM model
+runner's forward beside a KV connector's loop) would otherwise run the deadline's timer
+before the read that the peer's message, sent in time, had made ready: asyncio runs the
+timers it finds expired in the same turn as the I/O, before the woken read, and uvloop runs
+timers before it polls — a live sender's ALIVE lost to the receiver's own stall.
+
 OSError, IncompleteReadError and TimeoutError are translated into the transport's tree here;
 a TLS error (`ssl.SSLError`, e.g. the peer's alert that our certificate is refused, which
 TLS 1.3 delivers after the client's handshake) becomes `PeerRejectedError` (`tls_error`),
@@ -38,6 +48,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, cast
@@ -134,8 +145,24 @@ class Link:
         try:
             if self._buffered_whole():  # nothing to wait for: no deadline to arm
                 return await read_message(self.reader, self.bodies)
-            async with asyncio.timeout(timeout_s):
-                return await read_message(self.reader, self.bodies)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            check: asyncio.TimerHandle
+            async with asyncio.timeout(None) as deadline:
+
+                def due() -> None:
+                    nonlocal check
+                    when = self.silent_for(timeout_s, start)
+                    if when is None:
+                        deadline.reschedule(loop.time())  # silent: the read ends
+                    else:
+                        check = loop.call_at(when, due)
+
+                check = loop.call_at(start + timeout_s, due)
+                try:
+                    return await read_message(self.reader, self.bodies)
+                finally:
+                    check.cancel()
         except TimeoutError:
             self.broken = True
             raise errors.TransferTimeoutError(
@@ -144,6 +171,28 @@ class Link:
         except errors.TransportError:
             self.broken = True
             raise
+
+    def silent_for(self, timeout_s: float, since: float) -> float | None:
+        """At a read's deadline (the read began at ``since``): None when the peer has been
+        silent for ``timeout_s``; else when that would be, counted from its last bytes — or
+        from now when bytes wait on the socket unread (this loop ran late, and they came
+        while it did not run)."""
+        now = asyncio.get_running_loop().time()
+        heard = max(self.reader.heard, since)
+        if heard + timeout_s > now:
+            return heard + timeout_s
+        return now + timeout_s if self._unread() else None
+
+    def _unread(self) -> bool:
+        """Whether the peer's bytes wait on the socket (readable now)."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError):  # closed meanwhile: the read says how
+            return False
+        return bool(readable)
 
     def message_ready(self) -> bool:
         """Whether the next message can be taken without waiting: read already, or all in

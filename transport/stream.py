@@ -54,6 +54,9 @@ class LinkReader(asyncio.StreamReader):
         self._filled = 0
         """Bytes of ``_sink`` the transport has written."""
         self._sink_waiter: asyncio.Future[None] | None = None
+        self.heard = loop.time()
+        """When the peer's bytes last came (the loop's clock): idle deadlines are silence
+        since then (`transport.link.Link.silent_for`)."""
 
     def buffered(self) -> int:
         """Bytes received and not read yet."""
@@ -75,10 +78,12 @@ class LinkReader(asyncio.StreamReader):
         """The transport wrote ``nbytes`` more of the payload."""
         assert self._sink is not None
         self._filled += nbytes
+        self.heard = self._loop.time()  # type: ignore[attr-defined]  # asyncio's own
         if self._filled >= len(self._sink):
             self._wake_sink()
 
     def feed_data(self, data: Any) -> None:
+        self.heard = self._loop.time()  # type: ignore[attr-defined]  # asyncio's own
         if self._sink is not None and data:  # a transport that is not buffered
             rest = self._sink[self._filled :]
             take = min(len(rest), len(data))

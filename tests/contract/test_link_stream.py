@@ -9,7 +9,10 @@ the `Link` reports them."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -281,7 +284,7 @@ def test_read_next_takes_buffered_messages_at_once_and_still_times_out_on_a_part
             assert armed == []  # both were whole in the buffer
             with pytest.raises(errors.TransferTimeoutError, match="next message"):
                 await link.read_next(0.2)
-            assert armed == [0.2]
+            assert len(armed) == 1  # one deadline: for the message not all in
         finally:
             await _close(link, server)
 
@@ -338,3 +341,52 @@ def test_race_reads_the_peers_error_first_whatever_became_of_our_send(ours: str)
             await _close(link, server)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("read", ["read_next", "next_message"])
+def test_a_message_sent_in_time_is_read_even_when_our_loop_ran_past_the_deadline(
+    read: str,
+) -> None:
+    """The idle deadline is the peer's silence (`Link.silent_for`): a peer sends within the
+    deadline while this loop is blocked past it (a GIL or a core held elsewhere) — the
+    message is read, not lost to the deadline's timer, which the loop runs first when it
+    wakes; a peer that says nothing still times out."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    send = threading.Event()
+    done = threading.Event()
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            send.wait(10)
+            time.sleep(0.1)  # while the reader's loop is blocked, before its deadline
+            conn.sendall(control.encode(control.Kind.ALIVE))
+            done.wait(10)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+
+    async def main() -> None:
+        port = listener.getsockname()[1]
+        reader, writer = await stream.connect("127.0.0.1", port, None, 5)
+        link = Link(reader, writer, Peer(b"", b""))
+        try:
+            reading = asyncio.create_task(getattr(link, read)(0.3))
+            await asyncio.sleep(0.02)  # the read is waiting
+            send.set()
+            time.sleep(0.6)  # noqa: ASYNC251 - the point: this loop does not run
+            assert (await reading).kind is control.Kind.ALIVE
+            t0 = time.monotonic()
+            with pytest.raises(errors.TransferTimeoutError, match="next message"):
+                await getattr(link, read)(0.2)
+            assert 0.15 < time.monotonic() - t0 < 1.5
+        finally:
+            done.set()
+            await link.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
