@@ -12,14 +12,15 @@ from collections.abc import Mapping
 from orchestrator.cli.common import CommandError, Commands, Parents, add_command, positive_float
 from orchestrator.cli.state import (
     ClusterState,
-    group_ours,
+    leftovers,
     live_state,
     ours,
     remove_state,
     stale_state,
     state_path,
+    still_running,
 )
-from orchestrator.procs import alive, group_runs
+from orchestrator.procs import alive
 
 NAME = "down"
 HELP = "stop the cluster `pdorch up` started"
@@ -87,10 +88,7 @@ def _stop_leftovers(state: ClusterState, timeout_s: float) -> list[str]:
     while it is the process it started."""
 
     def left(name: str) -> bool:
-        pid, start = state.procs[name]
-        if ours(pid, start):
-            return True
-        return group_ours(pid, start) and group_runs(pid)
+        return still_running(state, name)
 
     def signal_all(names: list[str], sig: int) -> None:
         for name in names:
@@ -104,7 +102,7 @@ def _stop_leftovers(state: ClusterState, timeout_s: float) -> list[str]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
 
-    running = sorted(name for name in state.procs if left(name))
+    running = leftovers(state)
     signal_all(running, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while any(left(name) for name in running) and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from orchestrator.procs import alive, pid_taken, started
+from orchestrator.procs import alive, group_runs, pid_taken, started
 
 ORCHESTRATOR_ENV = "PDORCH_ORCHESTRATOR"
 REDIS_ENV = "PDORCH_REDIS_URL"
@@ -134,6 +134,22 @@ def group_ours(pid: int, start: int) -> bool:
     if start and started(pid) == start:
         return True
     return not pid_taken(pid)
+
+
+def still_running(state: ClusterState, name: str) -> bool:
+    """Whether process ``name`` of a killed `pdorch up` (``state``) still runs as it
+    started it: the process itself (pid and start time), or its group while that is still
+    its own (`group_ours`) and has members — a worker killed alone (``kill -9``) leaves its
+    group running (a vLLM worker's engine core)."""
+    pid, start = state.procs[name]
+    return ours(pid, start) or (group_ours(pid, start) and group_runs(pid))
+
+
+def leftovers(state: ClusterState) -> list[str]:
+    """The processes of a killed `pdorch up` (``state``) still running (`still_running`),
+    by name: what `pdorch down` stops, and why a new `pdorch up` must not overwrite the
+    state file that lists them."""
+    return sorted(name for name in state.procs if still_running(state, name))
 
 
 def write_state(env: Mapping[str, str], state: ClusterState) -> Path:

@@ -37,9 +37,10 @@ from orchestrator.cli.progress import Progress
 from orchestrator.cli.state import (
     ORCHESTRATOR_PROC,
     ClusterState,
+    leftovers,
     live_state,
-    orphaned_state,
     remove_state,
+    stale_state,
     state_path,
     write_state,
 )
@@ -123,9 +124,10 @@ def register(sub: Commands, parents: Parents, env: Mapping[str, str]) -> None:
 
 
 def preflight(args: argparse.Namespace, env: Mapping[str, str]) -> None:
-    """Refuse before anything starts: a `pdorch up` that runs, or the cluster a killed one
-    left serving (`orphaned_state`) — starting would overwrite the state file, the only
-    place `pdorch down` finds that cluster by — and flags this machine cannot serve."""
+    """Refuse before anything starts: a `pdorch up` that runs, or any process a killed one
+    left running (`leftovers`: serving, or killed while starting) — starting would
+    overwrite the state file, the only place `pdorch down` finds them by — and flags this
+    machine cannot serve."""
     running = live_state(env)
     if running is not None:
         where = running.orchestrator if running.ready else "still starting"
@@ -133,12 +135,17 @@ def preflight(args: argparse.Namespace, env: Mapping[str, str]) -> None:
             f"a `pdorch up` cluster is already running (pid {running.pid}, {where}); "
             "`pdorch down` stops it"
         )
-    orphan = orphaned_state(env)
-    if orphan is not None:  # its state file is what `pdorch down` stops it by: keep it
-        pid = orphan.procs[ORCHESTRATOR_PROC][0]
+    killed = stale_state(env)
+    left = [] if killed is None else leftovers(killed)
+    if killed is not None and left:  # its state file is what `pdorch down` stops it by
+        if ORCHESTRATOR_PROC in left:
+            pid = killed.procs[ORCHESTRATOR_PROC][0]
+            what = f"orchestrator {killed.orchestrator}, pid {pid}"
+        else:  # killed while starting, or its orchestrator gone: what is left, by name
+            what = ", ".join(left)
         raise CommandError(
-            f"the cluster of a killed `pdorch up` (pid {orphan.pid}) still runs (orchestrator "
-            f"{orphan.orchestrator}, pid {pid}); run `pdorch down` first"
+            f"the cluster of a killed `pdorch up` (pid {killed.pid}) still runs ({what}); "
+            "run `pdorch down` first"
         )
     check_engine(args.engine, args.model)
     check_transport(args.transport)

@@ -117,6 +117,38 @@ def test_up_refuses_while_a_killed_pdorch_ups_cluster_serves(
     assert path.read_text(encoding="utf-8") == written
 
 
+def test_up_refuses_while_a_pdorch_up_killed_while_starting_left_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Killed before it served (not ``ready``), its Redis and a worker still running: the
+    state file lists them for `pdorch down`, so a new `pdorch up` refuses, naming them."""
+    import orchestrator.cluster  # noqa: PLC0415
+
+    def started_a_cluster(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pdorch up started a cluster")
+
+    monkeypatch.setattr(orchestrator.cluster, "LocalCluster", started_a_cluster)
+    path = tmp_path / "up.json"
+    monkeypatch.setenv("PDORCH_STATE", str(path))
+    for name in ("PDORCH_REDIS_URL", "PDORCH_ORCHESTRATOR"):
+        monkeypatch.delenv(name, raising=False)
+    me = os.getpid()  # stands for the processes it started, still running
+    state = ClusterState(
+        pid=_dead_pid(), orchestrator="127.0.0.1:7001", redis="redis://127.0.0.1:7002/0",
+        procs={"redis": [me, started(me)], "decode-0": [me, started(me)],
+               "orchestrator-0": [_dead_pid(), 1]},
+        ready=False,
+    )  # fmt: skip
+    write_state({"PDORCH_STATE": str(path)}, state)
+    written = path.read_text(encoding="utf-8")
+    assert main(["up", "--port", "0", "--http-port", "0", "--insecure"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert f"killed `pdorch up` (pid {state.pid}) still runs (decode-0, redis)" in err
+    assert err.endswith("run `pdorch down` first")
+    assert path.read_text(encoding="utf-8") == written
+
+
 def test_a_killed_pdorch_up_whose_orchestrator_is_gone_too_points_at_down(
     tmp_path: Path,
 ) -> None:
