@@ -72,7 +72,10 @@ def parse(url: str) -> Target:
     if scheme not in CLUSTER_SCHEMES and scheme not in SENTINEL_SCHEMES:
         return Target("single", url)
     plain = CLUSTER_SCHEMES.get(scheme) or SENTINEL_SCHEMES[scheme]
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL": said here, never with the URL itself
+        raise RedisUrlError(str(exc)) from None
     userinfo, at, hosts = parts.netloc.rpartition("@")
     nodes = tuple(_host_port(h) for h in hosts.split(",") if h)
     if not nodes:
@@ -98,7 +101,12 @@ def _host_port(text: str) -> tuple[str, int]:
     host, colon, port = text.rpartition(":")
     if not colon or not host or not port.isdigit():
         raise RedisUrlError(f"{text!r} is not HOST:PORT")
+    if not 0 < int(port) <= MAX_PORT:
+        raise RedisUrlError(f"{text!r}: port out of range 1-{MAX_PORT}")
     return host.strip("[]"), int(port)
+
+
+MAX_PORT = 65535
 
 
 @dataclass(slots=True)
@@ -212,14 +220,57 @@ def sync_client(url: str, timeout_s: float = 1.0) -> Any:
         from redis.cluster import ClusterNode  # noqa: PLC0415
 
         nodes = [ClusterNode(h, p) for h, p in target.nodes]  # type: ignore[no-untyped-call]
-        return redis.RedisCluster.from_url(
-            target.url, startup_nodes=nodes, decode_responses=True, **timeouts
-        )
+        try:  # the client connects here, to learn the slots
+            return redis.RedisCluster.from_url(
+                target.url, startup_nodes=nodes, decode_responses=True, **timeouts
+            )
+        except redis.RedisClusterException as exc:
+            raise _cluster_start_error(exc) from None
     if target.kind == "sentinel":
-        from redis.sentinel import Sentinel  # noqa: PLC0415
-
         options = redis.connection.parse_url(target.url)  # type: ignore[no-untyped-call]
         auth = {k: options[k] for k in ("username", "password", "db") if k in options}
-        sentinel = Sentinel(list(target.nodes), sentinel_kwargs=timeouts, **timeouts)
+        sentinel = _sync_sentinel_class()(list(target.nodes), sentinel_kwargs=timeouts, **timeouts)
         return sentinel.master_for(target.master, decode_responses=True, **auth)
     return redis.Redis.from_url(url, decode_responses=True, **timeouts)
+
+
+def _cluster_start_error(exc: Exception) -> Exception:
+    """What redis-py's cluster client failing at start means, as the error a one-server
+    client raises for it: refused credentials an `AuthenticationError` (redis-py wraps them
+    in "Redis Cluster cannot be connected"), a node not in cluster mode an error reply that
+    names the URL to use; anything else as it was."""
+    import redis  # noqa: PLC0415
+
+    cause = exc.__cause__
+    if (
+        isinstance(cause, redis.AuthenticationError)
+        or "NOAUTH" in str(exc)
+        or ("HELLO must be called with the client already authenticated" in str(exc))
+    ):
+        return redis.AuthenticationError(str(cause or exc))
+    if "Cluster mode is not enabled" in str(exc):
+        return redis.ResponseError(
+            "not a Redis Cluster (cluster mode is not enabled on this node): "
+            "name one server with redis://HOST:PORT/DB"
+        )
+    return exc
+
+
+def _sync_sentinel_class() -> type[Any]:
+    """redis-py's blocking `Sentinel`, whose "no master found" names each Sentinel by its
+    address: redis-py's names it by its client's whole repr (a screenful per Sentinel)."""
+    from redis.sentinel import MasterNotFoundError, Sentinel  # noqa: PLC0415
+
+    class ShortSentinel(Sentinel):
+        def discover_master(self, service_name: str) -> Any:
+            try:
+                return super().discover_master(service_name)
+            except MasterNotFoundError as exc:
+                text = str(exc)
+                for node in self.sentinels:
+                    kwargs = node.connection_pool.connection_kwargs
+                    where = f"Sentinel {kwargs.get('host')}:{kwargs.get('port')}"
+                    text = text.replace(str(node), where)
+                raise MasterNotFoundError(text) from None
+
+    return ShortSentinel
