@@ -201,7 +201,7 @@ class Parents:
             default=self._env.get("PDORCH_REDIS_URL", default(StoreSettings, "url")),
             help="Redis URL (default: $PDORCH_REDIS_URL, else %(default)s); redis:// or "
             "rediss:// (TLS), an ACL user as redis://USER@HOST:PORT/DB — its password from "
-            "--redis-password-file or $PDORCH_REDIS_URL, never the command line",
+            f"--redis-password-file or $PDORCH_REDIS_URL, never the command line; {_HA_URLS}",
         )
         _redis_password_flag(p, self._env)
         return p
@@ -218,7 +218,7 @@ class Parents:
             type=redis_url,
             default=redis_default(self._env, default(StoreSettings, "url")),
             help="the cluster's Redis URL (default: $PDORCH_REDIS_URL, else the running "
-            "`pdorch up` cluster's, else %(default)s)",
+            f"`pdorch up` cluster's, else %(default)s; {_HA_URLS})",
         )
         _redis_password_flag(p, self._env)
         return p
@@ -611,12 +611,19 @@ def redis_url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not a Redis URL: {redacted(text)!r} ({exc})") from None
     if parts.scheme not in REDIS_SCHEMES or not (parts.hostname or parts.path):
         raise argparse.ArgumentTypeError(
-            f"not a Redis URL: {redacted(text)!r} (expected redis://HOST:PORT/DB)"
+            f"not a Redis URL: {redacted(text)!r} (expected redis://HOST:PORT/DB, "
+            "redis+cluster://HOST:PORT[,HOST:PORT...] or "
+            "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER)"
         )
     return text
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+_HA_URLS = (
+    "a Redis Cluster as redis+cluster://HOST:PORT[,HOST:PORT...], a Sentinel-watched "
+    "primary as redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER (rediss+ for TLS)"
+)
 
 
 def log_level(text: str) -> str:
@@ -687,6 +694,14 @@ def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None
     try:
         client = sync_client(url, timeout_s)  # a cluster's connects here
         client.ping()
+        if url.partition("://")[0] in REDIS_SCHEMES and _cluster_node(client):
+            from orchestrator.store.url import redacted  # noqa: PLC0415
+
+            raise CommandError(
+                f"{flag} {redacted(url)}: this Redis is a Redis Cluster node: use a "
+                "redis+cluster://HOST:PORT[,HOST:PORT...] URL (README: Redis Cluster / "
+                "Sentinel)"
+            )
     except redis.AuthenticationError as exc:
         from orchestrator.store.url import has_password, redacted  # noqa: PLC0415
 
@@ -709,6 +724,18 @@ def check_redis(url: str, flag: str = "--redis", timeout_s: float = 2.0) -> None
     finally:
         if client is not None:
             client.close()
+
+
+def _cluster_node(client: Any) -> bool:
+    """Whether the server ``client`` (one plain connection) is a Redis Cluster node: its
+    multi-key scripts would fail (CROSSSLOT) on every request. False when it will not say
+    (an ACL user without INFO)."""
+    import redis  # noqa: PLC0415
+
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except redis.ResponseError:
+        return False
 
 
 def serve_metrics(registry: object, host: str, port: int) -> Any:

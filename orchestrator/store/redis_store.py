@@ -86,7 +86,9 @@ async def _translated(what: str) -> AsyncIterator[None]:
         # or a Sentinel primary in the middle of a failover.
         log.info("request store unreachable during %s: %s", what, exc)  # callers warn
         raise errors.StoreUnavailableError(f"request store unreachable ({what})") from exc
-    except rexc.MovedError as exc:
+    except (rexc.MovedError, rexc.ClusterCrossSlotError) as exc:
+        # A plain URL naming a cluster node: a key elsewhere (MOVED), or a script's keys
+        # in more than one slot (CROSSSLOT).
         log.warning("request store during %s: a Redis Cluster node (%s)", what, exc)
         raise errors.UnavailableError(
             f"request store error ({what}): Redis is a cluster; use a redis+cluster:// URL"
