@@ -209,10 +209,33 @@ class Relay:
 
     async def _ended_elsewhere(self, run: Run) -> OutChunk:
         """The stream's end when the request ended through another replica: cancelled (a
-        client's Cancel there), or failed — a peer's deadline reaper — which is raised as
-        the failure it is (`ended_elsewhere`), not told as a cancel."""
-        await ended_elsewhere(self.store, run.rid)
+        client's Cancel there: this run's work is priced all the same, `_settled`), or
+        failed — a peer's deadline reaper — which is raised as the failure it is
+        (`ended_elsewhere`), not told as a cancel."""
+        if await ended_elsewhere(self.store, run.rid) is State.CANCELLED:
+            s = self.settings
+            await self._settled(run, run.cost(s.prices, s.transfer_usd_per_gb))
         return OutChunk(run.rid, run.sent, [], "", "cancelled", run.timings)
+
+    async def _settled(self, run: Run, cost: Mapping[str, Any]) -> None:
+        """A request a client's Cancel ended before this run could (the Cancel takes the
+        terminal transition itself): the work it got is priced — the record's cost, the
+        tenant's totals — and counted in the metrics all the same, once whichever replica
+        asks (`Store.settle`). Until a QA pass a cancelled request was neither billed nor
+        counted."""
+        try:
+            priced = await self.store.settle(
+                run.rid,
+                tenant=run.spec.tenant,
+                cost=cost,
+                cost_json=as_json(cost),
+                fields={"timings": as_json(run.timings)},
+            )
+        except errors.PdorchError as exc:
+            log.warning("request %s: cancelled; its cost not recorded: %s", run.rid, exc)
+            return
+        if priced and self.metrics is not None:
+            self.metrics.finished(str(State.CANCELLED), "cancelled", run.timings, cost)
 
     async def complete(self, run: Run, finish: str) -> OutChunk:
         """Record the request done; its final chunk."""
@@ -269,6 +292,8 @@ class Relay:
             cancelled = edge is Edge.CANCEL and isinstance(exc, errors.InvalidTransitionError)
             level = logging.INFO if cancelled else logging.WARNING
             log.log(level, "request %s: could not record %s: %s", run.rid, state, exc)
+            if cancelled:
+                await self._settled(run, cost)
             return None
         if self.metrics is not None:
             self.metrics.finished(str(state), reason, run.timings, cost)

@@ -111,6 +111,24 @@ class Store(Protocol):
         on a cluster one step per slot, in that order."""
         ...
 
+    async def settle(
+        self,
+        request_id: str,
+        *,
+        tenant: str,
+        cost: Mapping[str, Any],
+        cost_json: str,
+        fields: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Price a request whose end another caller recorded (a client's `Cancel` takes
+        the terminal transition itself, before the replica driving it can `end` it): when
+        the record is terminal and has no ``cost`` field yet, set it to ``cost_json`` (and
+        ``fields``: timings), then add ``cost`` to ``tenant``'s totals (`add_tenant_cost`).
+        Exactly once whoever asks, retries included (the field is the guard); True when
+        this call priced it. Two steps: a crash between them leaves the record priced and
+        the tenant's totals short by it (never counted twice)."""
+        ...
+
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         """Write informational fields (timings, workers) of an existing record, unchecked.
         `NotFoundError` for an unknown id; ``ValueError`` for ``state`` or ``epoch`` (those

@@ -275,6 +275,34 @@ class MemoryStore:
             raise errors.NotFoundError(f"no request {request_id!r}")
         return record
 
+    async def settle(
+        self,
+        request_id: str,
+        *,
+        tenant: str,
+        cost: Mapping[str, Any],
+        cost_json: str,
+        fields: Mapping[str, Any] | None = None,
+    ) -> bool:
+        if fields and {"state", "epoch", "cost"} & set(fields):
+            raise ValueError("settle sets the cost, never state or epoch")
+
+        async def once() -> bool:
+            async with self._call("settle") as d:
+                rec = d.live(d.records, request_id)
+                if rec is None or State(rec.value["state"]) not in TERMINAL:
+                    return False
+                if rec.value.get("cost", "{}") not in ("", "{}"):  # "{}": as created
+                    return False
+                rec.value.update({k: str(v) for k, v in (fields or {}).items()})
+                rec.value["cost"] = cost_json
+                return True
+
+        if not await outlasting(self._settings.outage_s, "settle", once):
+            return False
+        await self.add_tenant_cost(tenant, cost)
+        return True
+
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         if {"state", "epoch"} & set(fields):
             raise ValueError("state and epoch change only through transition()")

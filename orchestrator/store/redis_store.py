@@ -162,6 +162,7 @@ class RedisStore:
         self._end: Any = self._redis.register_script(PRELUDE + scripts.END)
         self._append: Any = self._redis.register_script(PRELUDE + scripts.APPEND)
         self._set: Any = self._redis.register_script(PRELUDE + scripts.SET)
+        self._settle: Any = self._redis.register_script(PRELUDE + scripts.SETTLE)
         self._keys = Keys(settings.prefix)
         self._workers = self._keys.workers
         self._active = self._keys.active
@@ -414,6 +415,29 @@ class RedisStore:
         if record is None:
             raise errors.NotFoundError(f"no request {request_id!r}")
         return record
+
+    async def settle(
+        self,
+        request_id: str,
+        *,
+        tenant: str,
+        cost: Mapping[str, Any],
+        cost_json: str,
+        fields: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """`Store.settle`: one `scripts.SETTLE` call (the record's slot), then the tenant's."""
+        if fields and {"state", "epoch", "cost"} & set(fields):
+            raise ValueError("settle sets the cost, never state or epoch")
+        args = [cost_json, *(str(x) for kv in (fields or {}).items() for x in kv)]
+
+        async def once() -> Any:
+            async with _translated("settle"):
+                return await self._script(self._settle, [self._keys.request(request_id)], args)
+
+        if not int(await outlasting(self.settings.outage_s, "settle", once)):
+            return False
+        await self.add_tenant_cost(tenant, cost)
+        return True
 
     async def set_fields(self, request_id: str, fields: Mapping[str, Any]) -> None:
         """Informational fields only (timings, workers); never state or epoch."""

@@ -243,6 +243,18 @@ redis.call('DEL', KEYS[2])
 return {1, cur[4] or '', cur[5] or ''}
 """
 
+# KEYS[1] record. ARGV[1] the cost's JSON, ARGV[2..] field/value pairs. Prices a request
+# whose end another caller recorded (`Store.settle`): only an ended record without a cost
+# yet takes it. Returns 1 when it did; 0 when the record is missing, live or priced.
+SETTLE = """
+local cur = redis.call('HMGET', KEYS[1], 'state', 'cost')
+if not cur[1] or not TERMINAL[cur[1]] then return 0 end
+if cur[2] and cur[2] ~= '' and cur[2] ~= '{}' then return 0 end  -- '{}': created so
+redis.call('HSET', KEYS[1], 'cost', ARGV[1])
+if #ARGV > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2)) end
+return 1
+"""
+
 # KEYS[1] record. ARGV field/value pairs. Only an existing record is updated (a bare HSET
 # would create a partial record without a TTL). Returns 1, or 0 when missing.
 SET = """

@@ -760,6 +760,43 @@ def test_end_records_the_end_the_indexes_and_the_cost_once(backend: Backend) -> 
     run(scenario)
 
 
+def test_settle_prices_a_request_someone_else_ended_once(backend: Backend) -> None:
+    """A client's Cancel ends a request before its run can: `settle` prices it — the
+    record's cost and fields, the tenant's totals — only when it has ended and has no
+    cost yet, once whoever asks; an ended-and-priced one (`end`) and a live one never."""
+
+    async def scenario() -> None:
+        async with backend.open() as store:
+            cost = {"usd": 0.5, "transfer_bytes": 7}
+            for rid in ("s1", "s2", "s3"):
+                rec = replace(record(rid, epoch=1), tenant="acme")
+                assert await store.create(rec) is None
+                await store.transition(rid, Edge.AGGREGATE, epoch=1)
+            assert not await store.settle("s1", tenant="acme", cost=cost, cost_json='{"usd": 0.5}')
+            await store.transition("s1", Edge.CANCEL, epoch=1)
+            priced = await store.settle(
+                "s1", tenant="acme", cost=cost, cost_json='{"usd": 0.5}',
+                fields={"timings": '{"total_ms": 3}'},
+            )  # fmt: skip
+            assert priced
+            got = await store.get("s1")
+            assert got is not None
+            assert (got.state, got.cost, got.timings) == (
+                State.CANCELLED,
+                {"usd": 0.5},
+                {"total_ms": 3},
+            )
+            assert not await store.settle("s1", tenant="acme", cost=cost, cost_json='{"usd": 9}')
+            await store.end("s2", Edge.FINISH, epoch=1, tenant="acme", cost=cost,
+                            fields={"cost": '{"usd": 0.5}'})  # fmt: skip
+            assert not await store.settle("s2", tenant="acme", cost=cost, cost_json='{"usd": 9}')
+            assert not await store.settle("nope", tenant="acme", cost=cost, cost_json="{}")
+            totals = (await store.tenant_costs())["acme"]
+            assert (totals["requests"], totals["usd"], totals["transfer_bytes"]) == (2, 1.0, 14)
+
+    run(scenario)
+
+
 # Redis (one server) and memory: each loses a reply its own way.
 @pytest.mark.parametrize("kind", ["redis", "memory"])
 def test_an_end_retried_after_its_reply_was_lost_counts_the_cost_once(

@@ -819,6 +819,41 @@ def test_cancel_stops_the_run_and_its_worker_stream() -> None:
     run(main())
 
 
+def test_a_request_a_client_cancels_is_still_priced_and_counted_once() -> None:
+    """The client's Cancel takes the terminal transition before the run can end it: the
+    run's work is priced all the same — the record's cost, the tenant's totals — and the
+    request counted cancelled, once (a QA pass: neither happened)."""
+
+    async def main() -> None:
+        d0 = FakeWorker("d0", "decode", delay_s=0.01)
+        orch, store, metrics = await setup(FakeWorker("p0", "prefill"), d0)
+        got: list[OutChunk] = []
+
+        async def client() -> None:
+            async for chunk in orch.generate(inp(max_tokens=200)):
+                got.append(chunk)
+
+        task = asyncio.create_task(client())
+        await eventually(lambda: _true(len(got) >= 3))
+        assert await orch.cancel("r1") is State.CANCELLED
+        await task
+        line = 'pdorch_requests_total{reason="cancelled",state="cancelled"} 1.0'
+        await eventually(lambda: _true(metric(metrics, line)))
+        record = await store.get("r1")
+        assert record is not None
+        assert record.state is State.CANCELLED
+        assert record.cost.get("decode_gpu_s", 0) > 0  # the decode it got is priced
+        totals = (await store.tenant_costs())["default"]
+        assert totals["requests"] == 1
+        # asked again (another replica, a retry): nothing more
+        assert not await store.settle(
+            "r1", tenant="default", cost=record.cost, cost_json='{"usd": 1}'
+        )
+        assert (await store.tenant_costs())["default"]["requests"] == 1
+
+    run(main())
+
+
 def test_a_detached_request_is_cancelled_after_the_grace() -> None:
     async def main() -> None:
         settings = replace(FAST, detach_grace_s=0.05)
