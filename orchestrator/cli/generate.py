@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
+import time
+import uuid
 from collections.abc import Mapping
+from typing import Any
 
 from orchestrator.cli.common import (
     CommandError,
@@ -110,13 +114,35 @@ def no_answer(env: Mapping[str, str], address: str, tls_hint: str) -> str:
     )
 
 
+TRIES = 5
+"""Attempts at a request the orchestrator refused with a retry-after (its request store
+away — a Redis primary failing over — or load), while no token has come."""
+MAX_RETRY_AFTER_S = 10.0
+"""The longest retry-after honoured (a larger one is read as this)."""
+
+
+def retry_after(trailing: object) -> float | None:
+    """The seconds a refusal's trailing ``retry-after`` asks to wait (capped); None when
+    it has none — an error not worth retrying as it is."""
+    from orchestrator.rpc.service import RETRY_AFTER_KEY  # noqa: PLC0415
+
+    for key, value in trailing or ():  # type: ignore[attr-defined]
+        if key == RETRY_AFTER_KEY:
+            try:
+                return min(max(float(value), 0.0), MAX_RETRY_AFTER_S)
+            except ValueError:
+                return None
+    return None
+
+
 async def run(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
 
     from orchestrator.api import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc  # noqa: PLC0415
 
     req = orchestrator_pb2.GenerateRequest(
-        request_id=args.request_id,
+        # Named here: a retry (below) resubmits this request, never starts a second one.
+        request_id=args.request_id or uuid.uuid4().hex,
         max_tokens=args.max_tokens,
         sampling=common_pb2.SamplingParams(temperature=args.temperature, seed=args.seed),
         stop=args.stop,
@@ -131,36 +157,60 @@ async def run(args: argparse.Namespace) -> int:
     note = orphan_note(os.environ, args.orchestrator)
     if note is not None:
         print(note, file=sys.stderr)
+    deadline = time.monotonic() + args.timeout
     async with client_channel(args.orchestrator, client_token(os.environ), tls=tls) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         tokens = 0
-        try:
-            async for chunk in stub.Generate(req, timeout=args.timeout):
-                tokens += len(chunk.token_ids)
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                if chunk.finish_reason:
-                    t = chunk.timings
-                    route = f"{chunk.prefill_worker or '-'} -> {chunk.decode_worker}"
-                    reason = common_pb2.FinishReason.Name(chunk.finish_reason)
-                    print(file=sys.stderr)
-                    if not tokens and not args.chat:
-                        print(NO_TOKENS, file=sys.stderr)
-                    print(
-                        finish_line(reason, t.ttft_ms, t.tpot_ms, chunk.kv_bytes, route),
-                        file=sys.stderr,
-                    )
-        except grpc.aio.AioRpcError as exc:
-            connected = channel.get_state() is grpc.ChannelConnectivity.READY
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and not connected:
-                # (Connected, the orchestrator itself said UNAVAILABLE — no workers, its
-                # store away, shutting down: its words say which, below.)
-                tls_hint = (
-                    "; with --tls-dir, its CA and client certificate must be the server's"
-                    if tls is not None
-                    else "; one serving TLS needs --tls-dir"
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                left = max(deadline - time.monotonic(), 0.001)
+                async for chunk in stub.Generate(req, timeout=left):
+                    tokens += len(chunk.token_ids)
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    if chunk.finish_reason:
+                        t = chunk.timings
+                        route = f"{chunk.prefill_worker or '-'} -> {chunk.decode_worker}"
+                        reason = common_pb2.FinishReason.Name(chunk.finish_reason)
+                        print(file=sys.stderr)
+                        if not tokens and not args.chat:
+                            print(NO_TOKENS, file=sys.stderr)
+                        print(
+                            finish_line(reason, t.ttft_ms, t.tpot_ms, chunk.kv_bytes, route),
+                            file=sys.stderr,
+                        )
+            except grpc.aio.AioRpcError as exc:
+                wait = retry_after(exc.trailing_metadata())
+                if wait is None or tokens or attempt >= TRIES:
+                    return _failed(exc, channel, args, tls)
+                if time.monotonic() + wait >= deadline:
+                    return _failed(exc, channel, args, tls)
+                print(
+                    f"pdorch generate: {exc.code().name}: {exc.details()}; trying again in "
+                    f"{wait:g} s",
+                    file=sys.stderr,
                 )
-                raise CommandError(no_answer(os.environ, args.orchestrator, tls_hint)) from None
-            print(f"\npdorch generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    return 0
+                await asyncio.sleep(wait)
+            else:
+                return 0
+
+
+def _failed(exc: Any, channel: Any, args: argparse.Namespace, tls: object) -> int:
+    """A request that failed: its status in one line; a `CommandError` when nothing
+    answered at all."""
+    import grpc  # noqa: PLC0415
+
+    connected = channel.get_state() is grpc.ChannelConnectivity.READY
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and not connected:
+        # (Connected, the orchestrator itself said UNAVAILABLE — no workers, its store
+        # away, shutting down: its words say which, below.)
+        tls_hint = (
+            "; with --tls-dir, its CA and client certificate must be the server's"
+            if tls is not None
+            else "; one serving TLS needs --tls-dir"
+        )
+        raise CommandError(no_answer(os.environ, args.orchestrator, tls_hint)) from None
+    print(f"\npdorch generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 1
