@@ -71,7 +71,10 @@ class UnavailableError(PdorchError):
 class StoreUnavailableError(UnavailableError):
     """The request store did not answer (connection refused or lost, timed out, still
     loading its data). Raised at once by calls that don't wait out an outage, and by those
-    that do (`orchestrator.store.outage`) once its window has passed."""
+    that do (`orchestrator.store.outage`) once its window has passed. A client is told to
+    try again after `retry_after_s` (a primary failing over comes back in seconds)."""
+
+    retry_after_s = 1.0
 
 
 class StaleEpochError(PdorchError):

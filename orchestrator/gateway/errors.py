@@ -4,7 +4,8 @@ Every error leaves the gateway as an `ApiError`: an HTTP status and the OpenAI e
 ``{"error": {"message", "type", "param", "code"}}`` — the official client raises its
 ``BadRequestError`` for 400, ``AuthenticationError`` 401, ``NotFoundError`` 404,
 ``ConflictError`` 409, ``RateLimitError`` 429 and ``InternalServerError`` for 5xx, and
-retries 429 after ``Retry-After``. Orchestrator errors (`orchestrator.errors`) are translated
+retries 429 after ``Retry-After`` (sent too with a 503 for a request store that is away).
+Orchestrator errors (`orchestrator.errors`) are translated
 here, by `api_error_for`, and nowhere else; the gateway's own (auth, unknown model,
 unsupported parameters) are raised as `ApiError` directly.
 """
@@ -90,7 +91,8 @@ def api_error_for(exc: errors.PdorchError, params: Mapping[str, str] | None = No
     param = None
     if isinstance(exc, errors.InvalidRequestError):
         param = (params or {}).get(exc.field, exc.field)
-    retry_after = exc.retry_after_s if isinstance(exc, errors.OverloadedError) else None
+    retryable = errors.OverloadedError | errors.StoreUnavailableError
+    retry_after = exc.retry_after_s if isinstance(exc, retryable) else None
     return ApiError(status, str(exc), kind=kind, param=param, code=code, retry_after_s=retry_after)
 
 

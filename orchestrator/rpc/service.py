@@ -45,8 +45,6 @@ RETRY_AFTER_KEY = "retry-after"
 """Trailing metadata of a refusal worth trying again (RESOURCE_EXHAUSTED: load;
 UNAVAILABLE: the request store away, e.g. a Redis primary failing over): seconds before a
 retry can succeed. Without it an error is not one a client should retry as it is."""
-STORE_RETRY_AFTER_S = 1.0
-"""The retry-after of a request refused because the store is unreachable."""
 
 
 def server(
@@ -181,10 +179,8 @@ def _aborted(exc: errors.PdorchError) -> StreamAborted:
     """How ``exc`` ends a request's stream: its status, and when to try again (seconds) if
     it was refused for load or for the store being away."""
     trailing: tuple[tuple[str, str], ...] = ()
-    if isinstance(exc, errors.OverloadedError):
+    if isinstance(exc, errors.OverloadedError | errors.StoreUnavailableError):
         trailing = ((RETRY_AFTER_KEY, f"{exc.retry_after_s:.3f}"),)
-    elif isinstance(exc, errors.StoreUnavailableError):
-        trailing = ((RETRY_AFTER_KEY, f"{STORE_RETRY_AFTER_S:.3f}"),)
     return StreamAborted(status_for(exc), str(exc), trailing)
 
 

@@ -483,6 +483,8 @@ def test_error_details() -> None:
     }
     assert ApiError(401, "who").headers() == {"WWW-Authenticate": "Bearer"}
     assert api_error_for(errors.UnavailableError("x")).headers() == {}
+    store_away = api_error_for(errors.StoreUnavailableError("request store unreachable"))
+    assert (store_away.status, store_away.headers()) == (503, {"Retry-After": "1"})
 
 
 # ------------------------------------------------------------- log probabilities, usage
