@@ -226,6 +226,7 @@ class Relay:
         try:
             priced = await self.store.settle(
                 run.rid,
+                State.CANCELLED,  # (not one a deadline reaper failed meanwhile)
                 tenant=run.spec.tenant,
                 cost=cost,
                 cost_json=as_json(cost),

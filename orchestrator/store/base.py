@@ -114,6 +114,7 @@ class Store(Protocol):
     async def settle(
         self,
         request_id: str,
+        state: State,
         *,
         tenant: str,
         cost: Mapping[str, Any],
@@ -122,7 +123,8 @@ class Store(Protocol):
     ) -> bool:
         """Price a request whose end another caller recorded (a client's `Cancel` takes
         the terminal transition itself, before the replica driving it can `end` it): when
-        the record is terminal and has no ``cost`` field yet, set it to ``cost_json`` (and
+        the record has ended in ``state`` (a terminal one) and has no ``cost`` field yet,
+        set it to ``cost_json`` (and
         ``fields``: timings), then add ``cost`` to ``tenant``'s totals (`add_tenant_cost`).
         Exactly once whoever asks, retries included (the field is the guard); True when
         this call priced it. Two steps: a crash between them leaves the record priced and

@@ -278,6 +278,7 @@ class MemoryStore:
     async def settle(
         self,
         request_id: str,
+        state: State,
         *,
         tenant: str,
         cost: Mapping[str, Any],
@@ -286,11 +287,13 @@ class MemoryStore:
     ) -> bool:
         if fields and {"state", "epoch", "cost"} & set(fields):
             raise ValueError("settle sets the cost, never state or epoch")
+        if state not in TERMINAL:
+            raise ValueError(f"{state} is not an end")
 
         async def once() -> bool:
             async with self._call("settle") as d:
                 rec = d.live(d.records, request_id)
-                if rec is None or State(rec.value["state"]) not in TERMINAL:
+                if rec is None or State(rec.value["state"]) is not state:
                     return False
                 if rec.value.get("cost", "{}") not in ("", "{}"):  # "{}": as created
                     return False

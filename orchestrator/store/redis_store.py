@@ -419,6 +419,7 @@ class RedisStore:
     async def settle(
         self,
         request_id: str,
+        state: State,
         *,
         tenant: str,
         cost: Mapping[str, Any],
@@ -428,7 +429,9 @@ class RedisStore:
         """`Store.settle`: one `scripts.SETTLE` call (the record's slot), then the tenant's."""
         if fields and {"state", "epoch", "cost"} & set(fields):
             raise ValueError("settle sets the cost, never state or epoch")
-        args = [cost_json, *(str(x) for kv in (fields or {}).items() for x in kv)]
+        if state not in TERMINAL:
+            raise ValueError(f"{state} is not an end")
+        args = [str(state), cost_json, *(str(x) for kv in (fields or {}).items() for x in kv)]
 
         async def once() -> Any:
             async with _translated("settle"):

@@ -243,15 +243,16 @@ redis.call('DEL', KEYS[2])
 return {1, cur[4] or '', cur[5] or ''}
 """
 
-# KEYS[1] record. ARGV[1] the cost's JSON, ARGV[2..] field/value pairs. Prices a request
-# whose end another caller recorded (`Store.settle`): only an ended record without a cost
-# yet takes it. Returns 1 when it did; 0 when the record is missing, live or priced.
+# KEYS[1] record. ARGV[1] the terminal state it must be in, ARGV[2] the cost's JSON,
+# ARGV[3..] field/value pairs. Prices a request whose end another caller recorded
+# (`Store.settle`): only a record ended so, without a cost yet, takes it. Returns 1 when it
+# did; 0 when the record is missing, in another state, or priced.
 SETTLE = """
 local cur = redis.call('HMGET', KEYS[1], 'state', 'cost')
-if not cur[1] or not TERMINAL[cur[1]] then return 0 end
+if not cur[1] or not TERMINAL[cur[1]] or cur[1] ~= ARGV[1] then return 0 end
 if cur[2] and cur[2] ~= '' and cur[2] ~= '{}' then return 0 end  -- '{}': created so
-redis.call('HSET', KEYS[1], 'cost', ARGV[1])
-if #ARGV > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2)) end
+redis.call('HSET', KEYS[1], 'cost', ARGV[2])
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
 return 1
 """
 

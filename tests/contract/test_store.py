@@ -772,10 +772,12 @@ def test_settle_prices_a_request_someone_else_ended_once(backend: Backend) -> No
                 rec = replace(record(rid, epoch=1), tenant="acme")
                 assert await store.create(rec) is None
                 await store.transition(rid, Edge.AGGREGATE, epoch=1)
-            assert not await store.settle("s1", tenant="acme", cost=cost, cost_json='{"usd": 0.5}')
+            assert not await store.settle(
+                "s1", State.CANCELLED, tenant="acme", cost=cost, cost_json='{"usd": 0.5}'
+            )
             await store.transition("s1", Edge.CANCEL, epoch=1)
             priced = await store.settle(
-                "s1", tenant="acme", cost=cost, cost_json='{"usd": 0.5}',
+                "s1", State.CANCELLED, tenant="acme", cost=cost, cost_json='{"usd": 0.5}',
                 fields={"timings": '{"total_ms": 3}'},
             )  # fmt: skip
             assert priced
@@ -786,11 +788,21 @@ def test_settle_prices_a_request_someone_else_ended_once(backend: Backend) -> No
                 {"usd": 0.5},
                 {"total_ms": 3},
             )
-            assert not await store.settle("s1", tenant="acme", cost=cost, cost_json='{"usd": 9}')
+            assert not await store.settle(
+                "s1", State.CANCELLED, tenant="acme", cost=cost, cost_json='{"usd": 9}'
+            )
             await store.end("s2", Edge.FINISH, epoch=1, tenant="acme", cost=cost,
                             fields={"cost": '{"usd": 0.5}'})  # fmt: skip
-            assert not await store.settle("s2", tenant="acme", cost=cost, cost_json='{"usd": 9}')
-            assert not await store.settle("nope", tenant="acme", cost=cost, cost_json="{}")
+            assert not await store.settle(
+                "s2", State.CANCELLED, tenant="acme", cost=cost, cost_json='{"usd": 9}'
+            )
+            assert not await store.settle(
+                "nope", State.CANCELLED, tenant="acme", cost=cost, cost_json="{}"
+            )
+            await store.transition("s3", Edge.FAIL, epoch=1)  # failed, not cancelled
+            assert not await store.settle(
+                "s3", State.CANCELLED, tenant="acme", cost=cost, cost_json="{}"
+            )
             totals = (await store.tenant_costs())["acme"]
             assert (totals["requests"], totals["usd"], totals["transfer_bytes"]) == (2, 1.0, 14)
 

@@ -847,7 +847,7 @@ def test_a_request_a_client_cancels_is_still_priced_and_counted_once() -> None:
         assert totals["requests"] == 1
         # asked again (another replica, a retry): nothing more
         assert not await store.settle(
-            "r1", tenant="default", cost=record.cost, cost_json='{"usd": 1}'
+            "r1", State.CANCELLED, tenant="default", cost=record.cost, cost_json='{"usd": 1}'
         )
         assert (await store.tenant_costs())["default"]["requests"] == 1
 
