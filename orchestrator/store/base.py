@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from orchestrator import errors
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
-from orchestrator.core.state import Edge, State
+from orchestrator.core.state import TERMINAL, Edge, State
 from orchestrator.store.settings import StoreSettings
 
 
@@ -261,3 +261,12 @@ class Store(Protocol):
     async def workers(self) -> list[WorkerInfo]:
         """Workers with a live heartbeat, by id; expired ones are pruned from the index."""
         ...
+
+
+def check_settle(state: State, fields: Mapping[str, Any] | None) -> None:
+    """`Store.settle`'s arguments, checked alike by every store: ``ValueError`` for a state
+    that is not an end, or fields that would set the state, the epoch or the cost."""
+    if state not in TERMINAL:
+        raise ValueError(f"{state} is not an end")
+    if fields and {"state", "epoch", "cost"} & set(fields):
+        raise ValueError("settle sets the cost, never state or epoch")

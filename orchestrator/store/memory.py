@@ -39,6 +39,7 @@ from orchestrator import errors
 from orchestrator.core.cost import TENANT_FLOAT_FIELDS, TENANT_INT_FIELDS
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import TERMINAL, Edge, State, apply
+from orchestrator.store.base import check_settle
 from orchestrator.store.outage import outlasting
 from orchestrator.store.settings import StoreSettings
 
@@ -285,10 +286,7 @@ class MemoryStore:
         cost_json: str,
         fields: Mapping[str, Any] | None = None,
     ) -> bool:
-        if fields and {"state", "epoch", "cost"} & set(fields):
-            raise ValueError("settle sets the cost, never state or epoch")
-        if state not in TERMINAL:
-            raise ValueError(f"{state} is not an end")
+        check_settle(state, fields)
 
         async def once() -> bool:
             async with self._call("settle") as d:

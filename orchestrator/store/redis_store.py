@@ -32,6 +32,7 @@ from orchestrator.core.cost import TENANT_FLOAT_FIELDS, TENANT_INT_FIELDS
 from orchestrator.core.records import JournalEntry, RequestRecord, WorkerInfo
 from orchestrator.core.state import TERMINAL, Edge, State
 from orchestrator.store import scripts
+from orchestrator.store.base import check_settle
 from orchestrator.store.connect import open_client
 from orchestrator.store.keys import Keys
 from orchestrator.store.lua import PRELUDE
@@ -427,10 +428,7 @@ class RedisStore:
         fields: Mapping[str, Any] | None = None,
     ) -> bool:
         """`Store.settle`: one `scripts.SETTLE` call (the record's slot), then the tenant's."""
-        if fields and {"state", "epoch", "cost"} & set(fields):
-            raise ValueError("settle sets the cost, never state or epoch")
-        if state not in TERMINAL:
-            raise ValueError(f"{state} is not an end")
+        check_settle(state, fields)
         args = [str(state), cost_json, *(str(x) for kv in (fields or {}).items() for x in kv)]
 
         async def once() -> Any:
