@@ -422,6 +422,10 @@ def run(
     processes and nothing else between transfers, for a before/after of one path."""
     if iters < 1 or layers < 1 or rounds < 1:
         raise BenchError("--iters, --layers and --rounds must be at least 1")
+    if layers > wire.MAX_LAYERS:
+        raise BenchError(f"--layers {layers}: at most {wire.MAX_LAYERS} (the wire header's limit)")
+    if size < 8 * layers:  # a float32 K and V per layer, else the KV sent is not `size`
+        raise BenchError(f"size {size} B is under 8 bytes per layer ({layers} layers)")
     chosen = _variants(only)
     if "ours-tls" in chosen and only is not None and tls_dir is None:
         raise BenchError("--only ours-tls needs --tls-dir")
@@ -437,6 +441,8 @@ def run(
         )
     except TlsConfigError as exc:
         raise BenchError(str(exc)) from exc
+    except MemoryError:  # numpy's _ArrayMemoryError is one
+        raise BenchError(f"size {size} B: cannot allocate the KV buffers") from None
     return BenchResult(
         backend=backend,
         size_bytes=size,

@@ -111,6 +111,8 @@ class ControlPlaneBench:
             raise ConfigError("ramp_s", "must be >= 0 (0: no ramp)")
         if not 0 <= self.chunk_window_ms <= MAX_CHUNK_WINDOW_MS:
             raise ConfigError("chunk_window_ms", f"must be in [0, {MAX_CHUNK_WINDOW_MS}]")
+        if self.warmup < 0:
+            raise ConfigError("warmup", "must be >= 0 (0: two per worker)")
         if self.redis_shards < 0:
             raise ConfigError("redis_shards", "must be >= 0 (0: one plain redis-server)")
         if self.fleet_processes < 1:

@@ -14,6 +14,7 @@ sampled, `orchestrator.core.fleet`), alternated in one run. Pure CPU: no Redis, 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -94,8 +95,8 @@ def run_bench(sizes: Sequence[int], requests: int, rounds: int = 2) -> dict[str,
         rows.append(
             {
                 "workers": n,
-                "us_per_request": round(sorted(scan)[len(scan) // 2], 1),
-                "us_per_request_sampled": round(sorted(sampled)[len(sampled) // 2], 1),
+                "us_per_request": round(statistics.median(scan), 1),
+                "us_per_request_sampled": round(statistics.median(sampled), 1),
             }
         )
     return {

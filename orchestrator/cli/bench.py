@@ -400,6 +400,33 @@ def control_plane_bench(args: argparse.Namespace) -> ControlPlaneBench:
 # ----------------------------------------------------------------------------------- load
 
 
+def _targets(text: str) -> str:
+    """``host:port[,host:port...]``: at least one target, no empty entry."""
+    parts = [t.strip() for t in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected host:port[,host:port...], got {text!r}")
+    return ",".join(parts)
+
+
+def _chunk_window_ms(text: str) -> int:
+    from orchestrator.core.spec import MAX_CHUNK_WINDOW_MS  # noqa: PLC0415
+
+    value = non_negative_int(text)
+    if value > MAX_CHUNK_WINDOW_MS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_CHUNK_WINDOW_MS}, got {value}")
+    return value
+
+
+def _ramp_phase(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 def _load(bl: argparse.ArgumentParser) -> None:
     from orchestrator.bench.load import LoadSpec  # noqa: PLC0415 - imports grpc
 
@@ -407,15 +434,18 @@ def _load(bl: argparse.ArgumentParser) -> None:
         kw.setdefault("help", field_doc(LoadSpec, field, _BENCH_HELP.get(field, "")))
         bl.add_argument(name, default=default(LoadSpec, field), **kw)
 
-    bl.add_argument("--target", default=ServerSettings().address, help="host:port[,host:port...]")
+    bl.add_argument(
+        "--target", type=_targets, default=ServerSettings().address,
+        help="host:port[,host:port...]",
+    )  # fmt: skip
     flag("--requests", "requests", type=positive_int)
     flag("--concurrency", "concurrency", type=positive_int)
     flag("--max-tokens", "max_tokens", type=positive_int)
     flag("--prompt-words", "prompt_words", type=positive_int)
-    flag("--offset", "offset", type=int, help="first request number")
+    flag("--offset", "offset", type=non_negative_int, help="first request number")
     flag("--ramp-s", "ramp_s", type=non_negative_float)
-    flag("--ramp-phase", "ramp_phase", type=float)
-    flag("--chunk-window-ms", "chunk_window_ms", type=int)
+    flag("--ramp-phase", "ramp_phase", type=_ramp_phase)
+    flag("--chunk-window-ms", "chunk_window_ms", type=_chunk_window_ms)
     bl.add_argument(
         "--generate-many",
         choices=("on", "off"),

@@ -353,11 +353,14 @@ def positive_int(text: str) -> int:
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
-    """A comma-separated list of positive integers (``1,4,16``): at least one."""
-    values = tuple(positive_int(part.strip()) for part in text.split(",") if part.strip())
-    if not values:
-        raise argparse.ArgumentTypeError("expected comma-separated positive integers")
-    return values
+    """A comma-separated list of positive integers (``1,4,16``): at least one, none empty
+    (``1,,2`` is a typo, not ``1,2``)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers, got {text[:40]!r}"
+        )
+    return tuple(positive_int(part) for part in parts)
 
 
 def request_max_tokens(text: str) -> int:
